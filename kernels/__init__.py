@@ -1,0 +1,1 @@
+"""Triton kernels for vocabulary-sized work. They know nothing of RL."""
