@@ -29,7 +29,7 @@ _INF = float("inf")
 
 
 class SparseLogSoftmax(NamedTuple):
-    """Outputs of :func:`sparse_log_softmax` (all fp32).
+    """Outputs of :func:`sparse_log_softmax` (fp32; float64 for float64 logits).
 
     Attributes:
         target: ``[N]`` log-probability of the sampled token.
@@ -62,7 +62,7 @@ def _localise(ids: Tensor, shard: VocabShard | None, v_local: int) -> Tensor:
 
 def _gather(logits: Tensor, local: Tensor, inv_temp: Tensor) -> Tensor:
     """``[N, M]`` fp32 ``x`` at the local ids, 0 where not owned (so a SUM over shards assembles the row)."""
-    x = logits.gather(1, local.clamp_min(0)).float() * inv_temp[:, None]
+    x = logits.gather(1, local.clamp_min(0)).to(inv_temp.dtype) * inv_temp[:, None]
     return torch.where(local >= 0, x, torch.zeros_like(x))
 
 
@@ -137,7 +137,7 @@ class _SparseLogSoftmaxFn(torch.autograd.Function):
     def backward(ctx, g, _g_lse, _g_entropy):
         logits, local, inv_temp, lse, x = ctx.saved_tensors
         valid = torch.isfinite(lse)[:, None] & (g != 0)
-        g = torch.where(valid, g.float(), torch.zeros_like(g, dtype=torch.float32))
+        g = torch.where(valid, g.to(inv_temp.dtype), torch.zeros_like(g, dtype=inv_temp.dtype))
         grad_sum = g.sum(dim=1)
         out = logits if ctx.inplace_grad else None
         if ctx.support:
@@ -203,10 +203,12 @@ def sparse_log_softmax(
     ids = targets.to(torch.int64)[:, None]
     if candidate_ids is not None:
         ids = torch.cat([ids, candidate_ids.to(torch.int64)], dim=1)
+    # fp32 statistics for 16/32-bit logits; float64 logits keep float64 throughout (gradcheck, references).
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if isinstance(temperature, Tensor):
-        inv_temp = (1.0 / temperature.to(device=logits.device, dtype=torch.float32)).expand(n).contiguous()
+        inv_temp = (1.0 / temperature.to(device=logits.device, dtype=acc)).expand(n).contiguous()
     else:
-        inv_temp = torch.full((n,), 1.0 / float(temperature), dtype=torch.float32, device=logits.device)
+        inv_temp = torch.full((n,), 1.0 / float(temperature), dtype=acc, device=logits.device)
     name = backends.resolve(backend, logits.device)
     logp, lse, entropy = _SparseLogSoftmaxFn.apply(logits, ids, inv_temp, skip, support, shard, inplace_grad, name)
     return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy)

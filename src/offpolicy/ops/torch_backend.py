@@ -13,7 +13,6 @@ from torch import Tensor
 
 #: fp32 bytes of one chunk's working buffer. Two such buffers live at once.
 CHUNK_BYTES = 4 << 20
-_FP32_MIN = torch.finfo(torch.float32).min
 
 
 def _row_chunks(n: int, v: int) -> range:
@@ -29,18 +28,18 @@ def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[T
         inv_temp: ``[N]`` fp32, ``1 / tau``.
         skip: ``[N]`` bool or None; skipped rows are not read and report ``s = 0``.
 
-    Returns:
+    Returns (in ``inv_temp``'s dtype: fp32, or float64 for float64 logits):
         ``m [N]`` (row max, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
         ``t [N] = sum exp(x - m) * (x - m)`` (so that entropy ``= log s - t / s``), all fp32.
     """
     n, v = logits.shape
-    m = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    m = torch.zeros(n, dtype=inv_temp.dtype, device=logits.device)
     s = torch.zeros_like(m)
     t = torch.zeros_like(m)
     if n == 0 or v == 0:
         return m, s, t
     step = _row_chunks(n, v).step
-    x_buf = torch.empty(min(step, n), v, dtype=torch.float32, device=logits.device)
+    x_buf = torch.empty(min(step, n), v, dtype=inv_temp.dtype, device=logits.device)
     e_buf = torch.empty_like(x_buf)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
@@ -50,7 +49,7 @@ def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[T
         mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
         x.sub_(mx[:, None])  # x - m <= 0, or -inf
         torch.exp(x, out=e)
-        x.clamp_(min=_FP32_MIN)  # -inf * 0 would be NaN in the entropy dot product; finfo.min * 0 is 0
+        x.clamp_(min=torch.finfo(x.dtype).min)  # -inf * 0 would be NaN in the entropy dot product; finfo.min * 0 = 0
         m[lo:hi] = mx
         s[lo:hi] = e.sum(dim=1)
         t[lo:hi] = torch.linalg.vecdot(e, x)
@@ -85,7 +84,7 @@ def full_grad(
     if n == 0 or v == 0:
         return out
     step = _row_chunks(n, v).step
-    buf = torch.empty(min(step, n), v, dtype=torch.float32, device=logits.device)
+    buf = torch.empty(min(step, n), v, dtype=inv_temp.dtype, device=logits.device)
     coef = -(grad_sum * inv_temp)
     g_scaled = torch.where(ids >= 0, grad * inv_temp[:, None], torch.zeros_like(grad))
     cols = ids.clamp_min(0)
