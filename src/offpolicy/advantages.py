@@ -1,0 +1,62 @@
+"""Advantage estimators over groups of samples of the same prompt (SPEC section 5).
+
+All take ``rewards [B]`` and ``group_ids [B]`` (the prompt each sample answers; any integers) and return
+``[B]`` fp32 advantages. :func:`per_token` broadcasts them onto a flat token batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and group_ids must both be [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards must be finite")
+    _, idx = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(idx.max()) + 1 if idx.numel() else 0
+    r = rewards.to(torch.float64)
+    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, idx, torch.ones_like(r))
+    total = torch.zeros_like(count).index_add_(0, idx, r)
+    sq = torch.zeros_like(count).index_add_(0, idx, r * r)
+    return idx, count, torch.stack([total, sq])
+
+
+def grpo(rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO: ``(r - mean_group) / (std_group + eps)``; ``normalize_std=False`` leaves the std out (Dr. GRPO).
+
+    The std is the population std of the group (a group of one gets advantage 0).
+    """
+    idx, count, (total, sq) = _group_stats(rewards, group_ids)
+    mean = total / count
+    adv = rewards.to(torch.float64) - mean[idx]
+    if normalize_std:
+        var = (sq / count - mean * mean).clamp_min(0)
+        adv = adv / (var.sqrt()[idx] + eps)
+    return adv.to(torch.float32)
+
+
+def dr_grpo(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025): group-mean baseline without std normalisation; pair it with
+    ``aggregation="constant"``."""
+    return grpo(rewards, group_ids, normalize_std=False)
+
+
+def rloo(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """REINFORCE leave-one-out: ``r_i - mean_{j != i} r_j``; a group of one gets 0."""
+    idx, count, (total, _) = _group_stats(rewards, group_ids)
+    r = rewards.to(torch.float64)
+    n = count[idx]
+    others = torch.where(n > 1, (total[idx] - r) / (n - 1).clamp_min(1), r)
+    return (r - others).to(torch.float32)
+
+
+def per_token(sample_advantages: Tensor, seq_ids: Tensor) -> Tensor:
+    """``[N]`` advantages of a flat token batch: token ``t`` gets ``sample_advantages[seq_ids[t]]``."""
+    if seq_ids.numel() and (seq_ids.min() < 0 or seq_ids.max() >= sample_advantages.numel()):
+        raise ValueError(f"seq_ids must index into sample_advantages of size {sample_advantages.numel()}")
+    return sample_advantages[seq_ids.long()]

@@ -1,0 +1,161 @@
+"""What correction to apply: the configuration object of :func:`offpolicy.policy_loss`.
+
+``Correction()`` with no arguments is plain REINFORCE/GRPO on the sampler's tokens. The fields compose:
+
+* ``weights`` picks ``f`` in ``w = sg(f(r))`` (SPEC section 2): ``none`` (1), ``tis`` (``min(r, C)``, or
+  ``clamp(r, c, C)`` two-sided), ``mis`` (``r * 1[L <= r <= U]``), or ``reject`` (``1[L <= r <= U]``, pure
+  rejection sampling: the kept tokens get weight 1).
+* ``level`` picks ``r``: the token ratio, the sequence product ``exp(sum_t log r_t)`` or the geometric mean
+  ``exp(mean_t log r_t)`` (SPEC section 5). ``level="geometric", weights="reject"`` keeps a sequence iff its
+  geometric ratio lies in ``[L, U]``.
+* ``score_centering`` subtracts the sampler-expected weighted score at each position (SPEC section 3). It is
+  defined for token-level weights only.
+* Rejections zero whole tokens or sequences: ``veto``, ``kl_rejection``, ``opsm_delta``. A token-level KL
+  rejection is a bound on ``r`` and is folded into ``f`` (so score centering sees it exactly, like MIS masking);
+  sequence-level rejections drop the sequence's whole contribution.
+* ``batch_normalize`` divides weights (and the centering coefficients, so drift stays zero) by their batch mean.
+* ``ppo_clip=(eps_lo, eps_hi)``: decoupled PPO; the weight becomes ``f(pi_prox / q)`` and multiplies the clipped
+  surrogate of ``u = p / pi_prox`` (needs ``proximal_logprobs``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+WeightMode = Literal["none", "tis", "mis", "reject"]
+Level = Literal["token", "sequence", "geometric"]
+Estimator = Literal["k1", "k2", "k3"]
+KLLevel = Literal["token", "seq_sum", "seq_mean", "seq_max"]
+
+WEIGHT_MODES = ("none", "tis", "mis", "reject")
+LEVELS = ("token", "sequence", "geometric")
+ESTIMATORS = ("k1", "k2", "k3")
+KL_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
+
+#: Defaults of SPEC section 2: TIS truncates at C = 2; MIS keeps [0.5, 5] (the seed's runs).
+DEFAULT_BOUNDS = {"tis": (0.0, 2.0), "mis": (0.5, 5.0), "reject": (0.5, 5.0)}
+
+
+@dataclass(frozen=True)
+class KLRejection:
+    """Reject tokens or sequences whose KL estimate exceeds ``threshold``.
+
+    ``estimator``: ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r`` (Schulman's estimators of
+    KL(q||p) on tokens drawn from q). ``level``: per token, or the sum / mean / max over each sequence's trained
+    tokens.
+    """
+
+    threshold: float
+    estimator: Estimator = "k3"
+    level: KLLevel = "token"
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"KLRejection.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        if self.level not in KL_LEVELS:
+            raise ValueError(f"KLRejection.level must be one of {KL_LEVELS}, got {self.level!r}")
+        if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)):
+            raise ValueError(f"KLRejection.threshold must be a finite number, got {self.threshold!r}")
+        if self.estimator != "k1" and self.threshold < 0:
+            raise ValueError(f"KLRejection.threshold must be >= 0 for {self.estimator}, got {self.threshold}")
+
+
+@dataclass(frozen=True)
+class Correction:
+    """The off-policy correction (see the module docstring for how the fields compose).
+
+    Attributes:
+        weights: ``"none" | "tis" | "mis" | "reject"``.
+        bounds: ``(lower, upper)`` on the ratio. ``tis``: a float ``C`` or ``(c, C)`` for a two-sided clamp
+            (default ``(0, 2)``); ``mis`` / ``reject``: ``(L, U)``, inclusive (default ``(0.5, 5)``).
+        level: ``"token" | "sequence" | "geometric"``.
+        score_centering: subtract the sampler-expected weighted score (token level only).
+        veto: drop a sequence if any of its trained tokens has ``r < veto`` (e.g. ``1e-4``).
+        kl_rejection: a :class:`KLRejection`, or None.
+        opsm_delta: off-policy sequence masking: drop sequence ``i`` iff ``A_i < 0`` and
+            ``mean_t (lq - log p) > opsm_delta``.
+        batch_normalize: divide the weights by their mean over the batch's trained tokens.
+        ppo_clip: ``(eps_lo, eps_hi)`` for decoupled PPO, or None.
+        max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation.
+    """
+
+    weights: WeightMode = "none"
+    bounds: tuple[float, float] | float | None = None
+    level: Level = "token"
+    score_centering: bool = False
+    veto: float | None = None
+    kl_rejection: KLRejection | None = None
+    opsm_delta: float | None = None
+    batch_normalize: bool = False
+    ppo_clip: tuple[float, float] | None = None
+    max_log_ratio: float = 20.0
+    _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"Correction.weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+        if self.level not in LEVELS:
+            raise ValueError(f"Correction.level must be one of {LEVELS}, got {self.level!r}")
+        object.__setattr__(self, "_bounds", self._resolve_bounds())
+        if self.level != "token" and self.weights == "none":
+            raise ValueError(f"Correction(level={self.level!r}) needs weights='tis', 'mis' or 'reject'")
+        if self.score_centering and self.level != "token":
+            raise ValueError(
+                f"score_centering=True is defined for token-level weights only, got level={self.level!r}: "
+                "sequence and geometric weights depend on later tokens and break the per-prefix centering "
+                "(SPEC section 3)"
+            )
+        if self.score_centering and self.ppo_clip is not None:
+            raise ValueError(
+                "score_centering=True cannot be combined with ppo_clip: the clipped surrogate is not of the "
+                "form w * log p that centering corrects"
+            )
+        if self.veto is not None and not (0.0 < self.veto < 1.0):
+            raise ValueError(f"Correction.veto must be in (0, 1), got {self.veto!r}")
+        if self.kl_rejection is not None and not isinstance(self.kl_rejection, KLRejection):
+            raise TypeError("Correction.kl_rejection must be a KLRejection")
+        if self.opsm_delta is not None and not (math.isfinite(self.opsm_delta) and self.opsm_delta >= 0):
+            raise ValueError(f"Correction.opsm_delta must be a finite number >= 0, got {self.opsm_delta!r}")
+        if self.ppo_clip is not None:
+            lo, hi = self.ppo_clip
+            if not (0.0 <= lo < 1.0 and 0.0 <= hi and math.isfinite(hi)):
+                raise ValueError(f"Correction.ppo_clip must be (eps_lo in [0, 1), eps_hi >= 0), got {self.ppo_clip}")
+        if not (self.max_log_ratio > 0 and math.isfinite(self.max_log_ratio)):
+            raise ValueError(f"Correction.max_log_ratio must be finite and > 0, got {self.max_log_ratio}")
+
+    def _resolve_bounds(self) -> tuple[float, float]:
+        if self.weights == "none":
+            if self.bounds is not None:
+                raise ValueError("Correction.bounds is meaningless with weights='none'")
+            return (0.0, math.inf)
+        bounds = DEFAULT_BOUNDS[self.weights] if self.bounds is None else self.bounds
+        if isinstance(bounds, (int, float)):
+            if self.weights != "tis":
+                raise ValueError(f"Correction.bounds for weights={self.weights!r} must be a pair (L, U)")
+            bounds = (0.0, float(bounds))
+        lo, hi = (float(b) for b in bounds)
+        if not (0.0 <= lo <= hi and math.isfinite(hi) and hi > 0):
+            raise ValueError(f"Correction.bounds must satisfy 0 <= lower <= upper < inf, got {bounds}")
+        return (lo, hi)
+
+    @property
+    def lower(self) -> float:
+        """Lower ratio bound (0 when one-sided)."""
+        return self._bounds[0]
+
+    @property
+    def upper(self) -> float:
+        """Upper ratio bound (inf for weights='none')."""
+        return self._bounds[1]
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.level != "token"
+
+    @property
+    def needs_sequences(self) -> bool:
+        """Whether ``seq_ids`` are required."""
+        kl_seq = self.kl_rejection is not None and self.kl_rejection.level != "token"
+        return self.sequence_level or self.veto is not None or kl_seq or self.opsm_delta is not None
