@@ -1,0 +1,368 @@
+"""Chunked PyTorch backend of the fused linear log-softmax (the CPU path; it also runs on CUDA with cuBLAS).
+
+Logits ``z = h W^T + b`` are never stored: the vocabulary pass walks vocabulary tiles (outer loop) and token
+chunks (inner loop), computes one ``[rows, cols]`` block of ``z`` with a matmul, folds it into per-row
+online-softmax statistics and drops it. The working set is a few such blocks plus one weight tile, sized from
+``chunk_bytes``; nothing ``[N, V]`` is ever allocated.
+
+Functions (the backend contract used by :mod:`offpolicy.ops.linear_full` and :mod:`offpolicy.ops.linear_support`;
+``ids [N, M]`` are local vocabulary rows, ``-1`` for padding or rows owned by another shard):
+
+* :func:`gathered_logits`: ``z`` at the ids only, ``O(N M D)``.
+* :func:`full_stats`: online-softmax statistics over the whole (local) vocabulary and ``x`` at the ids.
+* :func:`backward`: ``dh = dz W``, ``dW = dz^T h``, ``db = sum_n dz`` for a ``dz`` given as a sparse part at the
+  ids plus a dense part ``coef[n] p[n, v]``, accumulated in fp32.
+
+Matmul precision: fp32 inputs multiply in fp32; bf16 inputs multiply in bf16 with fp32 accumulation (the
+product is rounded to bf16, as materialised bf16 logits would be); fp16 inputs are upcast to fp32 on CPU (its
+fp16 matmul is slow and its fp16 output would overflow above 65504) and multiplied in fp16 elsewhere. The
+candidate (gathered) dot products always run in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: Default working-set budget in bytes (blocks of logits, one weight tile, the fp32 dW tile accumulator).
+CHUNK_BYTES = 128 << 20
+#: Widest vocabulary tile; a [256, 4096] fp32 block (4 MiB) keeps the element-wise passes cache-friendly.
+MAX_COLS = 4096
+#: Most token rows per block (larger blocks do not speed up the matmul and spill the cache).
+MAX_ROWS = 512
+_INF = float("inf")
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32, or float64 for float64 inputs (references, gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Dtype in which the ``[rows, cols]`` matmul blocks run (see the module docstring)."""
+    if dtype == torch.float16 and device.type == "cpu":
+        return torch.float32
+    return dtype
+
+
+def plan(n: int, v: int, d: int, chunk_bytes: int) -> tuple[int, int]:
+    """``(rows, cols)`` of one logits block so that the working set stays near ``chunk_bytes``.
+
+    Working set: three ``[rows, cols]`` fp32 blocks (logits, exponentials, the matmul output) and two
+    ``[cols, D]`` fp32 weight-side tiles (an upcast weight tile, the dW accumulator).
+    """
+    cols = max(1, min(v, MAX_COLS))
+    while cols > 64 and 2 * cols * d * 4 > chunk_bytes // 2:
+        cols //= 2
+    rows = (chunk_bytes - 2 * cols * d * 4) // (3 * 4 * cols)
+    return max(1, min(n, MAX_ROWS, rows)), cols
+
+
+def _gather_rows(weight: Tensor, flat_ids: Tensor, buf: Tensor) -> Tensor:
+    """``weight[flat_ids]`` in ``buf``'s (accumulation) dtype, written into ``buf`` (``[len(flat_ids), D]``)."""
+    if weight.dtype == buf.dtype:
+        return torch.index_select(weight, 0, flat_ids, out=buf)
+    return buf.copy_(weight.index_select(0, flat_ids))
+
+
+def _gather_chunk_rows(n: int, m: int, d: int, chunk_bytes: int) -> int:
+    """Token rows per chunk of the gathered ``[rows, M, D]`` fp32 weight rows (two such buffers at most)."""
+    return max(1, min(n, chunk_bytes // max(1, 2 * 4 * m * d)))
+
+
+def gathered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, chunk_bytes: int) -> Tensor:
+    """Logits at the ids only: ``z[n, j] = W[ids[n, j]] . h[n] + b[ids[n, j]]``, 0 where ``ids < 0``.
+
+    Args:
+        hidden: ``[N, D]``; weight: ``[V, D]``; bias: ``[V]`` or None (same float dtype family).
+        ids: ``[N, M]`` int64 local rows of ``weight``, ``-1`` to skip.
+        chunk_bytes: working-set budget; the gathered rows are ``[rows, M, D]`` fp32 per chunk.
+
+    Returns:
+        ``[N, M]`` fp32. Work ``O(N M D)``; the vocabulary size does not enter.
+    """
+    n, m = ids.shape
+    d = hidden.shape[1]
+    acc = accum_dtype(hidden.dtype)
+    out = torch.zeros(n, m, dtype=acc, device=hidden.device)
+    if n == 0 or m == 0:
+        return out
+    step = _gather_chunk_rows(n, m, d, chunk_bytes)
+    buf = torch.empty(step * m, d, dtype=acc, device=hidden.device)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        sel = ids[lo:hi]
+        flat = sel.clamp_min(0).reshape(-1)
+        rows = _gather_rows(weight, flat, buf[: flat.numel()])
+        z = torch.bmm(rows.view(hi - lo, m, d), hidden[lo:hi].to(acc).unsqueeze(2)).squeeze(2)
+        if bias is not None:
+            z += bias.index_select(0, flat).to(acc).view(hi - lo, m)
+        out[lo:hi] = torch.where(sel >= 0, z, torch.zeros_like(z))
+    return out
+
+
+def _merge(m: Tensor, s: Tensor, t: Tensor, m2: Tensor, s2: Tensor, t2: Tensor) -> None:
+    """Fold block statistics ``(m2, s2, t2)`` into the running ``(m, s, t)`` in place.
+
+    ``s = sum exp(x - m)``, ``t = sum exp(x - m) (x - m)``. With ``M = max(m, m2)`` and ``a = exp(m - M)``:
+    ``s' = a s + a2 s2`` and ``t' = a (t + s (m - M)) + a2 (t2 + s2 (m2 - M))``. Rows without mass (``s = 0``)
+    count as ``m = -inf``.
+    """
+    m1e = torch.where(s > 0, m, -_INF)
+    m2e = torch.where(s2 > 0, m2, -_INF)
+    big = torch.maximum(m1e, m2e)
+    big = torch.where(torch.isfinite(big), big, torch.zeros_like(big))
+    a1 = torch.exp(m1e - big)
+    a2 = torch.exp(m2e - big)
+    d1 = torch.where(s > 0, m - big, torch.zeros_like(m))
+    d2 = torch.where(s2 > 0, m2 - big, torch.zeros_like(m2))
+    t.copy_(a1 * (t + s * d1) + a2 * (t2 + s2 * d2))
+    s.copy_(a1 * s + a2 * s2)
+    m.copy_(big)
+
+
+class _Tiles:
+    """Matmul blocks ``z = h[rows] W[v0:v1]^T + b[v0:v1]`` in fp32, with reusable buffers."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: int, cols: int) -> None:
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.cdtype = compute_dtype(weight.dtype, weight.device)
+        dev = weight.device
+        self.acc = accum_dtype(weight.dtype)
+        self.zbuf = torch.empty(rows, cols, dtype=self.acc, device=dev)
+        self.raw = None if self.cdtype == self.acc else torch.empty(rows, cols, dtype=self.cdtype, device=dev)
+        self.w_tile: Tensor | None = None
+        self.b_tile: Tensor | None = None
+
+    def set_tile(self, v0: int, v1: int) -> None:
+        self.w_tile = self.weight[v0:v1].to(self.cdtype)
+        self.b_tile = None if self.bias is None else self.bias[v0:v1].to(self.acc)
+
+    def block(self, h: Tensor) -> Tensor:
+        """fp32 ``[len(h), v1 - v0]`` logits of the current tile for hidden rows ``h``."""
+        assert self.w_tile is not None
+        r, c = h.shape[0], self.w_tile.shape[0]
+        z = self.zbuf[:r, :c]
+        if self.raw is None:
+            torch.mm(h.to(self.cdtype), self.w_tile.T, out=z)
+        else:
+            z.copy_(torch.mm(h.to(self.cdtype), self.w_tile.T, out=self.raw[:r, :c]))
+        if self.b_tile is not None:
+            z += self.b_tile
+        return z
+
+
+def full_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ids: Tensor,
+    inv_temp: Tensor,
+    chunk_bytes: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Online-softmax statistics of ``x = (h W^T + b) inv_temp`` over all (local) vocabulary rows.
+
+    Args:
+        hidden: ``[N, D]``; weight: ``[V, D]``; bias: ``[V]`` or None.
+        ids: ``[N, M]`` int64 local ids to gather (``-1``: none).
+        inv_temp: ``[N]`` fp32.
+        chunk_bytes: working-set budget.
+
+    Returns:
+        ``m, s, t`` (``[N]`` fp32, as :func:`offpolicy.ops.torch_backend.full_stats`: row max, ``sum exp(x - m)``,
+        ``sum exp(x - m)(x - m)``; ``m = s = t = 0`` on rows with no mass) and ``x`` at the ids (``[N, M]`` fp32,
+        0 where ``ids < 0``), gathered from the same blocks that feed the statistics.
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    m = torch.zeros(n, dtype=inv_temp.dtype, device=dev)
+    s, t = torch.zeros_like(m), torch.zeros_like(m)
+    x_ids = torch.zeros(ids.shape, dtype=inv_temp.dtype, device=dev)
+    if n == 0 or v == 0:
+        return m, s, t, x_ids
+    rows, cols = plan(n, v, hidden.shape[1], chunk_bytes)
+    tiles = _Tiles(hidden, weight, bias, rows, cols)
+    ebuf = torch.empty(rows, cols, dtype=tiles.acc, device=dev)
+    for v0 in range(0, v, cols):
+        v1 = min(v, v0 + cols)
+        tiles.set_tile(v0, v1)
+        for lo in range(0, n, rows):
+            hi = min(n, lo + rows)
+            x = tiles.block(hidden[lo:hi])
+            x.mul_(inv_temp[lo:hi, None])
+            sel = ids[lo:hi] - v0
+            here = (sel >= 0) & (sel < v1 - v0) & (ids[lo:hi] >= 0)
+            if bool(here.any()):
+                got = x.gather(1, sel.clamp(0, v1 - v0 - 1))
+                x_ids[lo:hi] = torch.where(here, got, x_ids[lo:hi])
+            mx = x.amax(dim=1)
+            mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+            x.sub_(mx[:, None])
+            e = torch.exp(x, out=ebuf[: hi - lo, : v1 - v0])
+            x.clamp_(min=torch.finfo(x.dtype).min)  # -inf * 0 would be NaN in the entropy dot product
+            _merge(m[lo:hi], s[lo:hi], t[lo:hi], mx, e.sum(dim=1), torch.linalg.vecdot(e, x))
+    return m, s, t, x_ids
+
+
+class _Pairs:
+    """The sparse part of ``dz``: (token, vocabulary row, value) triples sorted by vocabulary row."""
+
+    def __init__(self, ids: Tensor, dz_ids: Tensor) -> None:
+        keep = (ids >= 0) & (dz_ids != 0)
+        tok, col = keep.nonzero(as_tuple=True)
+        vid = ids[tok, col]
+        order = torch.argsort(vid, stable=True)
+        self.vid, self.tok, self.val = vid[order], tok[order], dz_ids[tok, col][order]
+
+    def span(self, v0: int, v1: int) -> tuple[int, int]:
+        """Range of pairs whose vocabulary row lies in ``[v0, v1)``."""
+        bounds = torch.tensor([v0, v1], dtype=self.vid.dtype, device=self.vid.device)
+        lo, hi = torch.searchsorted(self.vid, bounds).tolist()
+        return lo, hi
+
+    def add_into(self, acc: Tensor | None, acc_b: Tensor | None, rows: Tensor, lo: int, hi: int, hidden: Tensor,
+                 step: int) -> None:
+        """``acc[rows[k]] += val[k] h[tok[k]]`` and ``acc_b[rows[k]] += val[k]`` for the pairs ``lo..hi``."""
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            r = rows[a - lo : b - lo]
+            if acc is not None:
+                acc.index_add_(0, r, hidden.index_select(0, self.tok[a:b]).to(self.val.dtype) * self.val[a:b, None])
+            if acc_b is not None:
+                acc_b.index_add_(0, r, self.val[a:b])
+
+
+def _sparse_dh(dh: Tensor, weight: Tensor, ids: Tensor, dz_ids: Tensor, chunk_bytes: int) -> None:
+    """``dh[n] += sum_j dz_ids[n, j] W[ids[n, j]]`` (entries with ``ids < 0`` carry ``dz_ids = 0``)."""
+    n, m = ids.shape
+    d = weight.shape[1]
+    if n == 0 or m == 0:
+        return
+    step = _gather_chunk_rows(n, m, d, chunk_bytes)
+    buf = torch.empty(step * m, d, dtype=dh.dtype, device=weight.device)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        g = dz_ids[lo:hi]
+        if not bool((g != 0).any()):
+            continue
+        flat = ids[lo:hi].clamp_min(0).reshape(-1)
+        rows = _gather_rows(weight, flat, buf[: flat.numel()]).view(hi - lo, m, d)
+        dh[lo:hi] += torch.bmm(g.unsqueeze(1), rows).squeeze(1)
+
+
+def backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ids: Tensor,
+    dz_ids: Tensor,
+    inv_temp: Tensor,
+    lse: Tensor,
+    coef: Tensor | None,
+    *,
+    chunk_bytes: int,
+    grad_filter: float | None = None,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, int]:
+    """Gradients for ``dz[n, v] = sum_j [ids[n, j] = v] dz_ids[n, j] + coef[n] exp(x[n, v] - lse[n])``.
+
+    ``x = (h W^T + b) inv_temp`` is recomputed block by block (never stored). With ``coef = None`` the dense
+    part is absent (support mode) and the work is ``O(N M D)`` plus writing the rows of ``dW`` that are used.
+
+    Args:
+        hidden, weight, bias, ids, inv_temp: as in :func:`full_stats`.
+        dz_ids: ``[N, M]`` fp32 gradient with respect to the logits at the ids (0 where ``ids < 0``).
+        lse: ``[N]`` fp32 normaliser of ``x``.
+        coef: ``[N]`` fp32 dense coefficient, or None.
+        chunk_bytes: working-set budget.
+        grad_filter: skip a block's dense contribution when every ``p = exp(x - lse)`` in it is below this
+            threshold (each dropped entry of ``dz`` is below ``grad_filter |coef[n]|``); None or 0 keeps all.
+        needs: which of ``(dh, dW, db)`` to compute.
+
+    Returns:
+        ``dh [N, D]`` fp32, ``dW [V, D]`` in the weight's dtype, ``db [V]`` in the bias's dtype (None when not
+        needed), and the number of blocks skipped by the filter.
+    """
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    need_h, need_w, need_b = needs
+    need_b = need_b and bias is not None
+    acc_dtype = accum_dtype(weight.dtype)
+    dh = torch.zeros(n, d, dtype=acc_dtype, device=dev) if need_h else None
+    dw = torch.zeros(v, d, dtype=weight.dtype, device=dev) if need_w else None
+    db = torch.zeros(v, dtype=acc_dtype, device=dev) if need_b else None
+    skipped = 0
+    if n == 0 or v == 0:
+        return dh, dw, None if db is None else db.to(bias.dtype), skipped
+    if dh is not None:
+        _sparse_dh(dh, weight, ids, dz_ids, chunk_bytes)
+    pairs = _Pairs(ids, dz_ids) if (need_w or need_b) else None
+    pair_step = max(1, chunk_bytes // (4 * 4 * d))
+    if coef is None:
+        if pairs is not None:
+            _support_weight_grad(pairs, hidden, dw, db, d, pair_step, chunk_bytes)
+        return dh, dw, None if db is None else db.to(bias.dtype), skipped
+
+    dense_rows = (coef != 0).nonzero().squeeze(1)
+    rows, cols = plan(max(1, dense_rows.numel()), v, d, chunk_bytes)
+    tiles = _Tiles(hidden, weight, bias, rows, cols)
+    acc = torch.empty(cols, d, dtype=acc_dtype, device=dev) if need_w else None
+    for v0 in range(0, v, cols):
+        v1 = min(v, v0 + cols)
+        tiles.set_tile(v0, v1)
+        w_tile = tiles.w_tile
+        a_tile = None if acc is None else acc[: v1 - v0].zero_()
+        b_tile = None if db is None else db[v0:v1]
+        for lo in range(0, dense_rows.numel(), rows):
+            r = dense_rows[lo : lo + rows]
+            h = hidden.index_select(0, r)
+            p = tiles.block(h)
+            p.mul_(inv_temp[r, None]).sub_(lse[r, None]).exp_()
+            if grad_filter and float(p.max()) < grad_filter:
+                skipped += 1
+                continue
+            p.mul_(coef[r, None])  # now dz of this block
+            dz = p.to(tiles.cdtype)
+            if dh is not None:
+                dh.index_add_(0, r, torch.mm(dz, w_tile).to(acc_dtype))
+            if a_tile is not None:
+                if tiles.cdtype == acc_dtype:
+                    a_tile.addmm_(dz.T, h.to(acc_dtype))
+                else:
+                    a_tile += torch.mm(dz.T, h.to(tiles.cdtype)).to(acc_dtype)
+            if b_tile is not None:
+                b_tile += p.sum(dim=0)
+        if pairs is not None:
+            lo, hi = pairs.span(v0, v1)
+            pairs.add_into(a_tile, b_tile, pairs.vid[lo:hi] - v0, lo, hi, hidden, pair_step)
+        if dw is not None:
+            dw[v0:v1].copy_(a_tile)
+    return dh, dw, None if db is None else db.to(bias.dtype), skipped
+
+
+def _support_weight_grad(pairs: _Pairs, hidden: Tensor, dw: Tensor | None, db: Tensor | None, d: int,
+                         pair_step: int, chunk_bytes: int) -> None:
+    """``dW`` and ``db`` from the sparse pairs alone, touching only the vocabulary rows that occur.
+
+    The distinct rows are processed in blocks whose fp32 accumulator ``[rows, D]`` fits the budget, so the
+    accumulation is fp32 whatever the weight's dtype and each used row is written once.
+    """
+    if pairs.vid.numel() == 0:
+        return
+    uniq, counts = torch.unique_consecutive(pairs.vid, return_counts=True)
+    slot = torch.repeat_interleave(torch.arange(uniq.numel(), device=uniq.device), counts)
+    ends = torch.cumsum(counts, 0).tolist()
+    block = max(1, chunk_bytes // (2 * 4 * d))
+    acc = torch.empty(min(block, uniq.numel()), d, dtype=pairs.val.dtype, device=hidden.device)
+    for u0 in range(0, uniq.numel(), block):
+        u1 = min(uniq.numel(), u0 + block)
+        lo = ends[u0 - 1] if u0 > 0 else 0
+        hi = ends[u1 - 1]
+        a = acc[: u1 - u0].zero_() if dw is not None else None
+        b = torch.zeros(u1 - u0, dtype=pairs.val.dtype, device=hidden.device) if db is not None else None
+        pairs.add_into(a, b, slot[lo:hi] - u0, lo, hi, hidden, pair_step)
+        if dw is not None:
+            dw.index_copy_(0, uniq[u0:u1], a.to(dw.dtype))
+        if db is not None:
+            db.index_copy_(0, uniq[u0:u1], b)
