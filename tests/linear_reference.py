@@ -1,0 +1,86 @@
+"""Float64 dense reference and random inputs for the fused linear log-softmax tests.
+
+The reference builds the logits densely in float64 from ``hidden`` and ``weight``, takes ``log_softmax`` (over the
+vocabulary, or over each row's candidate support) and gathers; gradients come from autograd through it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+INF = float("inf")
+
+
+def make_inputs(n=23, d=16, v=197, k=6, dtype=torch.float32, seed=0, scale=1.0, bias=True, pad_frac=0.2,
+                per_token_temp=True):
+    """Random ``hidden [N, D]``, ``weight [V, D]``, ``bias [V]``, targets, candidates (padding ``-1``), temperature."""
+    gen = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, d, generator=gen) * scale).to(dtype)
+    w = (torch.randn(v, d, generator=gen) / d**0.25).to(dtype)
+    b = (torch.randn(v, generator=gen)).to(dtype) if bias else None
+    y = torch.randint(0, v, (n,), generator=gen)
+    c = torch.randint(0, v, (n, k), generator=gen)
+    c = torch.where(torch.rand(n, k, generator=gen) < pad_frac, torch.full_like(c, -1), c)
+    if n > 2 and k > 1:
+        c[1] = -1  # an empty candidate row
+        c[2, 0] = y[2]  # the target inside its candidates
+    tau = (0.3 + 2.0 * torch.rand(n, generator=gen)) if per_token_temp else 0.7
+    return h, w, b, y, c, tau
+
+
+def dense_reference(h, w, b, y, c, tau, *, support=False, skip=None):
+    """float64 ``(target, candidates, lse, entropy)`` and the float64 leaves ``(h, w, b)`` they depend on."""
+    hd = h.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    bd = None if b is None else b.detach().double().requires_grad_()
+    n = hd.shape[0]
+    c = torch.empty(n, 0, dtype=torch.int64) if c is None else c.long()
+    inv = 1.0 / (tau.double() if isinstance(tau, Tensor) else torch.full((n,), float(tau), dtype=torch.float64))
+    z = hd @ wd.T
+    if bd is not None:
+        z = z + bd
+    x = z * inv[:, None]
+    ids = torch.cat([y.long()[:, None], c], dim=1)
+    xi = x.gather(1, ids.clamp_min(0))
+    if support:
+        xc = xi[:, 1:].masked_fill(c < 0, -INF)
+        has = torch.isfinite(xc).any(dim=1) if xc.shape[1] else torch.zeros(n, dtype=torch.bool)
+        lse = torch.full((n,), INF, dtype=torch.float64)
+        ent = torch.zeros(n, dtype=torch.float64)
+        if bool(has.any()):
+            rows = xc[has]
+            lse_h = torch.logsumexp(rows, dim=1)
+            lse = lse.masked_scatter(has, lse_h)
+            lp = rows - lse_h[:, None]
+            pr = lp.exp()
+            ent = ent.masked_scatter(has, -torch.where(pr > 0, pr * lp, torch.zeros_like(pr)).sum(1).detach())
+    else:
+        lse = torch.logsumexp(x, dim=1)
+        lp = torch.log_softmax(x, dim=1)
+        pr = lp.exp()
+        ent = -torch.where(pr > 0, pr * lp, torch.zeros_like(pr)).sum(1).detach()
+        has = torch.isfinite(lse)
+        lse = torch.where(has, lse, torch.full_like(lse, INF))
+    if skip is not None:
+        lse = lse.masked_fill(skip, INF)
+        ent = ent.masked_fill(skip, 0.0)
+    logp = torch.where(torch.isfinite(lse)[:, None], xi - torch.where(torch.isfinite(lse), lse, 0.0)[:, None], -INF)
+    logp = logp.masked_fill(ids < 0, -INF)
+    return (logp[:, 0], logp[:, 1:], lse.detach(), ent), (hd, wd, bd)
+
+
+def probe_loss(target: Tensor, cands: Tensor, seed: int = 1) -> Tensor:
+    """A random linear functional of the finite outputs (so every finite entry gets a distinct gradient)."""
+    gen = torch.Generator().manual_seed(seed)
+    gy = torch.randn(target.shape, generator=gen, dtype=torch.float64)
+    gc = torch.randn(cands.shape, generator=gen, dtype=torch.float64)
+    t = torch.where(torch.isfinite(target), target, torch.zeros_like(target)).double()
+    k = torch.where(torch.isfinite(cands), cands, torch.zeros_like(cands)).double()
+    return (gy * t).sum() + (gc * k).sum()
+
+
+def grads(loss: Tensor, leaves) -> list[Tensor | None]:
+    present = [x for x in leaves if x is not None]
+    got = iter(torch.autograd.grad(loss, present, allow_unused=True))
+    return [None if x is None else next(got) for x in leaves]
