@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from offpolicy.ops import backends
+from offpolicy.ops import backends, library
 
 _INF = float("inf")
 
@@ -119,7 +119,7 @@ class _SparseLogSoftmaxFn(torch.autograd.Function):
                 lse = lse.masked_fill(skip, _INF)
                 entropy = entropy.masked_fill(skip, 0.0)
         else:
-            m, s, t = backends.load(backend_name).full_stats(logits, inv_temp, skip)
+            m, s, t = library.full_stats(logits, inv_temp, skip, backend_name)
             if shard is not None:
                 m, s, t, x = _combine_shards(shard, m, s, t, x)
             x = x.masked_fill(pad, -_INF)
@@ -142,10 +142,11 @@ class _SparseLogSoftmaxFn(torch.autograd.Function):
         out = logits if ctx.inplace_grad else None
         if ctx.support:
             dz = _support_grad(logits, local, inv_temp, lse, x, g, grad_sum, out)
+        elif out is not None:
+            library.full_grad_inplace_(logits, local, inv_temp, lse, g, grad_sum, ctx.backend_name)
+            dz = logits
         else:
-            if out is None:
-                out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-            dz = backends.load(ctx.backend_name).full_grad(logits, local, inv_temp, lse, g, grad_sum, out)
+            dz = library.full_grad(logits, local, inv_temp, lse, g, grad_sum, ctx.backend_name)
         return dz, None, None, None, None, None, None, None
 
 

@@ -1,0 +1,288 @@
+"""Row-wise softmax statistics and the closed-form log-softmax backward over wide rows, in Triton.
+
+Two kernels, each a 1-D grid with one program per row (no 65,535 grid-dimension limit):
+
+* :func:`row_stats` reads ``z [N, V]`` once and returns, for ``x = z * inv_temp``, the row max ``m``,
+  ``s = sum_v exp(x_v - m)`` and ``t = sum_v exp(x_v - m) (x_v - m)`` (so ``lse = m + log s`` and the entropy is
+  ``log s - t / s``). Rows flagged in ``skip`` are not read at all.
+* :func:`row_grad` reads ``z`` once and writes, in ``z``'s dtype,
+
+      dz = inv_temp * (scatter(g at ids) - G * exp(x - lse))
+
+  where ``ids [N, M]`` are column ids (``-1`` = none; ids may repeat, their ``g`` add), ``G [N]`` a per-row
+  scalar and ``lse [N]`` a per-row normaliser (``+inf`` = the dense part is zero: the row is not read).
+  The output may be ``z`` itself (in-place).
+
+All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), and each output element is rounded once.
+Row offsets are 64-bit when ``N * row_stride`` reaches ``2**31``. The only extra memory is ``O(N M)``.
+
+These kernels know nothing about what the rows mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_INT32_LIMIT = 2**31
+_FP32_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
+#: Default tile widths: compiled (GPU) and interpreted (CPU, where each loop iteration costs milliseconds).
+_GPU_BLOCK, _GPU_WARPS = 4096, 8
+_INTERPRETER_BLOCK = 16384
+#: Ids handled per step of the exact scatter (rows of ids x columns of ids compared at once).
+_ID_CHUNK, _ID_CMP = 64, 32
+
+
+@triton.jit
+def _row_stats_kernel(
+    logits_ptr,
+    stride_row,
+    inv_temp_ptr,
+    skip_ptr,
+    m_ptr,
+    s_ptr,
+    t_ptr,
+    V,
+    HAS_SKIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    row = tl.program_id(0)
+    if INT64:
+        row = row.to(tl.int64)
+    it = tl.load(inv_temp_ptr + row)
+    v_end = V
+    if HAS_SKIP:
+        v_end = tl.where(tl.load(skip_ptr + row) != 0, 0, V)  # a skipped row runs no iteration: no reads
+    row_ptr = logits_ptr + row * stride_row
+    cols0 = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+    # Online softmax with a scalar running max m and per-lane sums (one block reduction per step).
+    # When the reference moves from m to m' (both relative to lanes' sums):
+    #   s' = a s,  t' = a (t + s (m - m')),  a = exp(m - m'),
+    # since exp(x - m') (x - m') = a exp(x - m) ((x - m) + (m - m')).
+    # While the row has seen only -inf, m = -inf and the reference is 0 (s = t = 0 there).
+    m = tl.full([], neg_inf, tl.float32)
+    s_acc = tl.zeros([BLOCK], tl.float32)
+    t_acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, v_end, BLOCK):
+        cols = start + cols0
+        x = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32) * it
+        new_m = tl.maximum(m, tl.max(x, 0))
+        ref = tl.where(new_m == neg_inf, 0.0, new_m)
+        a = tl.exp(m - ref)  # 0 while m = -inf, 1 when the max did not move
+        shift = tl.where(m == neg_inf, 0.0, m - ref)
+        # d is clamped to the lowest fp32 so that e * d = 0 * finite = 0 where x = -inf (not 0 * -inf = NaN).
+        d = tl.maximum(x - ref, _FP32_LOWEST)
+        e = tl.exp(d)
+        t_acc = a * (t_acc + s_acc * shift) + e * d
+        s_acc = a * s_acc + e
+        m = new_m
+    tl.store(m_ptr + row, tl.where(m == neg_inf, 0.0, m))
+    tl.store(s_ptr + row, tl.sum(s_acc, 0))
+    tl.store(t_ptr + row, tl.sum(t_acc, 0))
+
+
+@triton.jit
+def _row_grad_kernel(
+    logits_ptr,
+    stride_lrow,
+    out_ptr,
+    stride_orow,
+    ids_ptr,
+    grad_ptr,
+    vals_ptr,
+    inv_temp_ptr,
+    lse_ptr,
+    grad_sum_ptr,
+    V,
+    M,
+    BLOCK: tl.constexpr,
+    ID_CHUNK: tl.constexpr,
+    ID_CMP: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    row = tl.program_id(0)
+    if INT64:
+        row = row.to(tl.int64)
+    it = tl.load(inv_temp_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    big_g = tl.load(grad_sum_ptr + row)
+    neg_inf = float("-inf")
+    # The dense part -G it p is identically 0 when the row has no mass (lse = +inf) or G = 0: skip the read.
+    # (Expressed as a column bound: the interpreter cannot AND a vector mask with a scalar one.)
+    v_read = tl.where((lse < float("inf")) & (big_g != 0.0), V, 0)
+    l_row = logits_ptr + row * stride_lrow
+    o_row = out_ptr + row * stride_orow
+    ids_row = ids_ptr + row * M
+    g_row = grad_ptr + row * M
+    v_row = vals_ptr + row * M
+    dt = out_ptr.dtype.element_ty
+
+    # 1. The complete value at every id, it * (sum of g over equal ids - G p), into the O(N M) scratch row.
+    #    Equal ids get equal values, so the final stores in step 3 may land in any order. This reads the
+    #    logits at the ids before step 2 can overwrite them (in-place).
+    for c0 in range(0, M, ID_CHUNK):
+        kc = c0 + tl.arange(0, ID_CHUNK)
+        idc = tl.load(ids_row + kc, mask=kc < M, other=-1)
+        ok = (idc >= 0) & (idc < V)
+        acc = tl.zeros([ID_CHUNK], tl.float32)
+        for k0 in range(0, M, ID_CMP):
+            kk = k0 + tl.arange(0, ID_CMP)
+            idk = tl.load(ids_row + kk, mask=kk < M, other=-1)
+            gk = tl.load(g_row + kk, mask=kk < M, other=0.0)
+            gk = tl.where((idk >= 0) & (idk < V), gk, 0.0)
+            acc += tl.sum(tl.where(idc[:, None] == idk[None, :], gk[None, :], 0.0), 1)
+        xk = tl.load(l_row + idc, mask=ok & (idc < v_read), other=neg_inf).to(tl.float32) * it
+        tl.store(v_row + kc, it * (acc - big_g * tl.exp(xk - lse)), mask=kc < M)
+    tl.debug_barrier()
+
+    # 2. The dense part everywhere: one read, one write, rounded once to the output dtype.
+    coef = -(big_g * it)
+    cols0 = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        cols = start + cols0
+        x = tl.load(l_row + cols, mask=cols < v_read, other=neg_inf).to(tl.float32) * it
+        tl.store(o_row + cols, (coef * tl.exp(x - lse)).to(dt), mask=cols < V)
+    tl.debug_barrier()  # orders step 3's stores after step 2's within the program
+
+    # 3. Overwrite the id columns with their complete values.
+    for c0 in range(0, M, ID_CHUNK):
+        kc = c0 + tl.arange(0, ID_CHUNK)
+        idc = tl.load(ids_row + kc, mask=kc < M, other=-1)
+        val = tl.load(v_row + kc, mask=kc < M, other=0.0)
+        tl.store(o_row + idc, val.to(dt), mask=(idc >= 0) & (idc < V))
+
+
+def is_interpreted() -> bool:
+    """True when these kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_row_stats_kernel, InterpretedFunction)
+
+
+def _check_rows(name: str, x: Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [N, V], got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along V, got strides {x.stride()}")
+    if x.device.type == "cpu" and not is_interpreted():
+        raise RuntimeError(
+            f"{name} is on the CPU but the Triton kernels were compiled for a GPU; set TRITON_INTERPRET=1 "
+            "before offpolicy.kernels is imported to run them in Triton's interpreter"
+        )
+
+
+def _vector(name: str, x: Tensor, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    if x.shape != (n,) or x.dtype != dtype or x.device != device:
+        raise ValueError(f"{name} must be [{n}] {dtype} on {device}, got {tuple(x.shape)} {x.dtype} on {x.device}")
+    return x.contiguous()
+
+
+def _tile(v: int, block: int | None, num_warps: int | None) -> tuple[int, int]:
+    default = _INTERPRETER_BLOCK if is_interpreted() else _GPU_BLOCK
+    block = block or min(default, triton.next_power_of_2(max(v, 16)))
+    if block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    return block, num_warps or _GPU_WARPS
+
+
+def _needs_int64(n: int, *tensors: Tensor) -> bool:
+    return any(n * max(t.stride(0), t.shape[1]) >= _INT32_LIMIT for t in tensors)
+
+
+def row_stats(
+    logits: Tensor,
+    inv_temp: Tensor,
+    skip: Tensor | None = None,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` in one read (see the module docstring).
+
+    Args:
+        logits: ``[N, V]`` fp32/fp16/bf16, any row stride, unit column stride.
+        inv_temp: ``[N]`` fp32.
+        skip: ``[N]`` bool or None; skipped rows are not read and give ``m = s = t = 0``.
+        block, num_warps: tile width (a power of two) and warps per program; defaults suit a GPU.
+
+    Returns:
+        ``m [N]`` (0 where the row is all ``-inf`` or skipped), ``s [N]``, ``t [N]``, fp32.
+    """
+    _check_rows("logits", logits)
+    n, v = logits.shape
+    dev = logits.device
+    inv_temp = _vector("inv_temp", inv_temp, n, torch.float32, dev)
+    m, s, t = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
+    if n == 0 or v == 0:
+        return m, s, t
+    if skip is not None:
+        skip = _vector("skip", skip, n, torch.bool, dev).view(torch.uint8)
+    block, num_warps = _tile(v, block, num_warps)
+    _row_stats_kernel[(n,)](
+        logits, logits.stride(0), inv_temp, skip if skip is not None else inv_temp, m, s, t, v,
+        HAS_SKIP=skip is not None, BLOCK=block, INT64=_needs_int64(n, logits), num_warps=num_warps,
+    )  # fmt: skip
+    return m, s, t
+
+
+def row_grad(
+    logits: Tensor,
+    ids: Tensor,
+    inv_temp: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    grad_sum: Tensor,
+    out: Tensor,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> Tensor:
+    """Write ``dz = inv_temp * (scatter(grad at ids) - grad_sum * exp(logits * inv_temp - lse))`` into ``out``.
+
+    Args:
+        logits: ``[N, V]`` fp32/fp16/bf16, any row stride, unit column stride.
+        ids: ``[N, M]`` int64 column ids; ``-1`` (or any id outside ``[0, V)``) contributes nothing.
+            Repeated ids add their ``grad``.
+        inv_temp: ``[N]`` fp32.
+        lse: ``[N]`` fp32; ``+inf`` means the dense part of the row is 0 (the row's logits are not read).
+        grad: ``[N, M]`` fp32.
+        grad_sum: ``[N]`` fp32, the ``G`` of the formula.
+        out: ``[N, V]`` of the logits' dtype, unit column stride; may be ``logits`` itself. In-place use
+            overwrites the logits and bypasses autograd's version counter, so nothing else may need them.
+        block, num_warps: tile width (a power of two) and warps per program; defaults suit a GPU.
+
+    Returns:
+        ``out``.
+    """
+    _check_rows("logits", logits)
+    _check_rows("out", out)
+    n, v = logits.shape
+    dev = logits.device
+    if out.shape != logits.shape or out.dtype != logits.dtype or out.device != dev:
+        raise ValueError(f"out must match logits ({tuple(logits.shape)} {logits.dtype}), got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")  # fmt: skip
+    if ids.dim() != 2 or ids.shape[0] != n or ids.dtype != torch.int64 or ids.device != dev:
+        raise ValueError(f"ids must be [{n}, M] int64 on {dev}, got {tuple(ids.shape)} {ids.dtype} on {ids.device}")
+    mm = ids.shape[1]
+    if grad.shape != ids.shape or grad.dtype != torch.float32 or grad.device != dev:
+        raise ValueError(f"grad must be [{n}, {mm}] float32 on {dev}, got {tuple(grad.shape)} {grad.dtype}")
+    inv_temp = _vector("inv_temp", inv_temp, n, torch.float32, dev)
+    lse = _vector("lse", lse, n, torch.float32, dev)
+    grad_sum = _vector("grad_sum", grad_sum, n, torch.float32, dev)
+    if n == 0 or v == 0:
+        return out
+    ids, grad = ids.contiguous(), grad.contiguous()
+    vals = torch.empty(n, mm, dtype=torch.float32, device=dev)
+    block, num_warps = _tile(v, block, num_warps)
+    _row_grad_kernel[(n,)](
+        logits, logits.stride(0), out, out.stride(0), ids, grad, vals, inv_temp, lse, grad_sum, v, mm,
+        BLOCK=block, ID_CHUNK=_ID_CHUNK, ID_CMP=_ID_CMP, INT64=_needs_int64(n, logits, out, ids),
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out

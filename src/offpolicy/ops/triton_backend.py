@@ -1,0 +1,61 @@
+"""Triton backend for the vocabulary pass: the GPU path (and, under ``TRITON_INTERPRET=1``, the same kernels on CPU).
+
+Both functions follow the backend contract of :mod:`offpolicy.ops.backends` by launching the kernels of
+:mod:`offpolicy.kernels.logsoftmax`: the forward reads the logits once, the backward reads them once and writes
+the gradient once, every row in its own program of a 1-D grid; all arithmetic is fp32.
+
+float64 logits (gradient checks, references) are outside the kernels' remit and go to the chunked torch
+backend, which keeps float64 throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from offpolicy.kernels import logsoftmax as kernels
+from offpolicy.ops import torch_backend
+
+
+def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` over the whole (local) vocabulary.
+
+    Args:
+        logits: ``[N, V]`` bf16/fp16/fp32 (float64 goes to the torch backend), unit stride along ``V``.
+        inv_temp: ``[N]`` fp32, ``1 / tau``.
+        skip: ``[N]`` bool or None; skipped rows are not read and report ``m = s = t = 0``.
+
+    Returns:
+        ``m [N]`` (row max, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
+        ``t [N] = sum exp(x - m) * (x - m)``, all fp32.
+    """
+    if logits.dtype == torch.float64:
+        return torch_backend.full_stats(logits, inv_temp, skip)
+    return kernels.row_stats(logits, inv_temp, skip)
+
+
+def full_grad(
+    logits: Tensor,
+    ids: Tensor,
+    inv_temp: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    grad_sum: Tensor,
+    out: Tensor,
+) -> Tensor:
+    """Write ``dz = inv_temp * (scatter(grad at ids) - grad_sum * exp(x - lse))`` into ``out`` and return it.
+
+    Args:
+        logits: ``[N, V]``; ``x = logits * inv_temp``.
+        ids: ``[N, M]`` int64 local column ids, ``-1`` where the entry is padding or owned by another shard;
+            repeated ids add their gradients.
+        inv_temp: ``[N]`` fp32.
+        lse: ``[N]`` fp32 normaliser of ``x``; ``+inf`` marks a row with no mass (its logits are not read).
+        grad: ``[N, M]`` fp32 upstream gradient of the gathered log-probabilities (0 at padding).
+        grad_sum: ``[N]`` fp32 ``sum`` of the row's gradient over *all* its entries (all shards).
+        out: ``[N, V]`` output in the logits' dtype, unit stride along ``V``; may be ``logits`` itself
+            (in-place: the logits are overwritten, outside autograd's version check).
+    """
+    if logits.dtype == torch.float64:
+        return torch_backend.full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
+    return kernels.row_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
