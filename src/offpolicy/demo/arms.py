@@ -1,0 +1,63 @@
+"""The seed's six arms: which correction the trainer applies and how the samplers sample.
+
+Every arm shares everything else (learning rate, seeds, steps, batch, fleet); only these fields differ.
+
+=================  ================================  =========  ==========================================
+arm                correction                        top-p      sampler record
+=================  ================================  =========  ==========================================
+``grpo``           none (plain GRPO)                 1          head (top-K, unused by the loss)
+``grpo_mis``       MIS [0.5, 5]                      1          head
+``sc``             score centering, no weights       1          head (tail modelled as ``rho * p``)
+``grpo_topp``      none, with mask replay            ``top_p``  support
+``sc_mis``         SC + MIS [0.5, 5]                 1          head
+``sc_mis_topp``    SC + MIS [0.5, 5], mask replay    ``top_p``  support
+=================  ================================  =========  ==========================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offpolicy.correction import Correction
+
+#: The seed's masking bounds for MIS.
+MIS_BOUNDS = (0.5, 5.0)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: a label, the correction, and whether samplers filter with top-p (and record the support)."""
+
+    key: str
+    label: str
+    correction: Correction
+    top_p: bool
+
+
+ARMS: dict[str, Arm] = {
+    a.key: a
+    for a in (
+        Arm("grpo", "GRPO", Correction(), False),
+        Arm("grpo_mis", "GRPO+MIS", Correction(weights="mis", bounds=MIS_BOUNDS), False),
+        Arm("sc", "SC", Correction(score_centering=True), False),
+        Arm("grpo_topp", "GRPO+top-p", Correction(), True),
+        Arm("sc_mis", "SC+MIS", Correction(weights="mis", bounds=MIS_BOUNDS, score_centering=True), False),
+        Arm("sc_mis_topp", "SC+MIS+top-p",
+            Correction(weights="mis", bounds=MIS_BOUNDS, score_centering=True), True),
+    )
+}
+
+
+def parse_arms(spec: str) -> list[Arm]:
+    """``"all"`` or a comma-separated list of arm keys -> arms, in the given order (duplicates refused)."""
+    if spec.strip() == "all":
+        return list(ARMS.values())
+    keys = [k.strip() for k in spec.split(",") if k.strip()]
+    if not keys:
+        raise ValueError(f"--arms: expected 'all' or a comma-separated list of {list(ARMS)}, got {spec!r}")
+    unknown = [k for k in keys if k not in ARMS]
+    if unknown:
+        raise ValueError(f"--arms: unknown arm(s) {unknown}; choose from {list(ARMS)} or 'all'")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"--arms: duplicate arm in {keys}")
+    return [ARMS[k] for k in keys]

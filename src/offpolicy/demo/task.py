@@ -1,0 +1,129 @@
+"""The demo's verifiable task: sort a short list of numbers; reward 1 for the exact sorted answer, else 0.
+
+Sequences are token ids over a vocabulary of ``max_value + 2`` symbols:
+
+    BOS x_1 ... x_n SEP y_1 ... y_n          x_i, y_i in [0, max_value)
+
+The prompt is ``BOS x SEP`` (``n + 2`` tokens); the policy writes the ``n`` answer tokens ``y``. Any token may be
+sampled at an answer position (the two markers included, which are simply wrong answers), so the reward check is
+exact: ``y == sorted(x)``, elementwise.
+
+Held-out split: a prompt belongs to the evaluation set iff a fixed hash of its numbers is ``0 mod heldout_mod``;
+training prompts are drawn from the complement, so the held-out pass@k is measured on prompts never trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SortTask:
+    """Sorting ``n_items`` numbers drawn uniformly from ``[0, max_value)``.
+
+    Attributes:
+        n_items: list length ``n`` (the answer length).
+        max_value: numbers are ``0 .. max_value - 1``; they are also their own token ids.
+        heldout_mod: one prompt in about ``heldout_mod`` is held out for evaluation.
+    """
+
+    n_items: int = 5
+    max_value: int = 30
+    heldout_mod: int = 16
+
+    def __post_init__(self) -> None:
+        if self.n_items < 1:
+            raise ValueError(f"n_items must be >= 1, got {self.n_items}")
+        if self.max_value < 2:
+            raise ValueError(f"max_value must be >= 2, got {self.max_value}")
+        if self.heldout_mod < 2:
+            raise ValueError(f"heldout_mod must be >= 2, got {self.heldout_mod}")
+
+    @property
+    def sep(self) -> int:
+        return self.max_value
+
+    @property
+    def bos(self) -> int:
+        return self.max_value + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self.max_value + 2
+
+    @property
+    def prompt_len(self) -> int:
+        return self.n_items + 2
+
+    @property
+    def answer_len(self) -> int:
+        return self.n_items
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.answer_len
+
+    def is_heldout(self, numbers: Tensor) -> Tensor:
+        """``[B]`` bool: whether each list of ``numbers [B, n]`` belongs to the evaluation set."""
+        # A fixed polynomial hash of the list, in int64 (no overflow: max_value**n_items is small here, and the
+        # multiplier keeps the hash from depending on the sum alone, so sorted-equal lists are not all grouped).
+        h = torch.zeros(numbers.shape[0], dtype=torch.int64, device=numbers.device)
+        for i in range(numbers.shape[1]):
+            h = (h * 1_000_003 + numbers[:, i].to(torch.int64) * 7919 + i) % 2_147_483_647
+        return h % self.heldout_mod == 0
+
+    def sample_numbers(self, batch: int, generator: torch.Generator, heldout: bool = False) -> Tensor:
+        """``[batch, n]`` int64 lists from the training split (or the held-out split), by rejection."""
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0, got {batch}")
+        out: list[Tensor] = []
+        have = 0
+        while have < batch:
+            # Oversample: about 1/heldout_mod of draws land in the held-out split.
+            draw = torch.randint(0, self.max_value, (2 * batch + 8 * self.heldout_mod, self.n_items),
+                                 generator=generator)
+            keep = draw[self.is_heldout(draw) == heldout]
+            out.append(keep)
+            have += keep.shape[0]
+        return torch.cat(out)[:batch]
+
+    def prompts(self, numbers: Tensor) -> Tensor:
+        """``[B, n + 2]`` prompt ids ``BOS x SEP`` for ``numbers [B, n]``."""
+        self._check_numbers(numbers, "numbers")
+        b = numbers.shape[0]
+        bos = torch.full((b, 1), self.bos, dtype=torch.int64)
+        sep = torch.full((b, 1), self.sep, dtype=torch.int64)
+        return torch.cat([bos, numbers.to(torch.int64), sep], dim=1)
+
+    def answers(self, numbers: Tensor) -> Tensor:
+        """``[B, n]`` the correct answers: ``numbers`` sorted ascending."""
+        self._check_numbers(numbers, "numbers")
+        return torch.sort(numbers.to(torch.int64), dim=1).values
+
+    def reward(self, prompts: Tensor, responses: Tensor) -> Tensor:
+        """``[B]`` float32 binary reward: 1 iff ``responses [B, n]`` is exactly the sorted prompt numbers.
+
+        Args:
+            prompts: ``[B, n + 2]`` ids as built by :meth:`prompts`.
+            responses: ``[B, n]`` sampled answer ids (any vocabulary ids).
+        """
+        if prompts.dim() != 2 or prompts.shape[1] != self.prompt_len:
+            raise ValueError(f"prompts must be [B, {self.prompt_len}], got {tuple(prompts.shape)}")
+        if responses.dim() != 2 or responses.shape != (prompts.shape[0], self.answer_len):
+            raise ValueError(
+                f"responses must be [{prompts.shape[0]}, {self.answer_len}], got {tuple(responses.shape)}"
+            )
+        if bool((prompts[:, 0] != self.bos).any()) or bool((prompts[:, -1] != self.sep).any()):
+            raise ValueError("prompts must start with BOS and end with SEP (build them with SortTask.prompts)")
+        target = self.answers(prompts[:, 1:-1])
+        return (responses.to(torch.int64) == target).all(dim=1).to(torch.float32)
+
+    def _check_numbers(self, numbers: Tensor, name: str) -> None:
+        if numbers.dim() != 2 or numbers.shape[1] != self.n_items:
+            raise ValueError(f"{name} must be [B, {self.n_items}], got {tuple(numbers.shape)}")
+        if numbers.numel() and (int(numbers.min()) < 0 or int(numbers.max()) >= self.max_value):
+            raise ValueError(f"{name} must lie in [0, {self.max_value}), got values in "
+                             f"[{int(numbers.min())}, {int(numbers.max())}]")

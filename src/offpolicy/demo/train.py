@@ -1,0 +1,264 @@
+"""One run of the demo: asynchronous GRPO-style RL of the tiny policy on the sorting task, fed by a simulated fleet.
+
+Per optimizer step (version ``v`` of the trainer):
+
+1. draw ``prompts`` training prompts, ``samples`` sessions each; the fleet's router assigns every session to a
+   sampler group by capacity;
+2. each group samples its sessions with the reference sampler from *its* copy of the weights (version
+   ``v_g <= v``, its own numerics), recording the sampled tokens, their log-probabilities and the candidates
+   (the top-K head, or the whole top-p support when the arm filters with top-p);
+3. binary rewards, GRPO advantages per prompt;
+4. the fp32 trainer recomputes the logits and applies :func:`offpolicy.policy_loss` with the arm's correction;
+   Adam step with gradient clipping;
+5. each group receives version ``v + 1`` or not (see :mod:`offpolicy.demo.fleet`).
+
+Besides the loss's own metrics, the run measures the mismatch directly: each group re-scores its sessions with its
+copy (teacher forcing, the same numerics), giving the sampler's whole distribution ``q`` at every trained
+position. ``tv = 1/2 sum_v |q - p|`` and the exact ``KL(q || p)`` follow; ``q - p`` is also exactly the expected
+logit update of *uncorrected* GRPO at a position under a constant advantage (``E_q[grad_z log p(y)] = q - p``), so
+``tv`` is the size of the drift that score centering removes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+import offpolicy as op
+from offpolicy.demo.arms import ARMS
+from offpolicy.demo.fleet import FLEETS, SimulatedFleet, build_fleet, describe
+from offpolicy.demo.model import ModelConfig, TinyLM
+from offpolicy.demo.rollout import rollout
+from offpolicy.demo.task import SortTask
+from offpolicy.fleet import FleetMetrics
+
+#: Fixed seed of the held-out evaluation prompts: every arm and seed is evaluated on the same prompts.
+EVAL_PROMPT_SEED = 777
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines one run (an arm on a fleet with a seed). Identical across arms but ``arm``.
+
+    Attributes:
+        arm, fleet, seed: what runs (see :data:`~offpolicy.demo.arms.ARMS`, :data:`~offpolicy.demo.fleet.FLEETS`).
+        steps, prompts, samples: optimizer steps; prompts per step; sessions (samples) per prompt.
+        lr, grad_clip: Adam learning rate; global gradient-norm clip (0 disables).
+        top_p: the top-p of the arms that filter; ``head_k``: candidates recorded by the other arms.
+        temperature: sampling temperature.
+        staleness, max_staleness: the fleet's mean staleness in steps, and its cap (None: unbounded).
+        weight_format, kv_format, compute: the mixed fleet's numerics (see :func:`build_fleet`).
+        eval_every, eval_prompts, eval_samples, pass_k: held-out pass@k from the trainer's weights, full
+            vocabulary sampling at temperature 1.
+    """
+
+    arm: str
+    fleet: str
+    seed: int = 0
+    steps: int = 150
+    prompts: int = 32
+    samples: int = 8
+    lr: float = 1e-3
+    grad_clip: float = 1.0
+    top_p: float = 0.95
+    head_k: int = 8
+    temperature: float = 1.0
+    staleness: float = 2.0
+    max_staleness: int | None = None
+    weight_format: str = "seed"
+    kv_format: str = "fp8"
+    compute: str = "bf16"
+    eval_every: int = 50
+    eval_prompts: int = 128
+    eval_samples: int = 8
+    pass_k: int = 4
+
+    def __post_init__(self) -> None:
+        if self.arm not in ARMS:
+            raise ValueError(f"arm must be one of {list(ARMS)}, got {self.arm!r}")
+        if self.fleet not in FLEETS:
+            raise ValueError(f"fleet must be one of {FLEETS}, got {self.fleet!r}")
+        for name in ("steps", "prompts", "eval_every", "eval_prompts", "head_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.samples < 2:
+            raise ValueError(f"samples must be >= 2 (GRPO compares samples of one prompt), got {self.samples}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        if not 1 <= self.pass_k <= self.eval_samples:
+            raise ValueError(f"pass_k must lie in [1, eval_samples={self.eval_samples}], got {self.pass_k}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.arm}@{self.fleet}/s{self.seed}"
+
+
+def pass_at_k(n: int, c: Tensor, k: int) -> Tensor:
+    """Unbiased pass@k per prompt from ``c [P]`` correct answers out of ``n`` samples (Chen et al. 2021):
+    ``1 - C(n - c, k) / C(n, k)``, computed as a product to stay exact in floating point."""
+    c = c.to(torch.float64)
+    out = torch.ones_like(c)
+    # C(n-c, k) / C(n, k) = prod_{i=0}^{k-1} (n - c - i) / (n - i), zero as soon as n - c < k.
+    for i in range(k):
+        out = out * ((n - c - i).clamp_min(0) / (n - i))
+    return 1.0 - out
+
+
+def evaluate(model: TinyLM, task: SortTask, cfg: RunConfig, numbers: Tensor, gen: torch.Generator) -> dict:
+    """Held-out pass@1 and pass@k of ``model`` (the trainer's weights), sampling the full vocabulary."""
+    prompts = task.prompts(numbers).repeat_interleave(cfg.eval_samples, dim=0)
+    out = rollout(model, prompts, task.answer_len, temperature=1.0, top_p=1.0, head_k=1, generator=gen)
+    correct = task.reward(prompts, out.tokens).view(-1, cfg.eval_samples).sum(1)
+    return {"pass@1": float(pass_at_k(cfg.eval_samples, correct, 1).mean()),
+            f"pass@{cfg.pass_k}": float(pass_at_k(cfg.eval_samples, correct, cfg.pass_k).mean())}
+
+
+
+def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict[str, Tensor],
+        progress: Callable[[int, dict], None] | None = None) -> dict:
+    """Train one arm; return a JSON-ready dict: ``config``, ``groups`` (fleet and per-group totals),
+    ``history`` (one dict per step), ``evals`` (held-out pass@k over steps), ``seconds``."""
+    t0 = time.perf_counter()
+    arm = ARMS[cfg.arm]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    trainer = TinyLM(model_cfg)
+    trainer.load_state_dict(init_state)
+    opt = torch.optim.Adam(trainer.parameters(), lr=cfg.lr)
+    groups = build_fleet(cfg.fleet, cfg.staleness, cfg.weight_format, cfg.kv_format, cfg.compute)
+    fleet = SimulatedFleet(groups, trainer, gen, cfg.max_staleness)
+    n_groups = len(groups)
+    eval_numbers = task.sample_numbers(cfg.eval_prompts, torch.Generator().manual_seed(EVAL_PROMPT_SEED),
+                                       heldout=True)
+    eval_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+    top_p = cfg.top_p if arm.top_p else 1.0
+    fleet_metrics = FleetMetrics([g.group for g in groups])
+    totals = {k: torch.zeros(n_groups, dtype=torch.float64) for k in ("tokens", "tv", "kl_exact", "staleness")}
+    history: list[dict] = []
+    evals: list[dict] = [dict(step=0, **evaluate(trainer, task, cfg, eval_numbers, eval_gen))]
+    session = 0
+    for step in range(cfg.steps):
+        numbers = task.sample_numbers(cfg.prompts, gen)
+        prompts = task.prompts(numbers).repeat_interleave(cfg.samples, dim=0)
+        b = prompts.shape[0]
+        prompt_ids = torch.arange(cfg.prompts).repeat_interleave(cfg.samples)
+        group_of = fleet.route(list(range(session, session + b)))
+        session += b
+        L = task.answer_len
+        tokens = torch.empty(b, L, dtype=torch.int64)
+        lq = torch.empty(b, L)
+        q_full = torch.empty(b, L, task.vocab_size)
+        records = []
+        for g in range(n_groups):
+            idx = (group_of == g).nonzero().squeeze(1)
+            if idx.numel() == 0:
+                continue
+            out = rollout(fleet.models[g], prompts[idx], L, temperature=cfg.temperature, top_p=top_p,
+                          head_k=cfg.head_k, generator=gen)
+            tokens[idx], lq[idx] = out.tokens, out.logprobs
+            records.append((idx, out.cand_ids, out.cand_logprobs))
+            q_full[idx] = _rescore(fleet.models[g], prompts[idx], out.tokens, cfg.temperature)
+        width = max(r[1].shape[-1] for r in records)
+        cand_ids = torch.full((b, L, width), -1, dtype=torch.int64)
+        cand_lp = torch.full((b, L, width), -math.inf)
+        for idx, ids, lp in records:
+            cand_ids[idx, :, : ids.shape[-1]] = ids
+            cand_lp[idx, :, : lp.shape[-1]] = lp
+        versions_g = torch.tensor(fleet.versions, dtype=torch.int64)
+        rewards = task.reward(prompts, tokens)
+        adv = op.advantages.grpo(rewards, prompt_ids)
+
+        seq = torch.cat([prompts, tokens], dim=1)
+        logits = trainer(seq[:, :-1])[:, task.prompt_len - 1:].reshape(b * L, -1)
+        seq_ids = torch.arange(b).repeat_interleave(L)
+        tok_group = group_of.repeat_interleave(L)
+        res = op.policy_loss(
+            logits, tokens.reshape(-1), lq.reshape(-1), adv[seq_ids],
+            candidates=op.Candidates(cand_ids.reshape(b * L, -1), cand_lp.reshape(b * L, -1),
+                                     kind="support" if arm.top_p else "head"),
+            temperature=cfg.temperature, correction=arm.correction, seq_ids=seq_ids, groups=tok_group,
+            versions=versions_g[tok_group], current_version=step,
+        )
+        opt.zero_grad(set_to_none=True)
+        res.loss.backward()
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainer.parameters(), max_norm))
+        finite = math.isfinite(grad_norm)
+        if finite:
+            opt.step()
+
+        with torch.no_grad():
+            logp = torch.log_softmax(logits.detach().float() / cfg.temperature, dim=-1)
+            p = logp.exp()
+            q = q_full.reshape(b * L, -1)
+            tv = 0.5 * (q - p).abs().sum(-1)
+            kl_exact = (q * (q.clamp_min(1e-30).log() - logp)).sum(-1)
+            entropy = -(p * logp).sum(-1)
+            fleet_metrics.update(tok_group, lq.reshape(-1), res.logprobs, seq_ids=seq_ids)
+            stale = (step - versions_g[tok_group]).to(torch.float64)
+            totals["tokens"] += torch.bincount(tok_group, minlength=n_groups)
+            for key, val in (("tv", tv), ("kl_exact", kl_exact), ("staleness", stale)):
+                totals[key] += torch.bincount(tok_group, weights=val.to(torch.float64), minlength=n_groups)
+        m = res.metrics
+        row = {
+            "step": step,
+            "reward": float(rewards.mean()),
+            "kl_k3": float(m["kl_k3"]),
+            "kl_k1": float(m["kl_k1"]),
+            "kl_exact": float(kl_exact.mean()),
+            "tv": float(tv.mean()),
+            "extreme_ratio_frac": float(m["extreme_ratio_frac"]),
+            "grad_norm": grad_norm,
+            "entropy": float(entropy.mean()),
+            "weight_mean": float(m["weight_mean"]),
+            "masked_frac": float(m["ratio_below_lower_frac"] + m["ratio_above_upper_frac"])
+            if arm.correction.weights == "mis" else 0.0,
+            "support_size": float(m["support_size"]) if "support_size" in m else float("nan"),
+            "staleness": float((step - versions_g[tok_group]).float().mean()),
+            "loss": float(res.loss.detach()),
+            "skipped": not finite,
+        }
+        history.append(row)
+        fleet.after_step(trainer, step + 1)
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            evals.append(dict(step=step + 1, **evaluate(trainer, task, cfg, eval_numbers, eval_gen)))
+        if progress is not None:
+            progress(step + 1, row)
+
+    tok = totals["tokens"].clamp_min(1)
+    table = fleet_metrics.table()
+    group_rows = []
+    for i, (d, row) in enumerate(zip(describe(groups), table.rows)):
+        group_rows.append(dict(
+            d,
+            share_samples=row.share_samples,
+            share_extreme=row.share_extreme,
+            extreme_frac=row.extreme_frac,
+            kl_k3=row.kl_k3,
+            kl_exact=float(totals["kl_exact"][i] / tok[i]),
+            tv=float(totals["tv"][i] / tok[i]),
+            staleness=float(totals["staleness"][i] / tok[i]),
+        ))
+    return {"config": asdict(cfg), "run_id": cfg.run_id, "label": arm.label, "groups": group_rows,
+            "fleet_table": table.format(),
+            "history": history, "evals": evals, "seconds": time.perf_counter() - t0}
+
+
+def _rescore(model: TinyLM, prompts: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+    """``[B, L, V]`` fp32 probabilities the sampler copy ``model`` assigns at each answer position (full
+    vocabulary, after temperature, before any top-p filter)."""
+    with torch.no_grad():
+        seq = torch.cat([prompts, tokens], dim=1)
+        logits = model(seq[:, :-1])[:, prompts.shape[1] - 1:].float()
+        return torch.softmax(logits / temperature, dim=-1)

@@ -1,0 +1,116 @@
+"""Supervised warm-up: a starting policy that solves the task *sometimes*, cached between runs.
+
+RL from a policy that never succeeds learns nothing (every GRPO group has reward 0); the demo starts instead
+from a policy trained by teacher forcing on correct answers until its *expected* sampled success reaches a
+target (about a third). The expected success of full-vocabulary sampling at temperature 1 is exact and needs no
+sampling: ``P(correct | x) = prod_t p(y*_t | x, y*_<t) = exp(sum_t log p(y*_t))``, averaged over a fixed probe set.
+
+The result depends only on the task, the model shape and this config, so it is cached under a key derived from
+them (``<cache_dir>/warmup-<key>.pt``); every arm and every RL seed starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from offpolicy.demo.model import ModelConfig, TinyLM
+from offpolicy.demo.task import SortTask
+
+CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Supervised warm-up settings.
+
+    Attributes:
+        target_success: stop once the expected sampled success on the probe set reaches this.
+        max_steps: hard stop (the run then starts from whatever success it reached).
+        batch: prompts per step.
+        lr: Adam learning rate.
+        seed: initialisation and data seed (independent of the RL seed).
+        probe: probe-set size; checked every ``check_every`` steps.
+    """
+
+    target_success: float = 0.3
+    max_steps: int = 3000
+    batch: int = 128
+    lr: float = 1e-3
+    seed: int = 1234
+    probe: int = 512
+    check_every: int = 5
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.target_success < 1.0:
+            raise ValueError(f"target_success must lie in (0, 1), got {self.target_success}")
+        for name in ("max_steps", "batch", "probe", "check_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"WarmupConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def expected_success(model: TinyLM, task: SortTask, numbers: torch.Tensor) -> torch.Tensor:
+    """``[B]`` exact probability that temperature-1 full-vocabulary sampling answers each prompt correctly."""
+    seq = torch.cat([task.prompts(numbers), task.answers(numbers)], dim=1)
+    with torch.no_grad():
+        logits = model(seq[:, :-1]).float()
+    logp = torch.log_softmax(logits[:, task.prompt_len - 1:], dim=-1)
+    tgt = seq[:, task.prompt_len:]
+    return logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).sum(1).exp()
+
+
+def cache_key(task: SortTask, model_cfg: ModelConfig, cfg: WarmupConfig) -> str:
+    blob = json.dumps({"format": CACHE_FORMAT, "task": asdict(task), "model": model_cfg.to_dict(),
+                       "warmup": asdict(cfg)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def warmup(task: SortTask, model_cfg: ModelConfig, cfg: WarmupConfig, cache_dir: Path | None,
+           log=print) -> tuple[dict[str, torch.Tensor], dict]:
+    """Return ``(state_dict, info)`` of the warmed-up policy, loading it from ``cache_dir`` when present.
+
+    ``info`` holds ``steps``, ``success`` (expected sampled success on the probe set), ``seconds``, ``cached``.
+    """
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"warmup-{cache_key(task, model_cfg, cfg)}.pt"
+        if path.exists():
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+            info = dict(blob["info"], cached=True)
+            log(f"warm-up: loaded {path} (expected success {info['success']:.3f})")
+            return blob["state"], info
+    import time
+
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = TinyLM(model_cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    probe = task.sample_numbers(cfg.probe, gen)
+    success = float(expected_success(model, task, probe).mean())
+    step = 0
+    while step < cfg.max_steps and success < cfg.target_success:
+        numbers = task.sample_numbers(cfg.batch, gen)
+        seq = torch.cat([task.prompts(numbers), task.answers(numbers)], dim=1)
+        logits = model(seq[:, :-1])[:, task.prompt_len - 1:]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, task.prompt_len:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % cfg.check_every == 0:
+            success = float(expected_success(model, task, probe).mean())
+    info = {"steps": step, "success": success, "seconds": time.perf_counter() - t0, "cached": False}
+    log(f"warm-up: {step} supervised steps, expected sampled success {success:.3f} ({info['seconds']:.1f} s)")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"state": state, "info": info}, tmp)
+        tmp.replace(path)
+    return state, info
