@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from offpolicy.ops import linear_sparse_log_softmax
+
 INF = float("inf")
 
 
@@ -84,3 +86,52 @@ def grads(loss: Tensor, leaves) -> list[Tensor | None]:
     present = [x for x in leaves if x is not None]
     got = iter(torch.autograd.grad(loss, present, allow_unused=True))
     return [None if x is None else next(got) for x in leaves]
+
+
+#: (value tolerance relative to 1 + max|x|, gradient tolerance relative to the largest entry); see the module
+#: docstring of tests/test_linear_log_softmax.py for the derivation.
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-5, 1e-3), torch.bfloat16: (2.0**-7, 2e-2)}
+
+
+def leaves(h, w, b):
+    return [h.clone().requires_grad_(), w.clone().requires_grad_(), None if b is None else b.clone().requires_grad_()]
+
+
+def check_against_reference(h, w, b, y, c, tau, *, support, skip=None, chunk_bytes=None, dtype=torch.float32,
+                            backend=None, device="cpu", grad_filter=None):
+    """Run the fused op on ``device`` and compare values and gradients with :func:`dense_reference` (see TOL)."""
+    vtol, gtol = TOL[dtype]
+    dev = torch.device(device)
+    hl, wl, bl = leaves(*(None if x is None else x.to(dev) for x in (h, w, b)))
+    mv = [None if x is None else x.to(dev) for x in (y, c, tau if isinstance(tau, Tensor) else None, skip)]
+    out = linear_sparse_log_softmax(hl, wl, mv[0], mv[1], tau if mv[2] is None else mv[2], bias=bl, support=support,
+                                    skip=mv[3], chunk_bytes=chunk_bytes, backend=backend, grad_filter=grad_filter)
+    out = type(out)(*(x.cpu() for x in out))
+    (rt, rc, rlse, rent), ref_leaves = dense_reference(h, w, b, y, c, tau, support=support, skip=skip)
+    for got in out:
+        assert got.dtype == torch.float32
+    scale = 1.0 + float(torch.nan_to_num(rlse, posinf=0.0).abs().max()) if rlse.numel() else 1.0
+    for got, ref in ((out.target, rt), (out.candidates, rc), (out.lse, rlse), (out.entropy, rent)):
+        ref = ref.detach()
+        assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), "finite pattern differs"
+        assert torch.equal(got == -float("inf"), ref == -float("inf"))
+        fin = torch.isfinite(ref)
+        if bool(fin.any()):
+            err = float((got.detach().double()[fin] - ref[fin]).abs().max())
+            assert err <= vtol * scale, f"value error {err} > {vtol * scale}"
+    got_g = [None if g is None else g.cpu() for g in grads(probe_loss(out.target, out.candidates), [hl, wl, bl])]
+    ref_g = grads(probe_loss(rt, rc), list(ref_leaves))
+    for name, g, r in zip(("dX", "dW", "dbias"), got_g, ref_g):
+        if r is None:
+            assert g is None or b is None
+            continue
+        assert g.dtype == {"dX": h.dtype, "dW": w.dtype, "dbias": None if b is None else b.dtype}[name]
+        assert g.shape == r.shape
+        if r.numel() == 0:
+            continue
+        # Floor: where the exact gradient cancels (V = 1, a support of one id) rounding leaves ~1e-7 residues of
+        # terms of size ~1 (unit-scale inputs and probe weights), so the scale is at least 1e-2.
+        top = float(r.abs().max())
+        err = float((g.double() - r).abs().max())
+        assert err <= gtol * max(top, 1e-2), f"{name} error {err} vs largest entry {top}"
+    return out

@@ -20,59 +20,23 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from linear_reference import dense_reference, grads, make_inputs, probe_loss
+from linear_reference import check_against_reference, grads, leaves, make_inputs, probe_loss
 
 from offpolicy.ops import VocabShard, linear_sparse_log_softmax, sparse_log_softmax
 from offpolicy.ops import linear_torch_backend as ltb
-
-TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-5, 1e-3), torch.bfloat16: (2.0**-7, 2e-2)}
-
-
-def _leaves(h, w, b):
-    return [h.clone().requires_grad_(), w.clone().requires_grad_(), None if b is None else b.clone().requires_grad_()]
-
-
-def _check_against_reference(h, w, b, y, c, tau, *, support, skip=None, chunk_bytes=None, dtype=torch.float32):
-    vtol, gtol = TOL[dtype]
-    hl, wl, bl = _leaves(h, w, b)
-    out = linear_sparse_log_softmax(hl, wl, y, c, tau, bias=bl, support=support, skip=skip, chunk_bytes=chunk_bytes)
-    (rt, rc, rlse, rent), leaves = dense_reference(h, w, b, y, c, tau, support=support, skip=skip)
-    for got in out:
-        assert got.dtype == torch.float32
-    scale = 1.0 + float(torch.nan_to_num(rlse, posinf=0.0).abs().max()) if rlse.numel() else 1.0
-    for got, ref in ((out.target, rt), (out.candidates, rc), (out.lse, rlse), (out.entropy, rent)):
-        ref = ref.detach()
-        assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), "finite pattern differs"
-        assert torch.equal(got == -float("inf"), ref == -float("inf"))
-        fin = torch.isfinite(ref)
-        if bool(fin.any()):
-            err = float((got.detach().double()[fin] - ref[fin]).abs().max())
-            assert err <= vtol * scale, f"value error {err} > {vtol * scale}"
-    got_g = grads(probe_loss(out.target, out.candidates), [hl, wl, bl])
-    ref_g = grads(probe_loss(rt, rc), list(leaves))
-    for name, g, r in zip(("dX", "dW", "dbias"), got_g, ref_g):
-        if r is None:
-            assert g is None or b is None
-            continue
-        assert g.dtype == {"dX": h.dtype, "dW": w.dtype, "dbias": None if b is None else b.dtype}[name]
-        top = float(r.abs().max())
-        err = float((g.double() - r).abs().max())
-        assert err <= gtol * max(top, 1e-12) + 1e-30, f"{name} error {err} vs largest entry {top}"
-    return out
-
 
 @pytest.mark.parametrize("support", [False, True])
 @pytest.mark.parametrize("chunk_bytes", [None, 1 << 14])
 @pytest.mark.parametrize("per_token_temp", [False, True])
 def test_matches_dense_reference_fp32(support, chunk_bytes, per_token_temp):
     h, w, b, y, c, tau = make_inputs(per_token_temp=per_token_temp)
-    _check_against_reference(h, w, b, y, c, tau, support=support, chunk_bytes=chunk_bytes)
+    check_against_reference(h, w, b, y, c, tau, support=support, chunk_bytes=chunk_bytes)
 
 
 @pytest.mark.parametrize("support", [False, True])
 def test_candidates_none_and_no_bias(support):
     h, w, _, y, _, tau = make_inputs(n=9, v=131, bias=False)
-    out = _check_against_reference(h, w, None, y, None, tau, support=support, chunk_bytes=1 << 14)
+    out = check_against_reference(h, w, None, y, None, tau, support=support, chunk_bytes=1 << 14)
     assert out.candidates.shape == (9, 0)
     if support:  # an empty support has no mass: lse = +inf, every log-probability -inf
         assert bool((out.lse == float("inf")).all()) and bool((out.target == -float("inf")).all())
@@ -84,15 +48,15 @@ def test_skipped_rows_and_duplicates(support):
     c[4, 1] = c[4, 0]  # a duplicated candidate id
     skip = torch.zeros(17, dtype=torch.bool)
     skip[[0, 5, 16]] = True
-    out = _check_against_reference(h, w, b, y, c, tau, support=support, skip=skip, chunk_bytes=1 << 14)
+    out = check_against_reference(h, w, b, y, c, tau, support=support, skip=skip, chunk_bytes=1 << 14)
     assert bool((out.lse[skip] == float("inf")).all()) and bool((out.entropy[skip] == 0).all())
 
 
 @pytest.mark.parametrize("support", [False, True])
 def test_all_rows_skipped_and_empty_batch(support):
     h, w, b, y, c, tau = make_inputs(n=4, v=40)
-    _check_against_reference(h, w, b, y, c, tau, support=support, skip=torch.ones(4, dtype=torch.bool))
-    hl, wl, bl = _leaves(h[:0], w, b)
+    check_against_reference(h, w, b, y, c, tau, support=support, skip=torch.ones(4, dtype=torch.bool))
+    hl, wl, bl = leaves(h[:0], w, b)
     out = linear_sparse_log_softmax(hl, wl, y[:0], c[:0], tau[:0], bias=bl, support=support)
     assert out.target.shape == (0,) and out.candidates.shape == (0, c.shape[1])
     gh, gw, gb = torch.autograd.grad(out.target.sum() + out.candidates.sum(), [hl, wl, bl], allow_unused=True)
@@ -105,14 +69,14 @@ def test_hostile_large_norms_and_masked_bias(support):
     h, w, b, y, c, _ = make_inputs(n=19, d=32, v=223, scale=300.0, seed=5)
     tau = torch.linspace(0.05, 10.0, 19)
     b[::4] = -float("inf")
-    _check_against_reference(h, w, b, y, c, tau, support=support, chunk_bytes=1 << 14)
+    check_against_reference(h, w, b, y, c, tau, support=support, chunk_bytes=1 << 14)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("support", [False, True])
 def test_low_precision_inputs(dtype, support):
     h, w, b, y, c, tau = make_inputs(n=21, d=32, v=263, dtype=dtype, seed=7)
-    _check_against_reference(h, w, b, y, c, tau, support=support, chunk_bytes=1 << 15, dtype=dtype)
+    check_against_reference(h, w, b, y, c, tau, support=support, chunk_bytes=1 << 15, dtype=dtype)
 
 
 @given(
@@ -126,15 +90,15 @@ def test_low_precision_inputs(dtype, support):
 )
 def test_property_random_shapes(n, d, v, k, support, seed, budget):
     h, w, b, y, c, tau = make_inputs(n=n, d=d, v=v, k=k, seed=seed, pad_frac=0.3)
-    _check_against_reference(h, w, b, y, c if k else None, tau, support=support, chunk_bytes=budget)
+    check_against_reference(h, w, b, y, c if k else None, tau, support=support, chunk_bytes=budget)
 
 
 @pytest.mark.parametrize("support", [False, True])
 def test_same_as_logits_path_on_materialised_logits(support):
     h, w, b, y, c, tau = make_inputs(n=15, v=120, seed=11)
-    hl, wl, bl = _leaves(h, w, b)
+    hl, wl, bl = leaves(h, w, b)
     fused = linear_sparse_log_softmax(hl, wl, y, c, tau, bias=bl, support=support)
-    h2, w2, b2 = _leaves(h, w, b)
+    h2, w2, b2 = leaves(h, w, b)
     dense = sparse_log_softmax(h2 @ w2.T + b2, y, c, tau, support=support)
     for a, r in zip(fused, dense):
         assert torch.allclose(a, r, atol=1e-5, rtol=0, equal_nan=False) or torch.equal(a, r)
@@ -159,7 +123,7 @@ def test_gradcheck_float64(support):
 def test_support_mode_touches_only_support_rows():
     # Zero gradient outside the support; invariant to any change of the weight rows outside it.
     h, w, b, y, c, tau = make_inputs(n=8, v=300, k=4, seed=17, pad_frac=0.0)
-    hl, wl, bl = _leaves(h, w, b)
+    hl, wl, bl = leaves(h, w, b)
     out = linear_sparse_log_softmax(hl, wl, y, c, tau, bias=bl, support=True)
     _, gw, gb = grads(probe_loss(out.target, out.candidates), [hl, wl, bl])
     used = torch.zeros(300, dtype=torch.bool)
@@ -253,7 +217,7 @@ def test_vocab_shards_in_process(monkeypatch, support):
         try:
             group.rank.value = rank
             lo, hi = bounds[rank], bounds[rank + 1]
-            hl, wl, bl = _leaves(h, w[lo:hi], b[lo:hi])
+            hl, wl, bl = leaves(h, w[lo:hi], b[lo:hi])
             out = linear_sparse_log_softmax(hl, wl, y, c, tau, bias=bl, support=support,
                                             shard=VocabShard(group, lo), chunk_bytes=1 << 13)
             results[rank] = (out, grads(probe_loss(out.target, out.candidates), [hl, wl, bl]))
@@ -267,7 +231,7 @@ def test_vocab_shards_in_process(monkeypatch, support):
     for t in threads:
         t.join()
     assert not errors, errors
-    hl, wl, bl = _leaves(h, w, b)
+    hl, wl, bl = leaves(h, w, b)
     full = linear_sparse_log_softmax(hl, wl, y, c, tau, bias=bl, support=support)
     g_full = grads(probe_loss(full.target, full.candidates), [hl, wl, bl])
     for out, _ in results:
