@@ -11,53 +11,59 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-#: fp32 bytes of one chunk's working buffer. Two such buffers live at once.
+#: Bytes of one chunk's working buffer (fp32, or float64 for float64 logits); two live at once in the forward.
 CHUNK_BYTES = 4 << 20
-
-
-def _row_chunks(n: int, v: int) -> range:
-    rows = max(1, CHUNK_BYTES // max(1, 4 * v))
-    return range(0, n, rows)
 
 
 def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row online-softmax statistics of ``x = logits * inv_temp`` over the whole (local) vocabulary.
 
     Args:
-        logits: ``[N, V]`` bf16/fp16/fp32, unit stride along ``V``.
-        inv_temp: ``[N]`` fp32, ``1 / tau``.
+        logits: ``[N, V]`` bf16/fp16/fp32/fp64, unit stride along ``V``.
+        inv_temp: ``[N]`` fp32 (float64 for float64 logits), ``1 / tau``.
         skip: ``[N]`` bool or None; skipped rows are not read and report ``s = 0``.
 
-    Returns (in ``inv_temp``'s dtype: fp32, or float64 for float64 logits):
+    Returns (in ``inv_temp``'s dtype):
         ``m [N]`` (row max, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
-        ``t [N] = sum exp(x - m) * (x - m)`` (so that entropy ``= log s - t / s``), all fp32.
+        ``t [N] = sum exp(x - m) * (x - m)`` (so that entropy ``= log s - t / s``).
     """
     n, v = logits.shape
-    m = torch.zeros(n, dtype=inv_temp.dtype, device=logits.device)
+    acc = inv_temp.dtype
+    m = torch.zeros(n, dtype=acc, device=logits.device)
     s = torch.zeros_like(m)
     t = torch.zeros_like(m)
-    if n == 0 or v == 0:
+    all_rows = skip is None or not bool(skip.any())
+    rows = torch.arange(n) if all_rows else (~skip).nonzero().view(-1).cpu()
+    if rows.numel() == 0 or v == 0:
         return m, s, t
-    step = _row_chunks(n, v).step
-    x_buf = torch.empty(min(step, n), v, dtype=inv_temp.dtype, device=logits.device)
+    step = _chunk_rows(v, acc)
+    x_buf = torch.empty(min(step, rows.numel()), v, dtype=acc, device=logits.device)
     e_buf = torch.empty_like(x_buf)
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        x, e = x_buf[: hi - lo], e_buf[: hi - lo]
-        torch.mul(logits[lo:hi], inv_temp[lo:hi, None], out=x)
-        mx = x.amax(dim=1)
-        mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-        x.sub_(mx[:, None])  # x - m <= 0, or -inf
+    for lo in range(0, rows.numel(), step):
+        idx = rows[lo : lo + step]
+        z = logits[int(idx[0]) : int(idx[-1]) + 1] if all_rows else logits[idx]
+        x, e = x_buf[: idx.numel()], e_buf[: idx.numel()]
+        it = inv_temp[idx]
+        # The max is taken on the raw logits (tau > 0), and x - m = (z - max z) / tau is formed by one subtraction
+        # of nearby values and one rounding: more accurate than z / tau - max(z / tau) when |z / tau| is large.
+        mz = z.amax(dim=1).to(acc)
+        mz = torch.where(torch.isfinite(mz), mz, torch.zeros_like(mz))
+        torch.sub(z, mz[:, None], out=x)
+        if not bool((it == 1).all()):
+            x.mul_(it[:, None])
         torch.exp(x, out=e)
-        x.clamp_(min=torch.finfo(x.dtype).min)  # -inf * 0 would be NaN in the entropy dot product; finfo.min * 0 = 0
-        m[lo:hi] = mx
-        s[lo:hi] = e.sum(dim=1)
-        t[lo:hi] = torch.linalg.vecdot(e, x)
-    if skip is not None:
-        s.masked_fill_(skip, 0.0)
-        t.masked_fill_(skip, 0.0)
-        m.masked_fill_(skip, 0.0)
+        s_c = e.sum(dim=1)
+        t_c = torch.bmm(e[:, None, :], x[:, :, None]).view(-1)  # sum e (x - m): a batched dot product
+        bad = torch.isnan(t_c)
+        if bool(bad.any()):  # rows holding -inf logits: exp gave 0 but 0 * -inf is NaN; drop those terms
+            xb = x[bad]
+            t_c[bad] = torch.where(e[bad] > 0, e[bad] * xb, torch.zeros_like(xb)).sum(dim=1)
+        m[idx], s[idx], t[idx] = mz * it, s_c, t_c
     return m, s, t
+
+
+def _chunk_rows(v: int, dtype: torch.dtype) -> int:
+    return max(1, CHUNK_BYTES // max(1, torch.finfo(dtype).bits // 8 * v))
 
 
 def full_grad(
@@ -74,27 +80,53 @@ def full_grad(
     Args:
         logits: ``[N, V]``; ``x = logits * inv_temp``.
         ids: ``[N, M]`` int64 local column ids, ``-1`` where the entry is padding or owned by another shard.
-        inv_temp: ``[N]`` fp32.
-        lse: ``[N]`` fp32 normaliser of ``x``; ``+inf`` marks a row with no mass (its ``p`` is 0).
-        grad: ``[N, M]`` fp32 upstream gradient of the gathered log-probabilities (0 at padding).
-        grad_sum: ``[N]`` fp32 ``sum`` of the row's gradient over *all* its entries (all shards).
+        inv_temp: ``[N]`` fp32 (float64 for float64 logits).
+        lse: ``[N]`` normaliser of ``x``; ``+inf`` marks a row with no mass (its ``p`` is 0).
+        grad: ``[N, M]`` upstream gradient of the gathered log-probabilities (0 at padding).
+        grad_sum: ``[N]`` ``sum`` of the row's gradient over *all* its entries (all shards).
         out: ``[N, V]`` output in the logits' dtype; may be ``logits`` itself (in-place gradient).
+
+    Rows whose dense part vanishes (``lse = +inf`` or ``grad_sum = 0``) are not read: they get the scatter only.
+    fp32 outputs are computed in place in ``out``; 16-bit outputs go through one fp32 chunk buffer so that each
+    element is rounded once.
     """
     n, v = logits.shape
     if n == 0 or v == 0:
         return out
-    step = _row_chunks(n, v).step
-    buf = torch.empty(min(step, n), v, dtype=inv_temp.dtype, device=logits.device)
-    coef = -(grad_sum * inv_temp)
+    acc = inv_temp.dtype
+    coef = -(grad_sum * inv_temp)  # dz = coef * p + scatter(g * inv_temp)
     g_scaled = torch.where(ids >= 0, grad * inv_temp[:, None], torch.zeros_like(grad))
     cols = ids.clamp_min(0)
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        x = buf[: hi - lo]
-        torch.mul(logits[lo:hi], inv_temp[lo:hi, None], out=x)
-        x.sub_(lse[lo:hi, None])
-        x.exp_()  # p; exactly 0 on rows whose lse is +inf
-        x.mul_(coef[lo:hi, None])  # -G p / tau
-        x.scatter_add_(1, cols[lo:hi], g_scaled[lo:hi])
-        out[lo:hi].copy_(x)
+    live = torch.isfinite(lse) & (coef != 0)
+    all_live = bool(live.all())
+    if not all_live:
+        dead = (~live).nonzero().view(-1)
+        out[dead] = 0
+        out[dead] = out[dead].scatter_add(1, cols[dead], g_scaled[dead].to(out.dtype))
+    rows = torch.arange(n) if all_live else live.nonzero().view(-1).cpu()
+    if rows.numel() == 0:
+        return out
+    # x / tau - lse = (z - tau lse) / tau: one subtraction, then the scale only when some tau != 1.
+    shift = lse / inv_temp
+    unit = bool((inv_temp == 1).all())
+    step = _chunk_rows(v, acc)
+    direct = out.dtype == acc and all_live
+    buf = None if direct else torch.empty(min(step, rows.numel()), v, dtype=acc, device=logits.device)
+    for lo in range(0, rows.numel(), step):
+        idx = rows[lo : lo + step]
+        sl = slice(int(idx[0]), int(idx[-1]) + 1)
+        z = logits[sl] if all_live else logits[idx]
+        x = out[sl] if direct else buf[: idx.numel()]
+        torch.sub(z, shift[idx, None], out=x)
+        if not unit:
+            x.mul_(inv_temp[idx, None])
+        x.exp_()  # p
+        x.mul_(coef[idx, None])  # -G p / tau
+        x.scatter_add_(1, cols[idx], g_scaled[idx])
+        if direct:
+            continue
+        if all_live:
+            out[sl].copy_(x)
+        else:
+            out[idx] = x.to(out.dtype)
     return out
