@@ -1,0 +1,312 @@
+"""What the serving adapters share: the per-turn record, multi-turn trajectories, collation into a
+:class:`~offpolicy.sampler.TokenBatch`, and the semantic checks on recorded log-probabilities.
+
+A *turn* is one generation request: the context sent (token ids), the tokens the server sampled, the sampler's
+log-probability of each (after temperature, renormalised over the support when sampling was filtered) and
+optionally a :class:`~offpolicy.candidates.Candidates` row per token. A *trajectory* strings turns together
+with non-trained tokens between them (tool outputs, chat-template markers), token in, token out: the next
+request's context must be exactly the trajectory so far, or the trainer would score tokens in a context the
+sampler never saw (the seed's "multi-turn context" mismatch source), so :meth:`Trajectory.add_turn` checks it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from offpolicy.candidates import SUPPORT_SUM_TOL, Candidates
+from offpolicy.sampler import TokenBatch
+
+#: Two log-probabilities of the same token from the same response agree to this (JSON floats are fp32 values
+#: printed with enough digits; servers compute them once, so only formatting can differ).
+SAME_VALUE_TOL = 1e-4
+#: Per-row spread allowed in ``log p_full(v) - log q_S(v)`` across a support (the constant ``log P(S)`` when
+#: both come from the post-temperature distribution). fp32 log-probs carry ~1e-6 relative error; the spread
+#: from raw (pre-temperature) log-probs is ``|1 - 1/T| * (z_max - z_min)``, orders of magnitude larger.
+OFFSET_SPREAD_TOL = 1e-3
+
+
+class RecordError(ValueError):
+    """A server response contradicts the semantics the correction relies on."""
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One generation request's sampled tokens and sampler records (``T`` tokens).
+
+    Attributes:
+        input_ids: the context the request sent (``None`` if unknown).
+        tokens: ``[T]`` int64 sampled ids.
+        sampler_logprobs: ``[T]`` fp32 ``lq`` of each sampled token.
+        candidates: ``[T, K]`` record (kind ``"head"`` or ``"support"``) or ``None``.
+        temperature, top_p, top_k: the sampling parameters used (``top_k=None``: off).
+        versions: per-token policy (weight) version strings, or ``None`` when the server reports none.
+        finish_reason: as the server reported it.
+    """
+
+    input_ids: tuple[int, ...] | None
+    tokens: Tensor
+    sampler_logprobs: Tensor
+    candidates: Candidates | None
+    temperature: float
+    top_p: float
+    top_k: int | None
+    versions: tuple[str, ...] | None = None
+    finish_reason: object = None
+
+    @property
+    def kind(self) -> str | None:
+        return self.candidates.kind if self.candidates is not None else None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class Trajectory:
+    """A multi-turn episode, token in, token out.
+
+    Example::
+
+        traj = Trajectory(prompt_ids)
+        body = sglang.build_request(traj.input_ids, max_new_tokens=256, top_p=0.95, top_k=512, record="support")
+        traj.add_turn(sglang.parse_response(post(body), body))
+        traj.add_tokens(tool_output_ids)              # not trained
+        body = sglang.build_request(traj.input_ids, ...)   # the next turn sees exactly the trajectory
+    """
+
+    def __init__(self, prompt_ids: Sequence[int]):
+        self._ids = [int(t) for t in prompt_ids]
+        if not self._ids:
+            raise ValueError("prompt_ids must hold at least one token")
+        self._turns: list[tuple[int, TurnRecord, bool, int | None]] = []
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The whole context so far (what the next request must send)."""
+        return list(self._ids)
+
+    @property
+    def turns(self) -> list[TurnRecord]:
+        return [t for _, t, _, _ in self._turns]
+
+    def add_turn(self, record: TurnRecord, trained: bool = True, version: int | None = None) -> None:
+        """Append a sampled turn. ``version`` overrides the record's per-token versions (e.g. for vLLM)."""
+        if record.input_ids is not None and list(record.input_ids) != self._ids:
+            n = next((i for i, (a, b) in enumerate(zip(record.input_ids, self._ids)) if a != b),
+                     min(len(record.input_ids), len(self._ids)))
+            raise RecordError(
+                f"the turn's request context differs from the trajectory at token {n} (request has "
+                f"{len(record.input_ids)} tokens, trajectory {len(self._ids)}): send traj.input_ids, token in "
+                "token out, or the trainer scores tokens in a context the sampler never saw"
+            )
+        self._turns.append((len(self._ids), record, trained, version))
+        self._ids.extend(int(t) for t in record.tokens.tolist())
+
+    def add_tokens(self, ids: Sequence[int]) -> None:
+        """Append tokens that were not sampled by the policy (tool output); they are never trained."""
+        self._ids.extend(int(t) for t in ids)
+
+
+def _version_ints(record: TurnRecord, override: int | None, version_of: Callable[[str], int]) -> list[int]:
+    if override is not None:
+        return [int(override)] * len(record)
+    if record.versions is None:
+        return [-1] * len(record)
+    try:
+        return [version_of(v) for v in record.versions]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"weight versions {sorted(set(record.versions))[:3]} are not integers: pass version_of= to map them"
+        ) from exc
+
+
+def collate(
+    trajectories: Sequence[Trajectory], pad_token_id: int = 0, version_of: Callable[[str], int] = int
+) -> tuple[Tensor, TokenBatch]:
+    """Right-pad trajectories into ``sequences [B, L]`` and flatten their sampled tokens into a TokenBatch.
+
+    ``TokenBatch.gather(trainer_model(sequences))`` then gives the trainer logits ``[N, V]`` of each sampled
+    token. Every turn must carry the same kind of candidate record (or none).
+    """
+    if not trajectories:
+        raise ValueError("trajectories must be non-empty")
+    kinds = {t.kind for traj in trajectories for t in traj.turns}
+    if len(kinds) > 1:
+        raise ValueError(f"turns carry different kinds of candidate records: {sorted(map(str, kinds))}")
+    kind = kinds.pop() if kinds else None
+    length = max(len(t.input_ids) for t in trajectories)
+    seqs = torch.full((len(trajectories), length), pad_token_id, dtype=torch.int64)
+    toks, lqs, masks, rows, cols, vers, temps, cid, clp = [], [], [], [], [], [], [], [], []
+    for b, traj in enumerate(trajectories):
+        ids = traj.input_ids
+        seqs[b, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        for start, rec, trained, override in traj._turns:
+            n = len(rec)
+            toks.append(rec.tokens.to(torch.int64))
+            lqs.append(rec.sampler_logprobs.float())
+            masks.append(torch.full((n,), trained, dtype=torch.bool))
+            rows.append(torch.full((n,), b, dtype=torch.int64))
+            cols.append(torch.arange(start, start + n, dtype=torch.int64))
+            vers.append(torch.tensor(_version_ints(rec, override, version_of), dtype=torch.int64))
+            temps.append(torch.full((n,), rec.temperature, dtype=torch.float32))
+            if rec.candidates is not None:
+                cid.append(rec.candidates.ids.to(torch.int64))
+                clp.append(rec.candidates.logprobs.float())
+    cat = (lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt))
+    cands = None
+    if kind is not None:
+        width = max(c.shape[1] for c in cid)
+        ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=-1) for c in cid])
+        lps = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=float("-inf")) for c in clp])
+        cands = Candidates(ids, lps, kind)
+    rows_t = cat(rows, torch.int64)
+    batch = TokenBatch(
+        tokens=cat(toks, torch.int64), sampler_logprobs=cat(lqs, torch.float32), candidates=cands,
+        loss_mask=cat(masks, torch.bool), seq_ids=rows_t, versions=cat(vers, torch.int64), rows=rows_t,
+        cols=cat(cols, torch.int64), temperature=cat(temps, torch.float32),
+    )
+    return seqs, batch
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+def check_temperature(temperature: float) -> None:
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise RecordError(
+            f"temperature {temperature!r}: sampling at temperature 0 is greedy decoding, which has no sampling "
+            "distribution (SGLang then also returns raw, un-tempered log-probs); importance ratios are undefined"
+        )
+
+
+def check_logprob_values(values: Tensor, what: str) -> None:
+    """Log-probabilities are finite (or -inf) and <= 0; positive values mean logits were returned."""
+    finite = values[torch.isfinite(values)]
+    if bool(torch.isnan(values).any()):
+        raise RecordError(f"{what}: NaN log-probability")
+    if finite.numel() and float(finite.max()) > SAME_VALUE_TOL:
+        raise RecordError(
+            f"{what}: value {float(finite.max()):.4g} > 0 is not a log-probability (were logits returned, e.g. "
+            "vLLM --logprobs-mode raw_logits / processed_logits?)"
+        )
+
+
+def check_head_rows(cands: Candidates, tokens: Tensor, lq: Tensor, where: str) -> None:
+    """Head rows: full-vocabulary probabilities (sum <= 1), and the sampled token agrees with its entry."""
+    mass = torch.exp(cands.logprobs.double()).sum(dim=1)
+    over = mass > 1.0 + SUPPORT_SUM_TOL
+    if bool(over.any()):
+        t = int(over.nonzero()[0])
+        raise RecordError(
+            f"{where}: top log-probs of token {t} sum to probability {float(mass[t]):.6f} > 1: these are not "
+            "full-vocabulary probabilities (renormalised values recorded as a head?)"
+        )
+    hit = (cands.ids == tokens[:, None]) & cands.valid
+    if bool(hit.any()):
+        entry = torch.where(hit, cands.logprobs, torch.zeros_like(cands.logprobs)).sum(dim=1)
+        rows = hit.any(dim=1)
+        diff = (entry[rows].double() - lq[rows].double()).abs()
+        if bool((diff > SAME_VALUE_TOL).any()):
+            t = int(rows.nonzero()[int(diff.argmax())])
+            raise RecordError(
+                f"{where}: the sampled token's log-prob ({float(lq[t]):.6f}) and its top-logprob entry "
+                f"({float(entry[t]):.6f}) differ at token {t}: the two come from different distributions"
+            )
+
+
+def check_support_rows(cands: Candidates, tokens: Tensor, lq: Tensor, where: str) -> None:
+    """Support rows: non-empty, sum to 1, contain the sampled token whose log-prob matches its entry."""
+    valid = cands.valid
+    empty = ~valid.any(dim=1)
+    if bool(empty.any()):
+        raise RecordError(f"{where}: token {int(empty.nonzero()[0])} has an empty sampling support")
+    sums = torch.exp(cands.logprobs.double()).sum(dim=1)
+    off = (sums - 1.0).abs() > SUPPORT_SUM_TOL
+    if bool(off.any()):
+        t = int(off.nonzero()[0])
+        raise RecordError(
+            f"{where}: the support of token {t} sums to probability {float(sums[t]):.6f}, not 1: support "
+            "log-probs must be renormalised over the support (full-vocabulary values were returned; SGLang: "
+            "sampling_logprobs_mode='support', vLLM: --logprobs-mode processed_logprobs)"
+        )
+    hit = (cands.ids == tokens[:, None]) & valid
+    outside = ~hit.any(dim=1)
+    if bool(outside.any()):
+        t = int(outside.nonzero()[0])
+        raise RecordError(f"{where}: sampled token {int(tokens[t])} at position {t} is outside its support")
+    entry = torch.where(hit, cands.logprobs, torch.zeros_like(cands.logprobs)).sum(dim=1)
+    diff = (entry.double() - lq.double()).abs()
+    if bool((diff > SAME_VALUE_TOL).any()):
+        t = int(diff.argmax())
+        raise RecordError(
+            f"{where}: sampled token {t}'s log-prob {float(lq[t]):.6f} differs from its support entry "
+            f"{float(entry[t]):.6f}: the sampled log-prob must be renormalised over the support too"
+        )
+
+
+def check_support_offsets(
+    cands: Candidates, full_ids: Tensor, full_logprobs: Tensor, where: str
+) -> None:
+    """Post-temperature check: full-vocabulary log-probs minus support log-probs are one constant per row.
+
+    ``log p_T(v) - log q_S(v) = log P_T(S)`` for every ``v`` in ``S`` when both sides come from the same
+    post-temperature distribution ``p_T``. Raw (pre-temperature) full-vocabulary values give
+    ``(1 - 1/T) z_v + const`` instead, which varies across the support. ``full_ids`` / ``full_logprobs`` are
+    ``[T, J]`` full-vocabulary entries (``-1`` / ``-inf`` padding), e.g. the top log-probs.
+    """
+    n = cands.ids.shape[0]
+    hi = torch.full((n,), -math.inf, dtype=torch.float64)
+    lo = torch.full((n,), math.inf, dtype=torch.float64)
+    count = torch.zeros(n, dtype=torch.int64)
+    for j in range(full_ids.shape[1]):  # J is small (the requested top log-probs); [T, K] work per entry
+        hit = (cands.ids == full_ids[:, j : j + 1]) & cands.valid & (full_ids[:, j : j + 1] >= 0)
+        found = hit.any(dim=1) & torch.isfinite(full_logprobs[:, j])
+        entry = torch.where(hit, cands.logprobs, torch.zeros_like(cands.logprobs)).sum(dim=1).double()
+        d = full_logprobs[:, j].double() - entry
+        hi = torch.where(found, torch.maximum(hi, d), hi)
+        lo = torch.where(found, torch.minimum(lo, d), lo)
+        count += found.to(torch.int64)
+    spread = torch.where(count >= 2, hi - lo, torch.zeros_like(hi))
+    if bool((spread > OFFSET_SPREAD_TOL).any()):
+        t = int(spread.argmax())
+        raise RecordError(
+            f"{where}: at token {t} full-vocabulary minus support log-probs vary by {float(spread[t]):.4g} across "
+            "the support; they must differ by the constant log P(S). The full-vocabulary values are not the "
+            "post-temperature distribution (raw log-probs: SGLANG_RETURN_ORIGINAL_LOGPROB, or vLLM raw_logprobs?)"
+        )
+    above = (count > 0) & (hi > SAME_VALUE_TOL)
+    if bool(above.any()):
+        t = int(above.nonzero()[0])
+        raise RecordError(
+            f"{where}: at token {t} a full-vocabulary log-prob exceeds the support-renormalised one "
+            f"(log P(S) = {float(hi[t]):.4g} > 0): renormalised and full-vocabulary values are confused"
+        )
+
+
+def check_calibration(tokens: Tensor, cands: Candidates, z_max: float = 6.0) -> float:
+    """Statistical post-temperature check of head records over many sampled tokens; returns ``z``.
+
+    If the record is the distribution the tokens were drawn from, ``P(y_t in H_t) = Q_H,t`` (the recorded head
+    mass) exactly, so ``S = sum_t 1[y_t in H_t]`` has mean ``sum_t Q_H,t`` and variance
+    ``s^2 = sum_t Q_H,t (1 - Q_H,t)``. Raw log-probs recorded for tokens drawn at ``T < 1`` understate the head
+    mass (``S`` runs high); at ``T > 1`` they overstate it. We raise when
+    ``|S - E S| > z_max * sqrt(s^2 + 9)``. By Bernstein's inequality (increments bounded by 1) the chance of
+    that under a correct record is at most ``2 exp(-t^2 / (2 (s^2 + t / 3)))`` with ``t = z_max sqrt(s^2 + 9)``,
+    which for ``z_max = 6`` is below ``2e-7`` whatever ``s``; the ``+ 9`` keeps rows with ``Q_H`` near 1 from
+    turning one rare miss into a false alarm.
+    """
+    if cands.kind != "head":
+        raise ValueError("check_calibration applies to head records")
+    q_head = torch.exp(cands.logprobs.double()).sum(dim=1).clamp(0.0, 1.0)
+    inside = ((cands.ids == tokens[:, None]) & cands.valid).any(dim=1).double()
+    var = float((q_head * (1 - q_head)).sum())
+    z = float((inside - q_head).sum()) / math.sqrt(var + 9.0)
+    if abs(z) > z_max:
+        raise RecordError(
+            f"head records are miscalibrated: sampled tokens fall in the recorded top-K {int(inside.sum())} times "
+            f"against {float(q_head.sum()):.1f} expected (z = {z:.1f}). The log-probs are not the distribution "
+            "the tokens were drawn from: raw (pre-temperature) log-probs, or a filtered sampler recorded as a head?"
+        )
+    return z
