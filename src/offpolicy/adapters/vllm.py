@@ -194,6 +194,8 @@ def _record(
         ids = torch.full((n, width), -1, dtype=torch.int64)
         lps = torch.full((n, width), float("-inf"))
         for t, m in enumerate(masks):
+            if sampled[t] not in set(int(v) for v in m):
+                raise RecordError(f"{where}: sampled token {sampled[t]} at position {t} is outside its support")
             known = {**tops[t], sampled[t]: sampled_lp[t]}
             missing = [int(v) for v in m if not math.isfinite(known.get(int(v), float("-inf")))]
             if missing:
