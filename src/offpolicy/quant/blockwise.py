@@ -174,17 +174,43 @@ _QUANTIZERS = {"fp8": quantize_fp8_blockwise, "nvfp4": quantize_nvfp4, "mxfp4": 
 _DEQUANTIZERS = {"fp8": _dequantize_fp8, "nvfp4": _dequantize_nvfp4, "mxfp4": _dequantize_mxfp4}
 
 
-def quantize(x: Tensor, fmt: str) -> QuantizedTensor:
-    """Quantise ``x`` to packed storage in format ``fmt`` (``"fp8"``, ``"nvfp4"`` or ``"mxfp4"``)."""
+def quantize(x: Tensor, fmt: str, backend: str = "torch") -> QuantizedTensor:
+    """Quantise ``x`` to packed storage in format ``fmt`` (``"fp8"``, ``"nvfp4"`` or ``"mxfp4"``).
+
+    ``backend="triton"`` runs the bit-identical kernels of ``offpolicy.kernels.quant`` (GPU, or Triton's CPU
+    interpreter with ``TRITON_INTERPRET=1``).
+    """
     if fmt not in _QUANTIZERS:
         raise ValueError(f"quantize: fmt must be one of {sorted(_QUANTIZERS)}, got {fmt!r}")
-    return _QUANTIZERS[fmt](x)
+    if backend == "torch":
+        return _QUANTIZERS[fmt](x)
+    if backend != "triton":
+        raise ValueError(f"quantize: backend must be 'torch' or 'triton', got {backend!r}")
+    from offpolicy.kernels import quant as kq
+
+    if fmt == "fp8":
+        data, scales = kq.quantize_fp8(x)
+        return QuantizedTensor("fp8", data, scales, None, tuple(x.shape), x.dtype, BLOCKS["fp8"])
+    data, scales, ts = kq.quantize_fp4(x, fmt)
+    return QuantizedTensor(fmt, data, scales, ts, tuple(x.shape), x.dtype, BLOCKS[fmt])
 
 
-def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> Tensor:
+def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None, backend: str = "torch") -> Tensor:
     """Decode a :class:`QuantizedTensor` to its original shape, in ``dtype`` (default: the original dtype)."""
     if qt.format not in _DEQUANTIZERS:
         raise ValueError(f"dequantize: unknown format {qt.format!r}")
-    full = _DEQUANTIZERS[qt.format](qt)
     cols = qt.shape[-1]
+    if backend == "torch":
+        full = _DEQUANTIZERS[qt.format](qt)
+    elif backend == "triton":
+        from offpolicy.kernels import quant as kq
+
+        if qt.block != BLOCKS[qt.format]:
+            raise ValueError(f"dequantize: the Triton kernels use the standard blocks {BLOCKS[qt.format]}")
+        if qt.format == "fp8":
+            full = kq.dequantize_fp8(qt.data, qt.scales)
+        else:
+            full = kq.dequantize_fp4(qt.data, qt.scales, qt.tensor_scale, cols, qt.format)
+    else:
+        raise ValueError(f"dequantize: backend must be 'torch' or 'triton', got {backend!r}")
     return full[:, :cols].reshape(qt.shape).to(dtype or qt.dtype)
