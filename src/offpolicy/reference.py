@@ -225,7 +225,7 @@ def reference_metrics(
         "kl_k3": float((r - 1 - log_r).sum() / n),
         "abs_log_ratio_mean": float(log_r.abs().sum() / n),
         "abs_log_ratio_max": float(log_r.abs().max()) if log_r.numel() else 0.0,
-        "extreme_ratio_frac": float(((r < EXTREME[0]) | (r > EXTREME[1])).sum() / n),
+        "extreme_ratio_frac": float(((r < EXTREME[0]) | (r > EXTREME[1])).double().sum() / n),
         "weight_mean": float(w.sum() / n),
         "ess": float(w.sum() ** 2 / (n * (w**2).sum())) if float((w**2).sum()) > 0 else 0.0,
     }
