@@ -36,9 +36,18 @@ def _mean(x: Tensor, sel: Tensor) -> Tensor:
 
 
 def _max(x: Tensor, sel: Tensor) -> Tensor:
+    """Max of a non-negative quantity over the selection; 0 for an empty one. Branch-free (no host sync)."""
     if x.numel() == 0:
         return x.new_zeros(())
-    return torch.where(sel, x, torch.full_like(x, -math.inf)).max().clamp_min(0) if sel.any() else x.new_zeros(())
+    return torch.where(sel, x, torch.full_like(x, -math.inf)).amax().clamp_min(0)
+
+
+def _min(x: Tensor, sel: Tensor) -> Tensor:
+    """Min over the selection; 0 for an empty one."""
+    if x.numel() == 0:
+        return x.new_zeros(())
+    low = torch.where(sel, x, torch.full_like(x, math.inf)).amin()
+    return torch.where(torch.isfinite(low), low, torch.zeros_like(low))
 
 
 def _token_stats(lr: Tensor, w: Tensor, sel: Tensor, corr: Correction) -> dict[str, Tensor]:
@@ -52,7 +61,7 @@ def _token_stats(lr: Tensor, w: Tensor, sel: Tensor, corr: Correction) -> dict[s
         "abs_log_ratio_max": _max(lr.abs(), sel),
         "extreme_ratio_frac": _mean(_extreme(lr).to(lr.dtype), sel),
         "weight_mean": _mean(w, sel),
-        "weight_min": -_max(-w, sel) if bool(sel.any()) else w.new_zeros(()),
+        "weight_min": _min(w, sel),
         "weight_max": _max(w, sel),
         "ratio_below_lower_frac": _mean((lr < _log(corr.lower)).to(lr.dtype), sel),
         "ratio_above_upper_frac": _mean((lr > _log(corr.upper)).to(lr.dtype), sel),
