@@ -413,6 +413,27 @@ def test_float64_logits_use_the_torch_path():
 # ---------------------------------------------------------------- torch.compile
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_custom_ops_opcheck(backend):
+    """``torch.library.opcheck``: schemas (the in-place op declares its mutation), fake kernels, AOT dispatch."""
+    from offpolicy.ops import library
+
+    gen = torch.Generator().manual_seed(9)
+    z = torch.randn(4, 50, generator=gen).to(DEVICE)
+    inv = torch.full((4,), 1.2, device=DEVICE)
+    skip = torch.tensor([False, True, False, False], device=DEVICE)
+    ids = torch.tensor([[1, 1, -1], [2, 3, 4], [0, 49, 7], [5, 5, 5]], device=DEVICE)
+    g = torch.where(ids >= 0, torch.randn(4, 3, generator=gen).to(DEVICE), 0.0)
+    lse = torch.logsumexp(z * inv[:, None], 1)
+    for op, args in [
+        (library.full_stats, (z, inv, skip, backend)),
+        (library.full_grad, (z, ids, inv, lse, g, g.sum(1), backend)),
+        (library.full_grad_inplace_, (z.clone(), ids, inv, lse, g, g.sum(1), backend)),
+    ]:
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
 def _primitive(z, y, c, tau, support, backend):
     out = ops.sparse_log_softmax(z, y, c, tau, support=support, backend=backend)
     return out.target.sum() + torch.where(c >= 0, out.candidates, 0.0).sum(), out.entropy
