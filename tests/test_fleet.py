@@ -224,3 +224,15 @@ def test_table_rejects_bad_inputs():
         fm.update_from_metrics({"group/0/kl_k1": 0.0})
     fm.update(torch.tensor([0]), torch.tensor([float("-inf")]), torch.tensor([float("-inf")]))
     assert fm.table().rows[0].kl_k3 == 0.0
+
+
+def test_docs_examples_run():
+    # every python block of docs/fleet.md runs as written (they assert their own claims)
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "fleet.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/fleet.md#{i}", "exec"), {})
