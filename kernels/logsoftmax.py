@@ -74,8 +74,9 @@ def _row_stats_kernel(
         ref = tl.where(new_m == neg_inf, 0.0, new_m)
         a = tl.exp(m - ref)  # 0 while m = -inf, 1 when the max did not move
         shift = tl.where(m == neg_inf, 0.0, m - ref)
-        # d is clamped to the lowest fp32 so that e * d = 0 * finite = 0 where x = -inf (not 0 * -inf = NaN).
-        d = tl.maximum(x - ref, _FP32_LOWEST)
+        # d is clamped to the lowest fp32 so that e * d = 0 * finite = 0 where x = -inf (not 0 * -inf = NaN);
+        # a NaN logit stays NaN (and so does s: the caller sees it).
+        d = tl.maximum(x - ref, _FP32_LOWEST, propagate_nan=tl.PropagateNan.ALL)
         e = tl.exp(d)
         t_acc = a * (t_acc + s_acc * shift) + e * d
         s_acc = a * s_acc + e

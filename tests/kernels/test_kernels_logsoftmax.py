@@ -104,11 +104,14 @@ def test_row_stats_match_float64(dtype, block):
     skip = torch.zeros(n, dtype=torch.bool, device=DEVICE)
     skip[5] = True
     z[5] = float("nan")  # a skipped row is never read: NaN there must not show
+    z[7, 3] = float("nan")  # a NaN logit in a read row must show (the caller turns it into an error)
     m, s, t = kernels.row_stats(z, inv_temp, skip, block=block)
     assert m.dtype == s.dtype == t.dtype == torch.float32
     assert m[5] == 0 and s[5] == 0 and t[5] == 0
     assert m[1] == 0 and s[1] == 0 and t[1] == 0  # all -inf
+    assert bool(torch.isnan(s[7]))
     live = ~skip.cpu()
+    live[7] = False
     lse_ref, ent_ref, x = ref_stats(z.cpu()[live], inv_temp.cpu()[live])
     m, s, t = m.cpu()[live].double(), s.cpu()[live].double(), t.cpu()[live].double()
     has = s > 0
