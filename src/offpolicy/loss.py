@@ -75,6 +75,7 @@ def policy_loss(
     proximal_logprobs: Tensor | None = None,
     num_sequences: float | Tensor | None = None,
     constant_normalizer: float | None = None,
+    cp_group=None,
     current_version: int | None = None,
     inplace_grad: bool = False,
     backend: str | None = None,
@@ -99,11 +100,18 @@ def policy_loss(
         groups: ``[N]`` int sampler group of each token, for per-group metrics.
         versions: ``[N]`` int policy version that sampled each token, for per-staleness metrics.
         tp_group: ``torch.distributed`` group over which the vocabulary is split; ``vocab_start`` is this
-            rank's first id.
+            rank's first id. The shards must tile ``[0, V)`` (checked with one small all-gather when validating);
+            ``V`` is the global vocabulary that tokens and candidates are checked against. Exclude padded
+            vocabulary columns by passing only the real ones (e.g. ``logits[:, :real_width]``).
         hidden, weight, bias: the fused-linear input (instead of ``logits``).
         proximal_logprobs: ``[N]`` ``log pi_prox(y_t)`` for decoupled PPO (``correction.ppo_clip``).
         num_sequences: global sequence count for the sequence aggregations.
         constant_normalizer: the divisor of ``aggregation="constant"``.
+        cp_group: ``torch.distributed`` group over which the tokens of each sequence are split (context
+            parallelism). Sequence statistics (sequence and geometric log-ratios, OPSM and veto, per-sequence token
+            counts), the default ``token_mean`` count and the ``batch_normalize`` mean are all-reduced over it;
+            ``seq_ids`` must then name the same sequence on every rank (ids ``>= 0``), and ``loss`` is this rank's
+            share: the shares sum to the whole batch's loss. Metrics stay per rank.
         current_version: the trainer's policy version (staleness = current - version); default the newest.
         inplace_grad: write the logits' gradient into ``logits`` (saves an ``[N, V]`` buffer; the logits are
             overwritten by the backward and autograd's version check is bypassed).
@@ -119,7 +127,7 @@ def policy_loss(
         _validate(
             logits, hidden, weight, bias, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature,
             corr, seq_ids, aggregation, num_loss_tokens, num_sequences, constant_normalizer, groups, versions,
-            proximal_logprobs, tp_group,
+            proximal_logprobs, tp_group, vocab_start,
         )
     n = tokens.shape[0]
     device = tokens.device
@@ -140,7 +148,7 @@ def policy_loss(
     adv = advantages.to(dtype).detach()
     zero = torch.zeros_like(logp_y)
     log_r = torch.where(active, logp_y.detach() - lq, zero)
-    seg = Segments.from_ids(seq_ids, active) if seq_ids is not None else None
+    seg = Segments.from_ids(seq_ids, active, cp_group) if seq_ids is not None else None
 
     # The ratio that importance-weights the sampled token: p/q, or pi_prox/q under decoupled PPO.
     log_w = log_r if proximal_logprobs is None else torch.where(active, proximal_logprobs.to(dtype) - lq, zero)
@@ -152,7 +160,8 @@ def policy_loss(
     if corr.batch_normalize:
         # A batch constant, applied to the weights and the centering coefficients alike: drift stays zero.
         sel = active if kept is None else active & kept
-        mean_w = w.sum() / sel.sum().clamp_min(1)
+        w_sum, n_sel = _group_sum(torch.stack([w.sum(), sel.sum().to(dtype)]), cp_group)
+        mean_w = w_sum / n_sel.clamp_min(1)
         scale = torch.where(mean_w > 0, 1.0 / mean_w.clamp_min(torch.finfo(dtype).tiny), torch.ones_like(mean_w))
         w = w * scale
 
@@ -173,14 +182,54 @@ def policy_loss(
             policy_term = policy_term - torch.where(coef != 0, coef * lp.candidates, torch.zeros_like(coef)).sum(1)
         token_loss = -adv * policy_term
     token_loss = torch.where(trained, token_loss, zero)
-    loss = aggregate(token_loss, active, aggregation, seg, num_loss_tokens, num_sequences, constant_normalizer)
+    loss = aggregate(
+        token_loss, active, aggregation, seg, num_loss_tokens, num_sequences, constant_normalizer, cp_group
+    )
 
     metrics = policy_metrics(
         log_ratio=log_r, weight=w, active=active, entropy=lp.entropy, corr=corr, kept=kept, centering=centering,
-        cand_valid=(candidates.ids >= 0) if candidates is not None else None, seg=seg, groups=groups,
+        cand_valid=(candidates.ids >= 0) if candidates is not None else None,
+        seg=seg.local() if seg is not None else None, groups=groups,
         versions=versions, current_version=current_version,
     )
     return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach())
+
+
+def _group_sum(x: Tensor, group) -> Tensor:
+    """``x`` summed over ``group`` (a detached all-reduce), or ``x`` itself without a group."""
+    if group is None:
+        return x
+    import torch.distributed as dist
+
+    x = x.detach().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def _global_vocab(group, vocab_start: int, v_local: int, n: int, device) -> int:
+    """Size of the vocabulary split over ``group``, checking that the shards tile ``[0, V)`` and agree on ``N``.
+
+    One all-gather of three integers per rank.
+    """
+    import torch.distributed as dist
+
+    mine = torch.tensor([vocab_start, v_local, n], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    # Shards without columns (a rank holding only vocabulary padding) may sit anywhere.
+    shards = sorted((int(x[0]), int(x[1])) for x in every if int(x[1]) > 0)
+    rows = {int(x[2]) for x in every}
+    if len(rows) != 1:
+        raise ValueError(f"tp_group: the ranks hold different numbers of rows {sorted(rows)}; each needs all N rows")
+    end = 0
+    for start, width in shards:
+        if start != end:
+            raise ValueError(
+                f"vocab_start: the shards (start, width) {shards} do not tile [0, V) (expected a shard at {end}); "
+                "each rank passes its first vocabulary id"
+            )
+        end = start + width
+    return end
 
 
 def _log_probs(logits, hidden, weight, bias, tokens, cand_ids, temperature, support, skip, shard, inplace_grad,
@@ -210,7 +259,7 @@ def _vector(name: str, x, n: int, device, kind: str) -> None:
 
 def _validate(logits, hidden, weight, bias, tokens, lq, adv, candidates, loss_mask, temperature, corr, seq_ids,
               aggregation, num_loss_tokens, num_sequences, constant_normalizer, groups, versions, proximal,
-              tp_group) -> None:
+              tp_group, vocab_start) -> None:
     if not isinstance(corr, Correction):
         raise TypeError(f"correction must be an offpolicy.Correction, got {type(corr).__name__}")
     if logits is not None and (hidden is not None or weight is not None):
@@ -251,7 +300,7 @@ def _validate(logits, hidden, weight, bias, tokens, lq, adv, candidates, loss_ma
         active = loss_mask.to(torch.bool)
     else:
         active = torch.ones(n, dtype=torch.bool, device=device)
-    vocab = None if tp_group is not None else v
+    vocab = v if tp_group is None else _global_vocab(tp_group, vocab_start, v, n, device)
     if n and bool((tokens < 0).any()):
         raise ValueError(f"tokens: id {int(tokens.min())} is negative")
     if n and vocab is not None and bool((tokens >= vocab).any()):
