@@ -469,13 +469,10 @@ def test_compile_fullgraph_sparse_log_softmax(backend, compiler):
         torch.testing.assert_close(got_z.grad, want_z.grad)
 
 
-@pytest.mark.xfail(
-    raises=torch._dynamo.exc.Unsupported, strict=True,
-    reason="offpolicy/metrics.py branches on tensors (_max: `if sel.any()`; weight_min: bool(sel.any())); "
-    "remove this marker once the metrics are branchless",
-)  # fmt: skip
-def test_compile_fullgraph_policy_loss():
-    """``torch.compile(fullgraph=True)`` over ``op.policy_loss`` (head candidates, MIS + score centering)."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compile_fullgraph_policy_loss(backend):
+    """``torch.compile(fullgraph=True)`` over ``op.policy_loss`` (head candidates, MIS + score centering), with
+    aot_eager: tracing, fake kernels and the joint graph, without inductor's codegen."""
     import offpolicy as op
 
     torch._dynamo.reset()
@@ -490,7 +487,7 @@ def test_compile_fullgraph_policy_loss():
     corr = op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True)
 
     def loss_fn(z):
-        return op.policy_loss(z, y, lq, adv, cands, temperature=0.9, correction=corr).loss
+        return op.policy_loss(z, y, lq, adv, cands, temperature=0.9, correction=corr, backend=backend).loss
 
     got_z, want_z = z.clone().requires_grad_(), z.clone().requires_grad_()
     got = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(got_z)
