@@ -61,7 +61,7 @@ class RunConfig:
     fleet: str
     seed: int = 0
     steps: int = 150
-    prompts: int = 32
+    prompts: int = 16
     samples: int = 8
     lr: float = 1e-3
     grad_clip: float = 1.0
