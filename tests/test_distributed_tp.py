@@ -200,6 +200,61 @@ def _low_precision_case(group, rank_in_group, bounds, dtype):
     close("bf16 grad", shard.grad.float(), want_grad[:, start:end].float(), rtol=2 ** -7, atol=1e-6)
 
 
+LINEAR_MODES = {
+    "none-plain": (None, op.Correction()),
+    "head-mis-sc": ("head", op.Correction(weights="mis", score_centering=True)),
+    "support-tis-sc": ("support", op.Correction(weights="tis", score_centering=True)),
+    "head-geo": ("head", op.Correction(weights="mis", level="geometric", bounds=(0.7, 1.4))),
+}
+
+
+def _linear_case(group, rank_in_group, bounds, name, with_bias):
+    """Fused-linear path: each rank holds rows ``[start, end)`` of the output weight (and bias).
+
+    The weight (and bias) gradient shard equals the single-process one; the hidden gradient of each rank is its
+    shard's part, and their sum over the group (what Megatron's ``copy_to_tensor_model_parallel_region``
+    backward all-reduces) equals the single-process hidden gradient. Both are checked against the logits path of
+    the float64 reference with ``z = h W^T + b``.
+    """
+    kind, corr = LINEAR_MODES[name]
+    b = make_batch(seed=8, kind=kind, temperature="per_token")
+    gen = torch.Generator().manual_seed(9)
+    d = 12
+    v = b.logits.shape[1]
+    h = torch.randn(b.n, d, generator=gen, dtype=torch.float64)
+    w = torch.randn(v, d, generator=gen, dtype=torch.float64) * 0.6
+    bias = torch.randn(v, generator=gen, dtype=torch.float64) if with_bias else None
+    agg = "seq_mean_token_mean"
+    kw = loss_kwargs(b, corr, agg)
+    h1, w1 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    b1 = bias.clone().requires_grad_(True) if with_bias else None
+    want = op.policy_loss(hidden=h1, weight=w1, bias=b1, **kw)
+    want.loss.backward()
+    start, end = bounds[rank_in_group]
+    h2, w2 = h.clone().requires_grad_(True), w[start:end].clone().requires_grad_(True)
+    b2 = bias[start:end].clone().requires_grad_(True) if with_bias else None
+    out = op.policy_loss(hidden=h2, weight=w2, bias=b2, **kw, tp_group=group, vocab_start=start)
+    out.loss.backward()
+    h_grad = h2.grad.clone()
+    dist.all_reduce(h_grad, group=group)
+    close(f"linear {name} loss", out.loss.detach(), want.loss.detach(), **F64)
+    close(f"linear {name} weight grad", w2.grad, w1.grad[start:end], **F64)
+    close(f"linear {name} hidden grad (summed over TP)", h_grad, h1.grad, **F64)
+    if with_bias:
+        close(f"linear {name} bias grad", b2.grad, b1.grad[start:end], **F64)
+    # The float64 oracle on the materialised logits.
+    zb = b.logits.new_tensor(0.0)
+    ref_h, ref_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    z = ref_h @ ref_w.T + (bias if with_bias else zb)
+    from offpolicy.reference import reference_policy_loss
+
+    ref_loss, _, _ = reference_policy_loss(z, **kw)
+    ref_loss.backward()
+    close(f"linear {name} loss vs reference", out.loss.detach(), ref_loss.detach(), **REF)
+    close(f"linear {name} weight grad vs reference", w2.grad, ref_w.grad[start:end], **REF)
+    close(f"linear {name} hidden grad vs reference", h_grad, ref_h.grad, **REF)
+
+
 def _worker(rank: int, world: int, layouts: tuple[str, ...]) -> dict[str, str | None]:
     """Run every case on every group layout named in ``layouts``; return this rank's verdicts."""
     torch.manual_seed(0)
@@ -225,6 +280,8 @@ def _worker(rank: int, world: int, layouts: tuple[str, ...]) -> dict[str, str | 
             cases[f"{layout}/trap"] = functools.partial(_trap_case, group, r, bounds)
             cases[f"{layout}/validation"] = functools.partial(_validation_case, group, r, bounds)
             cases[f"{layout}/bf16"] = functools.partial(_low_precision_case, group, r, bounds, torch.bfloat16)
+            for i, name in enumerate(LINEAR_MODES):
+                cases[f"{layout}/linear-{name}"] = functools.partial(_linear_case, group, r, bounds, name, i % 2 == 1)
     return run_cases(cases)
 
 
@@ -235,6 +292,7 @@ def _case_names(world: int, layouts: tuple[str, ...]) -> list[str]:
         names += [f"{layout}/{g[0]}" for g in grid]
         if layout == "world":
             names += [f"{layout}/{x}" for x in ("fp32", "padded-neg_inf", "padded-sliced", "trap", "validation", "bf16")]
+            names += [f"{layout}/linear-{name}" for name in LINEAR_MODES]
     return names
 
 
