@@ -123,20 +123,21 @@ class _SparseLogSoftmaxFn(torch.autograd.Function):
             if shard is not None:
                 m, s, t, x = _combine_shards(shard, m, s, t, x)
             x = x.masked_fill(pad, -_INF)
-            has_mass = s > 0
+            has_mass = s != 0  # NaN (a NaN logit) propagates into lse and the log-probabilities
             safe_s = torch.where(has_mass, s, torch.ones_like(s))
             lse = torch.where(has_mass, m + torch.log(safe_s), torch.full_like(m, _INF))
             entropy = torch.where(has_mass, torch.log(safe_s) - t / safe_s, torch.zeros_like(s))
         logp = x - lse[:, None]
-        ctx.save_for_backward(logits, local, inv_temp, lse, x if support else None)
+        ctx.save_for_backward(logits, local, inv_temp, lse, pad, x if support else None)
         ctx.support, ctx.inplace_grad, ctx.backend_name = support, inplace_grad, backend_name
         ctx.mark_non_differentiable(lse, entropy)
         return logp, lse, entropy
 
     @staticmethod
     def backward(ctx, g, _g_lse, _g_entropy):
-        logits, local, inv_temp, lse, x = ctx.saved_tensors
-        valid = torch.isfinite(lse)[:, None] & (g != 0)
+        logits, local, inv_temp, lse, pad, x = ctx.saved_tensors
+        # Padding and rows without mass take no gradient, whatever arrives for them.
+        valid = torch.isfinite(lse)[:, None] & ~pad & (g != 0)
         g = torch.where(valid, g.to(inv_temp.dtype), torch.zeros_like(g, dtype=inv_temp.dtype))
         grad_sum = g.sum(dim=1)
         out = logits if ctx.inplace_grad else None
