@@ -52,11 +52,12 @@ def roundtrip_error(x: Tensor, fmt: str) -> dict[str, float]:
     that became zero.
     """
     x64 = x.detach().double()
-    err = fake_quantize(x, fmt).double() - x64
+    x_hat = fake_quantize(x, fmt)
+    err = x_hat.double() - x64
     norm = x64.norm()
     rel = float(err.norm() / norm) if float(norm) > 0 else 0.0
     nonzero = x64 != 0
-    flushed = float(((fake_quantize(x, fmt) == 0) & nonzero).sum()) / max(int(nonzero.sum()), 1)
+    flushed = float(((x_hat == 0) & nonzero).sum()) / max(int(nonzero.sum()), 1)
     return {
         "rel_fro": rel,
         "sqnr_db": -20.0 * math.log10(rel) if rel > 0 else float("inf"),
