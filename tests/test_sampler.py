@@ -95,6 +95,20 @@ def test_support_mask_boundary_and_vllm_semantics():
     assert support_mask(lp2, 3, 0.8).tolist() == [[True, True, True, False]]
 
 
+def test_zero_probability_tokens_never_enter_a_support():
+    z = torch.tensor([2.0, float("-inf"), 1.0, float("-inf"), 0.5, -200.0])
+    lp = torch.log_softmax(z, -1)[None]
+    # exp(-202) underflows fp32: SGLang's support {w > 0} drops it, vLLM's finite-logit mask keeps it
+    assert support_mask(lp, 5).tolist() == [[True, False, True, False, True, False]]
+    assert support_mask(lp).tolist() == [[True, False, True, False, True, False]]
+    assert support_mask(lp, 5, semantics="vllm").tolist() == [[True, False, True, False, True, True]]
+    r = sample(FixedLM(z), [[0]] * 50, 3, temperature=0.5, top_k=5, record="support")
+    b = r.flatten()
+    b.candidates.validate(6, b.tokens.shape[0], b.tokens)
+    assert bool(torch.isfinite(b.candidates.logprobs[b.candidates.valid]).all())
+    assert set(b.candidates.ids[b.candidates.valid].tolist()) <= {0, 2, 4}
+
+
 def test_sampled_frequencies_and_recorded_logprobs_follow_the_renormalised_support():
     z = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, -8.0])
     model = FixedLM(z)

@@ -68,7 +68,8 @@ def support_mask(
             ``"vllm"`` (top-k with ties, then mass-before < top_p on the top-k renormalised distribution).
 
     Returns:
-        ``[B, V]`` bool, True on kept tokens. At least one token (the most likely) is always kept.
+        ``[B, V]`` bool, True on kept tokens. At least one token (the most likely) is always kept; tokens of
+        probability 0 never are (``"sglang"``: fp32 probability 0, underflow included; ``"vllm"``: ``-inf``).
     """
     top_k = _check_sampling_params(1.0, top_p, top_k)
     if semantics not in FILTER_SEMANTICS:
@@ -77,7 +78,9 @@ def support_mask(
         raise ValueError(f"logprobs must be [B, V], got shape {tuple(logprobs.shape)}")
     b, v = logprobs.shape
     if top_k is None and top_p >= 1.0:
-        return torch.ones(b, v, dtype=torch.bool, device=logprobs.device)
+        keep = logprobs.float().exp() > 0 if semantics == "sglang" else logprobs > float("-inf")
+        keep[torch.arange(b, device=logprobs.device), logprobs.argmax(dim=1)] = True
+        return keep
     sorted_lp, order = torch.sort(logprobs.float(), dim=1, descending=True, stable=True)
     rank = torch.arange(v, device=logprobs.device).expand(b, v)
     if semantics == "sglang":
@@ -96,6 +99,9 @@ def support_mask(
             probs = torch.softmax(masked, dim=1)
             mass_before = torch.cumsum(probs, dim=1) - probs
             keep_sorted &= mass_before < top_p
+    # zero-probability tokens never enter a support: SGLang's support is {w > 0} on fp32 probabilities (so
+    # underflowed tokens drop out too), vLLM's the finite filtered logits
+    keep_sorted &= sorted_lp.exp() > 0 if semantics == "sglang" else sorted_lp > float("-inf")
     keep_sorted[:, 0] = True
     keep = torch.zeros(b, v, dtype=torch.bool, device=logprobs.device)
     return keep.scatter(1, order, keep_sorted)
