@@ -16,10 +16,14 @@ Functions (the backend contract used by :mod:`offpolicy.ops.linear_full` and :mo
 Matmul precision: fp32 inputs multiply in fp32; bf16 inputs multiply in bf16 with fp32 accumulation (the
 product is rounded to bf16, as materialised bf16 logits would be); fp16 inputs are upcast to fp32 on CPU (its
 fp16 matmul is slow and its fp16 output would overflow above 65504) and multiplied in fp16 elsewhere. The
-candidate (gathered) dot products always run in fp32.
+candidate (gathered) products follow the same rule; for fp32 / float64 weights they run as sparse (CSR) products:
+a sampled dense-dense product for the logits at the ids, CSR x dense for ``dh`` and ``dW``. ``dW`` always
+multiplies an fp32 (float64) copy of ``h`` (``O(N D)``), so its accumulation is fp32 for every weight dtype.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -59,7 +63,7 @@ def plan(n: int, v: int, d: int, chunk_bytes: int) -> tuple[int, int]:
 
 
 def _gather_rows(weight: Tensor, flat_ids: Tensor, buf: Tensor) -> Tensor:
-    """``weight[flat_ids]`` in ``buf``'s (accumulation) dtype, written into ``buf`` (``[len(flat_ids), D]``)."""
+    """``weight[flat_ids]`` in ``buf``'s (compute) dtype, written into ``buf`` (``[len(flat_ids), D]``)."""
     if weight.dtype == buf.dtype:
         return torch.index_select(weight, 0, flat_ids, out=buf)
     return buf.copy_(weight.index_select(0, flat_ids))
@@ -68,6 +72,37 @@ def _gather_rows(weight: Tensor, flat_ids: Tensor, buf: Tensor) -> Tensor:
 def _gather_chunk_rows(n: int, m: int, d: int, chunk_bytes: int) -> int:
     """Token rows per chunk of the gathered ``[rows, M, D]`` fp32 weight rows (two such buffers at most)."""
     return max(1, min(n, chunk_bytes // max(1, 2 * 4 * m * d)))
+
+
+def _sparse_ok(dense: Tensor) -> bool:
+    """Sparse (CSR) products with ``dense`` run natively: fp32 / float64 operands (MKL on CPU, cuSPARSE on CUDA)."""
+    return dense.dtype in (torch.float32, torch.float64)
+
+
+def _csr(rows: Tensor, cols: Tensor, vals: Tensor, shape: tuple[int, int]) -> Tensor:
+    """CSR matrix from triples sorted by ``rows`` (columns may repeat within a row: their values add)."""
+    counts = torch.bincount(rows, minlength=shape[0])
+    crow = torch.zeros(shape[0] + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(counts, 0, out=crow[1:])
+    with warnings.catch_warnings():  # "CSR support is in beta" and "invariant checks disabled" are not ours
+        warnings.simplefilter("ignore")
+        return torch.sparse_csr_tensor(crow, cols, vals, size=shape)
+
+
+def _sampled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor) -> Tensor:
+    """``gathered_logits`` as a sampled dense-dense product (SDDMM): ``(h W^T)`` at the ``[N, M]`` positions only."""
+    n, m = ids.shape
+    v = weight.shape[0]
+    flat = ids.clamp_min(0).reshape(-1)
+    # Distinct (row, column) positions in sorted order (a valid CSR pattern); repeated ids read the same entry.
+    key, where = torch.unique(torch.arange(n, device=ids.device).repeat_interleave(m) * v + flat, return_inverse=True)
+    mask = _csr(key // v, key % v, torch.zeros(key.numel(), dtype=weight.dtype, device=ids.device), (n, v))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        z = torch.sparse.sampled_addmm(mask, hidden.to(weight.dtype), weight.T).values()[where].view(n, m)
+    if bias is not None:
+        z = z + bias.index_select(0, flat).to(z.dtype).view(n, m)
+    return torch.where(ids >= 0, z, torch.zeros_like(z))
 
 
 def gathered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, chunk_bytes: int) -> Tensor:
@@ -87,14 +122,17 @@ def gathered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Te
     out = torch.zeros(n, m, dtype=acc, device=hidden.device)
     if n == 0 or m == 0:
         return out
+    if _sparse_ok(weight):
+        return _sampled_logits(hidden, weight, bias, ids)
+    cdtype = compute_dtype(weight.dtype, weight.device)
     step = _gather_chunk_rows(n, m, d, chunk_bytes)
-    buf = torch.empty(step * m, d, dtype=acc, device=hidden.device)
+    buf = torch.empty(step * m, d, dtype=cdtype, device=hidden.device)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         sel = ids[lo:hi]
         flat = sel.clamp_min(0).reshape(-1)
         rows = _gather_rows(weight, flat, buf[: flat.numel()])
-        z = torch.bmm(rows.view(hi - lo, m, d), hidden[lo:hi].to(acc).unsqueeze(2)).squeeze(2)
+        z = torch.bmm(rows.view(hi - lo, m, d), hidden[lo:hi].to(cdtype).unsqueeze(2)).squeeze(2).to(acc)
         if bias is not None:
             z += bias.index_select(0, flat).to(acc).view(hi - lo, m)
         out[lo:hi] = torch.where(sel >= 0, z, torch.zeros_like(z))
@@ -205,31 +243,36 @@ def full_stats(
 
 
 class _Pairs:
-    """The sparse part of ``dz``: (token, vocabulary row, value) triples sorted by vocabulary row."""
+    """The sparse part of ``dz``: (token, vocabulary row, value) triples, in token order and in row order."""
 
-    def __init__(self, ids: Tensor, dz_ids: Tensor) -> None:
+    def __init__(self, ids: Tensor, dz_ids: Tensor, v: int) -> None:
         keep = (ids >= 0) & (dz_ids != 0)
-        tok, col = keep.nonzero(as_tuple=True)
-        vid = ids[tok, col]
-        order = torch.argsort(vid, stable=True)
-        self.vid, self.tok, self.val = vid[order], tok[order], dz_ids[tok, col][order]
+        tok, col = keep.nonzero(as_tuple=True)  # row-major: sorted by token
+        self.v = v
+        self.tok, self.vid, self.val = tok, ids[tok, col], dz_ids[tok, col]
+        order = torch.argsort(self.vid, stable=True)
+        self.vid_s, self.tok_s, self.val_s = self.vid[order], self.tok[order], self.val[order]
 
     def span(self, v0: int, v1: int) -> tuple[int, int]:
-        """Range of pairs whose vocabulary row lies in ``[v0, v1)``."""
-        bounds = torch.tensor([v0, v1], dtype=self.vid.dtype, device=self.vid.device)
-        lo, hi = torch.searchsorted(self.vid, bounds).tolist()
+        """Range (in row order) of the pairs whose vocabulary row lies in ``[v0, v1)``."""
+        bounds = torch.tensor([v0, v1], dtype=self.vid_s.dtype, device=self.vid_s.device)
+        lo, hi = torch.searchsorted(self.vid_s, bounds).tolist()
         return lo, hi
 
-    def add_into(self, acc: Tensor | None, acc_b: Tensor | None, rows: Tensor, lo: int, hi: int, hidden: Tensor,
-                 step: int) -> None:
-        """``acc[rows[k]] += val[k] h[tok[k]]`` and ``acc_b[rows[k]] += val[k]`` for the pairs ``lo..hi``."""
-        for a in range(lo, hi, step):
-            b = min(hi, a + step)
-            r = rows[a - lo : b - lo]
-            if acc is not None:
-                acc.index_add_(0, r, hidden.index_select(0, self.tok[a:b]).to(self.val.dtype) * self.val[a:b, None])
-            if acc_b is not None:
-                acc_b.index_add_(0, r, self.val[a:b])
+    def hidden_rows(self, slots: Tensor, lo: int, hi: int, n_slots: int, h_acc: Tensor) -> Tensor:
+        """``out[slots[k]] += val[k] h[tok[k]]`` over the pairs ``lo..hi`` (row order; ``slots`` ascending), as a
+        CSR ``[n_slots, N]`` x ``h [N, D]`` product: each output row is written once."""
+        a = _csr(slots, self.tok_s[lo:hi], self.val_s[lo:hi].to(h_acc.dtype), (n_slots, h_acc.shape[0]))
+        return a @ h_acc
+
+    def bias_rows(self, slots: Tensor, lo: int, hi: int, n_slots: int) -> Tensor:
+        out = torch.zeros(n_slots, dtype=self.val.dtype, device=self.val.device)
+        return out.index_add_(0, slots, self.val_s[lo:hi])
+
+    def weight_times(self, dh: Tensor, weight: Tensor) -> None:
+        """``dh[n] += sum_k val[k] W[vid[k]]`` over all pairs (CSR ``[N, V]`` x ``W``; fp32 / float64 weights)."""
+        a = _csr(self.tok, self.vid, self.val.to(weight.dtype), (dh.shape[0], self.v))
+        dh += (a @ weight).to(dh.dtype)
 
 
 def _sparse_dh(dh: Tensor, weight: Tensor, ids: Tensor, dz_ids: Tensor, chunk_bytes: int) -> None:
@@ -238,8 +281,9 @@ def _sparse_dh(dh: Tensor, weight: Tensor, ids: Tensor, dz_ids: Tensor, chunk_by
     d = weight.shape[1]
     if n == 0 or m == 0:
         return
+    cdtype = compute_dtype(weight.dtype, weight.device)
     step = _gather_chunk_rows(n, m, d, chunk_bytes)
-    buf = torch.empty(step * m, d, dtype=dh.dtype, device=weight.device)
+    buf = torch.empty(step * m, d, dtype=cdtype, device=weight.device)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         g = dz_ids[lo:hi]
@@ -247,7 +291,7 @@ def _sparse_dh(dh: Tensor, weight: Tensor, ids: Tensor, dz_ids: Tensor, chunk_by
             continue
         flat = ids[lo:hi].clamp_min(0).reshape(-1)
         rows = _gather_rows(weight, flat, buf[: flat.numel()]).view(hi - lo, m, d)
-        dh[lo:hi] += torch.bmm(g.unsqueeze(1), rows).squeeze(1)
+        dh[lo:hi] += torch.bmm(g.to(cdtype).unsqueeze(1), rows).squeeze(1).to(dh.dtype)
 
 
 def backward(
@@ -295,18 +339,26 @@ def backward(
     skipped = 0
     if n == 0 or v == 0:
         return dh, dw, None if db is None else db.to(bias.dtype), skipped
+    pairs = _Pairs(ids, dz_ids, v)
     if dh is not None:
-        _sparse_dh(dh, weight, ids, dz_ids, chunk_bytes)
-    pairs = _Pairs(ids, dz_ids) if (need_w or need_b) else None
-    pair_step = max(1, chunk_bytes // (4 * 4 * d))
+        if _sparse_ok(weight):
+            pairs.weight_times(dh, weight)
+        else:
+            _sparse_dh(dh, weight, ids, dz_ids, chunk_bytes)
+    h_acc = hidden.to(acc_dtype) if need_w else None  # the CSR products multiply fp32 (float64) operands
     if coef is None:
-        if pairs is not None:
-            _support_weight_grad(pairs, hidden, dw, db, d, pair_step, chunk_bytes)
+        _support_weight_grad(pairs, h_acc, dw, db, d, chunk_bytes)
         return dh, dw, None if db is None else db.to(bias.dtype), skipped
 
+    # Rows whose dense coefficient is 0 (no gradient, or no mass) cost nothing: compact the rest once (O(N D)).
     dense_rows = (coef != 0).nonzero().squeeze(1)
-    rows, cols = plan(max(1, dense_rows.numel()), v, d, chunk_bytes)
-    tiles = _Tiles(hidden, weight, bias, rows, cols)
+    compact = dense_rows.numel() < n
+    h_d = hidden.index_select(0, dense_rows) if compact else hidden
+    it_d, lse_d, coef_d = ((x.index_select(0, dense_rows) if compact else x) for x in (inv_temp, lse, coef))
+    dh_d = None if dh is None else (torch.zeros(h_d.shape, dtype=acc_dtype, device=dev) if compact else dh)
+    n_d = h_d.shape[0]
+    rows, cols = plan(max(1, n_d), v, d, chunk_bytes)
+    tiles = _Tiles(h_d, weight, bias, rows, cols)
     acc = torch.empty(cols, d, dtype=acc_dtype, device=dev) if need_w else None
     for v0 in range(0, v, cols):
         v1 = min(v, v0 + cols)
@@ -314,55 +366,60 @@ def backward(
         w_tile = tiles.w_tile
         a_tile = None if acc is None else acc[: v1 - v0].zero_()
         b_tile = None if db is None else db[v0:v1]
-        for lo in range(0, dense_rows.numel(), rows):
-            r = dense_rows[lo : lo + rows]
-            h = hidden.index_select(0, r)
+        for lo in range(0, n_d, rows):
+            hi = min(n_d, lo + rows)
+            h = h_d[lo:hi]
             p = tiles.block(h)
-            p.mul_(inv_temp[r, None]).sub_(lse[r, None]).exp_()
+            p.mul_(it_d[lo:hi, None]).sub_(lse_d[lo:hi, None]).exp_()
             if grad_filter and float(p.max()) < grad_filter:
                 skipped += 1
                 continue
-            p.mul_(coef[r, None])  # now dz of this block
-            dz = p.to(tiles.cdtype)
-            if dh is not None:
-                dh.index_add_(0, r, torch.mm(dz, w_tile).to(acc_dtype))
-            if a_tile is not None:
-                if tiles.cdtype == acc_dtype:
-                    a_tile.addmm_(dz.T, h.to(acc_dtype))
-                else:
+            p.mul_(coef_d[lo:hi, None])  # now dz of this block
+            if tiles.cdtype == acc_dtype:
+                if dh_d is not None:
+                    dh_d[lo:hi].addmm_(p, w_tile)
+                if a_tile is not None:
+                    a_tile.addmm_(p.T, h.to(acc_dtype))
+            else:
+                dz = p.to(tiles.cdtype)
+                if dh_d is not None:
+                    dh_d[lo:hi] += torch.mm(dz, w_tile).to(acc_dtype)
+                if a_tile is not None:
                     a_tile += torch.mm(dz.T, h.to(tiles.cdtype)).to(acc_dtype)
             if b_tile is not None:
                 b_tile += p.sum(dim=0)
-        if pairs is not None:
-            lo, hi = pairs.span(v0, v1)
-            pairs.add_into(a_tile, b_tile, pairs.vid[lo:hi] - v0, lo, hi, hidden, pair_step)
+        lo, hi = pairs.span(v0, v1)
+        if hi > lo:
+            slots = pairs.vid_s[lo:hi] - v0
+            if a_tile is not None:
+                a_tile += pairs.hidden_rows(slots, lo, hi, v1 - v0, h_acc)
+            if b_tile is not None:
+                b_tile += pairs.bias_rows(slots, lo, hi, v1 - v0)
         if dw is not None:
             dw[v0:v1].copy_(a_tile)
+    if compact and dh is not None:
+        dh.index_add_(0, dense_rows, dh_d)
     return dh, dw, None if db is None else db.to(bias.dtype), skipped
 
 
-def _support_weight_grad(pairs: _Pairs, hidden: Tensor, dw: Tensor | None, db: Tensor | None, d: int,
-                         pair_step: int, chunk_bytes: int) -> None:
+def _support_weight_grad(pairs: _Pairs, h_acc: Tensor | None, dw: Tensor | None, db: Tensor | None, d: int,
+                         chunk_bytes: int) -> None:
     """``dW`` and ``db`` from the sparse pairs alone, touching only the vocabulary rows that occur.
 
-    The distinct rows are processed in blocks whose fp32 accumulator ``[rows, D]`` fits the budget, so the
-    accumulation is fp32 whatever the weight's dtype and each used row is written once.
+    The distinct rows are processed in blocks whose ``[rows, D]`` fp32 product fits the budget; each used row is
+    written once, so the accumulation is fp32 whatever the weight's dtype.
     """
-    if pairs.vid.numel() == 0:
+    if pairs.vid_s.numel() == 0:
         return
-    uniq, counts = torch.unique_consecutive(pairs.vid, return_counts=True)
+    uniq, counts = torch.unique_consecutive(pairs.vid_s, return_counts=True)
     slot = torch.repeat_interleave(torch.arange(uniq.numel(), device=uniq.device), counts)
     ends = torch.cumsum(counts, 0).tolist()
     block = max(1, chunk_bytes // (2 * 4 * d))
-    acc = torch.empty(min(block, uniq.numel()), d, dtype=pairs.val.dtype, device=hidden.device)
     for u0 in range(0, uniq.numel(), block):
         u1 = min(uniq.numel(), u0 + block)
         lo = ends[u0 - 1] if u0 > 0 else 0
         hi = ends[u1 - 1]
-        a = acc[: u1 - u0].zero_() if dw is not None else None
-        b = torch.zeros(u1 - u0, dtype=pairs.val.dtype, device=hidden.device) if db is not None else None
-        pairs.add_into(a, b, slot[lo:hi] - u0, lo, hi, hidden, pair_step)
         if dw is not None:
-            dw.index_copy_(0, uniq[u0:u1], a.to(dw.dtype))
+            dw.index_copy_(0, uniq[u0:u1], pairs.hidden_rows(slot[lo:hi] - u0, lo, hi, u1 - u0, h_acc).to(dw.dtype))
         if db is not None:
-            db.index_copy_(0, uniq[u0:u1], b)
+            db.index_copy_(0, uniq[u0:u1], pairs.bias_rows(slot[lo:hi] - u0, lo, hi, u1 - u0))
