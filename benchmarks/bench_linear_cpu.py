@@ -6,7 +6,8 @@ builds the ``[N, V]`` logits. Both run forward + backward of an MIS + score-cent
 record (head or support), and produce the gradients of ``hidden`` and ``weight``.
 
 Each case runs in a fresh subprocess so that its peak resident memory (``ru_maxrss``) is its own. Reported:
-time (best of ``--repeat``; forward alone and forward + backward), peak memory above the inputs, and above the
+time (best of ``--repeat`` for the fused path, one run for the materialised one; forward alone and forward +
+backward), peak memory above the inputs, and above the
 inputs and the gradients (``dh``, ``dW``), and the FLOP rate under the fused path's count (support: ``8 N (1 + K) D``;
 full: ``8 N D V`` with recompute).
 
@@ -45,6 +46,18 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _randn(rows: int, cols: int, scale: float, dtype, gen):
+    """Gaussian ``[rows, cols]`` in ``dtype``, drawn in row blocks: no full-size fp32 temporary raises the
+    peak-memory baseline."""
+    import torch
+
+    out = torch.empty(rows, cols, dtype=dtype)
+    for lo in range(0, rows, 4096):
+        hi = min(rows, lo + 4096)
+        out[lo:hi] = torch.randn(hi - lo, cols, generator=gen) * scale
+    return out
+
+
 def _inputs(n: int, d: int, v: int, k: int, dtype: str, kind: str, seed: int = 0):
     """hidden [N, D], weight [V, D], tokens, sampler logprobs, advantages, K distinct candidates (token first)."""
     import torch
@@ -53,8 +66,8 @@ def _inputs(n: int, d: int, v: int, k: int, dtype: str, kind: str, seed: int = 0
 
     gen = torch.Generator().manual_seed(seed)
     dt_ = getattr(torch, dtype)
-    hidden = torch.randn(n, d, generator=gen).to(dt_)
-    weight = (torch.randn(v, d, generator=gen) * (2.0 / d**0.5)).to(dt_)
+    hidden = _randn(n, d, 1.0, dt_, gen)
+    weight = _randn(v, d, 2.0 / d**0.5, dt_, gen)
     tokens = torch.randint(0, v, (n,), generator=gen)
     steps = torch.randint(1, max(2, v // k), (n, k - 1), generator=gen)
     ids = torch.cat([tokens[:, None], (tokens[:, None] + steps.cumsum(1)) % v], 1)
@@ -164,7 +177,9 @@ def _meta() -> dict:
 
 
 def _child(args, spec: str) -> list[dict]:
-    cmd = [sys.executable, __file__, "--child", spec, "--repeat", str(args.repeat)]
+    # The materialised way runs once: it is the slow baseline, and its first run is also its peak-memory run.
+    reps = 1 if json.loads(spec).get("method") == "materialised" else args.repeat
+    cmd = [sys.executable, __file__, "--child", spec, "--repeat", str(reps)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"child {spec} failed:\n{res.stderr[-4000:]}")
