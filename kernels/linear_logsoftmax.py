@@ -30,18 +30,20 @@ from torch import Tensor
 
 _FP32_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
 
-#: Tile shapes (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages) for the vocabulary kernels.
+#: Tile shapes (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages) for the vocabulary kernels, and the number of
+#: token blocks grouped together in the backward's program order.
 GPU_TILES = (128, 128, 64, 8, 3)
 INTERPRETER_TILES = (16, 64, 32, 4, 1)
+GPU_GROUP_N, INTERPRETER_GROUP_N = 8, 2
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """fp32 inputs multiply exactly (no TF32 rounding of the operands); 16-bit inputs use the tensor cores."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    """fp32 inputs multiply exactly (no TF32 rounding of the operands); 16-bit inputs keep tl.dot's default."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 @triton.jit
@@ -108,10 +110,17 @@ def _linear_dense_grad_kernel(
     R, V, D, stride_h, stride_w, eps,
     HAS_BIAS: tl.constexpr, NEED_H: tl.constexpr, NEED_W: tl.constexpr, NEED_B: tl.constexpr,
     FILTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GROUP_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    # Grouped order over a 1-D grid: GROUP_N token blocks sweep each vocabulary block before the next, so the
+    # programs running at once share a few weight tiles and hidden blocks in L2 and spread their atomics.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(R, BLOCK_N)
+    per_group = GROUP_N * tl.cdiv(V, BLOCK_V)
+    first_n = (pid // per_group) * GROUP_N
+    group_n = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_n
+    pid_v = (pid % per_group) // group_n
     slot = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot_ok = slot < R
     rows = tl.load(rows_ptr + slot, mask=slot_ok, other=0)
@@ -292,12 +301,13 @@ def linear_dense_grad(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows:
         return 0
     bn, bv, bd, warps, stages = _tiles(tiles)
     dummy = inv_temp
-    _linear_dense_grad_kernel[(triton.cdiv(r, bn), triton.cdiv(v, bv))](
+    group_n = INTERPRETER_GROUP_N if interpreting() else GPU_GROUP_N
+    _linear_dense_grad_kernel[(triton.cdiv(r, bn) * triton.cdiv(v, bv),)](
         hidden, weight, bias if bias is not None else hidden, rows, inv_temp, lse, coef,
         dh if dh is not None else dummy, dw if dw is not None else dummy, db if db is not None else dummy, skipped,
         r, v, d, hidden.stride(0), weight.stride(0), float(eps or 0.0),
         HAS_BIAS=bias is not None, NEED_H=dh is not None, NEED_W=dw is not None, NEED_B=db is not None,
-        FILTER=bool(eps), BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PRECISION=_precision(hidden.dtype),
+        FILTER=bool(eps), BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, GROUP_N=group_n, PRECISION=_precision(hidden.dtype),
         num_warps=warps, num_stages=stages,
     )
     return int(skipped.item())

@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("support", [False, True])
 def test_fp32_with_bias_and_per_token_temperature(support):
-    h, w, b, y, c, tau = make_inputs(n=20, d=40, v=150, k=5)
+    h, w, b, y, c, tau = make_inputs(n=37, d=40, v=150, k=5)  # 3 token blocks: a partial program group
     check_against_reference(h, w, b, y, c, tau, support=support, backend="triton", device=DEVICE)
 
 

@@ -30,10 +30,11 @@ from torch import Tensor
 
 #: Default working-set budget in bytes (blocks of logits, one weight tile, the fp32 dW tile accumulator).
 CHUNK_BYTES = 128 << 20
-#: Widest vocabulary tile; a [256, 4096] fp32 block (4 MiB) keeps the element-wise passes cache-friendly.
-MAX_COLS = 4096
-#: Most token rows per block (larger blocks do not speed up the matmul and spill the cache).
-MAX_ROWS = 512
+#: Widest vocabulary tile and most token rows per block on CPU: a [256, 4096] fp32 block (4 MiB) keeps the
+#: element-wise passes cache-friendly and larger blocks do not speed up the matmul. On GPUs only the budget bounds
+#: the block (large blocks keep cuBLAS busy).
+MAX_COLS = {"cpu": 4096, "other": 1 << 16}
+MAX_ROWS = {"cpu": 512, "other": 1 << 14}
 _INF = float("inf")
 
 
@@ -49,17 +50,18 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def plan(n: int, v: int, d: int, chunk_bytes: int) -> tuple[int, int]:
+def plan(n: int, v: int, d: int, chunk_bytes: int, device: torch.device | None = None) -> tuple[int, int]:
     """``(rows, cols)`` of one logits block so that the working set stays near ``chunk_bytes``.
 
     Working set: three ``[rows, cols]`` fp32 blocks (logits, exponentials, the matmul output) and two
     ``[cols, D]`` fp32 weight-side tiles (an upcast weight tile, the dW accumulator).
     """
-    cols = max(1, min(v, MAX_COLS))
+    kind = "cpu" if device is None or device.type == "cpu" else "other"
+    cols = max(1, min(v, MAX_COLS[kind]))
     while cols > 64 and 2 * cols * d * 4 > chunk_bytes // 2:
         cols //= 2
     rows = (chunk_bytes - 2 * cols * d * 4) // (3 * 4 * cols)
-    return max(1, min(n, MAX_ROWS, rows)), cols
+    return max(1, min(n, MAX_ROWS[kind], rows)), cols
 
 
 def _gather_rows(weight: Tensor, flat_ids: Tensor, buf: Tensor) -> Tensor:
@@ -218,7 +220,7 @@ def full_stats(
     x_ids = torch.zeros(ids.shape, dtype=inv_temp.dtype, device=dev)
     if n == 0 or v == 0:
         return m, s, t, x_ids
-    rows, cols = plan(n, v, hidden.shape[1], chunk_bytes)
+    rows, cols = plan(n, v, hidden.shape[1], chunk_bytes, dev)
     tiles = _Tiles(hidden, weight, bias, rows, cols)
     ebuf = torch.empty(rows, cols, dtype=tiles.acc, device=dev)
     for v0 in range(0, v, cols):
@@ -357,7 +359,7 @@ def backward(
     it_d, lse_d, coef_d = ((x.index_select(0, dense_rows) if compact else x) for x in (inv_temp, lse, coef))
     dh_d = None if dh is None else (torch.zeros(h_d.shape, dtype=acc_dtype, device=dev) if compact else dh)
     n_d = h_d.shape[0]
-    rows, cols = plan(max(1, n_d), v, d, chunk_bytes)
+    rows, cols = plan(max(1, n_d), v, d, chunk_bytes, dev)
     tiles = _Tiles(h_d, weight, bias, rows, cols)
     acc = torch.empty(cols, d, dtype=acc_dtype, device=dev) if need_w else None
     for v0 in range(0, v, cols):
