@@ -18,6 +18,7 @@ Peak memory above the inputs (``torch.cuda.max_memory_allocated``) is reported f
 
     python benchmarks/gpu_bench_linear.py                       # N=16384, D=4096, V=151936, K=128, bf16
     python benchmarks/gpu_bench_linear.py --n 8192 --d 2048
+    python benchmarks/gpu_bench_linear.py --tile-sweep "128,128,64,8,3;64,128,64,4,3;128,256,64,8,3"
     TRITON_INTERPRET=1 python benchmarks/gpu_bench_linear.py --dry-run   # tiny shapes on CPU (tests run this)
 
 Results go to benchmarks/results/linear_gpu_<host>_<date>.json and .csv (``--out`` to change the folder).
@@ -173,6 +174,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cases", default="matmul,fused_full,fused_full_filter,fused_full_torch,fused_support,"
                                         "fused_support_torch,materialised,liger_grpo,cce,cce_exact")
+    ap.add_argument("--tile-sweep", default="", help="';'-separated BLOCK_N,BLOCK_V,BLOCK_D,warps,stages tile "
+                                                   "shapes: fused_full is timed once per shape")
     ap.add_argument("--dry-run", action="store_true", help="tiny fp32 shapes on CPU (torch backend; the Triton "
                                                            "cases need TRITON_INTERPRET=1)")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -220,6 +223,15 @@ def main() -> None:
             row["flop_rate"] = row["flops"] / row["time_s"]
         rows.append(row)
         _print(row)
+    for tiles in filter(None, args.tile_sweep.split(";")):
+        os.environ["OFFPOLICY_LINEAR_TILES"] = tiles
+        row = _measure(f"fused_full[{tiles}]", makers["fused_full"], timer, device, input_bytes)
+        if row["status"] == "ok":
+            row["flops"] = flops_full
+            row["flop_rate"] = flops_full / row["time_s"]
+        rows.append(row)
+        _print(row)
+    os.environ.pop("OFFPOLICY_LINEAR_TILES", None)
     mm = next((r for r in rows if r["case"] == "matmul" and r["status"] == "ok"), None)
     by = {r["case"]: r for r in rows if r["status"] == "ok"}
     for r in rows:

@@ -231,8 +231,20 @@ def _gathered_grad_w_kernel(
                           mask=valid[:, None] & d_ok[None, :])
 
 
+#: Environment override of the tile shapes, "BLOCK_N,BLOCK_V,BLOCK_D,num_warps,num_stages" (for sweeps on a GPU).
+TILES_ENV = "OFFPOLICY_LINEAR_TILES"
+
+
 def _tiles(tiles):
-    return tiles if tiles is not None else (INTERPRETER_TILES if interpreting() else GPU_TILES)
+    if tiles is not None:
+        return tiles
+    env = os.environ.get(TILES_ENV)
+    if env:
+        parts = tuple(int(x) for x in env.split(","))
+        if len(parts) != 5:
+            raise ValueError(f"${TILES_ENV}: expected BLOCK_N,BLOCK_V,BLOCK_D,num_warps,num_stages, got {env!r}")
+        return parts
+    return INTERPRETER_TILES if interpreting() else GPU_TILES
 
 
 def _check_rows(x: Tensor, name: str) -> None:

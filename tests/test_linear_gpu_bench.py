@@ -14,7 +14,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench_linear.
 
 def test_gpu_bench_dry_run(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], capture_output=True,
+    res = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path),
+                          "--tile-sweep", "16,32,16,4,1"], capture_output=True,
                          text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     files = sorted(tmp_path.glob("linear_gpu_*_dryrun.json"))
@@ -26,5 +27,6 @@ def test_gpu_bench_dry_run(tmp_path):
         assert status[case] == "ok", (case, status[case])
     for case in ("liger_grpo", "cce", "cce_exact"):  # CUDA-only baselines are reported, not fatal
         assert status[case].startswith("unavailable")
+    assert status["fused_full[16,32,16,4,1]"] == "ok"
     assert data["summary"]["support_speedup_vs_full"] > 0
     assert 0 < data["summary"]["fused_full_frac_of_matmul_rate"]
