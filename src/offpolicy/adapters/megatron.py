@@ -28,6 +28,7 @@ context parallelism like any other batch), see :data:`BATCH_KEYS` and :func:`pac
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Mapping
 
 import torch
@@ -134,14 +135,12 @@ def split_for_context_parallel(
 
 
 def _default_groups(tp_group, cp_group, dp_group, use_parallel_state: bool):
-    """Fill unset groups from ``megatron.core.parallel_state`` when it is initialised."""
-    if not use_parallel_state:
-        return tp_group, cp_group, dp_group
-    try:
-        from megatron.core import parallel_state as ps
-    except ImportError:
-        return tp_group, cp_group, dp_group
-    if not ps.model_parallel_is_initialized():
+    """Fill unset groups from ``megatron.core.parallel_state`` when it is initialised.
+
+    Megatron is not imported here: if nothing imported ``parallel_state``, it cannot have been initialised.
+    """
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if not use_parallel_state or ps is None or not ps.model_parallel_is_initialized():
         return tp_group, cp_group, dp_group
     if tp_group is None and ps.get_tensor_model_parallel_world_size() > 1:
         tp_group = ps.get_tensor_model_parallel_group()
@@ -230,10 +229,12 @@ def make_loss_func(
         raise ValueError(f"batch['labels'] must be [b, s], got {tuple(labels.shape)}")
     b, s = labels.shape
     for key, x in batch.items():
-        want = (b, s) if not key.startswith("candidate_") else (b, s, x.shape[-1] if x.dim() == 3 else -1)
-        if tuple(x.shape) != want:
-            raise ValueError(f"batch[{key!r}] must be {'[b, s, K]' if key.startswith('candidate_') else '[b, s]'} "
-                             f"= {want}, got {tuple(x.shape)}")
+        if not isinstance(x, Tensor):
+            raise TypeError(f"batch[{key!r}] must be a tensor, got {type(x).__name__}")
+        per_candidate = key.startswith("candidate_")
+        if tuple(x.shape[:2]) != (b, s) or x.dim() != (3 if per_candidate else 2):
+            raise ValueError(f"batch[{key!r}] must be {'[b, s, K]' if per_candidate else '[b, s]'} with "
+                             f"[b, s] = [{b}, {s}] (the labels' shape), got {tuple(x.shape)}")
     if ("candidate_ids" in batch) != ("candidate_logprobs" in batch):
         raise ValueError("batch['candidate_ids'] and batch['candidate_logprobs'] go together")
     if aggregation in SEQUENCE_AGGREGATIONS and "seq_ids" not in batch:
