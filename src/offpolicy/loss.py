@@ -144,7 +144,8 @@ def policy_loss(
 
     logp_y = lp.target
     dtype = logp_y.dtype
-    lq = sampler_logprobs.to(dtype)
+    # Sampler-side inputs are data, never differentiated (w = sg(f(r)), c = sg(c)), even if a caller's are attached.
+    lq = sampler_logprobs.to(dtype).detach()
     adv = advantages.to(dtype).detach()
     zero = torch.zeros_like(logp_y)
     log_r = torch.where(active, logp_y.detach() - lq, zero)
@@ -177,7 +178,8 @@ def policy_loss(
         policy_term = torch.where(w != 0, w * logp_y, zero)
         if corr.score_centering and candidates is not None:
             valid = candidates.ids >= 0
-            centering = centering_coefficients(lp.candidates.detach(), candidates.logprobs, valid, support, corr)
+            centering = centering_coefficients(lp.candidates.detach(), candidates.logprobs.detach(), valid, support,
+                                               corr)
             coef = centering.coef * scale
             policy_term = policy_term - torch.where(coef != 0, coef * lp.candidates, torch.zeros_like(coef)).sum(1)
         token_loss = -adv * policy_term
