@@ -1,0 +1,34 @@
+"""Adapters from concrete loss implementations to the kit's signature (:data:`~offpolicy.testing.LossFn`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from offpolicy.candidates import Candidates
+from offpolicy.testing.config import LossConfig
+
+
+def project_loss(config: LossConfig):
+    """The project's own :func:`offpolicy.policy_loss` under ``config``, as a :data:`LossFn`.
+
+    ``policy_loss`` returns a scalar ``loss`` (differentiable) and a detached ``token_loss [N]``. With
+    ``aggregation="constant"`` and normaliser 1 the scalar is the sum of the per-token losses, so the adapter
+    returns ``token_loss`` with ``loss - loss.detach()`` (zero in value) added to its first entry: the values are
+    the per-token losses and the gradient of their sum is the gradient of ``loss``, which is what the kit uses.
+    """
+    from offpolicy.loss import policy_loss
+
+    corr = config.correction
+
+    def offpolicy_policy_loss(logits: Tensor, tokens: Tensor, sampler_logprobs: Tensor,
+                              candidates: Candidates | None, advantages: Tensor, temperature: float) -> Tensor:
+        out = policy_loss(logits, tokens, sampler_logprobs, advantages, candidates=candidates,
+                          temperature=temperature, correction=corr, aggregation="constant",
+                          constant_normalizer=1.0)
+        token_loss = out.token_loss.to(out.loss.dtype)
+        first = (torch.arange(token_loss.shape[0], device=token_loss.device) == 0).to(token_loss.dtype)
+        return token_loss + (out.loss - out.loss.detach()) * first
+
+    offpolicy_policy_loss.offpolicy_config = config
+    return offpolicy_policy_loss

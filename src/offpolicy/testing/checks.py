@@ -1,0 +1,665 @@
+"""Property checkers: run a user's loss function against the SPEC's invariants, with hypothesis shrinking.
+
+The function is reached through one adapter signature (:data:`LossFn`)::
+
+    fn(logits, tokens, sampler_logprobs, candidates, advantages, temperature) -> token_loss
+
+    logits            [N, V] float (LossConfig.dtype), requires_grad
+    tokens            [N] int64, sampled ids
+    sampler_logprobs  [N] float, lq of each token (renormalised over the support for support records)
+    candidates        offpolicy.Candidates (ids [N, K] int64 with -1 padding, logprobs [N, K] with -inf padding,
+                      kind "head" | "support"), or None when LossConfig.record is None
+    advantages        [N] float
+    temperature       float > 0: the sampling temperature; the trainer's distribution is softmax(logits / tau)
+    token_loss        [N] per-token loss, unaggregated (no mask, no mean); the kit differentiates its sum
+
+and a :class:`~offpolicy.testing.LossConfig` declaring which correction it claims. Each invariant is a property
+over a hypothesis strategy from :mod:`offpolicy.testing.strategies`; a violation is shrunk to a small example
+and reported with the invariant's name, the configuration and the example.
+
+Invariants (see docs/testing_kit.md for one paragraph each):
+
+``agreement``          per-token loss and logit gradient equal offpolicy.reference's (SPEC 7.2, 7.5)
+``zero_drift``         constant advantage: sum_y q(y) grad loss(y) = 0 (SPEC 7.1), when centering is claimed
+``plain_is_unbiased``  f(r) = r: E_q[grad loss] = E_p[grad of -A log p] (SPEC 7.3), for tis / mis
+``support_replay``     support records: no gradient outside S, no dependence on logits outside S (SPEC 7.4)
+``shift_invariance``   adding a constant to a row's logits changes nothing (SPEC 7.4)
+``sampler_no_grad``    no gradient reaches sampler log-probabilities, candidate log-probabilities or advantages
+``hostile_finite``     finite loss and gradient on hostile numerics (SPEC 7.8)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from offpolicy.candidates import Candidates
+from offpolicy.reference import TAIL_EPS, log_probs, reference_policy_loss, support_mask
+from offpolicy.testing.config import LossConfig
+from offpolicy.testing.strategies import Position, Problem, hostile_problems, positions, problems, temperatures
+
+LossFn = Callable[[Tensor, Tensor, Tensor, "Candidates | None", Tensor, float], Tensor]
+
+#: Hypothesis examples per invariant unless told otherwise.
+DEFAULT_MAX_EXAMPLES = 40
+
+
+class InvariantViolation(AssertionError):
+    """Raised by :func:`check_all` (and the pytest entries): names the invariant, the configuration, what failed
+    and the shrunk example."""
+
+
+class _Fail(Exception):
+    """A property's failure on one example (internal; hypothesis shrinks on it)."""
+
+    def __init__(self, what: str, example: str):
+        super().__init__(what)
+        self.what = what
+        self.example = example
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Feeding the function and the reference
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Fed:
+    """The tensors handed to the user's function (and, upcast, to the reference)."""
+
+    logits: Tensor
+    tokens: Tensor
+    lq: Tensor
+    cands: Candidates | None
+    adv: Tensor
+    tau: float
+
+
+def _sampler_dtype(cfg: LossConfig) -> torch.dtype:
+    # Sampler-side tensors are float32 in practice; float64 runs keep everything in float64.
+    return torch.float64 if cfg.dtype == torch.float64 else torch.float32
+
+
+def _feed(prob: Problem, cfg: LossConfig, logits: Tensor | None = None, sampler_grad: bool = False) -> _Fed:
+    sd = _sampler_dtype(cfg)
+    z = (prob.logits if logits is None else logits).to(cfg.dtype).detach().requires_grad_()
+    lq = prob.sampler_logprobs.to(sd).detach().requires_grad_(sampler_grad)
+    adv = prob.advantages.to(sd).detach().requires_grad_(sampler_grad)
+    cands = None
+    if cfg.record is not None and prob.candidates is not None:
+        clp = prob.candidates.logprobs.to(sd).detach().requires_grad_(sampler_grad)
+        cands = Candidates(prob.candidates.ids.clone(), clp, prob.candidates.kind)
+    return _Fed(z, prob.tokens.clone(), lq, cands, adv, float(prob.temperature))
+
+
+def _call(fn: LossFn, fed: _Fed, example: str) -> Tensor:
+    """Run the user's function; a wrong type or shape, or an exception, is a failure of the example."""
+    n = fed.tokens.shape[0]
+    try:
+        out = fn(fed.logits, fed.tokens, fed.lq, fed.cands, fed.adv, fed.tau)
+    except Exception as exc:  # the user's code failed on a valid input: report it with the example
+        raise _Fail(f"the loss function raised {type(exc).__name__}: {exc}", example) from exc
+    if not isinstance(out, Tensor):
+        raise _Fail(f"the loss function returned {type(out).__name__}, expected a [N] = [{n}] tensor", example)
+    if tuple(out.shape) != (n,):
+        raise _Fail(f"the loss function returned shape {tuple(out.shape)}, expected per-token [N] = [{n}]", example)
+    return out
+
+
+def _grads(out: Tensor, wrt: Iterable[Tensor]) -> list[Tensor | None]:
+    """Gradients of ``out.sum()`` (None where a tensor is unused or nothing is differentiable)."""
+    wrt = list(wrt)
+    if not out.requires_grad:
+        return [None] * len(wrt)
+    return list(torch.autograd.grad(out.sum(), wrt, allow_unused=True))
+
+
+def _logit_grad(out: Tensor, fed: _Fed) -> Tensor:
+    (g,) = _grads(out, [fed.logits])
+    return torch.zeros_like(fed.logits, dtype=torch.float64) if g is None else g.double()
+
+
+def _reference(fed: _Fed, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    """``(token_loss [N], d sum(token_loss) / d logits [N, V])`` of the float64 oracle."""
+    z = fed.logits.detach().double().requires_grad_()
+    cands = None if fed.cands is None else Candidates(fed.cands.ids, fed.cands.logprobs.detach().double(),
+                                                       fed.cands.kind)
+    loss, token_loss, _ = reference_policy_loss(
+        z, fed.tokens, fed.lq.detach().double(), fed.adv.detach().double(), cands, None, fed.tau,
+        cfg.correction, aggregation="constant", constant_normalizer=1.0,
+    )
+    (g,) = torch.autograd.grad(loss, z)
+    return token_loss, g
+
+
+def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
+    """Whether a ratio the weight function sees lies within the margin of one of its jumps (MIS / rejection
+    bounds, applied to the sampled token, to each candidate under centering, and to the head's tail ratio)."""
+    corr = cfg.correction
+    if corr.weights not in ("mis", "reject") or fed.tokens.shape[0] == 0:
+        return False
+    jumps = [math.log(b) for b in (corr.lower, corr.upper) if b > 0]
+    support = fed.cands is not None and fed.cands.kind == "support"
+    z = fed.logits.detach().double()
+    lp = log_probs(z, fed.tau, support_mask(fed.cands, z.shape[1]) if support else None)
+    n = fed.tokens.shape[0]
+    log_r = [lp[torch.arange(n), fed.tokens] - fed.lq.detach().double()]
+    if cfg.score_centering and fed.cands is not None:
+        valid = fed.cands.ids >= 0
+        lpc = lp.gather(1, fed.cands.ids.clamp_min(0))
+        lqc = fed.cands.logprobs.detach().double()
+        log_r.append((lpc - lqc)[valid & torch.isfinite(lqc) & torch.isfinite(lpc)])
+        if not support:
+            p_h = torch.where(valid, lpc.exp(), torch.zeros_like(lpc)).sum(1)
+            q_h = torch.where(valid, lqc.exp(), torch.zeros_like(lqc)).sum(1)
+            rho = (1 - q_h).clamp_min(TAIL_EPS) / (1 - p_h).clamp_min(TAIL_EPS)
+            log_r.append(-torch.log(rho))
+    r = torch.cat([x.reshape(-1) for x in log_r])
+    r = r[torch.isfinite(r)]
+    return any(bool(((r - j).abs() < cfg.margin).any()) for j in jumps)
+
+
+def _compare(name: str, yours: Tensor, ref: Tensor, cfg: LossConfig, scale: float | None = None) -> str | None:
+    """A failure sentence when ``yours`` and ``ref`` differ beyond tolerance, else None."""
+    rtol, atol = cfg.tolerances
+    yours = yours.detach().double()
+    if yours.numel() == 0:
+        return None
+    bad = ~torch.isfinite(yours) & torch.isfinite(ref)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        return f"{name} is {yours[idx].item()} at index {list(idx)} where the reference is {ref[idx].item():.6g}"
+    diff = torch.where(torch.isfinite(ref), (yours - ref).abs(), torch.zeros_like(ref))
+    s = float(ref[torch.isfinite(ref)].abs().max()) if scale is None and bool(torch.isfinite(ref).any()) else (scale or 0.0)
+    tol = atol + rtol * s
+    worst = float(diff.max())
+    if worst <= tol:
+        return None
+    idx = tuple(int(i) for i in (diff == diff.max()).nonzero()[0])
+    return (f"{name} differs: max |yours - reference| = {worst:.3g} at index {list(idx)} (yours "
+            f"{yours[idx].item():.9g}, reference {ref[idx].item():.9g}); tolerance {tol:.3g} = atol {atol:g} + "
+            f"rtol {rtol:g} x {s:.3g}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The properties
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _generic_temperatures(cfg: LossConfig) -> st.SearchStrategy[float]:
+    # Below float64, temperatures under 0.25 multiply the logits' rounding error beyond the float32 tolerance;
+    # the extremes stay covered by hostile_finite.
+    return temperatures() if cfg.dtype == torch.float64 else temperatures(0.25, 10.0)
+
+
+def _prop_agreement(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
+    fed = _feed(prob, cfg)
+    assume(not _near_discontinuity(fed, cfg))
+    ex = prob.describe()
+    ref_loss, ref_grad = _reference(fed, cfg)
+    out = _call(fn, fed, ex)
+    msg = _compare("per-token loss", out, ref_loss, cfg)
+    if msg:
+        raise _Fail(msg, ex)
+    if not out.requires_grad and bool((ref_grad != 0).any()):
+        raise _Fail("the returned loss is not differentiable with respect to the logits (requires_grad is False)", ex)
+    msg = _compare("d sum(loss) / d logits", _logit_grad(out, fed), ref_grad, cfg)
+    if msg:
+        raise _Fail(msg, ex)
+
+
+def _expected_grad(fn: LossFn, cfg: LossConfig, pos: Position, adv: Tensor | float) -> tuple[Tensor, Tensor, _Fed, str]:
+    """Exact ``E_{y ~ q}[grad loss(y)]`` over the position's outcomes (one row each): ``(mean [V], scale [V])``
+    with ``scale = E_q |grad loss(y)|`` entrywise."""
+    prob = pos.expand(adv)
+    fed = _feed(prob, cfg)
+    assume(not _near_discontinuity(fed, cfg))
+    ex = pos.describe() + f"\nadvantages per outcome y={prob.tokens.tolist()}: {prob.advantages.tolist()}"
+    out = _call(fn, fed, ex)
+    g = _logit_grad(out, fed)
+    if not bool(torch.isfinite(g).all()):
+        raise _Fail("the logit gradient is not finite", ex)
+    q = fed.lq.detach().double().exp()[:, None]
+    return (q * g).sum(0), (q * g.abs()).sum(0), fed, ex
+
+
+def _prop_zero_drift(fn: LossFn, cfg: LossConfig, case: tuple[Position, float]) -> None:
+    pos, a = case
+    drift, scale, _, ex = _expected_grad(fn, cfg, pos, a)
+    msg = _compare("sum_y q(y) d loss(y) / d logits (the drift)", drift, torch.zeros_like(drift), cfg,
+                   scale=float(scale.max()))
+    if msg:
+        raise _Fail(msg + f"; constant advantage {a:g}", ex)
+
+
+def _prop_plain_is(fn: LossFn, cfg: LossConfig, case: tuple[Position, list[float]]) -> None:
+    pos, adv_list = case
+    m = pos.outcomes.shape[0]
+    adv = torch.tensor(adv_list[:m], dtype=torch.float64)
+    mean, scale, fed, ex = _expected_grad(fn, cfg, pos, adv)
+    # Target: E_{y~p}[grad of -A(y) log p(y)] = -(1/tau) sum_y p(y) A(y) (e_y - p), p over the support if any.
+    z = fed.logits.detach().double()[0]
+    x = z / fed.tau
+    if pos.kind == "support":
+        x = x.masked_fill(~torch.isfinite(pos.sampler_logq), -math.inf)
+    p = torch.softmax(x, dim=0)
+    ys = fed.tokens
+    a = fed.adv.detach().double()
+    target = torch.zeros_like(p)
+    target.index_add_(0, ys, -(p[ys] * a) / fed.tau)
+    target += p * (p[ys] * a).sum() / fed.tau
+    msg = _compare("E_q[d loss / d logits] vs E_p[d(-A log p) / d logits]", mean, target, cfg,
+                   scale=max(float(scale.max()), float(target.abs().max())))
+    if msg:
+        raise _Fail(msg, ex)
+
+
+@st.composite
+def _replay_cases(draw: st.DrawFn, cfg: LossConfig) -> tuple[Problem, Tensor]:
+    prob = draw(problems("support", temperature=_generic_temperatures(cfg)))
+    inside = support_mask(prob.candidates, prob.vocab)
+    z2 = prob.logits.clone()
+    if draw(st.booleans()):
+        z2 = torch.where(inside, z2, z2.max(dim=1, keepdim=True).values + 40.0)
+    else:
+        k = int((~inside).sum())
+        vals = draw(st.lists(st.floats(-60.0, 60.0, allow_nan=False), min_size=k, max_size=k))
+        z2[~inside] = torch.tensor(vals, dtype=torch.float64)
+    return prob, z2
+
+
+def _prop_support_replay(fn: LossFn, cfg: LossConfig, case: tuple[Problem, Tensor]) -> None:
+    prob, z2 = case
+    ex = prob.describe() + f"\nlogits outside the support changed to: {_rows(z2)}"
+    fed = _feed(prob, cfg)
+    out = _call(fn, fed, ex)
+    g = _logit_grad(out, fed)
+    inside = support_mask(fed.cands, prob.vocab)
+    rtol, atol = cfg.tolerances
+    tol = atol + rtol * float(g.abs().max()) if g.numel() else atol
+    outside = torch.where(inside, torch.zeros_like(g), g.abs().nan_to_num(math.inf))
+    if outside.numel() and float(outside.max()) > tol:
+        idx = [int(i) for i in (outside == outside.max()).nonzero()[0]]
+        raise _Fail(f"gradient outside the replayed support: |d loss / d logits| = {float(outside.max()):.3g} at "
+                    f"{idx} (outside S), tolerance {tol:.3g}", ex)
+    fed2 = _feed(prob, cfg, logits=z2)
+    out2 = _call(fn, fed2, ex)
+    msg = _compare("per-token loss after changing logits outside the support", out2, out.detach().double(), cfg)
+    msg = msg or _compare("d loss / d logits after changing logits outside the support", _logit_grad(out2, fed2),
+                          g, cfg)
+    if msg:
+        raise _Fail(msg, ex)
+
+
+def _rows(x: Tensor) -> str:
+    from offpolicy.testing.strategies import _fmt
+
+    return _fmt(x)
+
+
+@st.composite
+def _shift_cases(draw: st.DrawFn, cfg: LossConfig) -> tuple[Problem, list[float]]:
+    prob = draw(problems(cfg.record, temperature=_generic_temperatures(cfg)))
+    big = 100.0 if cfg.dtype == torch.float64 else 2.0
+    shifts = draw(st.lists(st.one_of(st.sampled_from([big, -big]), st.floats(-big, big, allow_nan=False)),
+                           min_size=prob.num_tokens, max_size=prob.num_tokens))
+    return prob, shifts
+
+
+def _prop_shift(fn: LossFn, cfg: LossConfig, case: tuple[Problem, list[float]]) -> None:
+    prob, shifts = case
+    c = torch.tensor(shifts, dtype=torch.float64).reshape(-1, 1)
+    ex = prob.describe() + f"\nper-row constant added to the logits: {_rows(c.reshape(-1))}"
+    fed = _feed(prob, cfg)
+    assume(not _near_discontinuity(fed, cfg))
+    out = _call(fn, fed, ex)
+    g = _logit_grad(out, fed)
+    fed2 = _feed(prob, cfg, logits=prob.logits + c)
+    out2 = _call(fn, fed2, ex)
+    msg = _compare("per-token loss after a constant logit shift", out2, out.detach().double(), cfg)
+    msg = msg or _compare("d loss / d logits after a constant logit shift", _logit_grad(out2, fed2), g, cfg)
+    if msg:
+        raise _Fail(msg, ex)
+
+
+def _prop_sampler_no_grad(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
+    ex = prob.describe()
+    fed = _feed(prob, cfg, sampler_grad=True)
+    out = _call(fn, fed, ex)
+    named = [("sampler_logprobs", fed.lq), ("advantages", fed.adv)]
+    if fed.cands is not None:
+        named.append(("candidates.logprobs", fed.cands.logprobs))
+    grads = _grads(out, [t for _, t in named])
+    for (name, _), g in zip(named, grads):
+        if g is not None and bool((g != 0).any()):
+            idx = [int(i) for i in (g != 0).nonzero()[0]]
+            raise _Fail(f"gradient flows into {name}: d sum(loss) / d {name} = {_rows(g.detach().double())} "
+                        f"(first nonzero at {idx}); sampler-side tensors and advantages must be detached "
+                        "(w = sg(f(r)), c = sg(c))", ex)
+
+
+def _prop_hostile(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
+    ex = prob.describe()
+    fed = _feed(prob, cfg)
+    out = _call(fn, fed, ex)
+    if not bool(torch.isfinite(out.detach()).all()):
+        bad = [int(i) for i in (~torch.isfinite(out.detach())).nonzero()[:, 0]]
+        raise _Fail(f"per-token loss is not finite at tokens {bad}: {_rows(out.detach().double())}", ex)
+    g = _logit_grad(out, fed)
+    if not bool(torch.isfinite(g).all()):
+        idx = [int(i) for i in (~torch.isfinite(g)).nonzero()[0]]
+        raise _Fail(f"d loss / d logits is not finite (first at {idx}): {_rows(g)}", ex)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The registry
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _always(cfg: LossConfig) -> str | None:
+    return None
+
+
+def _needs_centering(cfg: LossConfig) -> str | None:
+    return None if cfg.score_centering else "not applicable: the configuration does not claim score centering"
+
+
+def _needs_identity_weight(cfg: LossConfig) -> str | None:
+    corr = cfg.correction
+    if cfg.weights not in ("tis", "mis"):
+        return f"not applicable: weights={cfg.weights!r} is not f(r) = r anywhere (only tis and mis are)"
+    if not corr.lower < 1.0 < corr.upper:
+        return f"not applicable: the bounds ({corr.lower:g}, {corr.upper:g}) leave no room around r = 1"
+    return None
+
+
+def _needs_support(cfg: LossConfig) -> str | None:
+    return None if cfg.record == "support" else "not applicable: only support records replay a mask"
+
+
+@dataclass(frozen=True)
+class Invariant:
+    """One checked property.
+
+    Attributes:
+        name: short identifier (``"zero_drift"``).
+        spec: where the SPEC states it.
+        summary: one line, for reports.
+        applies: ``config -> None`` when applicable, else the reason it is not.
+        strategy: ``config -> SearchStrategy`` of cases.
+        prop: ``(fn, config, case) -> None``, raising on a violation.
+    """
+
+    name: str
+    spec: str
+    summary: str
+    applies: Callable[[LossConfig], str | None]
+    strategy: Callable[[LossConfig], st.SearchStrategy]
+    prop: Callable[[LossFn, LossConfig, object], None]
+
+
+def _is_bounds(cfg: LossConfig) -> tuple[float, float]:
+    corr = cfg.correction
+    return (corr.lower, corr.upper)
+
+
+INVARIANTS: dict[str, Invariant] = {
+    inv.name: inv
+    for inv in [
+        Invariant(
+            "agreement", "SPEC 7.2, 7.5",
+            "per-token loss and logit gradient equal offpolicy.reference for the declared configuration",
+            _always, lambda cfg: problems(cfg.record, temperature=_generic_temperatures(cfg)), _prop_agreement,
+        ),
+        Invariant(
+            "zero_drift", "SPEC 7.1, 7.2",
+            "under a constant advantage the sampler-expected gradient sum_y q(y) grad loss(y) is zero",
+            _needs_centering,
+            lambda cfg: st.tuples(positions(cfg.record, temperature=_generic_temperatures(cfg)),
+                                  st.sampled_from([1.0, -1.0, 2.5])),
+            _prop_zero_drift,
+        ),
+        Invariant(
+            "plain_is_unbiased", "SPEC 7.3",
+            "where f(r) = r: E_q[grad loss] = E_p[grad of -A log p]",
+            _needs_identity_weight,
+            lambda cfg: st.tuples(
+                positions(cfg.record, complete=True, ratio_bounds=_is_bounds(cfg),
+                          temperature=_generic_temperatures(cfg)),
+                st.lists(st.floats(-3.0, 3.0, allow_nan=False), min_size=8, max_size=8),
+            ),
+            _prop_plain_is,
+        ),
+        Invariant(
+            "support_replay", "SPEC 7.4",
+            "support records: zero gradient outside S and no dependence on logits outside S",
+            _needs_support, _replay_cases, _prop_support_replay,
+        ),
+        Invariant(
+            "shift_invariance", "SPEC 7.4",
+            "adding a constant to a row's logits changes neither the loss nor its gradient",
+            _always, _shift_cases, _prop_shift,
+        ),
+        Invariant(
+            "sampler_no_grad", "SPEC 2, 3 (sg)",
+            "no gradient reaches sampler log-probabilities, candidate log-probabilities or advantages",
+            _always, lambda cfg: problems(cfg.record, temperature=_generic_temperatures(cfg)), _prop_sampler_no_grad,
+        ),
+        Invariant(
+            "hostile_finite", "SPEC 7.8",
+            "finite loss and gradient on hostile numerics (-inf logits, +-1e4, underflow, empty rows, N = 0)",
+            _always,
+            lambda cfg: hostile_problems(cfg.record, zero_weight_at_zero_ratio=cfg.weight_at_zero == 0.0),
+            _prop_hostile,
+        ),
+    ]
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckResult:
+    """The outcome of one invariant: ``status`` is ``"pass"``, ``"fail"`` or ``"skip"`` (not applicable)."""
+
+    invariant: str
+    status: str
+    detail: str = ""
+    examples: int = 0
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.status != "fail"
+
+
+@dataclass
+class Report:
+    """All invariants' outcomes for one function and configuration."""
+
+    target: str
+    config: LossConfig
+    results: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    @property
+    def failed(self) -> list[str]:
+        """Names of the violated invariants."""
+        return [r.invariant for r in self.results if r.status == "fail"]
+
+    def __getitem__(self, name: str) -> CheckResult:
+        for r in self.results:
+            if r.invariant == name:
+                return r
+        raise KeyError(name)
+
+    def __str__(self) -> str:
+        head = f"offpolicy.testing report for {self.target}\n  {self.config.describe()}"
+        lines = [head]
+        for r in self.results:
+            inv = INVARIANTS[r.invariant]
+            tag = {"pass": "PASS", "fail": "FAIL", "skip": "skip"}[r.status]
+            extra = f"  ({r.examples} examples, {r.seconds:.1f} s)" if r.status != "skip" else f"  {r.detail}"
+            lines.append(f"  {tag}  {r.invariant:<18} {inv.summary} [{inv.spec}]{extra}")
+        for r in self.results:
+            if r.status == "fail":
+                lines.append("")
+                lines.append(r.detail)
+        return "\n".join(lines)
+
+
+def _target_name(fn: Callable) -> str:
+    mod = getattr(fn, "__module__", None) or "?"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return f"{mod}.{name}"
+
+
+def run_invariant(
+    fn: LossFn,
+    config: LossConfig,
+    invariant: str,
+    *,
+    max_examples: int | None = None,
+    derandomize: bool = True,
+    shrink: bool = True,
+) -> CheckResult:
+    """Check one invariant; never raises for a violation (see :class:`CheckResult`).
+
+    Args:
+        fn: the loss function (:data:`LossFn`).
+        config: what it claims.
+        invariant: a key of :data:`INVARIANTS`.
+        max_examples: hypothesis examples (default :data:`DEFAULT_MAX_EXAMPLES`, or the
+            ``OFFPOLICY_MAX_EXAMPLES`` environment variable).
+        derandomize: a fixed example sequence (reproducible CI); False explores new examples on each run.
+        shrink: shrink a failing example to a minimal one (False reports the first failing example as found:
+            faster, less readable).
+    """
+    if invariant not in INVARIANTS:
+        raise KeyError(f"unknown invariant {invariant!r}; expected one of {list(INVARIANTS)}")
+    inv = INVARIANTS[invariant]
+    reason = inv.applies(config)
+    if reason is not None:
+        return CheckResult(invariant, "skip", reason)
+    if max_examples is None:
+        max_examples = int(os.environ.get("OFFPOLICY_MAX_EXAMPLES", DEFAULT_MAX_EXAMPLES))
+    evaluated = [0]
+
+    def body(case) -> None:
+        inv.prop(fn, config, case)
+        evaluated[0] += 1
+
+    test = settings(
+        max_examples=max_examples, deadline=None, database=None, derandomize=derandomize,
+        suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, report_multiple_bugs=False,
+        phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else []),
+    )(given(inv.strategy(config))(body))
+    start = time.perf_counter()
+    # The examples are tiny: intra-op parallelism only adds thread wake-ups (on a busy 2-core machine a
+    # [5, 10] log-softmax took 30 ms with 2 threads and 2 us with 1), so check single-threaded.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        test()
+    except _Fail as f:
+        return CheckResult(invariant, "fail", _message(fn, config, inv, f), evaluated[0],
+                           time.perf_counter() - start)
+    except Exception as exc:  # hypothesis itself gave up (flaky function, unsatisfiable strategy, ...)
+        return CheckResult(invariant, "fail", _message(fn, config, inv, _Fail(
+            f"the check could not complete: {type(exc).__name__}: {exc}", "(no example)")), evaluated[0],
+            time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    if evaluated[0] == 0:
+        return CheckResult(invariant, "fail", _message(fn, config, inv, _Fail(
+            "no example could be evaluated (every generated case was rejected)", "(no example)")), 0,
+            time.perf_counter() - start)
+    return CheckResult(invariant, "pass", "", evaluated[0], time.perf_counter() - start)
+
+
+def _message(fn: Callable, cfg: LossConfig, inv: Invariant, f: _Fail) -> str:
+    example = "\n".join("    " + line for line in f.example.splitlines())
+    return (f"invariant '{inv.name}' violated ({inv.spec}: {inv.summary})\n"
+            f"  function:      {_target_name(fn)}\n"
+            f"  configuration: {cfg.describe()}\n"
+            f"  what failed:   {f.what}\n"
+            f"  shrunk example:\n{example}")
+
+
+def check_all(
+    fn: LossFn,
+    config: LossConfig,
+    invariants: Iterable[str] | None = None,
+    *,
+    max_examples: int | None = None,
+    derandomize: bool = True,
+    shrink: bool = True,
+    raise_on_failure: bool = True,
+) -> Report:
+    """Check every applicable invariant (or those named) and return the :class:`Report`.
+
+    With ``raise_on_failure`` (the default, for a one-line test) a violation raises
+    :class:`InvariantViolation` whose message is the whole report.
+    """
+    names = list(INVARIANTS) if invariants is None else list(invariants)
+    report = Report(_target_name(fn), config)
+    for name in names:
+        report.results.append(run_invariant(fn, config, name, max_examples=max_examples, derandomize=derandomize,
+                                           shrink=shrink))
+    if raise_on_failure and not report.passed:
+        raise InvariantViolation(str(report))
+    return report
+
+
+def pytest_suite(fn: LossFn, config: LossConfig, name: str | None = None) -> type:
+    """A pytest test class with one test per invariant (skipped where not applicable)::
+
+        TestMyLoss = offpolicy.testing.pytest_suite(my_loss, LossConfig(weights="mis", score_centering=True,
+                                                                         record="support"))
+    """
+    import pytest
+
+    def make(inv_name: str):
+        def test(self) -> None:
+            result = run_invariant(fn, config, inv_name)
+            if result.status == "skip":
+                pytest.skip(result.detail)
+            if result.status == "fail":
+                pytest.fail(result.detail, pytrace=False)
+
+        test.__name__ = f"test_{inv_name}"
+        return test
+
+    attrs = {f"test_{n}": make(n) for n in INVARIANTS}
+    return type(name or "TestOffpolicyInvariants", (), attrs)
+
+
+def with_config(config: LossConfig) -> Callable[[LossFn], LossFn]:
+    """Decorator attaching the claimed configuration to a loss function (read by the pytest entry when
+    ``OFFPOLICY_LOSS`` points at the function and ``OFFPOLICY_CONFIG`` is unset)."""
+
+    def attach(fn: LossFn) -> LossFn:
+        fn.offpolicy_config = config
+        return fn
+
+    return attach
+
+
+__all__ = [
+    "DEFAULT_MAX_EXAMPLES", "INVARIANTS", "CheckResult", "Invariant", "InvariantViolation", "LossFn", "Report",
+    "check_all", "pytest_suite", "run_invariant", "with_config",
+]

@@ -1,0 +1,119 @@
+"""Deliberately wrong policy losses, for showing that ``offpolicy.testing`` catches each mistake.
+
+:func:`dense_loss` is an independent, dense (``[N, V]`` log-softmax) implementation of the SPEC's per-token loss,
+written in the style of a framework's loss function and reached through the kit's adapter signature. With
+``bug=None`` it is correct (the kit must pass it); each entry of :data:`BUGS` injects one mistake people make.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from offpolicy.testing import LossConfig
+
+EPS = 1e-6
+
+#: bug -> what it gets wrong.
+BUGS = {
+    "sc_no_tail": "score centering without the tail term: c(v) = q f(p/q), no - alpha p",
+    "sc_unweighted": "the unweighted centering variant: c(v) = q(v) - alpha p(v) (q instead of q f(p/q))",
+    "sc_skipped": "claims score centering but never subtracts anything",
+    "sc_coef_not_detached": "centering coefficients c(v) left attached to the graph",
+    "rho_no_floor": "tail ratio rho = (1 - Q_H) / (1 - P_H) without the eps floor",
+    "mis_clip": "MIS that clips the ratio to [L, U] instead of masking it",
+    "weights_not_detached": "importance weights w = f(r) not detached",
+    "temperature_twice": "temperature applied twice (logits / tau / tau)",
+    "temperature_numerator_only": "temperature divides the logit but not the normaliser: z/tau - logsumexp(z)",
+    "support_not_replayed": "support records: p over the full vocabulary instead of renormalised over S",
+    "sampler_grad_leak": "the sampler log-probabilities are used without detaching (gradient leaks into them)",
+    "sign_error": "the loss has the wrong sign (+A w log p)",
+    "unclamped_ratio": "r = exp(log p - lq) without clamping the log-ratio: inf * 0 = NaN under MIS",
+    "no_inf_guard": "w * log p(y) without guarding w = 0 against log p = -inf (0 * -inf = NaN)",
+}
+
+
+def _f(log_r: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
+    corr = cfg.correction
+    lo, hi = corr.lower, corr.upper
+    lr = log_r.clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    if bug == "unclamped_ratio":
+        r = torch.exp(log_r)
+        inside = (r >= lo) & (r <= hi)
+        if cfg.weights == "mis":
+            return r * inside
+        if cfg.weights == "tis":
+            return r.clamp(lo, hi)
+        return torch.ones_like(r) if cfg.weights == "none" else inside.to(r.dtype)
+    log_lo = math.log(lo) if lo > 0 else -math.inf
+    inside = (log_r >= log_lo) & (log_r <= math.log(hi))
+    if cfg.weights == "none":
+        return torch.ones_like(lr)
+    if cfg.weights == "tis":
+        return torch.exp(lr.clamp(min=max(log_lo, -corr.max_log_ratio), max=math.log(hi)))
+    if cfg.weights == "mis":
+        if bug == "mis_clip":
+            return torch.exp(lr.clamp(min=max(log_lo, -corr.max_log_ratio), max=math.log(hi)))
+        return torch.where(inside, torch.exp(lr), torch.zeros_like(lr))
+    return inside.to(lr.dtype)
+
+
+def dense_loss(cfg: LossConfig, bug: str | None = None):
+    """A loss for configuration ``cfg`` with one injected ``bug`` (a key of :data:`BUGS`) or none."""
+    if bug is not None and bug not in BUGS:
+        raise KeyError(f"unknown bug {bug!r}; expected one of {list(BUGS)}")
+
+    def loss_fn(logits, tokens, sampler_logprobs, candidates, advantages, temperature):
+        tau = temperature * temperature if bug == "temperature_twice" else temperature
+        z = logits.double()
+        support = candidates is not None and candidates.kind == "support"
+        valid = None
+        if candidates is not None:
+            valid = candidates.ids >= 0
+            ids = candidates.ids.clamp_min(0)
+        x = z / tau
+        if support and bug != "support_not_replayed":
+            in_s = torch.zeros_like(z, dtype=torch.bool).scatter(1, ids, valid)
+            x = x.masked_fill(~in_s, -math.inf)
+        if bug == "temperature_numerator_only":
+            logp = x - torch.logsumexp(z, dim=1, keepdim=True)
+        else:
+            logp = torch.log_softmax(x, dim=1)
+        logp_y = logp.gather(1, tokens[:, None].long())[:, 0]
+        lq = sampler_logprobs.double()
+        lq_used = lq if bug == "sampler_grad_leak" else lq.detach()
+        lp_for_w = logp_y if bug == "weights_not_detached" else logp_y.detach()
+        w = _f(lp_for_w - lq_used, cfg, bug)
+        term = w * logp_y if bug == "no_inf_guard" else torch.where(w != 0, w * logp_y, torch.zeros_like(logp_y))
+        if cfg.score_centering and candidates is not None:
+            lpc = logp.gather(1, ids)
+            clq = candidates.logprobs.double().detach()
+            zero = torch.zeros_like(lpc)
+            lpc_d = lpc if bug == "sc_coef_not_detached" else lpc.detach()
+            p = torch.where(valid, lpc_d.exp(), zero)
+            q = torch.where(valid, clq.exp(), zero)
+            if bug == "sc_unweighted":
+                m = q
+            else:
+                m = torch.where(q > 0, q * _f(lpc_d - clq, cfg, bug), zero)
+            if support:
+                rho = torch.ones(p.shape[0], dtype=p.dtype)
+            elif bug == "rho_no_floor":
+                rho = (1 - q.sum(1)) / (1 - p.sum(1))
+            else:
+                rho = (1 - q.sum(1)).clamp_min(EPS) / (1 - p.sum(1)).clamp_min(EPS)
+            alpha = rho * _f(-torch.log(rho), cfg, bug)
+            c = m - alpha[:, None] * p
+            if bug == "sc_no_tail":
+                c = m
+            if bug == "sc_skipped":
+                c = zero
+            term = term - torch.where(c != 0, c * lpc, zero).sum(1)
+        adv = advantages.double().detach()
+        loss = adv * term if bug == "sign_error" else -adv * term
+        return torch.where(adv != 0, loss, torch.zeros_like(loss))
+
+    loss_fn.__qualname__ = f"dense_loss[{bug or 'correct'}]"
+    return loss_fn
