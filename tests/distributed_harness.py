@@ -1,7 +1,9 @@
 """Run a function on ``world_size`` gloo processes on 127.0.0.1 and collect what each rank returns.
 
-Used by the ``test_distributed*`` files. One spawn serves many cases: the worker runs a list of named cases and
-returns, per case, None (passed) or the failure text, so a pytest test per case can report it.
+Used by the ``test_distributed*`` files. One spawn serves many cases, even across test files (process start-up
+dominates the cost): :func:`suite_worker` imports each named test module in every rank, runs the cases its
+``build_cases(rank, world)`` returns, and reports per case None (passed) or the failure text, so that a pytest
+test per case can report it (:func:`case_verdict`).
 
 Bounded and clean: rank 0 opens a ``TCPStore`` on a free port chosen by the OS (port 0) and hands the port to the
 other ranks through a queue, so there is no race for a port; every collective has a timeout
@@ -151,3 +153,24 @@ def case_verdict(fn: Callable, world_size: int, args: tuple, case: str, timeout:
     if case not in run:
         return f"case {case!r} was not run (cases: {sorted(run)})"
     return run[case]
+
+
+#: The test modules whose cases share one spawn per world size (they need only torch and offpolicy).
+SUITES = ("test_distributed_tp", "test_distributed_cp_dp")
+
+
+def suite_worker(rank: int, world: int, modules: tuple[str, ...]) -> dict[str, str | None]:
+    """Run ``build_cases(rank, world)`` of every module in ``modules``; cases are named ``module:case``."""
+    import importlib
+
+    torch.manual_seed(0)
+    verdicts: dict[str, str | None] = {}
+    for name in modules:
+        cases = importlib.import_module(name).build_cases(rank, world)
+        verdicts.update({f"{name}:{k}": v for k, v in run_cases(cases).items()})
+    return verdicts
+
+
+def suite_verdict(module: str, world_size: int, case: str) -> str | None:
+    """The verdict of ``case`` of ``module`` from the shared spawn of :data:`SUITES` on ``world_size`` ranks."""
+    return case_verdict(suite_worker, world_size, (SUITES,), f"{module}:{case}")

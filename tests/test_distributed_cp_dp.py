@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import offpolicy as op
 from distributed_data import Batch, close, loss_kwargs, make_batch, reference, single_process
-from distributed_harness import case_verdict, run_cases
+from distributed_harness import suite_verdict
 from offpolicy.packing import pad_cu_seqlens, scatter_to_padded, seq_ids_from_cu_seqlens, thd_cp_index, zigzag_index
 
 # float64 throughout; sums over ranks reorder O(N) terms: 1e-10 leaves three decades of margin over rounding.
@@ -176,49 +176,49 @@ def _ddp_case(world, r):
     close("ddp W grad", layer.weight.grad, ref_layer.weight.grad, **F64)
 
 
-def _worker(rank: int, world: int, layout: str) -> dict[str, str | None]:
+def build_cases(rank: int, world: int) -> dict:
+    """On 2 ranks: CP 2 (the world), DP 2, DDP. On 4: TP 2 x CP 2 and DP 2 x TP 2."""
     cases = {}
-    if layout == "cp2":  # world = 2: one CP group, also the DP group of the DP cases
+    if world == 2:
         g = dist.group.WORLD
         for name in CP_MODES:
-            for how, kind in (("bshd", "head"), ("thd", "support"), ("random", None)):
+            for how, kind in SPLITS:
                 cases[f"cp/{name}/{how}"] = functools.partial(_cp_case, g, 2, rank, None, 1, 0, name, how, kind)
         cases["cp/sensitivity"] = functools.partial(_cp_sensitivity_case, g, 2, rank)
         cases["cp/bad_ids"] = functools.partial(_cp_bad_ids_case, g)
-        for name in ("mis-token", "seq_tis", "geo_mis", "opsm", "seqsum_kl"):
+        for name in DP_MODES:
             cases[f"dp/{name}"] = functools.partial(_dp_case, g, 2, rank, None, 1, 0, name)
         cases["ddp"] = functools.partial(_ddp_case, world, rank)
-    else:  # world = 4: TP pairs {0, 1}, {2, 3}; CP (or DP) pairs {0, 2}, {1, 3}
+    else:  # TP pairs {0, 1}, {2, 3}; CP (or DP) pairs {0, 2}, {1, 3}
         tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         cross = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         tp_g, tr = tp_groups[rank // 2], rank % 2
         x_g, xr = cross[rank % 2], rank // 2
-        for name in ("seq_tis", "geo_mis", "opsm", "batchnorm"):
+        for name in TPCP_MODES:
             cases[f"tp2xcp2/{name}"] = functools.partial(_cp_case, x_g, 2, xr, tp_g, 2, tr, name, "bshd", "head")
         cases["tp2xcp2/mis-token/thd"] = functools.partial(_cp_case, x_g, 2, xr, tp_g, 2, tr, "mis-token", "thd",
                                                            "support")
-        for name in ("mis-token", "geo_mis"):
+        for name in DPTP_MODES:
             cases[f"dp2xtp2/{name}"] = functools.partial(_dp_case, x_g, 2, xr, tp_g, 2, tr, name)
-    return run_cases(cases)
+    return cases
 
 
-def _names(layout: str) -> list[str]:
-    if layout == "cp2":
-        names = [f"cp/{n}/{how}" for n in CP_MODES for how in ("bshd", "thd", "random")]
-        names += ["cp/sensitivity", "cp/bad_ids"]
-        names += [f"dp/{n}" for n in ("mis-token", "seq_tis", "geo_mis", "opsm", "seqsum_kl")] + ["ddp"]
-        return names
-    return ([f"tp2xcp2/{n}" for n in ("seq_tis", "geo_mis", "opsm", "batchnorm")] + ["tp2xcp2/mis-token/thd"]
-            + [f"dp2xtp2/{n}" for n in ("mis-token", "geo_mis")])
+SPLITS = (("bshd", "head"), ("thd", "support"), ("random", None))
+DP_MODES = ("mis-token", "seq_tis", "geo_mis", "opsm", "seqsum_kl")
+TPCP_MODES = ("seq_tis", "geo_mis", "opsm", "batchnorm")
+DPTP_MODES = ("mis-token", "geo_mis")
+CASES_2 = ([f"cp/{n}/{how}" for n in CP_MODES for how, _ in SPLITS] + ["cp/sensitivity", "cp/bad_ids"]
+           + [f"dp/{n}" for n in DP_MODES] + ["ddp"])
+CASES_4 = [f"tp2xcp2/{n}" for n in TPCP_MODES] + ["tp2xcp2/mis-token/thd"] + [f"dp2xtp2/{n}" for n in DPTP_MODES]
 
 
-@pytest.mark.parametrize("case", _names("cp2"))
+@pytest.mark.parametrize("case", CASES_2)
 def test_cp2_dp2(case):
-    verdict = case_verdict(_worker, 2, ("cp2",), case)
+    verdict = suite_verdict(__name__, 2, case)
     assert verdict is None, verdict
 
 
-@pytest.mark.parametrize("case", _names("4"))
+@pytest.mark.parametrize("case", CASES_4)
 def test_tp2_cp2_and_dp2_tp2(case):
-    verdict = case_verdict(_worker, 4, ("4",), case)
+    verdict = suite_verdict(__name__, 4, case)
     assert verdict is None, verdict

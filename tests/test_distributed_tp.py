@@ -7,7 +7,8 @@ OPSM, veto and KL rejections, decoupled PPO, batch normalisation, every aggregat
 uneven shards, padded vocabularies, bf16/fp32 logits. Plus the classic trap (a manual gather and a non-autograd
 all-reduce give wrong gradients) and the validation of ids against the global vocabulary.
 
-One spawn per world size runs every case; a pytest test per case reports it.
+One spawn per world size runs every case (shared with ``test_distributed_cp_dp``); a pytest test per case reports
+it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 import offpolicy as op
 from distributed_data import close, loss_kwargs, make_batch, reference, shard_bounds, single_process
-from distributed_harness import case_verdict, run_cases
+from distributed_harness import suite_verdict
 
 # float64 logits: the shards' partial sums are added in another order than the single pass, so agreement is to a
 # few ulps of the largest term (the loss is O(1), the gradient entries O(1/N)); 1e-10 leaves 3 decades of margin.
@@ -255,21 +256,28 @@ def _linear_case(group, rank_in_group, bounds, name, with_bias):
     close(f"linear {name} hidden grad vs reference", h_grad, ref_h.grad, **REF)
 
 
-def _worker(rank: int, world: int, layouts: tuple[str, ...]) -> dict[str, str | None]:
-    """Run every case on every group layout named in ``layouts``; return this rank's verdicts."""
-    torch.manual_seed(0)
+def _layouts(world: int) -> tuple[str, ...]:
+    return ("world",) if world == 2 else ("world", "pairs")
+
+
+def _grid(layout: str, world: int):
+    return GRID if layout == "world" and world == 2 else GRID[::3]
+
+
+def build_cases(rank: int, world: int) -> dict:
+    """Every case on every group layout of this world: the whole world as one TP group, and on 4 ranks also
+    two TP-2 subgroups."""
     cases = {}
-    for layout in layouts:
+    for layout in _layouts(world):
         if layout == "world":
             group, r, size = dist.group.WORLD, rank, world
             widths = {2: (26, 24), 4: (14, 13, 12, 11)}[world]
-        else:  # "pairs": TP = 2 subgroups {0, 1}, {2, 3} of a world of 4
+        else:  # TP = 2 subgroups {0, 1}, {2, 3} of a world of 4
             subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
             group, r, size = subgroups[rank // 2], rank % 2, 2
             widths = (20, 30)
         bounds = shard_bounds(50, size, widths)
-        grid = GRID if layout == "world" and world == 2 else GRID[::3]
-        for name, kind, corr, agg, tau in grid:
+        for name, kind, corr, agg, tau in _grid(layout, world):
             cases[f"{layout}/{name}"] = functools.partial(_tp_case, group, r, bounds, name, kind, corr, agg, tau)
         if layout == "world":
             cases[f"{layout}/fp32"] = functools.partial(
@@ -282,27 +290,26 @@ def _worker(rank: int, world: int, layouts: tuple[str, ...]) -> dict[str, str | 
             cases[f"{layout}/bf16"] = functools.partial(_low_precision_case, group, r, bounds, torch.bfloat16)
             for i, name in enumerate(LINEAR_MODES):
                 cases[f"{layout}/linear-{name}"] = functools.partial(_linear_case, group, r, bounds, name, i % 2 == 1)
-    return run_cases(cases)
+    return cases
 
 
-def _case_names(world: int, layouts: tuple[str, ...]) -> list[str]:
+def _case_names(world: int) -> list[str]:
     names = []
-    for layout in layouts:
-        grid = GRID if layout == "world" and world == 2 else GRID[::3]
-        names += [f"{layout}/{g[0]}" for g in grid]
+    for layout in _layouts(world):
+        names += [f"{layout}/{g[0]}" for g in _grid(layout, world)]
         if layout == "world":
             names += [f"{layout}/{x}" for x in ("fp32", "padded-neg_inf", "padded-sliced", "trap", "validation", "bf16")]
             names += [f"{layout}/linear-{name}" for name in LINEAR_MODES]
     return names
 
 
-@pytest.mark.parametrize("case", _case_names(2, ("world",)))
+@pytest.mark.parametrize("case", _case_names(2))
 def test_tp2(case):
-    verdict = case_verdict(_worker, 2, (("world",),), case)
+    verdict = suite_verdict(__name__, 2, case)
     assert verdict is None, verdict
 
 
-@pytest.mark.parametrize("case", _case_names(4, ("world", "pairs")))
+@pytest.mark.parametrize("case", _case_names(4))
 def test_tp4_and_tp2_subgroups(case):
-    verdict = case_verdict(_worker, 4, (("world", "pairs"),), case)
+    verdict = suite_verdict(__name__, 4, case)
     assert verdict is None, verdict
