@@ -102,6 +102,22 @@ def _cp_sensitivity_case(cp_group, cp, r):
     assert float((without - want[idx]).abs().max()) > 1e-3, "splitting sequences should change local weights"
 
 
+def _cp_empty_rank_case(cp_group, r):
+    """A CP rank holding no token at all: the other rank's share is then the whole loss."""
+    corr, agg = CP_MODES["geo_mis"]
+    b = make_batch(seed=0, kind="head", seq_lens=SEQ_LENS, mismatch=0.4)
+    want_loss, want_grad, _ = single_process(b, corr, agg)
+    idx = torch.arange(b.n) if r == 0 else torch.zeros(0, dtype=torch.int64)
+    share = b.rows(idx)
+    z = share.logits.clone().requires_grad_(True)
+    out = op.policy_loss(z, **loss_kwargs(share, corr, agg), cp_group=cp_group)
+    out.loss.backward()
+    total = out.loss.detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    close("loss with an empty CP rank", total, want_loss, **F64)
+    close("grad with an empty CP rank", z.grad, want_grad[idx], **F64)
+
+
 def _cp_bad_ids_case(cp_group):
     """Negative sequence ids raise on every rank (after one collective, so no rank is left waiting)."""
     b = make_batch(seed=0, kind=None, seq_lens=SEQ_LENS)
@@ -186,6 +202,7 @@ def build_cases(rank: int, world: int) -> dict:
                 cases[f"cp/{name}/{how}"] = functools.partial(_cp_case, g, 2, rank, None, 1, 0, name, how, kind)
         cases["cp/sensitivity"] = functools.partial(_cp_sensitivity_case, g, 2, rank)
         cases["cp/bad_ids"] = functools.partial(_cp_bad_ids_case, g)
+        cases["cp/empty_rank"] = functools.partial(_cp_empty_rank_case, g, rank)
         for name in DP_MODES:
             cases[f"dp/{name}"] = functools.partial(_dp_case, g, 2, rank, None, 1, 0, name)
         cases["ddp"] = functools.partial(_ddp_case, world, rank)
@@ -207,7 +224,7 @@ SPLITS = (("bshd", "head"), ("thd", "support"), ("random", None))
 DP_MODES = ("mis-token", "seq_tis", "geo_mis", "opsm", "seqsum_kl")
 TPCP_MODES = ("seq_tis", "geo_mis", "opsm", "batchnorm")
 DPTP_MODES = ("mis-token", "geo_mis")
-CASES_2 = ([f"cp/{n}/{how}" for n in CP_MODES for how, _ in SPLITS] + ["cp/sensitivity", "cp/bad_ids"]
+CASES_2 = ([f"cp/{n}/{how}" for n in CP_MODES for how, _ in SPLITS] + ["cp/sensitivity", "cp/bad_ids", "cp/empty_rank"]
            + [f"dp/{n}" for n in DP_MODES] + ["ddp"])
 CASES_4 = [f"tp2xcp2/{n}" for n in TPCP_MODES] + ["tp2xcp2/mis-token/thd"] + [f"dp2xtp2/{n}" for n in DPTP_MODES]
 

@@ -62,6 +62,7 @@ def _mode_grid():
 
 
 GRID = _mode_grid()
+DEGENERATE = ("empty", "all_masked")
 
 
 def _tp_case(group, rank_in_group, bounds, name, kind, corr, agg, tau, dtype=torch.float64, seed=0):
@@ -186,6 +187,22 @@ def _validation_case(group, rank_in_group, bounds):
         op.policy_loss(shard, **kw, tp_group=group, vocab_start=0)
 
 
+def _degenerate_case(group, rank_in_group, bounds, what):
+    """``N = 0`` and a fully masked batch: a zero loss (not NaN) and a zero gradient on every shard."""
+    b = make_batch(seed=10, kind="support")
+    if what == "empty":
+        b = b.rows(torch.zeros(0, dtype=torch.int64))
+    else:
+        b.mask = torch.zeros_like(b.mask)
+    corr = op.Correction(weights="mis", level="geometric", bounds=(0.7, 1.4))
+    start, end = bounds[rank_in_group]
+    shard = b.logits[:, start:end].clone().requires_grad_(True)
+    out = op.policy_loss(shard, **loss_kwargs(b, corr, "seq_mean_token_mean"), tp_group=group, vocab_start=start)
+    out.loss.backward()
+    assert float(out.loss) == 0.0 and torch.isfinite(out.loss)
+    assert shard.grad is not None and bool((shard.grad == 0).all())
+
+
 def _low_precision_case(group, rank_in_group, bounds, dtype):
     """bf16 logits: TP equals the single-process bf16 result (same fp32 statistics, summed in another order)."""
     b = make_batch(seed=7, kind="support")
@@ -288,6 +305,8 @@ def build_cases(rank: int, world: int) -> dict:
             cases[f"{layout}/trap"] = functools.partial(_trap_case, group, r, bounds)
             cases[f"{layout}/validation"] = functools.partial(_validation_case, group, r, bounds)
             cases[f"{layout}/bf16"] = functools.partial(_low_precision_case, group, r, bounds, torch.bfloat16)
+            for what in DEGENERATE:
+                cases[f"{layout}/{what}"] = functools.partial(_degenerate_case, group, r, bounds, what)
             for i, name in enumerate(LINEAR_MODES):
                 cases[f"{layout}/linear-{name}"] = functools.partial(_linear_case, group, r, bounds, name, i % 2 == 1)
     return cases
@@ -300,6 +319,7 @@ def _case_names(world: int) -> list[str]:
         if layout == "world":
             names += [f"{layout}/{x}" for x in ("fp32", "padded-neg_inf", "padded-sliced", "trap", "validation", "bf16")]
             names += [f"{layout}/linear-{name}" for name in LINEAR_MODES]
+            names += [f"{layout}/{what}" for what in DEGENERATE]
     return names
 
 
