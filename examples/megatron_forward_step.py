@@ -7,7 +7,8 @@
 What it shows (the part to copy is :func:`forward_step`):
 
 1. a packed rollout batch (``cu_seqlens``, sampled tokens, the sampler's log-probabilities, its top-p support in CSR,
-   GRPO advantages) turned into Megatron's ``[b, s]`` micro-batch dict with ``offpolicy.adapters.megatron.packed_batch``;
+   GRPO advantages) turned into Megatron's ``[b, s]`` micro-batch dict with
+   ``offpolicy.adapters.megatron.packed_batch``;
 2. ``forward_step`` returning the vocabulary-parallel logits of ``GPTModel(..., labels=None)`` and the loss
    function of ``make_loss_func`` (MIS + score centering with top-p mask replay, padded vocabulary excluded);
 3. Megatron's per-token-loss path (``calculate_per_token_loss=True``): the schedule sums the returned token

@@ -378,8 +378,11 @@ def _split_case(model, input_ids, name, split: str):
                           tp_group=tp_group, vocab_start=r * width, **_flat(batch, kind))
     want.loss.backward()
     want_grads = _grads(model)
-    factory = lambda mb: make_loss_func({k: v for k, v in mb.items() if k != "input_ids"}, correction=corr,  # noqa: E731
-                                        candidate_kind=kind or "head", aggregation=agg, vocab_size=VOCAB_REAL)
+
+    def factory(mb):
+        return make_loss_func({k: v for k, v in mb.items() if k != "input_ids"}, correction=corr,
+                              candidate_kind=kind or "head", aggregation=agg, vocab_size=VOCAB_REAL)
+
     full = {"input_ids": input_ids, **batch}
     if split == "cp":
         mine = get_batch_on_this_cp_rank(dict(full))

@@ -317,7 +317,8 @@ def _case_names(world: int) -> list[str]:
     for layout in _layouts(world):
         names += [f"{layout}/{g[0]}" for g in _grid(layout, world)]
         if layout == "world":
-            names += [f"{layout}/{x}" for x in ("fp32", "padded-neg_inf", "padded-sliced", "trap", "validation", "bf16")]
+            names += [f"{layout}/{x}" for x in ("fp32", "padded-neg_inf", "padded-sliced", "trap", "validation",
+                                                 "bf16")]
             names += [f"{layout}/linear-{name}" for name in LINEAR_MODES]
             names += [f"{layout}/{what}" for what in DEGENERATE]
     return names

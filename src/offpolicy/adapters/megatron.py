@@ -15,7 +15,9 @@ by it. :func:`make_loss_func` returns such a ``loss_func``:
   reduced over the data-parallel x context-parallel group: token means as ``[global sum, global count]`` pairs
   (Megatron-LM's ``train_step`` sums such pairs over micro-batches, all-reduces them and divides: an exact token
   mean, unchanged by its extra all-reduce since both entries scale alike), maxima, minima and the effective
-  sample size as 1-element tensors (averaged over micro-batches by ``train_step``).
+  sample size as 1-element tensors (averaged over micro-batches by ``train_step``). Per-sampler-group and
+  per-staleness metrics are not reported here (their keys differ from rank to rank); compute them from the
+  rollout records with :func:`offpolicy.metrics.policy_metrics` where the whole batch is at hand.
 
 The logits are Megatron's vocabulary-parallel ones: ``GPTModel.forward(..., labels=None)`` returns
 ``[b, s, V / tp]`` (``logits_layout="bsv"``), a bare output layer ``[s, b, V / tp]`` (``"sbv"``). Each tensor-parallel
