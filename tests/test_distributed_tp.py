@@ -63,6 +63,7 @@ def _mode_grid():
 
 GRID = _mode_grid()
 DEGENERATE = ("empty", "all_masked")
+TRITON = (("head", "logits"), ("support", "logits"), ("head", "linear"), ("support", "linear"))
 
 
 def _tp_case(group, rank_in_group, bounds, name, kind, corr, agg, tau, dtype=torch.float64, seed=0):
@@ -203,6 +204,38 @@ def _degenerate_case(group, rank_in_group, bounds, what):
     assert shard.grad is not None and bool((shard.grad == 0).all())
 
 
+def _backend_case(group, rank_in_group, bounds, kind, path):
+    """The Triton backend (the GPU default; here Triton's CPU interpreter) on each shard, fp32, against the
+    single-process torch result: the sharded statistics and the gradient are the backend's, the combination is
+    the primitive's."""
+    b = make_batch(seed=12, kind=kind, temperature="per_token")
+    corr = op.Correction(weights="mis", score_centering=True)
+    start, end = bounds[rank_in_group]
+    kw = loss_kwargs(b, corr, "token_mean")
+    if path == "logits":
+        want_loss, want_grad, _ = single_process(b, corr, "token_mean", dtype=torch.float32)
+        shard = b.logits[:, start:end].float().clone().requires_grad_(True)
+        out = op.policy_loss(shard, **kw, tp_group=group, vocab_start=start, backend="triton")
+        out.loss.backward()
+        close(f"triton {kind} loss", out.loss.detach(), want_loss, **F32)
+        close(f"triton {kind} grad", shard.grad, want_grad[:, start:end], **F32)
+        return
+    gen = torch.Generator().manual_seed(13)
+    h = torch.randn(b.n, 16, generator=gen)
+    w = torch.randn(b.logits.shape[1], 16, generator=gen) * 0.5
+    h1, w1 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    want = op.policy_loss(hidden=h1, weight=w1, **kw, backend="torch")
+    want.loss.backward()
+    h2, w2 = h.clone().requires_grad_(True), w[start:end].clone().requires_grad_(True)
+    out = op.policy_loss(hidden=h2, weight=w2, **kw, tp_group=group, vocab_start=start, backend="triton")
+    out.loss.backward()
+    h_grad = h2.grad.clone()
+    dist.all_reduce(h_grad, group=group)
+    close(f"triton linear {kind} loss", out.loss.detach(), want.loss.detach(), **F32)
+    close(f"triton linear {kind} weight grad", w2.grad, w1.grad[start:end], **F32)
+    close(f"triton linear {kind} hidden grad", h_grad, h1.grad, **F32)
+
+
 def _low_precision_case(group, rank_in_group, bounds, dtype):
     """bf16 logits: TP equals the single-process bf16 result (same fp32 statistics, summed in another order)."""
     b = make_batch(seed=7, kind="support")
@@ -307,6 +340,9 @@ def build_cases(rank: int, world: int) -> dict:
             cases[f"{layout}/bf16"] = functools.partial(_low_precision_case, group, r, bounds, torch.bfloat16)
             for what in DEGENERATE:
                 cases[f"{layout}/{what}"] = functools.partial(_degenerate_case, group, r, bounds, what)
+            for kind, path in TRITON if world == 2 else ():  # Triton's import and interpreter are slow on CPU
+                cases[f"{layout}/triton-{path}-{kind}"] = functools.partial(_backend_case, group, r, bounds, kind,
+                                                                            path)
             for i, name in enumerate(LINEAR_MODES):
                 cases[f"{layout}/linear-{name}"] = functools.partial(_linear_case, group, r, bounds, name, i % 2 == 1)
     return cases
@@ -321,6 +357,7 @@ def _case_names(world: int) -> list[str]:
                                                  "bf16")]
             names += [f"{layout}/linear-{name}" for name in LINEAR_MODES]
             names += [f"{layout}/{what}" for what in DEGENERATE]
+            names += [f"{layout}/triton-{path}-{kind}" for kind, path in TRITON if world == 2]
     return names
 
 
