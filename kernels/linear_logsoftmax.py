@@ -15,6 +15,11 @@ Five kernels (all arithmetic in fp32; ``h`` and ``W`` are read in their storage 
   (one program per row and ``D`` block, no atomics) and ``dW[ids[n, j]] += dz[n, j] h[n]``, ``db[ids] += dz``
   (fp32 atomics).
 
+Both vocabulary kernels form ``x = z * inv_temp`` as a rounded fp32 product and run with FMA contraction off, so
+that the backward's ``exp(x - lse)`` reproduces the forward's statistics exactly: where ``|x|`` is large (1e5
+with small temperatures) a fused ``z * it - c`` rounds differently and would leave one-hot rows with
+``p = 1 +- 1e-2``.
+
 These kernels know nothing about what the rows mean. The interpreter (``TRITON_INTERPRET=1``) runs them with
 fp32/fp16 inputs (its bf16 ``tl.dot`` is wrong); bf16 is for GPUs.
 """
@@ -284,7 +289,7 @@ def linear_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_te
         hidden, weight, bias if bias is not None else hidden, inv_temp, m, s, t,
         n, v, d, hidden.stride(0), weight.stride(0), per_split,
         HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PRECISION=_precision(hidden.dtype),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False,
     )
     return m, s, t
 
@@ -320,7 +325,7 @@ def linear_dense_grad(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows:
         r, v, d, hidden.stride(0), weight.stride(0), float(eps or 0.0),
         HAS_BIAS=bias is not None, NEED_H=dh is not None, NEED_W=dw is not None, NEED_B=db is not None,
         FILTER=bool(eps), BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, GROUP_N=group_n, PRECISION=_precision(hidden.dtype),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False,
     )
     return int(skipped.item())
 

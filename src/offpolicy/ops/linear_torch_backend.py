@@ -228,8 +228,10 @@ def full_stats(
         tiles.set_tile(v0, v1)
         for lo in range(0, n, rows):
             hi = min(n, lo + rows)
-            x = tiles.block(hidden[lo:hi])
-            x.mul_(inv_temp[lo:hi, None])
+            # x = z inv_temp is rounded to fp32 once, here and in the backward alike, so that the backward's
+            # exp(x - lse) matches the forward's statistics exactly even where |x| is large (a fused
+            # z * it - c would round differently and put p = 1 +- 1% on one-hot rows with |x| ~ 1e5).
+            x = tiles.block(hidden[lo:hi]).mul_(inv_temp[lo:hi, None])
             sel = ids[lo:hi] - v0
             here = (sel >= 0) & (sel < v1 - v0) & (ids[lo:hi] >= 0)
             if bool(here.any()):
@@ -237,7 +239,7 @@ def full_stats(
                 x_ids[lo:hi] = torch.where(here, got, x_ids[lo:hi])
             mx = x.amax(dim=1)
             mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-            x.sub_(mx[:, None])
+            x.sub_(mx[:, None])  # x - m <= 0, or -inf
             e = torch.exp(x, out=ebuf[: hi - lo, : v1 - v0])
             x.clamp_(min=torch.finfo(x.dtype).min)  # -inf * 0 would be NaN in the entropy dot product
             _merge(m[lo:hi], s[lo:hi], t[lo:hi], mx, e.sum(dim=1), torch.linalg.vecdot(e, x))
@@ -245,15 +247,14 @@ def full_stats(
 
 
 class _Pairs:
-    """The sparse part of ``dz``: (token, vocabulary row, value) triples, in token order and in row order."""
+    """The sparse part of ``dz``: (token, vocabulary row, value) triples sorted by vocabulary row."""
 
-    def __init__(self, ids: Tensor, dz_ids: Tensor, v: int) -> None:
+    def __init__(self, ids: Tensor, dz_ids: Tensor) -> None:
         keep = (ids >= 0) & (dz_ids != 0)
-        tok, col = keep.nonzero(as_tuple=True)  # row-major: sorted by token
-        self.v = v
-        self.tok, self.vid, self.val = tok, ids[tok, col], dz_ids[tok, col]
-        order = torch.argsort(self.vid, stable=True)
-        self.vid_s, self.tok_s, self.val_s = self.vid[order], self.tok[order], self.val[order]
+        tok, col = keep.nonzero(as_tuple=True)
+        vid = ids[tok, col]
+        order = torch.argsort(vid, stable=True)
+        self.vid_s, self.tok_s, self.val_s = vid[order], tok[order], dz_ids[tok, col][order]
 
     def span(self, v0: int, v1: int) -> tuple[int, int]:
         """Range (in row order) of the pairs whose vocabulary row lies in ``[v0, v1)``."""
@@ -268,32 +269,29 @@ class _Pairs:
         return a @ h_acc
 
     def bias_rows(self, slots: Tensor, lo: int, hi: int, n_slots: int) -> Tensor:
-        out = torch.zeros(n_slots, dtype=self.val.dtype, device=self.val.device)
+        out = torch.zeros(n_slots, dtype=self.val_s.dtype, device=self.val_s.device)
         return out.index_add_(0, slots, self.val_s[lo:hi])
-
-    def weight_times(self, dh: Tensor, weight: Tensor) -> None:
-        """``dh[n] += sum_k val[k] W[vid[k]]`` over all pairs (CSR ``[N, V]`` x ``W``; fp32 / float64 weights)."""
-        a = _csr(self.tok, self.vid, self.val.to(weight.dtype), (dh.shape[0], self.v))
-        dh += (a @ weight).to(dh.dtype)
 
 
 def _sparse_dh(dh: Tensor, weight: Tensor, ids: Tensor, dz_ids: Tensor, chunk_bytes: int) -> None:
-    """``dh[n] += sum_j dz_ids[n, j] W[ids[n, j]]`` (entries with ``ids < 0`` carry ``dz_ids = 0``)."""
+    """``dh[n] += sum_j dz_ids[n, j] W[ids[n, j]]`` (entries with ``ids < 0`` carry ``dz_ids = 0``): a weighted
+    ``embedding_bag`` sum over the ids in the compute dtype (fp32 accumulation inside), token chunk by chunk."""
     n, m = ids.shape
-    d = weight.shape[1]
     if n == 0 or m == 0:
         return
-    cdtype = compute_dtype(weight.dtype, weight.device)
-    step = _gather_chunk_rows(n, m, d, chunk_bytes)
-    buf = torch.empty(step * m, d, dtype=cdtype, device=weight.device)
+    wdt = compute_dtype(weight.dtype, weight.device)
+    step = max(1, min(n, chunk_bytes // max(1, 4 * m * weight.shape[1]))) if wdt != weight.dtype else n
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        g = dz_ids[lo:hi]
-        if not bool((g != 0).any()):
-            continue
-        flat = ids[lo:hi].clamp_min(0).reshape(-1)
-        rows = _gather_rows(weight, flat, buf[: flat.numel()]).view(hi - lo, m, d)
-        dh[lo:hi] += torch.bmm(g.to(cdtype).unsqueeze(1), rows).squeeze(1).to(dh.dtype)
+        g = dz_ids[lo:hi].to(wdt)
+        sel = ids[lo:hi].clamp_min(0)
+        if wdt == weight.dtype:
+            bag = torch.nn.functional.embedding_bag(sel, weight, per_sample_weights=g, mode="sum")
+        else:  # fp16 on CPU: the fp32 upcast of the rows this chunk uses
+            rows, local = torch.unique(sel, return_inverse=True)
+            bag = torch.nn.functional.embedding_bag(local, weight.index_select(0, rows).to(wdt),
+                                                    per_sample_weights=g, mode="sum")
+        dh[lo:hi] += bag.to(dh.dtype)
 
 
 def backward(
@@ -341,12 +339,9 @@ def backward(
     skipped = 0
     if n == 0 or v == 0:
         return dh, dw, None if db is None else db.to(bias.dtype), skipped
-    pairs = _Pairs(ids, dz_ids, v)
+    pairs = _Pairs(ids, dz_ids)
     if dh is not None:
-        if _sparse_ok(weight):
-            pairs.weight_times(dh, weight)
-        else:
-            _sparse_dh(dh, weight, ids, dz_ids, chunk_bytes)
+        _sparse_dh(dh, weight, ids, dz_ids, chunk_bytes)
     h_acc = hidden.to(acc_dtype) if need_w else None  # the CSR products multiply fp32 (float64) operands
     if coef is None:
         _support_weight_grad(pairs, h_acc, dw, db, d, chunk_bytes)
@@ -372,24 +367,23 @@ def backward(
             hi = min(n_d, lo + rows)
             h = h_d[lo:hi]
             p = tiles.block(h)
-            p.mul_(it_d[lo:hi, None]).sub_(lse_d[lo:hi, None]).exp_()
+            p.mul_(it_d[lo:hi, None]).sub_(lse_d[lo:hi, None]).exp_()  # p = exp(x - lse), x rounded as forward
             if grad_filter and float(p.max()) < grad_filter:
                 skipped += 1
                 continue
-            p.mul_(coef_d[lo:hi, None])  # now dz of this block
-            if tiles.cdtype == acc_dtype:
-                if dh_d is not None:
-                    dh_d[lo:hi].addmm_(p, w_tile)
-                if a_tile is not None:
-                    a_tile.addmm_(p.T, h.to(acc_dtype))
-            else:
-                dz = p.to(tiles.cdtype)
-                if dh_d is not None:
-                    dh_d[lo:hi] += torch.mm(dz, w_tile).to(acc_dtype)
-                if a_tile is not None:
-                    a_tile += torch.mm(dz.T, h.to(tiles.cdtype)).to(acc_dtype)
+            # dz = coef p: the row scale goes on the [rows, D] operands, not on the block.
+            c = coef_d[lo:hi, None]
+            pc = p if tiles.cdtype == acc_dtype else p.to(tiles.cdtype)
+            if dh_d is not None:
+                dh_d[lo:hi] += c * torch.mm(pc, w_tile).to(acc_dtype)
+            if a_tile is not None:
+                hc = (h.to(acc_dtype) * c).to(tiles.cdtype)
+                if tiles.cdtype == acc_dtype:
+                    a_tile.addmm_(pc.T, hc)
+                else:
+                    a_tile += torch.mm(pc.T, hc).to(acc_dtype)
             if b_tile is not None:
-                b_tile += p.sum(dim=0)
+                b_tile += torch.mv(p.T, c[:, 0])
         lo, hi = pairs.span(v0, v1)
         if hi > lo:
             slots = pairs.vid_s[lo:hi] - v0
