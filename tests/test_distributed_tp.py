@@ -88,12 +88,13 @@ def _tp_case(group, rank_in_group, bounds, name, kind, corr, agg, tau, dtype=tor
         close(f"{name} grad vs reference", shard.grad, ref_grad[:, start:end], **REF)
 
 
-def _padded_case(group, rank_in_group, world, how):
-    """Padded vocabulary: 50 real ids padded to 64; the padding is either ``-inf`` logits or columns left out.
+def _padded_case(group, rank_in_group, world, how, real=50):
+    """Padded vocabulary: ``real`` ids padded to 64; the padding is either ``-inf`` logits or columns left out.
 
-    With ``world = 4`` (shards of 16) the last shard holds 2 real ids and 14 padding columns.
+    With ``world = 4`` (shards of 16) and 50 real ids the last shard holds 2 real ids and 14 padding columns;
+    with 30 real ids the last shard (and with 4 ranks the last two) holds padding only: zero-width logits.
     """
-    real, padded = 50, 64
+    padded = 64
     b = make_batch(seed=3, v=real, kind="head")
     corr = op.Correction(weights="mis", score_centering=True)
     want_loss, want_grad, _ = single_process(b, corr, "token_mean")
@@ -335,6 +336,7 @@ def build_cases(rank: int, world: int) -> dict:
                 "token_mean", "per_token", torch.float32)
             for how in ("neg_inf", "sliced"):
                 cases[f"{layout}/padded-{how}"] = functools.partial(_padded_case, group, r, size, how)
+            cases[f"{layout}/padded-empty-shard"] = functools.partial(_padded_case, group, r, size, "sliced", 30)
             cases[f"{layout}/trap"] = functools.partial(_trap_case, group, r, bounds)
             cases[f"{layout}/validation"] = functools.partial(_validation_case, group, r, bounds)
             cases[f"{layout}/bf16"] = functools.partial(_low_precision_case, group, r, bounds, torch.bfloat16)
@@ -353,8 +355,8 @@ def _case_names(world: int) -> list[str]:
     for layout in _layouts(world):
         names += [f"{layout}/{g[0]}" for g in _grid(layout, world)]
         if layout == "world":
-            names += [f"{layout}/{x}" for x in ("fp32", "padded-neg_inf", "padded-sliced", "trap", "validation",
-                                                 "bf16")]
+            names += [f"{layout}/{x}" for x in ("fp32", "padded-neg_inf", "padded-sliced", "padded-empty-shard",
+                                                 "trap", "validation", "bf16")]
             names += [f"{layout}/linear-{name}" for name in LINEAR_MODES]
             names += [f"{layout}/{what}" for what in DEGENERATE]
             names += [f"{layout}/triton-{path}-{kind}" for kind, path in TRITON if world == 2]

@@ -62,6 +62,8 @@ def _localise(ids: Tensor, shard: VocabShard | None, v_local: int) -> Tensor:
 
 def _gather(logits: Tensor, local: Tensor, inv_temp: Tensor) -> Tensor:
     """``[N, M]`` fp32 ``x`` at the local ids, 0 where not owned (so a SUM over shards assembles the row)."""
+    if logits.shape[1] == 0:  # a shard holding only vocabulary padding owns nothing
+        return torch.zeros(local.shape, dtype=inv_temp.dtype, device=local.device)
     x = logits.gather(1, local.clamp_min(0)).to(inv_temp.dtype) * inv_temp[:, None]
     return torch.where(local >= 0, x, torch.zeros_like(x))
 
