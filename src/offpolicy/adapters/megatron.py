@@ -248,13 +248,7 @@ def make_loss_func(
         v_local = logits.shape[1]
         start = _rank(tp_group) * v_local
         if vocab_size is not None:
-            real = min(v_local, vocab_size - start)
-            if real <= 0:
-                raise ValueError(
-                    f"vocab_size={vocab_size}: tensor-parallel rank {_rank(tp_group)} holds columns "
-                    f"[{start}, {start + v_local}), all padding; a rank without a real column is not supported "
-                    "(lower make_vocab_size_divisible_by)"
-                )
+            real = max(0, min(v_local, vocab_size - start))  # a rank may hold padding only (zero real columns)
             if real < v_local:
                 logits = logits[:, :real]
         flat = {k: _flat_tokens(v, order) for k, v in batch.items()}
