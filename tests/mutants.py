@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from offpolicy.testing import LossConfig
+from offpolicy.testing import LossConfig, with_config
 
 EPS = 1e-6
 
@@ -75,7 +75,9 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
             ids = candidates.ids.clamp_min(0)
         x = z / tau
         if support and bug != "support_not_replayed":
-            in_s = torch.zeros_like(z, dtype=torch.bool).scatter(1, ids, valid)
+            # Padding (-1) goes to an extra column that is dropped: it must not overwrite a real id's entry.
+            slot = torch.where(valid, ids, torch.full_like(ids, z.shape[1]))
+            in_s = torch.zeros(z.shape[0], z.shape[1] + 1, dtype=torch.bool).scatter(1, slot, True)[:, :-1]
             x = x.masked_fill(~in_s, -math.inf)
         if bug == "temperature_numerator_only":
             logp = x - torch.logsumexp(z, dim=1, keepdim=True)
@@ -117,3 +119,9 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
 
     loss_fn.__qualname__ = f"dense_loss[{bug or 'correct'}]"
     return loss_fn
+
+
+# Entry points for ``OFFPOLICY_LOSS=mutants:<name> pytest --pyargs offpolicy.testing`` (tests/ on the path).
+_MIS_SUPPORT = LossConfig(weights="mis", score_centering=True, record="support")
+correct_mis_support = with_config(_MIS_SUPPORT)(dense_loss(_MIS_SUPPORT))
+unweighted_mis_support = with_config(_MIS_SUPPORT)(dense_loss(_MIS_SUPPORT, "sc_unweighted"))

@@ -167,8 +167,45 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     return any(bool(((r - j).abs() < cfg.margin).any()) for j in jumps)
 
 
-def _compare(name: str, yours: Tensor, ref: Tensor, cfg: LossConfig, scale: float | None = None) -> str | None:
-    """A failure sentence when ``yours`` and ``ref`` differ beyond tolerance, else None."""
+def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
+    """An absolute error any correct implementation may show from rounding alone.
+
+    The log-softmax of ``x = z / tau`` is good to about one ulp of ``max |x|`` per entry (``x - lse`` loses the
+    bits below it, which is all of ``1 - p`` when ``p`` is within an ulp of 1); the per-token loss and gradient
+    multiply those errors by ``|A| (w + sum_v |c(v)|) max(1, 1 / tau)``. Bounding ``w`` and ``m(v)`` by the weight
+    cap and ``alpha`` by ``rho f(1 / rho)`` (up to ``1 / eps`` when the tail masses hit the eps floor), the floor
+    is 16 unit roundoffs of that product.
+    """
+    n = fed.tokens.shape[0]
+    if n == 0:
+        return 0.0
+    corr = cfg.correction
+    z = fed.logits.detach().double()
+    finite = z[torch.isfinite(z)]
+    x_max = float(finite.abs().max()) / fed.tau if finite.numel() else 0.0
+    cap = max(1.0, corr.upper if (cfg.weights in ("tis", "mis") and math.isfinite(corr.upper)) else 1.0)
+    coef = torch.full((n,), cap, dtype=torch.float64)
+    if cfg.score_centering and fed.cands is not None:
+        from offpolicy.reference import f as weight_f
+
+        alpha = weight_f(torch.ones(1, dtype=torch.float64), corr).expand(n)
+        if fed.cands.kind == "head":
+            valid = fed.cands.ids >= 0
+            lp = log_probs(z, fed.tau)
+            p_h = torch.where(valid, lp.gather(1, fed.cands.ids.clamp_min(0)).exp(), torch.zeros(())).sum(1)
+            q_h = torch.where(valid, fed.cands.logprobs.detach().double().exp(), torch.zeros(())).sum(1)
+            rho = (1 - q_h).clamp_min(TAIL_EPS) / (1 - p_h).clamp_min(TAIL_EPS)
+            alpha = rho * weight_f(1 / rho, corr)
+        coef = coef + 2 * cap + alpha
+    unit = torch.finfo(cfg.dtype).eps / 2
+    scale = float((fed.adv.detach().double().abs() * coef).max()) * max(1.0, 1.0 / fed.tau)
+    return 16 * unit * max(1.0, x_max) * scale
+
+
+def _compare(name: str, yours: Tensor, ref: Tensor, cfg: LossConfig, scale: float | None = None,
+             floor: float = 0.0, expected: str = "reference") -> str | None:
+    """A failure sentence when ``yours`` and ``ref`` differ by more than
+    ``atol + floor + rtol * scale`` (``scale`` defaults to ``max |ref|``), else None."""
     rtol, atol = cfg.tolerances
     yours = yours.detach().double()
     if yours.numel() == 0:
@@ -176,17 +213,18 @@ def _compare(name: str, yours: Tensor, ref: Tensor, cfg: LossConfig, scale: floa
     bad = ~torch.isfinite(yours) & torch.isfinite(ref)
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
-        return f"{name} is {yours[idx].item()} at index {list(idx)} where the reference is {ref[idx].item():.6g}"
+        return f"{name} is {yours[idx].item()} at index {list(idx)} where the {expected} is {ref[idx].item():.6g}"
     diff = torch.where(torch.isfinite(ref), (yours - ref).abs(), torch.zeros_like(ref))
-    s = float(ref[torch.isfinite(ref)].abs().max()) if scale is None and bool(torch.isfinite(ref).any()) else (scale or 0.0)
-    tol = atol + rtol * s
+    fin = ref[torch.isfinite(ref)]
+    s = (float(fin.abs().max()) if fin.numel() else 0.0) if scale is None else scale
+    tol = atol + floor + rtol * s
     worst = float(diff.max())
     if worst <= tol:
         return None
     idx = tuple(int(i) for i in (diff == diff.max()).nonzero()[0])
-    return (f"{name} differs: max |yours - reference| = {worst:.3g} at index {list(idx)} (yours "
-            f"{yours[idx].item():.9g}, reference {ref[idx].item():.9g}); tolerance {tol:.3g} = atol {atol:g} + "
-            f"rtol {rtol:g} x {s:.3g}")
+    return (f"{name} differs: max |yours - {expected}| = {worst:.3g} at index {list(idx)} (yours "
+            f"{yours[idx].item():.9g}, {expected} {ref[idx].item():.9g}); tolerance {tol:.3g} = atol {atol:g} + "
+            f"rounding floor {floor:.3g} + rtol {rtol:g} x {s:.3g}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -206,12 +244,13 @@ def _prop_agreement(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
     ex = prob.describe()
     ref_loss, ref_grad = _reference(fed, cfg)
     out = _call(fn, fed, ex)
-    msg = _compare("per-token loss", out, ref_loss, cfg)
+    floor = _rounding_floor(fed, cfg)
+    msg = _compare("per-token loss", out, ref_loss, cfg, floor=floor)
     if msg:
         raise _Fail(msg, ex)
     if not out.requires_grad and bool((ref_grad != 0).any()):
         raise _Fail("the returned loss is not differentiable with respect to the logits (requires_grad is False)", ex)
-    msg = _compare("d sum(loss) / d logits", _logit_grad(out, fed), ref_grad, cfg)
+    msg = _compare("d sum(loss) / d logits", _logit_grad(out, fed), ref_grad, cfg, floor=floor)
     if msg:
         raise _Fail(msg, ex)
 
@@ -233,9 +272,9 @@ def _expected_grad(fn: LossFn, cfg: LossConfig, pos: Position, adv: Tensor | flo
 
 def _prop_zero_drift(fn: LossFn, cfg: LossConfig, case: tuple[Position, float]) -> None:
     pos, a = case
-    drift, scale, _, ex = _expected_grad(fn, cfg, pos, a)
+    drift, scale, fed, ex = _expected_grad(fn, cfg, pos, a)
     msg = _compare("sum_y q(y) d loss(y) / d logits (the drift)", drift, torch.zeros_like(drift), cfg,
-                   scale=float(scale.max()))
+                   scale=float(scale.max()), floor=_rounding_floor(fed, cfg), expected="zero")
     if msg:
         raise _Fail(msg + f"; constant advantage {a:g}", ex)
 
@@ -256,8 +295,8 @@ def _prop_plain_is(fn: LossFn, cfg: LossConfig, case: tuple[Position, list[float
     target = torch.zeros_like(p)
     target.index_add_(0, ys, -(p[ys] * a) / fed.tau)
     target += p * (p[ys] * a).sum() / fed.tau
-    msg = _compare("E_q[d loss / d logits] vs E_p[d(-A log p) / d logits]", mean, target, cfg,
-                   scale=max(float(scale.max()), float(target.abs().max())))
+    msg = _compare("E_q[d loss / d logits]", mean, target, cfg,
+                   scale=max(float(scale.max()), float(target.abs().max())), floor=_rounding_floor(fed, cfg), expected="E_p[d(-A log p) / d logits]")
     if msg:
         raise _Fail(msg, ex)
 
@@ -284,7 +323,8 @@ def _prop_support_replay(fn: LossFn, cfg: LossConfig, case: tuple[Problem, Tenso
     g = _logit_grad(out, fed)
     inside = support_mask(fed.cands, prob.vocab)
     rtol, atol = cfg.tolerances
-    tol = atol + rtol * float(g.abs().max()) if g.numel() else atol
+    floor = _rounding_floor(fed, cfg)
+    tol = atol + floor + rtol * float(g.abs().max()) if g.numel() else atol
     outside = torch.where(inside, torch.zeros_like(g), g.abs().nan_to_num(math.inf))
     if outside.numel() and float(outside.max()) > tol:
         idx = [int(i) for i in (outside == outside.max()).nonzero()[0]]
@@ -292,9 +332,11 @@ def _prop_support_replay(fn: LossFn, cfg: LossConfig, case: tuple[Problem, Tenso
                     f"{idx} (outside S), tolerance {tol:.3g}", ex)
     fed2 = _feed(prob, cfg, logits=z2)
     out2 = _call(fn, fed2, ex)
-    msg = _compare("per-token loss after changing logits outside the support", out2, out.detach().double(), cfg)
+    floor = max(floor, _rounding_floor(fed2, cfg))
+    msg = _compare("per-token loss after changing logits outside the support", out2, out.detach().double(), cfg,
+                   floor=floor, expected="unchanged value")
     msg = msg or _compare("d loss / d logits after changing logits outside the support", _logit_grad(out2, fed2),
-                          g, cfg)
+                          g, cfg, floor=floor, expected="unchanged value")
     if msg:
         raise _Fail(msg, ex)
 
@@ -324,8 +366,11 @@ def _prop_shift(fn: LossFn, cfg: LossConfig, case: tuple[Problem, list[float]]) 
     g = _logit_grad(out, fed)
     fed2 = _feed(prob, cfg, logits=prob.logits + c)
     out2 = _call(fn, fed2, ex)
-    msg = _compare("per-token loss after a constant logit shift", out2, out.detach().double(), cfg)
-    msg = msg or _compare("d loss / d logits after a constant logit shift", _logit_grad(out2, fed2), g, cfg)
+    floor = max(_rounding_floor(fed, cfg), _rounding_floor(fed2, cfg))
+    msg = _compare("per-token loss after a constant logit shift", out2, out.detach().double(), cfg, floor=floor,
+                   expected="unshifted value")
+    msg = msg or _compare("d loss / d logits after a constant logit shift", _logit_grad(out2, fed2), g, cfg,
+                          floor=floor, expected="unshifted value")
     if msg:
         raise _Fail(msg, ex)
 

@@ -100,7 +100,8 @@ class LossConfig:
     def describe(self) -> str:
         corr = self.correction
         bounds = "" if self.weights == "none" else f", bounds=({corr.lower:g}, {corr.upper:g})"
-        tol = "" if self.rtol is None and self.atol is None else f", rtol={self.tolerances[0]:g}, atol={self.tolerances[1]:g}"
+        rtol, atol = self.tolerances
+        tol = "" if self.rtol is None and self.atol is None else f", rtol={rtol:g}, atol={atol:g}"
         mlr = "" if self.max_log_ratio == 20.0 else f", max_log_ratio={self.max_log_ratio:g}"
         return (f"LossConfig(weights={self.weights!r}{bounds}, score_centering={self.score_centering}, "
                 f"record={self.record!r}, dtype={str(self.dtype).replace('torch.', '')}{mlr}{tol})")

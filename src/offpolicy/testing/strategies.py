@@ -164,20 +164,31 @@ def mismatched_logits(
 
 
 def sglang_support(logprobs: Tensor, top_p: float = 1.0, top_k: int = -1) -> Tensor:
-    """``[N, V]`` bool: the tokens SGLang's top-p / top-k filter keeps.
+    """``[N, V]`` bool: the tokens SGLang's top-p / top-k filter keeps (the realised support).
 
-    ``logprobs`` are the sampler's full-vocabulary log-probabilities *after temperature*. Sorted in descending
-    order (ties: the lower id first), the token at rank ``i`` is kept iff ``i < top_k`` and the mass before it,
-    ``sum_{j < i} p_j``, is ``<= top_p`` (SGLang's ``top_k_top_p_min_p_sampling_from_probs_torch``: it zeroes
-    ``rank >= top_k`` and ``cumsum - p > top_p``). ``top_k = -1`` is off. The most likely token is always kept.
-    Computed in ``logprobs``' dtype, like the sampler does.
+    ``logprobs`` are the sampler's full-vocabulary log-probabilities *after temperature*; like SGLang, the rule
+    runs on their float32 probabilities. Sorted in descending order (ties: the lower id first), the token at rank
+    ``i`` is kept iff ``i < top_k`` and the mass before it, ``sum_{j < i} p_j``, is ``<= top_p`` (SGLang's
+    ``top_k_top_p_min_p_sampling_from_probs_torch`` zeroes ``rank >= top_k`` and ``cumsum - p > top_p``), and its
+    float32 probability is nonzero (multinomial sampling never draws a zero). Unfiltered (``top_p >= 1``,
+    ``top_k = -1``: off) keeps every nonzero token. The most likely token is always kept.
     """
-    n, v = logprobs.shape
-    srt, order = torch.sort(logprobs, dim=1, descending=True, stable=True)
+    if not (top_k == -1 or (int(top_k) == top_k and top_k >= 1)):
+        raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {top_k!r}")
+    if not 0.0 <= top_p <= 1.0:
+        raise ValueError(f"top_p must be in [0, 1], got {top_p!r}")
+    lp = logprobs.float()
+    n, v = lp.shape
+    if top_k == -1 and top_p >= 1.0:
+        keep = lp.exp() > 0
+        keep[torch.arange(n, device=lp.device), lp.argmax(dim=1)] = True
+        return keep
+    srt, order = torch.sort(lp, dim=1, descending=True, stable=True)
     probs = srt.exp()
     keep = (torch.cumsum(probs, dim=1) - probs) <= top_p
     if top_k != -1:
-        keep &= torch.arange(v, device=logprobs.device).expand(n, v) < top_k
+        keep &= torch.arange(v, device=lp.device).expand(n, v) < top_k
+    keep &= probs > 0
     keep[:, :1] = True
     return torch.zeros_like(keep).scatter(1, order, keep)
 
@@ -319,6 +330,28 @@ def _record_for(draw: st.DrawFn, record: Record, s: Tensor, tau: float) -> tuple
 
 
 @st.composite
+def _problem_row(draw: st.DrawFn, v: int, profile: str, scale: float, outliers: bool, tau: float, record: Record,
+                 top_p: float, top_k: int, k: int, advantage: float | None) -> dict:
+    """One position of :func:`problems`, drawn on its own so that hypothesis can delete whole rows."""
+    z = torch.tensor(_shape_row(draw(st.lists(st.floats(-1.0, 1.0, allow_nan=False), min_size=v, max_size=v)),
+                                profile, draw(st.integers(0, v - 1))), dtype=torch.float64)
+    e = torch.tensor(draw(st.lists(st.floats(-1.0, 1.0, allow_nan=False), min_size=v, max_size=v)),
+                     dtype=torch.float64)
+    s = z + scale * e
+    if outliers:
+        s[draw(st.integers(0, v - 1))] += draw(st.sampled_from([6.0, -6.0]))
+    if record == "support":
+        cands, logq = support_record(s[None], tau, top_p, top_k)
+    else:
+        logq = torch.log_softmax(s / tau, dim=0)[None]
+        count = draw(st.one_of(st.just(k), st.integers(0, k))) if record == "head" else 0
+        cands = head_record(logq, k, [count]) if record == "head" else None
+    token = _tokens_from(draw, logq)[0]
+    adv = draw(advantages(1, constant=advantage))[0].item()
+    return {"z": z, "logq": logq[0], "cands": cands, "token": token, "adv": adv}
+
+
+@st.composite
 def problems(
     draw: st.DrawFn,
     record: Record = None,
@@ -329,22 +362,39 @@ def problems(
 ) -> Problem:
     """A batch with a sampler record of kind ``record`` (``"head"``, ``"support"`` or None).
 
-    Trainer and sampler logits come from :func:`mismatched_logits`; the sampler distribution is
-    ``softmax(s / tau)``, filtered and renormalised by :func:`sglang_support` for support records; each token is
-    one the sampler can emit and ``lq`` is its log-probability. Head records keep the sampler's top-``K`` (``K``
-    drawn, some rows possibly shorter or empty). ``advantage`` fixes every advantage (e.g. 1.0).
+    Trainer logits are of one profile (:data:`PROFILES`), sampler logits ``s = z + mismatch * e`` as in
+    :func:`mismatched_logits`; the sampler distribution is ``softmax(s / tau)``, filtered by
+    :func:`sglang_support` and renormalised over the support for support records (one ``(top_p, top_k)`` per
+    batch); each token is one the sampler can emit and ``lq`` is its log-probability. Head records keep the
+    sampler's top-``K`` (``K`` drawn; rows may hold fewer, or none). ``advantage`` fixes every advantage.
     """
-    n = draw(st.integers(*num_tokens))
     v = draw(st.integers(*vocab))
     profile = draw(st.sampled_from(PROFILES))
-    z, s = draw(mismatched_logits(n, v, profile))
+    scale = draw(st.one_of(st.sampled_from([0.0, 0.05, 0.3, 1.0, 2.5]), st.floats(0.0, 4.0)))
+    outliers = draw(st.booleans())
     tau = draw(temperature if temperature is not None else temperatures())
-    cands, logq, notes = _record_for(draw, record, s, tau)
-    tokens = _tokens_from(draw, logq)
-    tok = torch.tensor(tokens, dtype=torch.int64).reshape(n)
+    top_p, top_k = draw(filter_params(v)) if record == "support" else (1.0, -1)
+    k = draw(st.integers(1, v)) if record == "head" else 0
+    row = _problem_row(v, profile, scale, outliers, tau, record, top_p, top_k, k, advantage)
+    rows = draw(st.lists(row, min_size=num_tokens[0], max_size=num_tokens[1]))
+    n = len(rows)
+    z = torch.stack([r["z"] for r in rows]) if n else torch.zeros(0, v, dtype=torch.float64)
+    logq = torch.stack([r["logq"] for r in rows]) if n else torch.zeros(0, v, dtype=torch.float64)
+    tok = torch.tensor([r["token"] for r in rows], dtype=torch.int64).reshape(n)
     lq = logq.gather(1, tok[:, None]).reshape(n)
-    adv = draw(advantages(n, constant=advantage))
-    return Problem(z, tok, lq, adv, tau, cands, logq, {"profile": profile, **notes})
+    adv = torch.tensor([r["adv"] for r in rows], dtype=torch.float64).reshape(n)
+    cands = None
+    if record is not None:
+        width = k if record == "head" else max((r["cands"].width for r in rows), default=0)
+        ids = torch.full((n, width), -1, dtype=torch.int64)
+        lp = torch.full((n, width), _NEG_INF, dtype=torch.float64)
+        for t, r in enumerate(rows):
+            ids[t, : r["cands"].width] = r["cands"].ids[0]
+            lp[t, : r["cands"].width] = r["cands"].logprobs[0]
+        cands = Candidates(ids, lp, record)
+    notes = {"profile": profile, "mismatch": scale}
+    notes.update({"top_p": top_p, "top_k": top_k} if record == "support" else {"K": k} if record == "head" else {})
+    return Problem(z, tok, lq, adv, tau, cands, logq, notes)
 
 
 # ----------------------------------------------------------------------------------------------------------------
