@@ -127,7 +127,8 @@ def run_case(method: str, n: int, d: int, v: int, k: int, dtype: str, kind: str,
     }
 
 
-def run_filter(n: int, d: int, v: int, eps_list: list[float], prior: float, scale: float, dtype: str) -> list[dict]:
+def run_filter(n: int, d: int, v: int, eps_list: list[float], prior: float, scale: float, dtype: str,
+               chunk_bytes: int) -> list[dict]:
     """Gradient filtering on Zipf-shaped logits: skip fraction and error against the exact backward."""
     import torch
 
@@ -147,17 +148,21 @@ def run_filter(n: int, d: int, v: int, eps_list: list[float], prior: float, scal
     inv = torch.ones(n)
     coef = -g.sum(1)
     dz_ids = g.clone()
-    rows, cols = ltb.plan(n, v, d, ltb.CHUNK_BYTES)
+    rows, cols = ltb.plan(n, v, d, chunk_bytes)
     blocks = -(-n // rows) * -(-v // cols)
-    exact = ltb.backward(h, w, b, ids, dz_ids, inv, out.lse, coef, chunk_bytes=ltb.CHUNK_BYTES)
+    t0 = time.perf_counter()
+    exact = ltb.backward(h, w, b, ids, dz_ids, inv, out.lse, coef, chunk_bytes=chunk_bytes)
+    exact_s = time.perf_counter() - t0
     res = []
     for eps in eps_list:
         t0 = time.perf_counter()
-        got = ltb.backward(h, w, b, ids, dz_ids, inv, out.lse, coef, chunk_bytes=ltb.CHUNK_BYTES, grad_filter=eps)
+        got = ltb.backward(h, w, b, ids, dz_ids, inv, out.lse, coef, chunk_bytes=chunk_bytes, grad_filter=eps)
         elapsed = time.perf_counter() - t0
-        row = {"section": "filter", "n": n, "d": d, "v": v, "dtype": dtype, "eps": eps, "block_rows": rows,
-               "block_cols": cols, "blocks": blocks, "skipped_blocks": got[3], "skipped_frac": got[3] / blocks,
-               "mean_entropy_nats": float(out.entropy.mean()), "backward_s": elapsed}
+        row = {"section": "filter", "n": n, "d": d, "v": v, "dtype": dtype, "eps": eps, "prior": prior,
+               "block_rows": rows, "block_cols": cols, "blocks": blocks, "skipped_blocks": got[3],
+               "chunk_bytes": chunk_bytes, "skipped_frac": got[3] / blocks,
+               "mean_entropy_nats": float(out.entropy.mean()),
+               "backward_s": elapsed, "exact_backward_s": exact_s}
         for name, a, r in (("dX", got[0], exact[0]), ("dW", got[1], exact[1]), ("db", got[2], exact[2])):
             a, r = a.double(), r.double()
             row[f"{name}_rel_fro_err"] = float((a - r).norm() / r.norm())
@@ -200,6 +205,9 @@ def main() -> None:
     ap.add_argument("--scaling-v", default="32768,151936")
     ap.add_argument("--filter-shape", default="1024,512,32768", help="N,D,V of the filter section")
     ap.add_argument("--filter-eps", default="1.52587890625e-05,0.000244140625,0.00390625")
+    ap.add_argument("--filter-priors", default="1.0,1.5,2.0", help="Zipf exponents of the filter section's bias")
+    ap.add_argument("--filter-chunk-bytes", default=f"{16 << 20},{1 << 20}",
+                    help="block budgets of the filter section (one run each: wide and narrow blocks)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default="", help="suffix for the result file names")
@@ -208,7 +216,8 @@ def main() -> None:
     if args.child:
         spec = json.loads(args.child)
         if spec["section"] == "filter":
-            rows = run_filter(spec["n"], spec["d"], spec["v"], spec["eps"], 1.0, 3.0, spec["dtype"])
+            rows = run_filter(spec["n"], spec["d"], spec["v"], spec["eps"], spec["prior"], 3.0, spec["dtype"],
+                              spec["chunk_bytes"])
         else:
             rows = [run_case(spec["method"], spec["n"], spec["d"], spec["v"], spec["k"], spec["dtype"],
                              spec["kind"], args.repeat)]
@@ -241,13 +250,17 @@ def main() -> None:
                   f"extra above inputs+grads {row['peak_above_inputs_and_grads_bytes'] / 2**20:.1f} MiB", flush=True)
     if "filter" in sections:
         n, d, v = (int(x) for x in args.filter_shape.split(","))
-        spec = dict(section="filter", n=n, d=d, v=v, dtype="float32",
-                    eps=[float(x) for x in args.filter_eps.split(",")])
-        for row in _child(args, json.dumps(spec)):
-            rows.append(row)
-            print(f"filter  eps={row['eps']:.3g} skipped {100 * row['skipped_frac']:.1f}% of {row['blocks']} blocks, "
-                  f"entropy {row['mean_entropy_nats']:.2f} nats, dX rel err {row['dX_rel_fro_err']:.2e}, "
-                  f"dW rel err {row['dW_rel_fro_err']:.2e}, backward {row['backward_s']:.2f} s", flush=True)
+        budgets = [int(x) for x in args.filter_chunk_bytes.split(",")]
+        for prior, budget in ((float(p), b) for p in args.filter_priors.split(",") for b in budgets):
+            spec = dict(section="filter", n=n, d=d, v=v, dtype="float32", prior=prior, chunk_bytes=budget,
+                        eps=[float(x) for x in args.filter_eps.split(",")])
+            for row in _child(args, json.dumps(spec)):
+                rows.append(row)
+                print(f"filter  prior={prior:.1f} eps={row['eps']:.3g} skipped {100 * row['skipped_frac']:.1f}% of "
+                      f"{row['blocks']} [{row['block_rows']}x{row['block_cols']}] blocks, entropy "
+                      f"{row['mean_entropy_nats']:.2f} nats, dX rel err {row['dX_rel_fro_err']:.2e}, dW rel err "
+                      f"{row['dW_rel_fro_err']:.2e}, backward {row['backward_s']:.2f} s "
+                      f"(exact {row['exact_backward_s']:.2f} s)", flush=True)
     for dtype in args.dtypes.split(","):
         for kind in args.kinds.split(","):
             pick = {r["method"]: r for r in rows
