@@ -141,6 +141,7 @@ def linear_sparse_log_softmax(
     else:
         inv_temp = torch.full((n,), 1.0 / float(temperature), dtype=acc, device=dev)
     local = _localise(ids, shard, v)
+    skip = None if skip is None else skip.to(dev)
     be = load_backend(backends.resolve(backend, dev))
     if support:
         logp, lse, entropy = LinearSupportLogSoftmax.apply(hidden, weight, bias, ids, local, inv_temp, skip, shard,
