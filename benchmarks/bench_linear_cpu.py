@@ -13,7 +13,8 @@ full: ``8 N D V`` with recompute).
 
 Sections (``--sections``):
   main     fused vs materialised at --n/--d/--v/--k, dtypes x kinds (head mode may use --head-n, a smaller N)
-  scaling  fused support mode at V = 32768 and V = 151936 with K fixed: its cost follows K, not V
+  scaling  fused support mode at V = 32768 and V = 151936 with K fixed and the same candidate ids, then K = 32,
+           128, 512: its cost follows K, not V
   filter   gradient filtering (--filter-eps values): fraction of blocks skipped and the gradient error against
            the exact backward, on Zipf-shaped logits (a bias that decays with the vocabulary rank, as real
            vocabularies roughly do, plus contextual logits), entropy reported
@@ -58,8 +59,9 @@ def _randn(rows: int, cols: int, scale: float, dtype, gen):
     return out
 
 
-def _inputs(n: int, d: int, v: int, k: int, dtype: str, kind: str, seed: int = 0):
-    """hidden [N, D], weight [V, D], tokens, sampler logprobs, advantages, K distinct candidates (token first)."""
+def _inputs(n: int, d: int, v: int, k: int, dtype: str, kind: str, seed: int = 0, id_range: int | None = None):
+    """hidden [N, D], weight [V, D], tokens, sampler logprobs, advantages, K distinct candidates (token first),
+    all ids drawn from ``[0, id_range)`` (default: the whole vocabulary)."""
     import torch
 
     import offpolicy as op
@@ -68,9 +70,11 @@ def _inputs(n: int, d: int, v: int, k: int, dtype: str, kind: str, seed: int = 0
     dt_ = getattr(torch, dtype)
     hidden = _randn(n, d, 1.0, dt_, gen)
     weight = _randn(v, d, 2.0 / d**0.5, dt_, gen)
-    tokens = torch.randint(0, v, (n,), generator=gen)
-    steps = torch.randint(1, max(2, v // k), (n, k - 1), generator=gen)
-    ids = torch.cat([tokens[:, None], (tokens[:, None] + steps.cumsum(1)) % v], 1)
+    gen = torch.Generator().manual_seed(seed + 1)  # ids independent of V: same draws at every vocabulary size
+    r = v if id_range is None else min(v, id_range)
+    tokens = torch.randint(0, r, (n,), generator=gen)
+    steps = torch.randint(1, max(2, r // k), (n, k - 1), generator=gen)
+    ids = torch.cat([tokens[:, None], (tokens[:, None] + steps.cumsum(1)) % r], 1)
     lp = torch.log_softmax(torch.randn(n, ids.shape[1], generator=gen), 1)
     if kind == "support":
         lq = lp[:, 0].clone()
@@ -90,7 +94,8 @@ def _loss(method: str, hidden, weight, tokens, lq, adv, cands):
     return op.policy_loss(hidden @ weight.T, tokens, lq, adv, cands, correction=corr).loss
 
 
-def run_case(method: str, n: int, d: int, v: int, k: int, dtype: str, kind: str, repeat: int) -> dict:
+def run_case(method: str, n: int, d: int, v: int, k: int, dtype: str, kind: str, repeat: int,
+             id_range: int | None = None) -> dict:
     """Runs in the child process: one method, one shape."""
     import torch
 
@@ -98,7 +103,7 @@ def run_case(method: str, n: int, d: int, v: int, k: int, dtype: str, kind: str,
     warm[0].requires_grad_()
     warm[1].requires_grad_()
     _loss(method, *warm).backward()
-    hidden, weight, tokens, lq, adv, cands = _inputs(n, d, v, k, dtype, kind)
+    hidden, weight, tokens, lq, adv, cands = _inputs(n, d, v, k, dtype, kind, id_range=id_range)
     hidden.requires_grad_()
     weight.requires_grad_()
     base = _peak_rss_bytes()
@@ -119,6 +124,7 @@ def run_case(method: str, n: int, d: int, v: int, k: int, dtype: str, kind: str,
     best = min(times)
     return {
         "section": "main", "method": method, "n": n, "d": d, "v": v, "k": k, "dtype": dtype, "kind": kind,
+        "id_range": id_range if id_range is not None else v, "distinct_ids": int(cands.ids.unique().numel()),
         "threads": torch.get_num_threads(), "time_s": best, "times_s": times, "fwd_time_s": min(fwd_times),
         "logits_bytes": logits_bytes, "grad_bytes": grad_bytes, "peak_above_inputs_bytes": extra,
         "peak_above_inputs_and_grads_bytes": max(0, extra - grad_bytes),
@@ -203,6 +209,7 @@ def main() -> None:
     ap.add_argument("--methods", default="fused,materialised")
     ap.add_argument("--sections", default="main,scaling,filter")
     ap.add_argument("--scaling-v", default="32768,151936")
+    ap.add_argument("--scaling-k", default="32,128,512", help="K values of the scaling section (at the largest V)")
     ap.add_argument("--filter-shape", default="1024,512,32768", help="N,D,V of the filter section")
     ap.add_argument("--filter-eps", default="1.52587890625e-05,0.000244140625,0.00390625")
     ap.add_argument("--filter-priors", default="1.0,1.5,2.0", help="Zipf exponents of the filter section's bias")
@@ -220,7 +227,7 @@ def main() -> None:
                               spec["chunk_bytes"])
         else:
             rows = [run_case(spec["method"], spec["n"], spec["d"], spec["v"], spec["k"], spec["dtype"],
-                             spec["kind"], args.repeat)]
+                             spec["kind"], args.repeat, spec.get("id_range"))]
             rows[0]["section"] = spec["section"]
         print(json.dumps(rows))
         return
@@ -241,13 +248,18 @@ def main() -> None:
                           f"{row['peak_above_inputs_and_grads_bytes'] / 2**20:9.1f} MiB "
                           f"({100 * row['peak_above_inputs_and_grads_frac_of_logits']:.1f}% of logits)", flush=True)
     if "scaling" in sections:
-        for v in (int(x) for x in args.scaling_v.split(",")):
-            spec = dict(section="scaling", method="fused", n=args.n, d=args.d, v=v, k=args.k,
-                        dtype=args.dtypes.split(",")[0], kind="support")
+        # Same candidate draws (ids in [0, min V)) at each vocabulary size, then K varied at the largest V.
+        id_range = min(int(x) for x in args.scaling_v.split(","))
+        grid = [(int(x), args.k) for x in args.scaling_v.split(",")]
+        grid += [(grid[-1][0], int(k)) for k in args.scaling_k.split(",") if int(k) != args.k]
+        for v, k in grid:
+            spec = dict(section="scaling", method="fused", n=args.n, d=args.d, v=v, k=k,
+                        dtype=args.dtypes.split(",")[0], kind="support", id_range=id_range)
             row = _child(args, json.dumps(spec))[0]
             rows.append(row)
-            print(f"scaling support fused V={v:7d} K={args.k} {row['time_s']:8.2f} s (fwd {row['fwd_time_s']:.2f} s) "
-                  f"extra above inputs+grads {row['peak_above_inputs_and_grads_bytes'] / 2**20:.1f} MiB", flush=True)
+            print(f"scaling support fused V={v:7d} K={k:4d} ids in [0, {id_range}) ({row['distinct_ids']} distinct) "
+                  f"{row['time_s']:8.2f} s (fwd {row['fwd_time_s']:.2f} s) extra above inputs+grads "
+                  f"{row['peak_above_inputs_and_grads_bytes'] / 2**20:.1f} MiB", flush=True)
     if "filter" in sections:
         n, d, v = (int(x) for x in args.filter_shape.split(","))
         budgets = [int(x) for x in args.filter_chunk_bytes.split(",")]
