@@ -69,7 +69,7 @@ ALL = every_config()
 
 @pytest.mark.parametrize("cfg", ALL, ids=[c.describe() for c in ALL])
 def test_project_policy_loss_passes_every_invariant(cfg):
-    report = check_all(project_loss(cfg), cfg, max_examples=25, raise_on_failure=False)
+    report = check_all(project_loss(cfg), cfg, max_examples=15, raise_on_failure=False)
     assert report.passed, str(report)
     ran = {r.invariant for r in report.results if r.status == "pass"}
     assert {"agreement", "shift_invariance", "sampler_no_grad", "hostile_finite"} <= ran
@@ -313,22 +313,22 @@ def test_pytest_suite_builds_one_test_per_invariant():
 
 
 def test_pyargs_entry_points_at_user_functions(tmp_path):
-    """`pytest --pyargs offpolicy.testing` from a user's directory, pointed at two functions at once."""
+    """`pytest --pyargs offpolicy.testing` from a user's directory, pointed at two functions at once (two
+    invariants each, to keep the subprocess short)."""
     env = {"OFFPOLICY_LOSS": "mutants:correct_mis_support, mutants:unweighted_mis_support",
            "OFFPOLICY_MAX_EXAMPLES": "8", "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "offpolicy.testing", "-q", "-p", "no:cacheprovider", "-rfE"],
+        [sys.executable, "-m", "pytest", "--pyargs", "offpolicy.testing", "-q", "-p", "no:cacheprovider", "-rfE",
+         "-k", "zero_drift or sampler_no_grad"],
         cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
     )
     text = out.stdout + out.stderr
     assert out.returncode == 1, text
     failed = [line for line in out.stdout.splitlines() if line.startswith("FAILED")]
-    assert failed and all("unweighted_mis_support" in line for line in failed), text
-    assert any(line.endswith("unweighted_mis_support-zero_drift]") for line in failed), text
+    assert len(failed) == 1 and failed[0].endswith("[mutants:unweighted_mis_support-zero_drift]"), text
     assert "invariant 'zero_drift' violated" in out.stdout
     assert "function:      mutants.dense_loss[sc_unweighted]" in out.stdout
-    summary = re.search(r"(\d+) failed, (\d+) passed", out.stdout)
-    assert summary and int(summary[1]) == len(failed) and int(summary[1]) + int(summary[2]) == 14, text
+    assert re.search(r"1 failed, 3 passed", out.stdout), text
 
 
 def test_pyargs_targets_from_the_environment(monkeypatch):

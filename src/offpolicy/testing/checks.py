@@ -168,13 +168,17 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
 
 
 def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
-    """An absolute error any correct implementation may show from rounding alone.
+    """An absolute error any correct implementation may show from rounding alone (in ``cfg.dtype``).
 
-    The log-softmax of ``x = z / tau`` is good to about one ulp of ``max |x|`` per entry (``x - lse`` loses the
-    bits below it, which is all of ``1 - p`` when ``p`` is within an ulp of 1); the per-token loss and gradient
-    multiply those errors by ``|A| (w + sum_v |c(v)|) max(1, 1 / tau)``. Bounding ``w`` and ``m(v)`` by the weight
-    cap and ``alpha`` by ``rho f(1 / rho)`` (up to ``1 / eps`` when the tail masses hit the eps floor), the floor
-    is 16 unit roundoffs of that product.
+    Two sources, per token, summed into one bound over the batch (``u`` = unit roundoff):
+
+    * the log-softmax of ``x = z / tau`` is good to about one ulp of ``max |x|`` per entry (``x - lse`` drops
+      the bits below it, which is all of ``1 - p`` when ``p`` is within an ulp of 1); the loss and gradient
+      multiply it by ``|A| (w + sum_v |c(v)|) max(1, 1 / tau)``, with ``w`` and ``m(v)`` at most the weight cap
+      and ``alpha = rho f(1 / rho)`` (up to ``1 / eps`` when the tail masses hit the eps floor);
+    * head records: ``1 - Q_H`` and ``1 - P_H`` are differences of sums of ``K`` terms near 1, good to ``K u``
+      absolute, so ``rho`` carries a relative error of ``K u (1 / (1 - Q_H) + 1 / (1 - P_H))``, which reaches
+      ``alpha p(v) log p(v)`` for every candidate.
     """
     n = fed.tokens.shape[0]
     if n == 0:
@@ -182,9 +186,11 @@ def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
     corr = cfg.correction
     z = fed.logits.detach().double()
     finite = z[torch.isfinite(z)]
-    x_max = float(finite.abs().max()) / fed.tau if finite.numel() else 0.0
+    x_max = max(1.0, float(finite.abs().max()) / fed.tau if finite.numel() else 0.0)
+    unit = torch.finfo(cfg.dtype).eps / 2
     cap = max(1.0, corr.upper if (cfg.weights in ("tis", "mis") and math.isfinite(corr.upper)) else 1.0)
     coef = torch.full((n,), cap, dtype=torch.float64)
+    tail = torch.zeros(n, dtype=torch.float64)
     if cfg.score_centering and fed.cands is not None:
         from offpolicy.reference import f as weight_f
 
@@ -192,14 +198,18 @@ def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
         if fed.cands.kind == "head":
             valid = fed.cands.ids >= 0
             lp = log_probs(z, fed.tau)
-            p_h = torch.where(valid, lp.gather(1, fed.cands.ids.clamp_min(0)).exp(), torch.zeros(())).sum(1)
-            q_h = torch.where(valid, fed.cands.logprobs.detach().double().exp(), torch.zeros(())).sum(1)
-            rho = (1 - q_h).clamp_min(TAIL_EPS) / (1 - p_h).clamp_min(TAIL_EPS)
+            zero = torch.zeros((), dtype=torch.float64)
+            p_h = torch.where(valid, lp.gather(1, fed.cands.ids.clamp_min(0)).exp(), zero).sum(1)
+            q_h = torch.where(valid, fed.cands.logprobs.detach().double().exp(), zero).sum(1)
+            rest_q, rest_p = (1 - q_h).clamp_min(TAIL_EPS), (1 - p_h).clamp_min(TAIL_EPS)
+            rho = rest_q / rest_p
             alpha = rho * weight_f(1 / rho, corr)
+            k = valid.sum(1).double() + 1
+            rel_rho = (4 * k * unit * (1 / rest_q + 1 / rest_p)).clamp(max=1.0)
+            tail = alpha * rel_rho * (1 + 2 * x_max)
         coef = coef + 2 * cap + alpha
-    unit = torch.finfo(cfg.dtype).eps / 2
-    scale = float((fed.adv.detach().double().abs() * coef).max()) * max(1.0, 1.0 / fed.tau)
-    return 16 * unit * max(1.0, x_max) * scale
+    per_token = fed.adv.detach().double().abs() * (16 * unit * x_max * coef + tail)
+    return float(per_token.max()) * max(1.0, 1.0 / fed.tau)
 
 
 def _compare(name: str, yours: Tensor, ref: Tensor, cfg: LossConfig, scale: float | None = None,

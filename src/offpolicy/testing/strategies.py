@@ -60,7 +60,8 @@ def temperatures(min_value: float = 0.05, max_value: float = 10.0) -> st.SearchS
     anywhere = st.floats(lo, hi, allow_nan=False, allow_infinity=False).map(
         lambda u: min(max(math.exp(u), min_value), max_value)
     )
-    return st.one_of(st.sampled_from(common or [min_value]), ends, anywhere)
+    common_st = st.sampled_from(common or [min_value])
+    return st.one_of(common_st, common_st, ends, anywhere)
 
 
 def advantages(n: int, constant: float | None = None, scale: float = 3.0) -> st.SearchStrategy[Tensor]:
@@ -95,14 +96,20 @@ def packed_sequences(draw: st.DrawFn, n: int, max_sequences: int | None = None) 
 
 def filter_params(vocab: int) -> st.SearchStrategy[tuple[float, int]]:
     """``(top_p, top_k)`` sampling filters; ``top_k = -1`` is off. Includes the unfiltered ``(1.0, -1)``."""
-    top_p = st.one_of(st.sampled_from([1.0, 0.95, 0.9, 0.7, 0.5, 0.2]), st.floats(0.05, 1.0, allow_nan=False))
-    top_k = st.one_of(st.just(-1), st.integers(1, vocab))
+    # Weighted towards the settings RL runs use (top-p 0.9-1, top-k off), which keep supports of several tokens.
+    top_p = st.one_of(st.sampled_from([1.0, 0.99, 0.95, 0.9]), st.sampled_from([0.7, 0.5, 0.2]),
+                      st.floats(0.05, 1.0, allow_nan=False))
+    top_k = st.one_of(st.just(-1), st.just(-1), st.integers(1, vocab))
     return st.tuples(top_p, top_k)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Logits
 # ----------------------------------------------------------------------------------------------------------------
+
+
+#: Mismatch scales: on-policy, small (kernel / precision noise), large (stale or quantised samplers), or any.
+_MISMATCH = st.one_of(st.sampled_from([0.0, 0.05, 0.3, 1.0, 2.5, 5.0]), st.floats(0.0, 6.0))
 
 
 def _shape_row(u: Sequence[float], profile: str, peak: int) -> list[float]:
@@ -144,8 +151,7 @@ def mismatched_logits(
     ``mismatch`` is drawn (0 = on-policy, up to 4) when None.
     """
     z = draw(trainer_logits(n, vocab, profile))
-    scale = draw(st.one_of(st.sampled_from([0.0, 0.05, 0.3, 1.0, 2.5]), st.floats(0.0, 4.0))) if mismatch is None \
-        else mismatch
+    scale = draw(_MISMATCH) if mismatch is None else mismatch
     outliers = draw(st.booleans())
     rows = []
     for t in range(n):
@@ -330,9 +336,12 @@ def _record_for(draw: st.DrawFn, record: Record, s: Tensor, tau: float) -> tuple
 
 
 @st.composite
-def _problem_row(draw: st.DrawFn, v: int, profile: str, scale: float, outliers: bool, tau: float, record: Record,
-                 top_p: float, top_k: int, k: int, advantage: float | None) -> dict:
-    """One position of :func:`problems`, drawn on its own so that hypothesis can delete whole rows."""
+def _problem_row(draw: st.DrawFn, v: int, profile: str, tau: float, record: Record, top_p: float, top_k: int, k: int,
+                 advantage: float | None) -> dict:
+    """One position of :func:`problems`, drawn on its own so that hypothesis can delete whole rows. Each row
+    draws its own mismatch (scale and outlier), so that one batch mixes near-on-policy and far-off rows."""
+    scale = draw(_MISMATCH)
+    outliers = draw(st.booleans())
     z = torch.tensor(_shape_row(draw(st.lists(st.floats(-1.0, 1.0, allow_nan=False), min_size=v, max_size=v)),
                                 profile, draw(st.integers(0, v - 1))), dtype=torch.float64)
     e = torch.tensor(draw(st.lists(st.floats(-1.0, 1.0, allow_nan=False), min_size=v, max_size=v)),
@@ -348,7 +357,7 @@ def _problem_row(draw: st.DrawFn, v: int, profile: str, scale: float, outliers: 
         cands = head_record(logq, k, [count]) if record == "head" else None
     token = _tokens_from(draw, logq)[0]
     adv = draw(advantages(1, constant=advantage))[0].item()
-    return {"z": z, "logq": logq[0], "cands": cands, "token": token, "adv": adv}
+    return {"z": z, "logq": logq[0], "cands": cands, "token": token, "adv": adv, "mismatch": scale}
 
 
 @st.composite
@@ -369,13 +378,13 @@ def problems(
     sampler's top-``K`` (``K`` drawn; rows may hold fewer, or none). ``advantage`` fixes every advantage.
     """
     v = draw(st.integers(*vocab))
-    profile = draw(st.sampled_from(PROFILES))
-    scale = draw(st.one_of(st.sampled_from([0.0, 0.05, 0.3, 1.0, 2.5]), st.floats(0.0, 4.0)))
-    outliers = draw(st.booleans())
+    # Support records are most informative with several tokens kept: favour the spread-out profiles there.
+    spread = st.sampled_from(["flat", "generic"])
+    profile = draw(st.one_of(spread, st.sampled_from(PROFILES)) if record == "support" else st.sampled_from(PROFILES))
     tau = draw(temperature if temperature is not None else temperatures())
     top_p, top_k = draw(filter_params(v)) if record == "support" else (1.0, -1)
     k = draw(st.integers(1, v)) if record == "head" else 0
-    row = _problem_row(v, profile, scale, outliers, tau, record, top_p, top_k, k, advantage)
+    row = _problem_row(v, profile, tau, record, top_p, top_k, k, advantage)
     rows = draw(st.lists(row, min_size=num_tokens[0], max_size=num_tokens[1]))
     n = len(rows)
     z = torch.stack([r["z"] for r in rows]) if n else torch.zeros(0, v, dtype=torch.float64)
@@ -392,7 +401,7 @@ def problems(
             ids[t, : r["cands"].width] = r["cands"].ids[0]
             lp[t, : r["cands"].width] = r["cands"].logprobs[0]
         cands = Candidates(ids, lp, record)
-    notes = {"profile": profile, "mismatch": scale}
+    notes = {"profile": profile, "mismatch": [round(r["mismatch"], 3) for r in rows]}
     notes.update({"top_p": top_p, "top_k": top_k} if record == "support" else {"K": k} if record == "head" else {})
     return Problem(z, tok, lq, adv, tau, cands, logq, notes)
 
