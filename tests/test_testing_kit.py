@@ -347,3 +347,14 @@ def test_pyargs_targets_from_the_environment(monkeypatch):
     monkeypatch.setenv("OFFPOLICY_LOSS", "mutants")
     with pytest.raises(ValueError, match="module:function"):
         entry._targets()
+
+
+def test_example_check_my_loss_runs():
+    """examples/check_my_loss.py: the framework-style loss passes, its unweighted-centering variant drifts."""
+    import importlib.util
+
+    path = TESTS.parent / "examples" / "check_my_loss.py"
+    spec = importlib.util.spec_from_file_location("check_my_loss", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(max_examples=10) == 0

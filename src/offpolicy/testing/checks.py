@@ -568,7 +568,8 @@ class Report:
         for r in self.results:
             inv = INVARIANTS[r.invariant]
             tag = {"pass": "PASS", "fail": "FAIL", "skip": "skip"}[r.status]
-            extra = f"  ({r.examples} examples, {r.seconds:.1f} s)" if r.status != "skip" else f"  {r.detail}"
+            extra = {"pass": f"  ({r.examples} examples, {r.seconds:.1f} s)", "fail": f"  ({r.seconds:.1f} s)",
+                     "skip": f"  {r.detail}"}[r.status]
             lines.append(f"  {tag}  {r.invariant:<18} {inv.summary} [{inv.spec}]{extra}")
         for r in self.results:
             if r.status == "fail":
