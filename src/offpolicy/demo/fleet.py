@@ -7,7 +7,7 @@ group's update lag.
 Numerics of a group's copy (built when it receives weights):
 
 * weights fake-quantised through :func:`offpolicy.quant.fake_quantize_module` (``fp32`` / ``bf16`` / ``fp8`` /
-  ``nvfp4`` / ``mxfp4``), the output layer included unless ``--keep-head`` style options say otherwise;
+  ``nvfp4`` / ``mxfp4``): every ``nn.Linear``, the output layer included (embeddings and biases are kept);
 * compute in bf16 (``compute="bf16"``) or the trainer's fp32;
 * an FP8 E4M3 key/value path (``kv_format="fp8"``): keys and values rounded to E4M3 with scale 1, as an FP8 KV
   cache without calibrated scales stores them;

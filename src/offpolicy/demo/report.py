@@ -198,16 +198,18 @@ def write_plots(results: list[dict], out: Path) -> dict[str, Path]:
     for row, fleet in enumerate(fleets):
         for col, (key, title) in enumerate(CURVES):
             ax = axes[row][col]
+            positive = False
             for (lbl, f), rs in series.items():
                 if f != fleet:
                     continue
                 n = min(len(r["history"]) for r in rs)
-                mean = [_mean([r["history"][i][key] for r in rs]) for i in range(n)]
-                ax.plot(range(1, n + 1), _moving(mean, min(10, n)), color=colors[lbl], label=lbl, lw=1.3)
+                mean = _moving([_mean([r["history"][i][key] for r in rs]) for i in range(n)], min(10, n))
+                positive = positive or any(v > 0 for v in mean)
+                ax.plot(range(1, n + 1), mean, color=colors[lbl], label=lbl, lw=1.3)
             ax.set_title(f"{title}\n({fleet} fleet)", fontsize=9)
-            if key in ("grad_norm", "kl_k3", "extreme_ratio_frac"):
+            if key in ("grad_norm", "kl_k3", "extreme_ratio_frac") and positive:
                 ax.set_yscale("log")
-            if key in ("kl_k3", "extreme_ratio_frac"):
+            if key in ("kl_k3", "extreme_ratio_frac") and positive:
                 # Step 0 has no staleness: the homogeneous fleet's KL there is ~1e-13 (kernels only) and its
                 # extreme share 0; the axis starts at 1e-4 so that the rest of the run stays readable.
                 ax.set_ylim(bottom=1e-4)
