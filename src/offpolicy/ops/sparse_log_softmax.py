@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from offpolicy.ops import backends, library
+from offpolicy.ops import backends, library, torch_backend
 
 _INF = float("inf")
 
@@ -112,6 +112,7 @@ class _SparseLogSoftmaxFn(torch.autograd.Function):
         local = _localise(ids, shard, v)
         x = _gather(logits, local, inv_temp)
         pad = ids < 0
+        probs = m_local = None
         if support:
             if shard is not None:
                 x = _sum_shards(shard, x)
@@ -121,7 +122,16 @@ class _SparseLogSoftmaxFn(torch.autograd.Function):
                 lse = lse.masked_fill(skip, _INF)
                 entropy = entropy.masked_fill(skip, 0.0)
         else:
-            m, s, t = library.full_stats(logits, inv_temp, skip, backend_name)
+            # CPU fast path: with fp32/fp64 logits that need a gradient, the torch backend leaves exp(x - m) in
+            # the buffer that becomes the gradient, and the backward only rescales it (no second exp pass, no
+            # second read of the logits). The buffer is the gradient itself: no extra [N, V] memory.
+            if (backend_name == "torch" and ctx.needs_input_grad[0] and not inplace_grad
+                    and logits.dtype == inv_temp.dtype and not torch.compiler.is_compiling()):
+                probs = torch.empty_like(logits, memory_format=torch.contiguous_format)
+                m, s, t = torch_backend.full_stats(logits, inv_temp, skip, probs)
+                m_local = m
+            else:
+                m, s, t = library.full_stats(logits, inv_temp, skip, backend_name)
             if shard is not None:
                 m, s, t, x = _combine_shards(shard, m, s, t, x)
             x = x.masked_fill(pad, -_INF)
@@ -131,6 +141,10 @@ class _SparseLogSoftmaxFn(torch.autograd.Function):
             entropy = torch.where(has_mass, torch.log(safe_s) - t / safe_s, torch.zeros_like(s))
         logp = x - lse[:, None]
         ctx.save_for_backward(logits, local, inv_temp, lse, pad, x if support else None)
+        # The cached exponentials become the gradient in place, so they are kept off the saved-tensor list (whose
+        # version check would forbid that) and used by the first backward only; a second backward through a
+        # retained graph recomputes from the logits.
+        ctx.probs, ctx.m_local = probs, m_local
         ctx.support, ctx.inplace_grad, ctx.backend_name = support, inplace_grad, backend_name
         ctx.mark_non_differentiable(lse, entropy)
         return logp, lse, entropy
@@ -138,6 +152,8 @@ class _SparseLogSoftmaxFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _g_lse, _g_entropy):
         logits, local, inv_temp, lse, pad, x = ctx.saved_tensors
+        probs, m_local = ctx.probs, ctx.m_local
+        ctx.probs = ctx.m_local = None
         # Padding and rows without mass take no gradient, whatever arrives for them.
         valid = torch.isfinite(lse)[:, None] & ~pad & (g != 0)
         g = torch.where(valid, g.to(inv_temp.dtype), torch.zeros_like(g, dtype=inv_temp.dtype))
@@ -145,6 +161,8 @@ class _SparseLogSoftmaxFn(torch.autograd.Function):
         out = logits if ctx.inplace_grad else None
         if ctx.support:
             dz = _support_grad(logits, local, inv_temp, lse, x, g, grad_sum, out)
+        elif probs is not None:
+            dz = torch_backend.grad_from_probs(probs, local, inv_temp, m_local, lse, g, grad_sum)
         elif out is not None:
             library.full_grad_inplace_(logits, local, inv_temp, lse, g, grad_sum, ctx.backend_name)
             dz = logits

@@ -12,16 +12,20 @@ import torch
 from torch import Tensor
 
 #: Bytes of one chunk's working buffer (fp32, or float64 for float64 logits); two live at once in the forward.
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 8 << 20
 
 
-def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def full_stats(
+    logits: Tensor, inv_temp: Tensor, skip: Tensor | None, probs: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row online-softmax statistics of ``x = logits * inv_temp`` over the whole (local) vocabulary.
 
     Args:
         logits: ``[N, V]`` bf16/fp16/fp32/fp64, unit stride along ``V``.
         inv_temp: ``[N]`` fp32 (float64 for float64 logits), ``1 / tau``.
         skip: ``[N]`` bool or None; skipped rows are not read and report ``s = 0``.
+        probs: optional ``[N, V]`` buffer in ``inv_temp``'s dtype that receives ``exp(x - m)`` of every row read
+            (skipped rows are left as they are), for :func:`grad_from_probs`.
 
     Returns (in ``inv_temp``'s dtype):
         ``m [N]`` (row max, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
@@ -38,11 +42,13 @@ def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[T
         return m, s, t
     step = _chunk_rows(v, acc)
     x_buf = torch.empty(min(step, rows.numel()), v, dtype=acc, device=logits.device)
-    e_buf = torch.empty_like(x_buf)
+    e_buf = torch.empty_like(x_buf) if probs is None or not all_rows else None
     for lo in range(0, rows.numel(), step):
         idx = rows[lo : lo + step]
-        z = logits[int(idx[0]) : int(idx[-1]) + 1] if all_rows else logits[idx]
-        x, e = x_buf[: idx.numel()], e_buf[: idx.numel()]
+        sl = slice(int(idx[0]), int(idx[-1]) + 1)
+        z = logits[sl] if all_rows else logits[idx]
+        x = x_buf[: idx.numel()]
+        e = probs[sl] if e_buf is None else e_buf[: idx.numel()]
         it = inv_temp[idx]
         # The max is taken on the raw logits (tau > 0), and x - m = (z - max z) / tau is formed by one subtraction
         # of nearby values and one rounding: more accurate than z / tau - max(z / tau) when |z / tau| is large.
@@ -53,11 +59,13 @@ def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[T
             x.mul_(it[:, None])
         torch.exp(x, out=e)
         s_c = e.sum(dim=1)
-        t_c = torch.bmm(e[:, None, :], x[:, :, None]).view(-1)  # sum e (x - m): a batched dot product
+        t_c = x.mul_(e).sum(dim=1)  # sum e (x - m); x is not needed afterwards
         bad = torch.isnan(t_c)
         if bool(bad.any()):  # rows holding -inf logits: exp gave 0 but 0 * -inf is NaN; drop those terms
-            xb = x[bad]
+            xb = (z[bad].to(acc) - mz[bad, None]) * it[bad, None]
             t_c[bad] = torch.where(e[bad] > 0, e[bad] * xb, torch.zeros_like(xb)).sum(dim=1)
+        if probs is not None and e_buf is not None:
+            probs[idx] = e
         m[idx], s[idx], t[idx] = mz * it, s_c, t_c
     return m, s, t
 
@@ -130,3 +138,36 @@ def full_grad(
         else:
             out[idx] = x.to(out.dtype)
     return out
+
+
+def grad_from_probs(
+    probs: Tensor, ids: Tensor, inv_temp: Tensor, m: Tensor, lse: Tensor, grad: Tensor, grad_sum: Tensor
+) -> Tensor:
+    """The backward from the forward's cached ``e = exp(x - m)`` (see :func:`full_stats`), in place in ``probs``.
+
+    ``p = e exp(m - lse)``, so ``dz = inv_temp (scatter(g) - G p) = (-G inv_temp exp(m - lse)) e + scatter``: one
+    in-place scaling pass instead of re-reading the logits and recomputing the exponential. ``m`` is this shard's
+    row max (before any vocabulary-parallel combination) and ``lse`` the global normaliser; rows with no mass
+    (skipped, all ``-inf``) get the scatter only.
+
+    Args:
+        probs: ``[N, V]`` the cached ``e`` (fp32 or float64); becomes the gradient.
+        ids, inv_temp, grad, grad_sum: as in :func:`full_grad`.
+        m: ``[N]`` the local row max returned by :func:`full_stats`.
+        lse: ``[N]`` the normaliser (``+inf``: no mass).
+    """
+    n, v = probs.shape
+    if n == 0 or v == 0:
+        return probs
+    live = torch.isfinite(lse)
+    row_scale = torch.where(live, -(grad_sum * inv_temp) * torch.exp(m - torch.where(live, lse, m)), 0.0)
+    if not bool(live.all()):
+        probs[~live] = 0
+    g_scaled = torch.where(ids >= 0, grad * inv_temp[:, None], torch.zeros_like(grad))
+    cols = ids.clamp_min(0)
+    step = _chunk_rows(v, probs.dtype)
+    for lo in range(0, n, step):
+        chunk = probs[lo : lo + step]
+        chunk.mul_(row_scale[lo : lo + step, None])
+        chunk.scatter_add_(1, cols[lo : lo + step], g_scaled[lo : lo + step])
+    return probs
