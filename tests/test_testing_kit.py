@@ -69,7 +69,7 @@ ALL = every_config()
 
 @pytest.mark.parametrize("cfg", ALL, ids=[c.describe() for c in ALL])
 def test_project_policy_loss_passes_every_invariant(cfg):
-    report = check_all(project_loss(cfg), cfg, max_examples=15, raise_on_failure=False)
+    report = check_all(project_loss(cfg), cfg, max_examples=40, raise_on_failure=False)
     assert report.passed, str(report)
     ran = {r.invariant for r in report.results if r.status == "pass"}
     assert {"agreement", "shift_invariance", "sampler_no_grad", "hostile_finite"} <= ran
@@ -80,7 +80,7 @@ def test_project_policy_loss_passes_every_invariant(cfg):
 
 def test_project_policy_loss_passes_in_float32():
     cfg = LossConfig(weights="mis", score_centering=True, record="head", dtype=torch.float32)
-    report = check_all(project_loss(cfg), cfg, max_examples=25, raise_on_failure=False)
+    report = check_all(project_loss(cfg), cfg, max_examples=40, raise_on_failure=False)
     assert report.passed, str(report)
 
 
@@ -91,7 +91,7 @@ def test_project_policy_loss_passes_in_float32():
     LossConfig(weights="none"),
 ], ids=lambda c: c.describe())
 def test_the_oracle_satisfies_the_kit(cfg):
-    report = check_all(reference_loss(cfg), cfg, max_examples=15, raise_on_failure=False)
+    report = check_all(reference_loss(cfg), cfg, max_examples=25, raise_on_failure=False)
     assert report.passed, str(report)
 
 

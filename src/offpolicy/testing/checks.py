@@ -114,16 +114,19 @@ def _call(fn: LossFn, fed: _Fed, example: str) -> Tensor:
     return out
 
 
-def _grads(out: Tensor, wrt: Iterable[Tensor]) -> list[Tensor | None]:
+def _grads(out: Tensor, wrt: Iterable[Tensor], example: str) -> list[Tensor | None]:
     """Gradients of ``out.sum()`` (None where a tensor is unused or nothing is differentiable)."""
     wrt = list(wrt)
     if not out.requires_grad:
         return [None] * len(wrt)
-    return list(torch.autograd.grad(out.sum(), wrt, allow_unused=True))
+    try:
+        return list(torch.autograd.grad(out.sum(), wrt, allow_unused=True))
+    except Exception as exc:  # a custom backward of the user's failed
+        raise _Fail(f"the backward of the loss raised {type(exc).__name__}: {exc}", example) from exc
 
 
-def _logit_grad(out: Tensor, fed: _Fed) -> Tensor:
-    (g,) = _grads(out, [fed.logits])
+def _logit_grad(out: Tensor, fed: _Fed, example: str) -> Tensor:
+    (g,) = _grads(out, [fed.logits], example)
     return torch.zeros_like(fed.logits, dtype=torch.float64) if g is None else g.double()
 
 
@@ -260,7 +263,7 @@ def _prop_agreement(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
         raise _Fail(msg, ex)
     if not out.requires_grad and bool((ref_grad != 0).any()):
         raise _Fail("the returned loss is not differentiable with respect to the logits (requires_grad is False)", ex)
-    msg = _compare("d sum(loss) / d logits", _logit_grad(out, fed), ref_grad, cfg, floor=floor)
+    msg = _compare("d sum(loss) / d logits", _logit_grad(out, fed, ex), ref_grad, cfg, floor=floor)
     if msg:
         raise _Fail(msg, ex)
 
@@ -273,7 +276,7 @@ def _expected_grad(fn: LossFn, cfg: LossConfig, pos: Position, adv: Tensor | flo
     assume(not _near_discontinuity(fed, cfg))
     ex = pos.describe() + f"\nadvantages per outcome y={prob.tokens.tolist()}: {prob.advantages.tolist()}"
     out = _call(fn, fed, ex)
-    g = _logit_grad(out, fed)
+    g = _logit_grad(out, fed, ex)
     if not bool(torch.isfinite(g).all()):
         raise _Fail("the logit gradient is not finite", ex)
     q = fed.lq.detach().double().exp()[:, None]
@@ -306,7 +309,8 @@ def _prop_plain_is(fn: LossFn, cfg: LossConfig, case: tuple[Position, list[float
     target.index_add_(0, ys, -(p[ys] * a) / fed.tau)
     target += p * (p[ys] * a).sum() / fed.tau
     msg = _compare("E_q[d loss / d logits]", mean, target, cfg,
-                   scale=max(float(scale.max()), float(target.abs().max())), floor=_rounding_floor(fed, cfg), expected="E_p[d(-A log p) / d logits]")
+                   scale=max(float(scale.max()), float(target.abs().max())), floor=_rounding_floor(fed, cfg),
+                   expected="E_p[d(-A log p) / d logits]")
     if msg:
         raise _Fail(msg, ex)
 
@@ -330,7 +334,7 @@ def _prop_support_replay(fn: LossFn, cfg: LossConfig, case: tuple[Problem, Tenso
     ex = prob.describe() + f"\nlogits outside the support changed to: {_rows(z2)}"
     fed = _feed(prob, cfg)
     out = _call(fn, fed, ex)
-    g = _logit_grad(out, fed)
+    g = _logit_grad(out, fed, ex)
     inside = support_mask(fed.cands, prob.vocab)
     rtol, atol = cfg.tolerances
     floor = _rounding_floor(fed, cfg)
@@ -345,7 +349,7 @@ def _prop_support_replay(fn: LossFn, cfg: LossConfig, case: tuple[Problem, Tenso
     floor = max(floor, _rounding_floor(fed2, cfg))
     msg = _compare("per-token loss after changing logits outside the support", out2, out.detach().double(), cfg,
                    floor=floor, expected="unchanged value")
-    msg = msg or _compare("d loss / d logits after changing logits outside the support", _logit_grad(out2, fed2),
+    msg = msg or _compare("d loss / d logits after changing logits outside the support", _logit_grad(out2, fed2, ex),
                           g, cfg, floor=floor, expected="unchanged value")
     if msg:
         raise _Fail(msg, ex)
@@ -373,13 +377,13 @@ def _prop_shift(fn: LossFn, cfg: LossConfig, case: tuple[Problem, list[float]]) 
     fed = _feed(prob, cfg)
     assume(not _near_discontinuity(fed, cfg))
     out = _call(fn, fed, ex)
-    g = _logit_grad(out, fed)
+    g = _logit_grad(out, fed, ex)
     fed2 = _feed(prob, cfg, logits=prob.logits + c)
     out2 = _call(fn, fed2, ex)
     floor = max(_rounding_floor(fed, cfg), _rounding_floor(fed2, cfg))
     msg = _compare("per-token loss after a constant logit shift", out2, out.detach().double(), cfg, floor=floor,
                    expected="unshifted value")
-    msg = msg or _compare("d loss / d logits after a constant logit shift", _logit_grad(out2, fed2), g, cfg,
+    msg = msg or _compare("d loss / d logits after a constant logit shift", _logit_grad(out2, fed2, ex), g, cfg,
                           floor=floor, expected="unshifted value")
     if msg:
         raise _Fail(msg, ex)
@@ -392,7 +396,7 @@ def _prop_sampler_no_grad(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
     named = [("sampler_logprobs", fed.lq), ("advantages", fed.adv)]
     if fed.cands is not None:
         named.append(("candidates.logprobs", fed.cands.logprobs))
-    grads = _grads(out, [t for _, t in named])
+    grads = _grads(out, [t for _, t in named], ex)
     for (name, _), g in zip(named, grads):
         if g is not None and bool((g != 0).any()):
             idx = [int(i) for i in (g != 0).nonzero()[0]]
@@ -408,7 +412,7 @@ def _prop_hostile(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
     if not bool(torch.isfinite(out.detach()).all()):
         bad = [int(i) for i in (~torch.isfinite(out.detach())).nonzero()[:, 0]]
         raise _Fail(f"per-token loss is not finite at tokens {bad}: {_rows(out.detach().double())}", ex)
-    g = _logit_grad(out, fed)
+    g = _logit_grad(out, fed, ex)
     if not bool(torch.isfinite(g).all()):
         idx = [int(i) for i in (~torch.isfinite(g)).nonzero()[0]]
         raise _Fail(f"d loss / d logits is not finite (first at {idx}): {_rows(g)}", ex)
