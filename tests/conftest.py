@@ -1,8 +1,15 @@
-"""Shared test settings: a hypothesis profile sized for 2-core CI machines."""
+"""Shared test settings: a hypothesis profile sized for 2-core CI machines, and one intra-op thread.
+
+The tests use small tensors, for which a second OpenMP thread costs more in synchronisation than it saves (and on a
+busy machine a tiny op can wait milliseconds for it).
+"""
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+torch.set_num_threads(1)
 
 settings.register_profile(
     "ci",

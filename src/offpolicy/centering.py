@@ -62,11 +62,14 @@ def centering_coefficients(
     q = torch.where(valid, torch.exp(cand_lq.to(cand_logp.dtype)), zero)
     # m(v) = q f(p/q); where q = 0 the sampler puts no mass on v and m = 0 whatever f(inf) is.
     m = torch.where(q > 0, q * weight_function(cand_logp - cand_lq.to(cand_logp.dtype), corr), zero)
-    p_head, q_head = p.sum(dim=1), q.sum(dim=1)
+    # The tail masses 1 - P_H and 1 - Q_H cancel catastrophically when the head holds nearly all the mass: they
+    # are formed in float64 (O(N K) work) so that rho keeps its accuracy down to the eps floor.
+    p_head, q_head = p.double().sum(dim=1), q.double().sum(dim=1)
     if support:
         rho = torch.ones_like(p_head)
     else:
         rho = (1.0 - q_head).clamp_min(TAIL_EPS) / (1.0 - p_head).clamp_min(TAIL_EPS)
-    alpha = rho * weight_function(-torch.log(rho), corr)
+    alpha = (rho * weight_function(-torch.log(rho), corr)).to(p.dtype)
+    p_head, q_head, rho = p_head.to(p.dtype), q_head.to(p.dtype), rho.to(p.dtype)
     coef = torch.where(valid, m - alpha[:, None] * p, zero)
     return Centering(coef, p_head, q_head, rho)
