@@ -43,7 +43,10 @@ def _inputs(n: int, v: int, k: int, dtype: str, kind: str):
     import offpolicy as op
 
     gen = torch.Generator().manual_seed(0)
-    logits = (torch.randn(n, v, generator=gen) * 2).to(getattr(torch, dtype))
+    # Filled in row chunks: no [N, V] fp32 transient, so that the peak-memory baseline is the inputs themselves.
+    logits = torch.empty(n, v, dtype=getattr(torch, dtype))
+    for lo in range(0, n, 64):
+        logits[lo : lo + 64] = torch.randn(min(64, n - lo), v, generator=gen) * 2
     tokens = torch.randint(0, v, (n,), generator=gen)
     # k distinct ids per row, the sampled token first: positive steps whose total stays below v.
     steps = torch.randint(1, max(2, v // k), (n, k - 1), generator=gen)
