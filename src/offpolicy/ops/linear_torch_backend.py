@@ -375,13 +375,13 @@ def backward(
             c = coef_d[lo:hi, None]
             pc = p if tiles.cdtype == acc_dtype else p.to(tiles.cdtype)
             if dh_d is not None:
-                dh_d[lo:hi] += c * torch.mm(pc, w_tile).to(acc_dtype)
+                dh_d[lo:hi].addcmul_(torch.mm(pc, w_tile), c)  # a 16-bit product is upcast inside the add
             if a_tile is not None:
                 hc = (h.to(acc_dtype) * c).to(tiles.cdtype)
                 if tiles.cdtype == acc_dtype:
                     a_tile.addmm_(pc.T, hc)
                 else:
-                    a_tile += torch.mm(pc.T, hc).to(acc_dtype)
+                    a_tile += torch.mm(pc.T, hc)
             if b_tile is not None:
                 b_tile += torch.mv(p.T, c[:, 0])
         lo, hi = pairs.span(v0, v1)
