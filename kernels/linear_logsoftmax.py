@@ -257,7 +257,8 @@ def _check_rows(x: Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected unit stride along D, got strides {x.stride()}")
 
 
-def linear_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_temp: Tensor, *, splits: int | None = None,
+def linear_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_temp: Tensor, *,
+                     splits: int | None = None,
                      tiles: tuple[int, int, int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Partial online-softmax statistics of ``x = (h W^T + b) inv_temp``.
 

@@ -76,7 +76,8 @@ def test_triton_and_torch_backends_agree_and_filter_bound():
     for backend, eps in (("torch", None), ("triton", None), ("triton", 2.0**-12)):
         hl, wl = h.clone().to(DEVICE).requires_grad_(), w.clone().to(DEVICE).requires_grad_()
         out = linear_sparse_log_softmax(hl, wl, y.to(DEVICE), c.to(DEVICE), 1.0, backend=backend, grad_filter=eps)
-        res[backend, eps] = [x.detach().cpu() for x in (out.target, *grads(probe_loss(out.target, out.candidates), [hl, wl]))]
+        g = grads(probe_loss(out.target, out.candidates), [hl, wl])
+        res[backend, eps] = [x.detach().cpu() for x in (out.target, *g)]
     for a, r in zip(res["triton", None], res["torch", None]):
         assert float((a - r).abs().max()) <= 1e-4 * float(r.abs().max())
     # Filtering drops entries of dz below eps |coef[n]|: |dX err[n]| <= eps |coef[n]| sum_v |W[v]|.

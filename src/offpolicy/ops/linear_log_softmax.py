@@ -57,7 +57,9 @@ def _check(hidden, weight, bias, targets, candidate_ids, temperature, skip, shar
         raise ValueError(f"targets: expected an integer [N={n}] tensor, got {_describe(targets)}")
     if candidate_ids is not None and (not isinstance(candidate_ids, Tensor) or candidate_ids.dim() != 2
                                       or candidate_ids.shape[0] != n or candidate_ids.is_floating_point()):
-        raise ValueError(f"candidate_ids: expected an integer [N={n}, K] tensor or None, got {_describe(candidate_ids)}")
+        raise ValueError(
+            f"candidate_ids: expected an integer [N={n}, K] tensor or None, got {_describe(candidate_ids)}"
+        )
     if isinstance(temperature, Tensor):
         if temperature.numel() not in (1, n) or temperature.dim() > 1:
             raise ValueError(f"temperature: expected a float or a [N={n}] tensor, got {_describe(temperature)}")
@@ -119,7 +121,8 @@ def linear_sparse_log_softmax(
             ``grad_filter * |sum_j g_j| / tau``). None (default) computes the exact gradient.
 
     Returns:
-        :class:`SparseLogSoftmax` (fp32; float64 for float64 inputs): ``target [N]``, ``candidates [N, K]`` (``-inf`` at padding), ``lse [N]``,
+        :class:`SparseLogSoftmax` (fp32; float64 for float64 inputs): ``target [N]``, ``candidates [N, K]``
+        (``-inf`` at padding), ``lse [N]``,
         ``entropy [N]`` (not differentiable). ``target`` and ``candidates`` are differentiable with respect to
         ``hidden``, ``weight`` and ``bias``. Under ``shard`` the gradient of ``hidden`` is this shard's part.
     """

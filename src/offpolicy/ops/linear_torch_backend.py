@@ -16,9 +16,10 @@ Functions (the backend contract used by :mod:`offpolicy.ops.linear_full` and :mo
 Matmul precision: fp32 inputs multiply in fp32; bf16 inputs multiply in bf16 with fp32 accumulation (the
 product is rounded to bf16, as materialised bf16 logits would be); fp16 inputs are upcast to fp32 on CPU (its
 fp16 matmul is slow and its fp16 output would overflow above 65504) and multiplied in fp16 elsewhere. The
-candidate (gathered) products follow the same rule; for fp32 / float64 weights they run as sparse (CSR) products:
-a sampled dense-dense product for the logits at the ids, CSR x dense for ``dh`` and ``dW``. ``dW`` always
-multiplies an fp32 (float64) copy of ``h`` (``O(N D)``), so its accumulation is fp32 for every weight dtype.
+candidate (gathered) products follow the same rule: the logits at the ids are a sampled dense-dense product
+(CSR pattern) for fp32 / float64 weights and a gather + ``bmm`` otherwise; their ``dh`` is a weighted
+``embedding_bag``; their ``dW`` is a CSR x dense product with an fp32 (float64) copy of ``h`` (``O(N D)``), so
+its accumulation is fp32 for every weight dtype.
 """
 
 from __future__ import annotations
