@@ -141,3 +141,33 @@ def test_cached_exponentials_and_retained_graph():
     ref = z.double().requires_grad_()
     (torch.log_softmax(ref / 0.7, 1)[torch.arange(9), y] * g_t.double()).sum().backward()
     torch.testing.assert_close(first.double(), ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_gradient_all_rows_live(inplace, dtype, monkeypatch):
+    """16-bit logits, every row trained: the dense part is written straight to 16 bits and the ids (the target
+    repeated among the candidates) are patched with their exact value: within one 16-bit rounding of float64."""
+    monkeypatch.setattr(torch_backend, "CHUNK_BYTES", 4 * 4 * 64)  # several chunks
+    z, y, _, cands = make_batch(10, 64, 6, "head", seed=8, empty_row=None)
+    ids = cands.ids.clone()
+    ids[:, 0] = y  # the sampled token is also a candidate: its two gradient terms must add before rounding
+    ids[:, 1:] = torch.where(ids[:, 1:] == y[:, None], (y[:, None] + 1) % 64, ids[:, 1:])
+    z = z.to(dtype)
+    g_t, g_c = torch.randn(10), torch.randn(10, 6)
+    tau = torch.linspace(0.6, 1.5, 10)
+    leaf = z.clone().requires_grad_()
+    zz = leaf.clone() if inplace else leaf
+    out = op.sparse_log_softmax(zz, y, ids, tau, inplace_grad=inplace)
+    ((out.target * g_t).sum() + (out.candidates * g_c).sum()).backward()
+    ref = z.double().requires_grad_()
+    lp = log_probs(ref, tau.double())
+    ((lp[torch.arange(10), y] * g_t.double()).sum() + (lp.gather(1, ids) * g_c.double()).sum()).backward()
+    # One rounding: within half an ulp of the exact value (|x| in [2**(e-1), 2**e) has ulp 2**(e-1-mantissa bits)),
+    # plus the fp32 arithmetic's own error (~1e-6 relative).
+    bits = 7 if dtype == torch.bfloat16 else 10
+    _, e = torch.frexp(ref.grad)
+    half_ulp = torch.ldexp(torch.ones_like(ref.grad), e - 2 - bits).clamp_min(torch.finfo(dtype).smallest_normal
+                                                                          * 2.0**-bits / 2)  # subnormal spacing
+    err = (leaf.grad.double() - ref.grad).abs()
+    assert bool((err <= half_ulp + 1e-6 * ref.grad.abs() + 1e-30).all()), float((err / half_ulp).max())
