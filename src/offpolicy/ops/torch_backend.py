@@ -119,10 +119,6 @@ def full_grad(
     unit = bool((inv_temp == 1).all())
     step = _chunk_rows(v, acc)
     direct = out.dtype == acc and all_live
-    # 16-bit output, every row live: the dense part -G p / tau is multiplied straight into the output (one
-    # rounding), and the 1 + K entries at the ids are then overwritten with their exact values, computed from the
-    # logits at the ids (gathered now, before an in-place output overwrites them) with repeated ids summed first.
-    patch = None if direct or not all_live else _exact_id_values(logits, cols, shift, inv_temp, unit, coef, g_scaled)
     buf = None if direct else torch.empty(min(step, rows.numel()), v, dtype=acc, device=logits.device)
     for lo in range(0, rows.numel(), step):
         idx = rows[lo : lo + step]
@@ -133,36 +129,15 @@ def full_grad(
         if not unit:
             x.mul_(inv_temp[idx, None])
         x.exp_()  # p
-        if patch is not None:
-            torch.mul(x, coef[idx, None], out=out[sl])  # -G p / tau, rounded once to the output dtype
-            continue
         x.mul_(coef[idx, None])  # -G p / tau
         x.scatter_add_(1, cols[idx], g_scaled[idx])
-        if not direct:
+        if direct:
+            continue
+        if all_live:
+            out[sl].copy_(x)
+        else:
             out[idx] = x.to(out.dtype)
-    if patch is not None:
-        out.scatter_(1, cols, patch.to(out.dtype))
     return out
-
-
-def _exact_id_values(
-    logits: Tensor, cols: Tensor, shift: Tensor, inv_temp: Tensor, unit: bool, coef: Tensor, g_scaled: Tensor
-) -> Tensor:
-    """``[N, M]`` the gradient's value at each id, ``coef p + (sum of g over the row's equal ids)``, in fp32.
-
-    ``p`` is computed with exactly the operations of the dense pass, so an id's value differs from the dense
-    value only by its own ``g``. Repeated ids get equal values (so ``scatter_`` may write them in any order).
-    """
-    x = logits.gather(1, cols).to(shift.dtype) - shift[:, None]
-    if not unit:
-        x = x * inv_temp[:, None]
-    srt, order = cols.sort(dim=1)
-    new_run = torch.ones_like(srt, dtype=torch.bool)
-    new_run[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    run = new_run.cumsum(dim=1) - 1
-    sums = torch.zeros_like(g_scaled).scatter_add_(1, run, g_scaled.gather(1, order))
-    g_total = torch.empty_like(g_scaled).scatter_(1, order, sums.gather(1, run))
-    return coef[:, None] * torch.exp(x) + g_total
 
 
 def grad_from_probs(
