@@ -154,7 +154,8 @@ def test_16bit_gradient_all_rows_live(inplace, dtype, monkeypatch):
     ids[:, 0] = y  # the sampled token is also a candidate: its two gradient terms must add before rounding
     ids[:, 1:] = torch.where(ids[:, 1:] == y[:, None], (y[:, None] + 1) % 64, ids[:, 1:])
     z = z.to(dtype)
-    g_t, g_c = torch.randn(10), torch.randn(10, 6)
+    gen = torch.Generator().manual_seed(3)
+    g_t, g_c = torch.randn(10, generator=gen), torch.randn(10, 6, generator=gen)
     tau = torch.linspace(0.6, 1.5, 10)
     leaf = z.clone().requires_grad_()
     zz = leaf.clone() if inplace else leaf
@@ -164,10 +165,12 @@ def test_16bit_gradient_all_rows_live(inplace, dtype, monkeypatch):
     lp = log_probs(ref, tau.double())
     ((lp[torch.arange(10), y] * g_t.double()).sum() + (lp.gather(1, ids) * g_c.double()).sum()).backward()
     # One rounding: within half an ulp of the exact value (|x| in [2**(e-1), 2**e) has ulp 2**(e-1-mantissa bits)),
-    # plus the fp32 arithmetic's own error (~1e-6 relative).
+    # plus the fp32 arithmetic's own error, relative to the terms that cancel at an id (g and G p, both at most
+    # the row's largest entry): 1e-6 of the row's largest gradient.
     bits = 7 if dtype == torch.bfloat16 else 10
     _, e = torch.frexp(ref.grad)
     half_ulp = torch.ldexp(torch.ones_like(ref.grad), e - 2 - bits).clamp_min(torch.finfo(dtype).smallest_normal
                                                                           * 2.0**-bits / 2)  # subnormal spacing
     err = (leaf.grad.double() - ref.grad).abs()
-    assert bool((err <= half_ulp + 1e-6 * ref.grad.abs() + 1e-30).all()), float((err / half_ulp).max())
+    fp32_err = 1e-6 * ref.grad.abs().amax(dim=1, keepdim=True)
+    assert bool((err <= half_ulp + fp32_err).all()), float((err / half_ulp).max())
