@@ -25,7 +25,7 @@ from torch import Tensor
 from offpolicy.centering import Centering
 from offpolicy.correction import Correction
 from offpolicy.segments import Segments
-from offpolicy.weights import kl_estimate
+from offpolicy.weights import kl_estimate, log_bound
 
 EXTREME_RATIO = (0.2, 5.0)
 
@@ -63,18 +63,14 @@ def _token_stats(lr: Tensor, w: Tensor, sel: Tensor, corr: Correction) -> dict[s
         "weight_mean": _mean(w, sel),
         "weight_min": _min(w, sel),
         "weight_max": _max(w, sel),
-        "ratio_below_lower_frac": _mean((lr < _log(corr.lower)).to(lr.dtype), sel),
-        "ratio_above_upper_frac": _mean((lr > _log(corr.upper)).to(lr.dtype), sel),
+        "ratio_below_lower_frac": _mean((lr < log_bound(corr.lower)).to(lr.dtype), sel),
+        "ratio_above_upper_frac": _mean((lr > log_bound(corr.upper)).to(lr.dtype), sel),
     }
     ws = torch.where(sel, w, torch.zeros_like(w))
     sq = (ws * ws).sum()
     out["ess"] = torch.where(sq > 0, ws.sum() ** 2 / (n.clamp_min(1) * sq), torch.zeros_like(sq))
     out["num_tokens"] = n.to(lr.dtype)
     return out
-
-
-def _log(x: float) -> float:
-    return math.log(x) if x > 0 else -math.inf
 
 
 def _extreme(lr: Tensor) -> Tensor:

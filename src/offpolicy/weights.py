@@ -16,7 +16,8 @@ from offpolicy.correction import Correction
 from offpolicy.segments import Segments
 
 
-def _log(x: float) -> float:
+def log_bound(x: float) -> float:
+    """``log x`` of a ratio bound, ``-inf`` for 0 (an open lower end)."""
     return math.log(x) if x > 0 else -math.inf
 
 
@@ -34,7 +35,7 @@ def kl_estimate(log_r: Tensor, estimator: str) -> Tensor:
 
 def inside_bounds(log_r: Tensor, corr: Correction) -> Tensor:
     """``1[L <= r <= U]`` (inclusive), evaluated in log space."""
-    return (log_r >= _log(corr.lower)) & (log_r <= _log(corr.upper))
+    return (log_r >= log_bound(corr.lower)) & (log_r <= log_bound(corr.upper))
 
 
 def weight_function(log_r: Tensor, corr: Correction) -> Tensor:
@@ -47,7 +48,7 @@ def weight_function(log_r: Tensor, corr: Correction) -> Tensor:
     if mode == "none":
         f = torch.ones_like(lr)
     elif mode == "tis":
-        f = torch.exp(lr.clamp(min=max(_log(corr.lower), -corr.max_log_ratio), max=_log(corr.upper)))
+        f = torch.exp(lr.clamp(min=max(log_bound(corr.lower), -corr.max_log_ratio), max=log_bound(corr.upper)))
     elif mode == "mis":
         f = torch.where(inside_bounds(log_r, corr), torch.exp(lr), torch.zeros_like(lr))
     else:
