@@ -22,3 +22,19 @@ def test_ci_runs_the_readme_test_command():
     assert re.search(r"<!-- main-command -->\n```bash\n.+\n```\n<!-- /main-command -->", text)
     ci = (ROOT / ".ci" / "run").read_text()
     assert "test-command" in ci and "README.md" in ci
+
+
+def test_import_and_cpu_loss_without_triton():
+    """`import offpolicy` and the CPU path work where Triton is absent (simulated by blocking its import)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, offpolicy as op\n"
+        "z = torch.randn(4, 10, requires_grad=True)\n"
+        "out = op.policy_loss(z, torch.tensor([1, 2, 3, 4]), torch.full((4,), -2.0), torch.randn(4),\n"
+        "                     correction=op.Correction(weights='mis', score_centering=True))\n"
+        "out.loss.backward(); assert z.grad is not None and torch.isfinite(out.loss)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
