@@ -216,6 +216,24 @@ def check_head_rows(cands: Candidates, tokens: Tensor, lq: Tensor, where: str) -
             )
 
 
+def head_record(
+    ids: Tensor, lps: Tensor, tokens: Tensor, lq: Tensor, where: str, what: str, vocab_size: int | None
+) -> Candidates:
+    """A checked head record from padded top-K ``ids`` / ``lps`` ``[n, K]`` (``what`` names the response field)."""
+    check_logprob_values(lps, f"{where} {what}")
+    cands = Candidates(ids, lps, "head")
+    check_head_rows(cands, tokens, lq, where)
+    if vocab_size is not None:
+        cands.validate(vocab_size, tokens.shape[0], tokens)
+    return cands
+
+
+def check_sampled_possible(lq: Tensor, where: str) -> None:
+    """No sampled token may have probability 0 under the sampler that drew it."""
+    if bool((lq == float("-inf")).any()):
+        raise RecordError(f"{where}: a sampled token has log-prob -inf (probability 0 under the sampler)")
+
+
 def check_support_rows(cands: Candidates, tokens: Tensor, lq: Tensor, where: str) -> None:
     """Support rows: non-empty, sum to 1, contain the sampled token whose log-prob matches its entry."""
     valid = cands.valid

@@ -44,11 +44,12 @@ from offpolicy.adapters.common import (
     RecordError,
     TurnRecord,
     check_calibration,
-    check_head_rows,
     check_logprob_values,
+    check_sampled_possible,
     check_support_offsets,
     check_support_rows,
     check_temperature,
+    head_record,
 )
 from offpolicy.candidates import Candidates
 
@@ -329,13 +330,8 @@ def parse_response(
             for t, (lp, ii) in enumerate(top):
                 ids[t, : len(ii)] = torch.tensor(ii, dtype=torch.int64)
                 lps[t, : len(lp)] = torch.tensor(lp)
-            check_logprob_values(lps, f"{where} output_top_logprobs")
-            cands = Candidates(ids, lps, "head")
-            check_head_rows(cands, tokens, lq, where)
-            if vocab_size is not None:
-                cands.validate(vocab_size, n, tokens)
-    if bool((lq == float("-inf")).any()):
-        raise RecordError(f"{where}: a sampled token has log-prob -inf (probability 0 under the sampler)")
+            cands = head_record(ids, lps, tokens, lq, where, "output_top_logprobs", vocab_size)
+    check_sampled_possible(lq, where)
     input_ids = request.get("input_ids")
     return TurnRecord(
         input_ids=tuple(int(t) for t in input_ids) if input_ids is not None else None,

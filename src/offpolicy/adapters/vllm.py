@@ -46,10 +46,11 @@ import torch
 from offpolicy.adapters.common import (
     RecordError,
     TurnRecord,
-    check_head_rows,
     check_logprob_values,
+    check_sampled_possible,
     check_support_rows,
     check_temperature,
+    head_record,
 )
 from offpolicy.candidates import Candidates
 
@@ -228,13 +229,8 @@ def _record(
             if order:
                 ids[t, : len(order)] = torch.tensor([i for i, _ in order], dtype=torch.int64)
                 lps[t, : len(order)] = torch.tensor([v for _, v in order])
-        check_logprob_values(lps, f"{where} top log-probs")
-        cands = Candidates(ids, lps, "head")
-        check_head_rows(cands, tokens, lq, where)
-        if vocab_size is not None:
-            cands.validate(vocab_size, n, tokens)
-    if bool((lq == float("-inf")).any()):
-        raise RecordError(f"{where}: a sampled token has log-prob -inf (probability 0 under the sampler)")
+        cands = head_record(ids, lps, tokens, lq, where, "top log-probs", vocab_size)
+    check_sampled_possible(lq, where)
     return TurnRecord(
         input_ids=tuple(int(t) for t in input_ids) if input_ids is not None else None, tokens=tokens,
         sampler_logprobs=lq, candidates=cands, temperature=temperature, top_p=top_p, top_k=top_k, versions=None,
