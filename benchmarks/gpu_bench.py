@@ -117,7 +117,6 @@ def copy_bandwidth_gbps(cfg: Config) -> float:
     src = torch.empty(cfg.copy_bytes // 4, dtype=torch.float32, device=cfg.device).fill_(1.0)
     dst = torch.empty_like(src)
     ms = time_ms(cfg.device, lambda: dst.copy_(src), cfg.warmup, max(cfg.reps, 5))
-    del src, dst
     return 2 * cfg.copy_bytes / (ms * 1e-3) / 1e9
 
 

@@ -9,7 +9,6 @@ the same MIS + score-centering loss. The full-size run with memory is benchmarks
 from __future__ import annotations
 
 import pytest
-import torch
 
 import offpolicy as op
 from bench_cpu import _dense_loss, _inputs

@@ -32,6 +32,10 @@ BUGS = {
     "sign_error": "the loss has the wrong sign (+A w log p)",
     "unclamped_ratio": "r = exp(log p - lq) without clamping the log-ratio: inf * 0 = NaN under MIS",
     "no_inf_guard": "w * log p(y) without guarding w = 0 against log p = -inf (0 * -inf = NaN)",
+    "mask_ignored": "takes loss_mask but never applies it: untrained tokens keep their loss",
+    "sequence_counts_untrained": "sequence ratio summed over every token, untrained ones (loss_mask False) too",
+    "geometric_as_sequence": "level='geometric' computed as the sequence product (sum of log-ratios, no mean)",
+    "sequence_as_token": "level='sequence' that ignores seq_ids and weights each token by its own ratio",
 }
 
 
@@ -60,12 +64,25 @@ def _f(log_r: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
     return inside.to(lr.dtype)
 
 
+def _sequence_weight(log_r: Tensor, trained: Tensor, seq_ids: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
+    """``f`` of each sequence's summed (``"sequence"``) or mean (``"geometric"``) trained log-ratio, per token."""
+    counted = torch.ones_like(trained) if bug == "sequence_counts_untrained" else trained
+    _, seq = torch.unique(seq_ids, return_inverse=True)
+    num = int(seq.max()) + 1 if seq.numel() else 0
+    lr = torch.where(counted, log_r, torch.zeros_like(log_r))
+    total = torch.zeros(num, dtype=lr.dtype).index_add(0, seq, lr)
+    count = torch.zeros(num, dtype=lr.dtype).index_add(0, seq, counted.to(lr.dtype)).clamp_min(1)
+    seq_lr = total / count if cfg.level == "geometric" and bug != "geometric_as_sequence" else total
+    return _f(seq_lr[seq], cfg, bug)
+
+
 def dense_loss(cfg: LossConfig, bug: str | None = None):
     """A loss for configuration ``cfg`` with one injected ``bug`` (a key of :data:`BUGS`) or none."""
     if bug is not None and bug not in BUGS:
         raise KeyError(f"unknown bug {bug!r}; expected one of {list(BUGS)}")
 
-    def loss_fn(logits, tokens, sampler_logprobs, candidates, advantages, temperature):
+    def loss_fn(logits, tokens, sampler_logprobs, candidates, advantages, temperature, loss_mask=None, seq_ids=None):
+        trained = torch.ones_like(tokens, dtype=torch.bool) if loss_mask is None else loss_mask
         tau = temperature * temperature if bug == "temperature_twice" else temperature
         z = logits.double()
         support = candidates is not None and candidates.kind == "support"
@@ -87,7 +104,10 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
         lq = sampler_logprobs.double()
         lq_used = lq if bug == "sampler_grad_leak" else lq.detach()
         lp_for_w = logp_y if bug == "weights_not_detached" else logp_y.detach()
-        w = _f(lp_for_w - lq_used, cfg, bug)
+        if cfg.level == "token" or bug == "sequence_as_token":
+            w = _f(lp_for_w - lq_used, cfg, bug)
+        else:
+            w = _sequence_weight(lp_for_w - lq_used, trained, seq_ids, cfg, bug)
         term = w * logp_y if bug == "no_inf_guard" else torch.where(w != 0, w * logp_y, torch.zeros_like(logp_y))
         if cfg.score_centering and candidates is not None:
             lpc = logp.gather(1, ids)
@@ -115,7 +135,8 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
             term = term - torch.where(c != 0, c * lpc, zero).sum(1)
         adv = advantages.double().detach()
         loss = adv * term if bug == "sign_error" else -adv * term
-        return torch.where(adv != 0, loss, torch.zeros_like(loss))
+        keep = (adv != 0) if bug == "mask_ignored" else (adv != 0) & trained
+        return torch.where(keep, loss, torch.zeros_like(loss))
 
     loss_fn.__qualname__ = f"dense_loss[{bug or 'correct'}]"
     return loss_fn

@@ -9,7 +9,6 @@ level (gradients are at most ``O(|A| / tau)`` per entry).
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import offpolicy as op
-from offpolicy.reference import reference_policy_loss
 
 MODES = [
     op.Correction(weights="none", score_centering=True),

@@ -49,10 +49,10 @@ def reference_loss(cfg: LossConfig):
     """The float64 oracle itself through the adapter signature: it must satisfy every invariant the kit states
     (otherwise the kit's properties, not the implementations, would be wrong)."""
 
-    def oracle(logits, tokens, sampler_logprobs, candidates, advantages, temperature):
+    def oracle(logits, tokens, sampler_logprobs, candidates, advantages, temperature, loss_mask=None, seq_ids=None):
         z = logits.double()
         loss, token_loss, _ = reference_policy_loss(z, tokens, sampler_logprobs.detach(), advantages.detach(),
-                                                    candidates, None, temperature, cfg.correction,
+                                                    candidates, loss_mask, temperature, cfg.correction, seq_ids,
                                                     aggregation="constant", constant_normalizer=1.0)
         first = (torch.arange(token_loss.shape[0]) == 0).double()
         return token_loss + (loss - loss.detach()) * first
@@ -72,10 +72,28 @@ def test_project_policy_loss_passes_every_invariant(cfg):
     report = check_all(project_loss(cfg), cfg, max_examples=40, raise_on_failure=False)
     assert report.passed, str(report)
     ran = {r.invariant for r in report.results if r.status == "pass"}
-    assert {"agreement", "shift_invariance", "sampler_no_grad", "hostile_finite"} <= ran
+    assert {"agreement", "shift_invariance", "sampler_no_grad", "hostile_finite", "masking"} <= ran
     assert ("zero_drift" in ran) == cfg.score_centering
     assert ("support_replay" in ran) == (cfg.record == "support")
     assert ("plain_is_unbiased" in ran) == (cfg.weights in ("tis", "mis"))
+
+
+SEQUENCE_LEVEL = [
+    LossConfig(weights=w, level=level, record=rec)
+    for w, level, rec in [("tis", "sequence", "head"), ("mis", "sequence", "support"), ("mis", "geometric", None),
+                          ("reject", "geometric", "support"), ("tis", "geometric", "head")]
+]
+
+
+@pytest.mark.parametrize("cfg", SEQUENCE_LEVEL, ids=[c.describe() for c in SEQUENCE_LEVEL])
+def test_project_policy_loss_passes_at_sequence_level(cfg):
+    """Batches packed into random sequences (seq_ids); masking then also checks that untrained tokens stay out
+    of the sequence ratio."""
+    report = check_all(project_loss(cfg), cfg, max_examples=40, raise_on_failure=False)
+    assert report.passed, str(report)
+    ran = {r.invariant for r in report.results if r.status == "pass"}
+    assert {"agreement", "shift_invariance", "sampler_no_grad", "hostile_finite", "masking"} <= ran
+    assert "level=" in report["plain_is_unbiased"].detail or cfg.weights == "reject"
 
 
 def test_project_policy_loss_passes_in_float32():
@@ -89,6 +107,7 @@ def test_project_policy_loss_passes_in_float32():
     LossConfig(weights="tis", bounds=(0.5, 1.5), score_centering=True, record="support"),
     LossConfig(weights="reject", bounds=(0.7, 3.0), score_centering=True, record="head"),
     LossConfig(weights="none"),
+    LossConfig(weights="mis", level="sequence", record="support"),
 ], ids=lambda c: c.describe())
 def test_the_oracle_satisfies_the_kit(cfg):
     report = check_all(reference_loss(cfg), cfg, max_examples=25, raise_on_failure=False)
@@ -230,6 +249,8 @@ def test_hostile_problems_have_a_finite_oracle_and_valid_records(cfg):
 @settings(max_examples=30, deadline=None)
 @given(data=st.data(), n=st.integers(0, 9))
 def test_small_strategies(data, n):
+    packed = data.draw(S.with_sequences(S.problems(num_tokens=(n, n))))
+    assert torch.equal(packed.seq_ids, packed.seq_ids.sort().values) and "seq_ids" in packed.describe()
     seq = data.draw(S.packed_sequences(n))
     assert seq.shape == (n,)
     if n:
@@ -255,6 +276,11 @@ def test_config_parse_and_errors():
     assert cfg == LossConfig(weights="mis", bounds=(0.5, 4.0), score_centering=True, record="support",
                              dtype=torch.float32)
     assert LossConfig.parse("weights=tis,bounds=3,record=none") == LossConfig(weights="tis", bounds=3.0)
+    assert LossConfig.parse("weights=mis,level=geometric").correction.level == "geometric"
+    with pytest.raises(ValueError, match="level"):
+        LossConfig(weights="mis", level="sentence")
+    with pytest.raises(ValueError, match="token-level weights only"):
+        LossConfig(weights="mis", level="sequence", score_centering=True, record="head")
     with pytest.raises(ValueError, match=r"score_centering=True\) needs record"):
         LossConfig(score_centering=True)
     with pytest.raises(ValueError, match="record must be"):
@@ -273,6 +299,29 @@ def test_not_applicable_invariants_are_skipped_with_a_reason():
     assert "only support records" in run_invariant(fn, cfg, "support_replay").detail
     with pytest.raises(KeyError, match="unknown invariant"):
         run_invariant(fn, cfg, "drift")
+
+    def no_mask(logits, tokens, lq, cands, adv, tau):
+        return fn(logits, tokens, lq, cands, adv, tau)
+
+    result = run_invariant(no_mask, cfg, "masking")
+    assert result.status == "skip" and result.detail == "not applicable: the function takes no loss_mask keyword"
+
+
+def test_sequence_levels_need_seq_ids_and_keywords_are_read_from_the_signature():
+    cfg = LossConfig(weights="mis", level="sequence")
+    full = project_loss(cfg)
+
+    def no_seq_ids(logits, tokens, lq, cands, adv, tau, loss_mask=None):
+        return full(logits, tokens, lq, cands, adv, tau, loss_mask=loss_mask)
+
+    with pytest.raises(ValueError, match="must take a seq_ids keyword"):
+        check_all(no_seq_ids, cfg)
+
+    def forwarding(*args, **kwargs):
+        return full(*args, **kwargs)
+
+    report = check_all(forwarding, cfg, invariants=["agreement", "masking"], max_examples=10)
+    assert [r.status for r in report.results] == ["pass", "pass"]
 
 
 def test_wrong_return_and_exceptions_are_failures_with_the_example():

@@ -22,6 +22,8 @@ TIS_SUPPORT = LossConfig(weights="tis", record="support")
 TIS_HEAD = LossConfig(weights="tis", record="head")
 NONE_SUPPORT_SC = LossConfig(weights="none", score_centering=True, record="support")
 NONE_HEAD = LossConfig(weights="none", record="head")
+TIS_SEQ = LossConfig(weights="tis", bounds=(0.0, 5.0), level="sequence", record="head")
+MIS_GEO = LossConfig(weights="mis", level="geometric", record="support")
 
 #: (bug, configuration, the invariant that must fail). Where a mistake breaks several invariants, the one named
 #: is the most specific (docs/testing_kit.md lists every invariant each one fails).
@@ -42,6 +44,10 @@ CAUGHT = [
     ("sign_error", TIS_SUPPORT, "plain_is_unbiased"),
     ("unclamped_ratio", MIS_HEAD, "hostile_finite"),
     ("no_inf_guard", MIS_HEAD_SC, "hostile_finite"),
+    ("mask_ignored", TIS_SUPPORT_SC, "masking"),
+    ("sequence_counts_untrained", TIS_SEQ, "masking"),  # placeholder lq = 0 on untrained rows moves the ratio
+    ("geometric_as_sequence", MIS_GEO, "agreement"),
+    ("sequence_as_token", TIS_SEQ, "agreement"),
 ]
 
 

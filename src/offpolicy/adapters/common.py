@@ -156,7 +156,10 @@ def collate(
             if rec.candidates is not None:
                 cid.append(rec.candidates.ids.to(torch.int64))
                 clp.append(rec.candidates.logprobs.float())
-    cat = (lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt))
+
+    def cat(xs: list[Tensor], dt: torch.dtype) -> Tensor:
+        return torch.cat(xs) if xs else torch.zeros(0, dtype=dt)
+
     cands = None
     if kind is not None:
         width = max(c.shape[1] for c in cid)

@@ -22,9 +22,10 @@ def project_loss(config: LossConfig):
     corr = config.correction
 
     def offpolicy_policy_loss(logits: Tensor, tokens: Tensor, sampler_logprobs: Tensor,
-                              candidates: Candidates | None, advantages: Tensor, temperature: float) -> Tensor:
-        out = policy_loss(logits, tokens, sampler_logprobs, advantages, candidates=candidates,
-                          temperature=temperature, correction=corr, aggregation="constant",
+                              candidates: Candidates | None, advantages: Tensor, temperature: float,
+                              loss_mask: Tensor | None = None, seq_ids: Tensor | None = None) -> Tensor:
+        out = policy_loss(logits, tokens, sampler_logprobs, advantages, candidates=candidates, loss_mask=loss_mask,
+                          temperature=temperature, correction=corr, seq_ids=seq_ids, aggregation="constant",
                           constant_normalizer=1.0)
         token_loss = out.token_loss.to(out.loss.dtype)
         first = (torch.arange(token_loss.shape[0], device=token_loss.device) == 0).to(token_loss.dtype)

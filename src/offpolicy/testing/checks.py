@@ -11,7 +11,12 @@ The function is reached through one adapter signature (:data:`LossFn`)::
                       kind "head" | "support"), or None when LossConfig.record is None
     advantages        [N] float
     temperature       float > 0: the sampling temperature; the trainer's distribution is softmax(logits / tau)
-    token_loss        [N] per-token loss, unaggregated (no mask, no mean); the kit differentiates its sum
+    token_loss        [N] per-token loss, unaggregated (no mean); the kit differentiates its sum
+
+Two optional keywords widen what is checked: ``loss_mask`` ([N] bool, True on trained tokens; the ``masking``
+invariant runs when the function takes it) and ``seq_ids`` ([N] int64 packed sequence ids; needed for
+``LossConfig(level="sequence" | "geometric")``, whose batches the kit packs into random sequences). The function
+receives each keyword only where the check uses it.
 
 and a :class:`~offpolicy.testing.LossConfig` declaring which correction it claims. Each invariant is a property
 over a hypothesis strategy from :mod:`offpolicy.testing.strategies`; a violation is shrunk to a small example
@@ -26,14 +31,16 @@ Invariants (see docs/testing_kit.md for one paragraph each):
 ``shift_invariance``   adding a constant to a row's logits changes nothing (SPEC 7.4)
 ``sampler_no_grad``    no gradient reaches sampler log-probabilities, candidate log-probabilities or advantages
 ``hostile_finite``     finite loss and gradient on hostile numerics (SPEC 7.8)
+``masking``            untrained tokens contribute nothing, fully masked batches give zeros (SPEC 7.6)
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 import torch
@@ -44,7 +51,16 @@ from torch import Tensor
 from offpolicy.candidates import Candidates
 from offpolicy.reference import TAIL_EPS, log_probs, reference_policy_loss, support_mask
 from offpolicy.testing.config import LossConfig
-from offpolicy.testing.strategies import Position, Problem, hostile_problems, positions, problems, temperatures
+from offpolicy.testing.strategies import (
+    Position,
+    Problem,
+    hostile_problems,
+    loss_masks,
+    positions,
+    problems,
+    temperatures,
+    with_sequences,
+)
 
 LossFn = Callable[[Tensor, Tensor, Tensor, "Candidates | None", Tensor, float], Tensor]
 
@@ -81,6 +97,18 @@ class _Fed:
     cands: Candidates | None
     adv: Tensor
     tau: float
+    loss_mask: Tensor | None = None
+    seq_ids: Tensor | None = None
+
+    def keywords(self) -> dict[str, Tensor]:
+        """The optional keywords this call passes (only those set)."""
+        kw = {"loss_mask": self.loss_mask, "seq_ids": self.seq_ids}
+        return {k: v for k, v in kw.items() if v is not None}
+
+    def trained(self) -> Tensor:
+        """``[N]`` bool: the tokens the loss trains."""
+        n = self.tokens.shape[0]
+        return torch.ones(n, dtype=torch.bool) if self.loss_mask is None else self.loss_mask
 
 
 def _sampler_dtype(cfg: LossConfig) -> torch.dtype:
@@ -88,7 +116,8 @@ def _sampler_dtype(cfg: LossConfig) -> torch.dtype:
     return torch.float64 if cfg.dtype == torch.float64 else torch.float32
 
 
-def _feed(prob: Problem, cfg: LossConfig, logits: Tensor | None = None, sampler_grad: bool = False) -> _Fed:
+def _feed(prob: Problem, cfg: LossConfig, logits: Tensor | None = None, sampler_grad: bool = False,
+          loss_mask: Tensor | None = None) -> _Fed:
     sd = _sampler_dtype(cfg)
     z = (prob.logits if logits is None else logits).to(cfg.dtype).detach().requires_grad_()
     lq = prob.sampler_logprobs.to(sd).detach().requires_grad_(sampler_grad)
@@ -97,14 +126,16 @@ def _feed(prob: Problem, cfg: LossConfig, logits: Tensor | None = None, sampler_
     if cfg.record is not None and prob.candidates is not None:
         clp = prob.candidates.logprobs.to(sd).detach().requires_grad_(sampler_grad)
         cands = Candidates(prob.candidates.ids.clone(), clp, prob.candidates.kind)
-    return _Fed(z, prob.tokens.clone(), lq, cands, adv, float(prob.temperature))
+    seq_ids = prob.seq_ids.clone() if cfg.level != "token" and prob.seq_ids is not None else None
+    mask = None if loss_mask is None else loss_mask.clone()
+    return _Fed(z, prob.tokens.clone(), lq, cands, adv, float(prob.temperature), mask, seq_ids)
 
 
 def _call(fn: LossFn, fed: _Fed, example: str) -> Tensor:
     """Run the user's function; a wrong type or shape, or an exception, is a failure of the example."""
     n = fed.tokens.shape[0]
     try:
-        out = fn(fed.logits, fed.tokens, fed.lq, fed.cands, fed.adv, fed.tau)
+        out = fn(fed.logits, fed.tokens, fed.lq, fed.cands, fed.adv, fed.tau, **fed.keywords())
     except Exception as exc:  # the user's code failed on a valid input: report it with the example
         raise _Fail(f"the loss function raised {type(exc).__name__}: {exc}", example) from exc
     if not isinstance(out, Tensor):
@@ -136,8 +167,8 @@ def _reference(fed: _Fed, cfg: LossConfig) -> tuple[Tensor, Tensor]:
     cands = None if fed.cands is None else Candidates(fed.cands.ids, fed.cands.logprobs.detach().double(),
                                                        fed.cands.kind)
     loss, token_loss, _ = reference_policy_loss(
-        z, fed.tokens, fed.lq.detach().double(), fed.adv.detach().double(), cands, None, fed.tau,
-        cfg.correction, aggregation="constant", constant_normalizer=1.0,
+        z, fed.tokens, fed.lq.detach().double(), fed.adv.detach().double(), cands, fed.loss_mask, fed.tau,
+        cfg.correction, fed.seq_ids, aggregation="constant", constant_normalizer=1.0,
     )
     (g,) = torch.autograd.grad(loss, z)
     return token_loss, g
@@ -154,7 +185,18 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     z = fed.logits.detach().double()
     lp = log_probs(z, fed.tau, support_mask(fed.cands, z.shape[1]) if support else None)
     n = fed.tokens.shape[0]
-    log_r = [lp[torch.arange(n), fed.tokens] - fed.lq.detach().double()]
+    trained = fed.trained()
+    token_log_r = torch.where(trained, lp[torch.arange(n), fed.tokens] - fed.lq.detach().double(), 0.0)
+    log_r = [token_log_r[trained]]
+    if fed.seq_ids is not None:
+        # Sequence levels: the weight function sees the sum (or mean) of each sequence's trained log-ratios.
+        log_r = []
+        for sid in torch.unique(fed.seq_ids).tolist():
+            rows = (fed.seq_ids == sid) & trained
+            if bool(rows.any()):
+                total = token_log_r[rows].sum()
+                log_r.append((total if cfg.level == "sequence" else total / int(rows.sum())).reshape(1))
+        log_r.append(torch.zeros(0, dtype=torch.float64))
     if cfg.score_centering and fed.cands is not None:
         valid = fed.cands.ids >= 0
         lpc = lp.gather(1, fed.cands.ids.clamp_min(0))
@@ -212,6 +254,14 @@ def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
             tail = alpha * rel_rho * (1 + 2 * x_max)
         coef = coef + 2 * cap + alpha
     per_token = fed.adv.detach().double().abs() * (16 * unit * x_max * coef + tail)
+    if fed.seq_ids is not None:
+        # A sequence weight exp(sum_s log r_s) carries the log-probability errors of all L tokens of its sequence
+        # (relative error L * 16 u x_max), and the loss multiplies it by |log p(y_t)|.
+        lp = log_probs(z, fed.tau)
+        logp_y = lp[torch.arange(n), fed.tokens].abs().nan_to_num(posinf=0.0)
+        seq_len = (fed.seq_ids[:, None] == fed.seq_ids[None, :]).sum(1).double()
+        per_token = per_token + fed.adv.detach().double().abs() * cap * 16 * unit * x_max * seq_len * logp_y
+    per_token = torch.where(fed.trained(), per_token, 0.0)
     return float(per_token.max()) * max(1.0, 1.0 / fed.tau)
 
 
@@ -249,6 +299,13 @@ def _generic_temperatures(cfg: LossConfig) -> st.SearchStrategy[float]:
     # Below float64, temperatures under 0.25 multiply the logits' rounding error beyond the float32 tolerance;
     # the extremes stay covered by hostile_finite.
     return temperatures() if cfg.dtype == torch.float64 else temperatures(0.25, 10.0)
+
+
+def _batches(cfg: LossConfig, record: str | None | bool = False) -> st.SearchStrategy[Problem]:
+    """Generic batches for ``cfg`` (``record`` overrides ``cfg.record``), packed into sequences for
+    sequence-level configurations."""
+    batches = problems(cfg.record if record is False else record, temperature=_generic_temperatures(cfg))
+    return batches if cfg.level == "token" else with_sequences(batches)
 
 
 def _prop_agreement(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
@@ -317,7 +374,7 @@ def _prop_plain_is(fn: LossFn, cfg: LossConfig, case: tuple[Position, list[float
 
 @st.composite
 def _replay_cases(draw: st.DrawFn, cfg: LossConfig) -> tuple[Problem, Tensor]:
-    prob = draw(problems("support", temperature=_generic_temperatures(cfg)))
+    prob = draw(_batches(cfg, "support"))
     inside = support_mask(prob.candidates, prob.vocab)
     z2 = prob.logits.clone()
     if draw(st.booleans()):
@@ -363,7 +420,7 @@ def _rows(x: Tensor) -> str:
 
 @st.composite
 def _shift_cases(draw: st.DrawFn, cfg: LossConfig) -> tuple[Problem, list[float]]:
-    prob = draw(problems(cfg.record, temperature=_generic_temperatures(cfg)))
+    prob = draw(_batches(cfg))
     big = 100.0 if cfg.dtype == torch.float64 else 2.0
     shifts = draw(st.lists(st.one_of(st.sampled_from([big, -big]), st.floats(-big, big, allow_nan=False)),
                            min_size=prob.num_tokens, max_size=prob.num_tokens))
@@ -418,6 +475,50 @@ def _prop_hostile(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
         raise _Fail(f"d loss / d logits is not finite (first at {idx}): {_rows(g)}", ex)
 
 
+@st.composite
+def _masking_cases(draw: st.DrawFn, cfg: LossConfig) -> tuple[Problem, Tensor]:
+    prob = draw(_batches(cfg))
+    mask = draw(loss_masks(prob.num_tokens))
+    if draw(st.booleans()):
+        # What padded batches hold at untrained positions: placeholder sampler log-probabilities (0) and
+        # advantages; a sequence-level ratio that counts those tokens changes.
+        off = ~mask
+        prob = replace(prob, sampler_logprobs=torch.where(off, 0.0, prob.sampler_logprobs),
+                       advantages=torch.where(off, 1e3, prob.advantages),
+                       notes={**prob.notes, "untrained rows": "lq=0, A=1e3"})
+    return prob, mask
+
+
+def _prop_masking(fn: LossFn, cfg: LossConfig, case: tuple[Problem, Tensor]) -> None:
+    prob, mask = case
+    ex = prob.describe() + f"\nloss_mask        = {_rows(mask)}"
+    fed = _feed(prob, cfg, loss_mask=mask)
+    assume(not _near_discontinuity(fed, cfg))
+    out = _call(fn, fed, ex)
+    values = out.detach().double()
+    if not bool(torch.isfinite(values).all()):
+        bad = [int(i) for i in (~torch.isfinite(values)).nonzero()[:, 0]]
+        raise _Fail(f"per-token loss is not finite at tokens {bad}: {_rows(values)}", ex)
+    g = _logit_grad(out, fed, ex)
+    if not bool(torch.isfinite(g).all()):
+        idx = [int(i) for i in (~torch.isfinite(g)).nonzero()[0]]
+        raise _Fail(f"d loss / d logits is not finite (first at {idx}): {_rows(g)}", ex)
+    _, atol = cfg.tolerances
+    off = ~mask
+    if bool(off.any()) and float(values[off].abs().max()) > atol:
+        bad = [int(i) for i in (off & (values.abs() > atol)).nonzero()[:, 0]]
+        raise _Fail(f"untrained tokens {bad} (loss_mask False) carry loss: {_rows(values)}", ex)
+    if bool(off.any()) and float(g[off].abs().max()) > atol:
+        bad = [int(i) for i in (off[:, None] & (g.abs() > atol)).any(1).nonzero()[:, 0]]
+        raise _Fail(f"gradient reaches the logits of untrained tokens {bad}: {_rows(g)}", ex)
+    ref_loss, ref_grad = _reference(fed, cfg)
+    floor = _rounding_floor(fed, cfg)
+    msg = _compare("per-token loss under the loss mask", out, ref_loss, cfg, floor=floor)
+    msg = msg or _compare("d sum(loss) / d logits under the loss mask", g, ref_grad, cfg, floor=floor)
+    if msg:
+        raise _Fail(msg, ex)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The registry
 # ----------------------------------------------------------------------------------------------------------------
@@ -431,8 +532,16 @@ def _needs_centering(cfg: LossConfig) -> str | None:
     return None if cfg.score_centering else "not applicable: the configuration does not claim score centering"
 
 
+def _needs_token_level(cfg: LossConfig) -> str | None:
+    if cfg.level != "token":
+        return f"not applicable: level={cfg.level!r} (the per-position expectation is a token-level property)"
+    return None
+
+
 def _needs_identity_weight(cfg: LossConfig) -> str | None:
     corr = cfg.correction
+    if cfg.level != "token":
+        return _needs_token_level(cfg)
     if cfg.weights not in ("tis", "mis"):
         return f"not applicable: weights={cfg.weights!r} is not f(r) = r anywhere (only tis and mis are)"
     if not corr.lower < 1.0 < corr.upper:
@@ -455,6 +564,8 @@ class Invariant:
         applies: ``config -> None`` when applicable, else the reason it is not.
         strategy: ``config -> SearchStrategy`` of cases.
         prop: ``(fn, config, case) -> None``, raising on a violation.
+        needs: optional keywords of the loss function the check passes (it is skipped for a function that takes
+            none of that name).
     """
 
     name: str
@@ -463,6 +574,12 @@ class Invariant:
     applies: Callable[[LossConfig], str | None]
     strategy: Callable[[LossConfig], st.SearchStrategy]
     prop: Callable[[LossFn, LossConfig, object], None]
+    needs: tuple[str, ...] = ()
+
+
+def _hostile_cases(cfg: LossConfig) -> st.SearchStrategy[Problem]:
+    batches = hostile_problems(cfg.record, zero_weight_at_zero_ratio=cfg.weight_at_zero == 0.0)
+    return batches if cfg.level == "token" else with_sequences(batches)
 
 
 def _is_bounds(cfg: LossConfig) -> tuple[float, float]:
@@ -476,7 +593,7 @@ INVARIANTS: dict[str, Invariant] = {
         Invariant(
             "agreement", "SPEC 7.2, 7.5",
             "per-token loss and logit gradient equal offpolicy.reference for the declared configuration",
-            _always, lambda cfg: problems(cfg.record, temperature=_generic_temperatures(cfg)), _prop_agreement,
+            _always, _batches, _prop_agreement,
         ),
         Invariant(
             "zero_drift", "SPEC 7.1, 7.2",
@@ -510,14 +627,17 @@ INVARIANTS: dict[str, Invariant] = {
         Invariant(
             "sampler_no_grad", "SPEC 2, 3 (sg)",
             "no gradient reaches sampler log-probabilities, candidate log-probabilities or advantages",
-            _always, lambda cfg: problems(cfg.record, temperature=_generic_temperatures(cfg)), _prop_sampler_no_grad,
+            _always, _batches, _prop_sampler_no_grad,
         ),
         Invariant(
             "hostile_finite", "SPEC 7.8",
             "finite loss and gradient on hostile numerics (-inf logits, +-1e4, underflow, empty rows, N = 0)",
-            _always,
-            lambda cfg: hostile_problems(cfg.record, zero_weight_at_zero_ratio=cfg.weight_at_zero == 0.0),
-            _prop_hostile,
+            _always, _hostile_cases, _prop_hostile,
+        ),
+        Invariant(
+            "masking", "SPEC 7.6",
+            "tokens with loss_mask False carry no loss and no gradient, and do not enter sequence statistics",
+            _always, _masking_cases, _prop_masking, needs=("loss_mask",),
         ),
     ]
 }
@@ -582,6 +702,18 @@ class Report:
         return "\n".join(lines)
 
 
+def _keywords(fn: Callable) -> set[str]:
+    """The optional keywords (``loss_mask``, ``seq_ids``) a loss function takes (all of them with ``**kwargs``)."""
+    optional = {"loss_mask", "seq_ids"}
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or extension callable: pass only the six positional arguments
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return optional
+    return optional & {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+
+
 def _target_name(fn: Callable) -> str:
     mod = getattr(fn, "__module__", None) or "?"
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
@@ -612,7 +744,14 @@ def run_invariant(
     if invariant not in INVARIANTS:
         raise KeyError(f"unknown invariant {invariant!r}; expected one of {list(INVARIANTS)}")
     inv = INVARIANTS[invariant]
+    takes = _keywords(fn)
+    if config.level != "token" and "seq_ids" not in takes:
+        raise ValueError(f"LossConfig(level={config.level!r}) checks sequence-level weights: the loss function "
+                         f"{_target_name(fn)} must take a seq_ids keyword ([N] int64 packed sequence ids)")
     reason = inv.applies(config)
+    missing = [k for k in inv.needs if k not in takes]
+    if reason is None and missing:
+        reason = f"not applicable: the function takes no {' / '.join(missing)} keyword"
     if reason is not None:
         return CheckResult(invariant, "skip", reason)
     if max_examples is None:

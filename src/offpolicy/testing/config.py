@@ -45,6 +45,8 @@ class LossConfig:
         score_centering: the function subtracts the sampler-expected weighted score (SPEC section 3).
         record: the candidate record the function consumes: ``"head"``, ``"support"`` or None (no record; the
             function then receives ``candidates=None``).
+        level: ``"token"``, or ``"sequence"`` / ``"geometric"`` ratios (SPEC section 5). Sequence levels need a
+            function that takes a ``seq_ids`` keyword: the kit packs each batch into random sequences.
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before exponentiating (SPEC section 2).
         dtype: the dtype of every float tensor the kit passes (logits, log-probabilities, advantages).
         rtol, atol: comparison tolerances; None takes :data:`DEFAULT_TOLERANCES` for ``dtype``.
@@ -54,6 +56,7 @@ class LossConfig:
     bounds: tuple[float, float] | float | None = None
     score_centering: bool = False
     record: Record = None
+    level: str = "token"
     max_log_ratio: float = 20.0
     dtype: torch.dtype = torch.float64
     rtol: float | None = None
@@ -76,8 +79,8 @@ class LossConfig:
     @property
     def correction(self) -> Correction:
         """The :class:`~offpolicy.Correction` the reference is run with."""
-        return Correction(weights=self.weights, bounds=self.bounds, score_centering=self.score_centering,
-                          max_log_ratio=self.max_log_ratio)
+        return Correction(weights=self.weights, bounds=self.bounds, level=self.level,
+                          score_centering=self.score_centering, max_log_ratio=self.max_log_ratio)
 
     @property
     def tolerances(self) -> tuple[float, float]:
@@ -103,12 +106,13 @@ class LossConfig:
         rtol, atol = self.tolerances
         tol = "" if self.rtol is None and self.atol is None else f", rtol={rtol:g}, atol={atol:g}"
         mlr = "" if self.max_log_ratio == 20.0 else f", max_log_ratio={self.max_log_ratio:g}"
+        level = "" if self.level == "token" else f", level={self.level!r}"
         return (f"LossConfig(weights={self.weights!r}{bounds}, score_centering={self.score_centering}, "
-                f"record={self.record!r}, dtype={str(self.dtype).replace('torch.', '')}{mlr}{tol})")
+                f"record={self.record!r}{level}, dtype={str(self.dtype).replace('torch.', '')}{mlr}{tol})")
 
     @classmethod
     def parse(cls, text: str) -> "LossConfig":
-        """Parse ``"weights=mis,bounds=0.5:5,score_centering=1,record=support,dtype=float32"`` (the
+        """Parse ``"weights=mis,bounds=0.5:5,score_centering=1,record=support,level=token,dtype=float32"`` (the
         ``OFFPOLICY_CONFIG`` environment variable). ``sc`` abbreviates ``score_centering``; ``record=none`` is
         None; ``bounds`` is ``C`` or ``L:U``."""
         names = {f.name for f in fields(cls)}

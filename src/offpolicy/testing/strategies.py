@@ -14,7 +14,8 @@ Building blocks (public):
 
 Composite strategies (what the checkers in :mod:`offpolicy.testing.checks` draw from):
 
-* :func:`problems`: a batch (:class:`Problem`) for a given record kind, tokens drawn from the sampler's support.
+* :func:`problems`: a batch (:class:`Problem`) for a given record kind, tokens drawn from the sampler's support;
+  :func:`with_sequences` packs a batch into sequences.
 * :func:`positions`: one position with a *complete* sampler model (:class:`Position`): a support record, a head
   record covering the vocabulary, or a partial head whose true tail is exactly ``rho * p`` (SPEC 7.2). A
   position expands into one row per possible token, for exact expectations over ``y ~ q``.
@@ -25,7 +26,7 @@ Composite strategies (what the checkers in :mod:`offpolicy.testing.checks` draw 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence
 
 import torch
@@ -275,6 +276,8 @@ class Problem:
         sampler_logq: ``[N, V]`` float64 log of the sampler distribution the tokens were drawn from (``-inf``
             outside a support).
         notes: how the example was built (profile, mismatch, filter, hostile features), for failure reports.
+        seq_ids: ``[N]`` int64 packed sequence ids (see :func:`with_sequences`), or None: every token stands
+            alone.
     """
 
     logits: Tensor
@@ -285,6 +288,7 @@ class Problem:
     candidates: Candidates | None
     sampler_logq: Tensor
     notes: dict = field(default_factory=dict)
+    seq_ids: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -302,6 +306,8 @@ class Problem:
         lines.append(f"tokens           = {_fmt(self.tokens)}")
         lines.append(f"sampler_logprobs = {_fmt(self.sampler_logprobs)}")
         lines.append(f"advantages       = {_fmt(self.advantages)}")
+        if self.seq_ids is not None:
+            lines.append(f"seq_ids          = {_fmt(self.seq_ids)}")
         if self.candidates is None:
             lines.append("candidates       = None")
         else:
@@ -404,6 +410,14 @@ def problems(
     notes = {"profile": profile, "mismatch": [round(r["mismatch"], 3) for r in rows]}
     notes.update({"top_p": top_p, "top_k": top_k} if record == "support" else {"K": k} if record == "head" else {})
     return Problem(z, tok, lq, adv, tau, cands, logq, notes)
+
+
+@st.composite
+def with_sequences(draw: st.DrawFn, batches: st.SearchStrategy[Problem]) -> Problem:
+    """A problem from ``batches`` with its tokens packed into random contiguous sequences (``seq_ids``; see
+    :func:`packed_sequences`), for sequence-level weights and sequence-wise aggregations."""
+    prob = draw(batches)
+    return replace(prob, seq_ids=draw(packed_sequences(prob.num_tokens)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
