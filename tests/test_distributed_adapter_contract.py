@@ -64,6 +64,71 @@ def test_sum_and_count_give_the_mean(agg, layout):
         torch.testing.assert_close(report[key][0], want.metrics[key].float())
 
 
+def _with_groups(batch: dict, seed: int = 3) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return dict(batch, groups=torch.randint(0, 3, (B, S), generator=gen),
+                versions=torch.randint(4, 8, (B, S), generator=gen))
+
+
+@pytest.mark.parametrize("max_staleness", [3, 1])
+def test_per_group_and_staleness_report(max_staleness):
+    """Per-sampler-group and per-staleness metrics equal ``policy_loss``'s (``group/{g}/...``,
+    ``staleness/{s}/...``); a staleness cap merges everything older into the last bucket; absent groups report
+    zero tokens."""
+    batch, z = _batch()
+    batch = _with_groups(batch)
+    batch["groups"][batch["groups"] == 1] = 0  # group 1 absent: its keys must still be reported, with 0 tokens
+    corr = op.Correction(weights="mis", bounds=(0.8, 1.25))
+    now = 7
+    capped = torch.maximum(batch["versions"], torch.tensor(now - max_staleness))
+    want = op.policy_loss(z.reshape(B * S, V), correction=corr, groups=batch["groups"].reshape(-1),
+                          versions=capped.reshape(-1), current_version=now, **_flat(batch)).metrics
+    loss_func = make_loss_func(batch, correction=corr, num_groups=3, max_staleness=max_staleness,
+                               current_version=now)
+    report = loss_func(z.clone())[2]
+    buckets = [f"group/{g}" for g in range(3)] + [f"staleness/{s}" for s in range(max_staleness + 1)]
+    assert {k.rsplit("/", 1)[0] for k in report if "/" in k} == set(buckets)
+    for prefix in buckets:
+        if f"{prefix}/num_tokens" not in want:
+            assert float(report[f"{prefix}/num_tokens"]) == 0 and float(report[f"{prefix}/kl_k1"][0]) == 0
+            continue
+        torch.testing.assert_close(report[f"{prefix}/num_tokens"][0], want[f"{prefix}/num_tokens"].float())
+        share = report[f"{prefix}/share_tokens"]
+        torch.testing.assert_close(share[0] / share[1], want[f"{prefix}/share_tokens"].float())
+        for key in ("kl_k1", "kl_k3", "abs_log_ratio_mean", "weight_mean", "ratio_above_upper_frac"):
+            pair = report[f"{prefix}/{key}"]
+            torch.testing.assert_close(pair[0] / pair[1], want[f"{prefix}/{key}"].float())
+        for key in ("weight_max", "weight_min", "abs_log_ratio_max", "ess"):
+            torch.testing.assert_close(report[f"{prefix}/{key}"][0], want[f"{prefix}/{key}"].float())
+
+
+def _dp_report_worker(rank: int, world: int) -> dict:
+    """Two DP ranks, one row each: the reduced per-group report is the whole batch's."""
+    import torch.distributed as dist
+
+    batch, z = _batch()
+    batch = _with_groups(batch)
+    mine = {k: v[rank:rank + 1] for k, v in batch.items()}
+    loss_func = make_loss_func(mine, correction=op.Correction(weights="tis"), num_groups=3, max_staleness=2,
+                               current_version=7, dp_group=dist.group.WORLD, use_parallel_state=False)
+    return {k: v.tolist() for k, v in loss_func(z[rank:rank + 1].clone())[2].items()}  # plain data across processes
+
+
+def test_per_group_report_is_reduced_over_data_parallel():
+    from distributed_harness import run_distributed
+
+    batch, z = _batch()
+    batch = _with_groups(batch)
+    single = make_loss_func(batch, correction=op.Correction(weights="tis"), num_groups=3, max_staleness=2,
+                            current_version=7)(z.clone())[2]
+    for report in run_distributed(_dp_report_worker, 2):
+        assert report.keys() == single.keys()
+        for key, val in single.items():
+            if key.endswith("num_tokens"):  # a 1-element total: train_step averages it, the others are exact
+                continue
+            torch.testing.assert_close(torch.tensor(report[key]), val, msg=key)
+
+
 def test_padded_vocabulary_is_left_out():
     batch, z = _batch()
     padded = torch.cat([z, torch.full((B, S, 3), 5.0, dtype=torch.float64)], -1).requires_grad_(True)
@@ -133,6 +198,12 @@ def test_split_for_context_parallel():
         (lambda b: None, {"aggregation": "constant"}, "constant"),
         (lambda b: None, {"logits_layout": "vbs"}, "logits_layout"),
         (lambda b: None, {"num_loss_tokens": 10}, "set by the adapter"),
+        (lambda b: None, {"num_groups": 2}, r"needs batch\['groups'\]"),
+        (lambda b: b.update(groups=torch.zeros(B, S, dtype=torch.int64)), {}, "needs num_groups"),
+        (lambda b: None, {"num_groups": 0}, "positive int"),
+        (lambda b: b.update(versions=torch.zeros(B, S, dtype=torch.int64)), {"max_staleness": 2},
+         "current_version"),
+        (lambda b: b.update(versions=torch.zeros(B, S, dtype=torch.int64)), {}, "needs max_staleness"),
     ],
 )
 def test_errors(change, kwargs, match):
@@ -140,6 +211,16 @@ def test_errors(change, kwargs, match):
     change(batch)
     with pytest.raises(ValueError, match=match):
         make_loss_func(batch, **kwargs)
+
+
+def test_group_and_version_range_errors():
+    batch, z = _batch()
+    bad = dict(batch, groups=torch.full((B, S), 3))
+    with pytest.raises(ValueError, match=r"batch\['groups'\] must lie in \[0, 3\)"):
+        make_loss_func(bad, num_groups=3)(z)
+    newer = dict(batch, versions=torch.full((B, S), 9))
+    with pytest.raises(ValueError, match="must be <= current_version=7"):
+        make_loss_func(newer, max_staleness=2, current_version=7)(z)
 
 
 def test_logits_shape_errors():

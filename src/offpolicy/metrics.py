@@ -50,8 +50,10 @@ def _min(x: Tensor, sel: Tensor) -> Tensor:
     return torch.where(torch.isfinite(low), low, torch.zeros_like(low))
 
 
-def _token_stats(lr: Tensor, w: Tensor, sel: Tensor, corr: Correction) -> dict[str, Tensor]:
-    """Mismatch and weight statistics over the tokens selected by ``sel``."""
+def token_stats(lr: Tensor, w: Tensor, sel: Tensor, corr: Correction) -> dict[str, Tensor]:
+    """Mismatch and weight statistics over the tokens selected by ``sel [N]`` (bool): ``lr [N]`` clamped
+    log-ratios, ``w [N]`` final weights. Keys: the mismatch and weight keys of the module docstring, ``ess`` and
+    ``num_tokens``."""
     n = sel.sum()
     out = {
         "kl_k1": _mean(kl_estimate(lr, "k1"), sel),
@@ -108,7 +110,7 @@ def policy_metrics(
     """
     lr = log_ratio.detach().clamp(-corr.max_log_ratio, corr.max_log_ratio)
     w = weight.detach()
-    out = _token_stats(lr, w, active, corr)
+    out = token_stats(lr, w, active, corr)
     out["entropy"] = _mean(entropy.detach().to(lr.dtype), active)
     out["rejected_frac"] = (
         _mean((~kept).to(lr.dtype), active) if kept is not None else lr.new_zeros(())
@@ -140,7 +142,7 @@ def _split(
     seq_total = seg.has_active().sum().clamp_min(1).to(lr.dtype) if seg is not None else None
     for value in torch.unique(key[active]).tolist():
         sel = active & (key == value)
-        stats = _token_stats(lr, w, sel, corr)
+        stats = token_stats(lr, w, sel, corr)
         stats["share_tokens"] = sel.sum().to(lr.dtype) / n_total
         stats["share_extreme"] = torch.where(
             n_extreme > 0, (extreme & sel).sum().to(lr.dtype) / n_extreme.clamp_min(1), n_extreme * 0

@@ -15,9 +15,12 @@ by it. :func:`make_loss_func` returns such a ``loss_func``:
   reduced over the data-parallel x context-parallel group: token means as ``[global sum, global count]`` pairs
   (Megatron-LM's ``train_step`` sums such pairs over micro-batches, all-reduces them and divides: an exact token
   mean, unchanged by its extra all-reduce since both entries scale alike), maxima, minima and the effective
-  sample size as 1-element tensors (averaged over micro-batches by ``train_step``). Per-sampler-group and
-  per-staleness metrics are not reported here (their keys differ from rank to rank); compute them from the
-  rollout records with :func:`offpolicy.metrics.policy_metrics` where the whole batch is at hand.
+  sample size as 1-element tensors (averaged over micro-batches by ``train_step``). With ``num_groups`` (and a
+  ``groups`` tensor in the batch) the mismatch and weight metrics are also reported per sampler group,
+  ``group/{g}/<metric>`` for every ``g < num_groups``, and with ``max_staleness`` (and ``versions``) per
+  staleness ``staleness/{s}/<metric>``, ``s = 0 .. max_staleness`` (the last bucket holds everything older):
+  fixed key sets, the same on every rank, so that the reduction lines up. Each bucket also reports
+  ``share_tokens`` as a ``[tokens in the bucket, all trained tokens]`` pair.
 
 The logits are Megatron's vocabulary-parallel ones: ``GPTModel.forward(..., labels=None)`` returns
 ``[b, s, V / tp]`` (``logits_layout="bsv"``), a bare output layer ``[s, b, V / tp]`` (``"sbv"``). Each tensor-parallel
@@ -40,6 +43,7 @@ from offpolicy.aggregation import SEQUENCE_AGGREGATIONS
 from offpolicy.candidates import Candidates
 from offpolicy.correction import Correction
 from offpolicy.loss import policy_loss
+from offpolicy.metrics import token_stats
 from offpolicy.packing import seq_ids_from_cu_seqlens, thd_cp_index, zigzag_index
 from offpolicy.segments import Segments
 
@@ -54,6 +58,9 @@ BATCH_KEYS = {
     "candidate_logprobs": "float [b, s, K], optional: sampler log-probabilities of the candidates, -inf padding",
     "temperature": "float [b, s], optional: per-token sampling temperature",
     "proximal_logprobs": "float, optional: log pi_prox of the label (decoupled PPO)",
+    "groups": "int in [0, num_groups), optional: the sampler group that produced each token (per-group metrics)",
+    "versions": "int <= current_version, optional: the policy version that sampled each token (per-staleness "
+                "metrics)",
 }
 _REQUIRED = ("labels", "sampler_logprobs", "advantages", "loss_mask")
 AGGREGATIONS = ("token_mean",) + SEQUENCE_AGGREGATIONS
@@ -66,6 +73,11 @@ _MEAN_KEYS = (
 )
 _MAX_KEYS = ("abs_log_ratio_max", "weight_max")
 _MIN_KEYS = ("weight_min",)
+#: The per-bucket (sampler group, staleness) metrics: means over the bucket's trained tokens, and extrema.
+_BUCKET_MEAN_KEYS = (
+    "kl_k1", "kl_k2", "kl_k3", "abs_log_ratio_mean", "extreme_ratio_frac", "weight_mean", "ratio_below_lower_frac",
+    "ratio_above_upper_frac",
+)
 
 
 def packed_batch(
@@ -179,6 +191,9 @@ def make_loss_func(
     dp_group: Any = None,
     use_parallel_state: bool = True,
     reduce_metrics: bool = True,
+    num_groups: int | None = None,
+    max_staleness: int | None = None,
+    current_version: int | None = None,
     config: Any = None,
     **policy_loss_kwargs: Any,
 ) -> Callable[[Tensor], tuple[Tensor, Tensor, dict[str, Tensor]]]:
@@ -201,6 +216,10 @@ def make_loss_func(
             ``megatron.core.parallel_state`` when it is initialised (and ``use_parallel_state``).
         reduce_metrics: all-reduce the metrics over ``dp_group`` (two small collectives per micro-batch);
             otherwise they are this rank's.
+        num_groups: report per sampler group ``0 .. num_groups - 1`` (needs ``batch["groups"]``).
+        max_staleness, current_version: report per staleness ``current_version - version`` in
+            ``0 .. max_staleness`` (needs ``batch["versions"]``; the trainer's version is given, not inferred,
+            because ranks see different batches).
         config: Megatron's ``TransformerConfig``, optional: checked for ``calculate_per_token_loss``.
         policy_loss_kwargs: passed on to :func:`offpolicy.policy_loss` (``backend``, ``inplace_grad``, ...).
 
@@ -241,6 +260,7 @@ def make_loss_func(
         raise ValueError("batch['candidate_ids'] and batch['candidate_logprobs'] go together")
     if aggregation in SEQUENCE_AGGREGATIONS and "seq_ids" not in batch:
         raise ValueError(f"aggregation={aggregation!r} needs batch['seq_ids']")
+    buckets = _bucket_spec(batch, num_groups, max_staleness, current_version)
     tp_group, cp_group, dp_group = _default_groups(tp_group, cp_group, dp_group, use_parallel_state)
 
     def loss_func(output_tensor: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -270,7 +290,8 @@ def make_loss_func(
             seqs = Segments.from_ids(seq_ids, mask, cp_group).has_active().sum()
             count = seqs if _rank(cp_group) == 0 else torch.zeros_like(seqs)
         count = count.to(torch.int)
-        report = _report(out, mask, count, dp_group if reduce_metrics else None)
+        selections = _buckets(buckets, flat, mask, policy_loss_kwargs.get("validate", True))
+        report = _report(out, mask, count, dp_group if reduce_metrics else None, selections, correction)
         return out.loss, count, report
 
     return loss_func
@@ -299,19 +320,76 @@ def _flat_tokens(x: Tensor, order: Tensor | None) -> Tensor:
     return flat if order is None else flat[order]
 
 
-def _report(out, mask: Tensor, count: Tensor, group) -> dict[str, Tensor]:
-    """Metrics reduced over ``group`` (or local): token means as ``[sum, count]``, extrema and ESS as ``[1]``."""
+def _bucket_spec(batch: Mapping[str, Tensor], num_groups: int | None, max_staleness: int | None,
+                 current_version: int | None) -> tuple[int | None, int | None, int | None]:
+    """Validate the per-group / per-staleness options against the batch."""
+    if num_groups is not None:
+        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+            raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+        if "groups" not in batch:
+            raise ValueError("num_groups needs batch['groups'] (the sampler group of each token)")
+    elif "groups" in batch:
+        raise ValueError("batch['groups'] needs num_groups= (the report's keys must be the same on every rank)")
+    if max_staleness is not None:
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
+        if current_version is None or "versions" not in batch:
+            raise ValueError("max_staleness needs current_version= and batch['versions']")
+    elif "versions" in batch:
+        raise ValueError("batch['versions'] needs max_staleness= and current_version= (the report's keys must be "
+                         "the same on every rank)")
+    return num_groups, max_staleness, current_version
+
+
+def _buckets(spec: tuple[int | None, int | None, int | None], flat: Mapping[str, Tensor], mask: Tensor,
+             validate: bool) -> list[tuple[str, Tensor]]:
+    """``(key prefix, [N] bool selection of trained tokens)`` for every sampler group and staleness bucket
+    (``validate``: check the ranges, one host sync each)."""
+    num_groups, max_staleness, now = spec
+    out = []
+    if num_groups is not None:
+        groups = flat["groups"]
+        bad = mask & ((groups < 0) | (groups >= num_groups))
+        if validate and bool(bad.any()):
+            raise ValueError(f"batch['groups'] must lie in [0, {num_groups}) on trained tokens, got "
+                             f"{int(groups[bad][0])}")
+        out += [(f"group/{g}", mask & (groups == g)) for g in range(num_groups)]
+    if max_staleness is not None:
+        age = now - flat["versions"]
+        if validate and bool((mask & (age < 0)).any()):
+            raise ValueError(f"batch['versions'] must be <= current_version={now} on trained tokens, got "
+                             f"{int(flat['versions'][mask & (age < 0)][0])}")
+        out += [(f"staleness/{a}", mask & (age == a)) for a in range(max_staleness)]
+        out.append((f"staleness/{max_staleness}", mask & (age >= max_staleness)))
+    return out
+
+
+def _report(out, mask: Tensor, count: Tensor, group, buckets: list[tuple[str, Tensor]],
+            corr: Correction) -> dict[str, Tensor]:
+    """Metrics reduced over ``group`` (or local): token means as ``[sum, count]``, extrema and ESS as ``[1]``;
+    the same per bucket (sampler group, staleness) under its key prefix."""
     m = out.metrics
     n = mask.sum().to(torch.float64)
     w = torch.where(mask, out.token_weight, torch.zeros_like(out.token_weight)).double()
     means = [k for k in _MEAN_KEYS if k in m]
-    sums = torch.stack(
-        [out.loss.detach().double().reshape(()), count.double(), n, w.sum(), (w * w).sum()]
-        + [m[k].double() * n for k in means]
-    )
-    extrema = torch.stack([m[k].double() for k in _MAX_KEYS] + [-m[k].double() for k in _MIN_KEYS])
-    # A rank without trained tokens reports 0 for its extrema; it must not win a MAX / MIN.
-    extrema = torch.where(n > 0, extrema, torch.full_like(extrema, float("-inf")))
+    parts = [out.loss.detach().double().reshape(()), count.double(), n, w.sum(), (w * w).sum()]
+    parts += [m[k].double() * n for k in means]
+    ext_parts = [m[k].double() for k in _MAX_KEYS] + [-m[k].double() for k in _MIN_KEYS]
+    has = [n]
+    lr = out.log_ratio.detach().double().clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    for _, sel in buckets:
+        st = token_stats(lr, w, sel, corr)
+        nb = st["num_tokens"]
+        wb = torch.where(sel, w, torch.zeros_like(w))
+        parts += [nb, wb.sum(), (wb * wb).sum()] + [st[k] * nb for k in _BUCKET_MEAN_KEYS]
+        ext_parts += [st[k] for k in _MAX_KEYS] + [-st[k] for k in _MIN_KEYS]
+        has.append(nb)
+    sums = torch.stack(parts)
+    per = len(_MAX_KEYS) + len(_MIN_KEYS)
+    extrema = torch.stack(ext_parts)
+    # A rank without trained tokens (in a bucket) reports 0 for its extrema; it must not win a MAX / MIN.
+    present = torch.stack(has).repeat_interleave(per) > 0
+    extrema = torch.where(present, extrema, torch.full_like(extrema, float("-inf")))
     if group is not None:
         import torch.distributed as dist
 
@@ -326,6 +404,23 @@ def _report(out, mask: Tensor, count: Tensor, group) -> dict[str, Tensor]:
         report[k] = extrema[i].float().reshape(1)
     for i, k in enumerate(_MIN_KEYS):
         report[k] = (-extrema[len(_MAX_KEYS) + i]).float().reshape(1)
-    ess = torch.where(w_sq > 0, w_sum * w_sum / (n_all.clamp_min(1) * w_sq), torch.zeros_like(w_sq))
-    report["ess"] = ess.float().reshape(1)
+    report["ess"] = _ess(w_sum, w_sq, n_all)
+    at, ext_at = 5 + len(means), per
+    for prefix, _ in buckets:
+        nb, wb_sum, wb_sq = sums[at:at + 3]
+        report[f"{prefix}/num_tokens"] = nb.float().reshape(1)
+        report[f"{prefix}/share_tokens"] = torch.stack([nb, n_all]).float()
+        for i, k in enumerate(_BUCKET_MEAN_KEYS):
+            report[f"{prefix}/{k}"] = torch.stack([sums[at + 3 + i], nb]).float()
+        for i, k in enumerate(_MAX_KEYS):
+            report[f"{prefix}/{k}"] = extrema[ext_at + i].float().reshape(1)
+        for i, k in enumerate(_MIN_KEYS):
+            report[f"{prefix}/{k}"] = (-extrema[ext_at + len(_MAX_KEYS) + i]).float().reshape(1)
+        report[f"{prefix}/ess"] = _ess(wb_sum, wb_sq, nb)
+        at, ext_at = at + 3 + len(_BUCKET_MEAN_KEYS), ext_at + per
     return report
+
+
+def _ess(w_sum: Tensor, w_sq: Tensor, n: Tensor) -> Tensor:
+    """``[1]`` effective sample size ``(sum w)^2 / (n sum w^2)`` (0 without weight)."""
+    return torch.where(w_sq > 0, w_sum * w_sum / (n.clamp_min(1) * w_sq), torch.zeros_like(w_sq)).float().reshape(1)
