@@ -129,6 +129,28 @@ def test_per_group_report_is_reduced_over_data_parallel():
             torch.testing.assert_close(torch.tensor(report[key]), val, msg=key)
 
 
+@pytest.mark.parametrize("layout", ["bsv", "sbv"])
+def test_constant_aggregation_is_dr_grpo(layout):
+    """``aggregation="constant"`` divides the token sum by global sequences x ``max_tokens``: after Megatron's
+    division by the count, ``policy_loss(aggregation="constant", constant_normalizer=sequences * max_tokens)``."""
+    batch, z = _batch()
+    corr = op.Correction(weights="tis")
+    n_seq = int(torch.unique(batch["seq_ids"][batch["loss_mask"]]).numel())
+    zf = z.reshape(B * S, V).clone().requires_grad_(True)
+    want = op.policy_loss(zf, correction=corr, aggregation="constant", constant_normalizer=n_seq * 12.0,
+                          **_flat(batch))
+    want.loss.backward()
+    x = (z if layout == "bsv" else z.transpose(0, 1).contiguous()).clone().requires_grad_(True)
+    loss, count, report = make_loss_func(batch, correction=corr, aggregation="constant", max_tokens=12,
+                                         logits_layout=layout)(x)
+    (loss / count).backward()
+    assert int(count) == n_seq
+    torch.testing.assert_close(loss.detach() / count, want.loss.detach(), rtol=1e-12, atol=1e-14)
+    grad = x.grad if layout == "bsv" else x.grad.transpose(0, 1)
+    torch.testing.assert_close(grad.reshape(B * S, V), zf.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(report["policy loss"][0] / report["policy loss"][1], want.loss.detach().float())
+
+
 def test_padded_vocabulary_is_left_out():
     batch, z = _batch()
     padded = torch.cat([z, torch.full((B, S, 3), 5.0, dtype=torch.float64)], -1).requires_grad_(True)
@@ -195,7 +217,10 @@ def test_split_for_context_parallel():
         (lambda b: b.update(candidate_ids=b["candidate_ids"][..., 0]), {}, "candidate_ids"),
         (lambda b: b.pop("candidate_logprobs"), {}, "go together"),
         (lambda b: b.pop("seq_ids"), {"aggregation": "seq_mean_token_sum"}, "seq_ids"),
-        (lambda b: None, {"aggregation": "constant"}, "constant"),
+        (lambda b: None, {"aggregation": "constant"}, "max_tokens goes with aggregation='constant'"),
+        (lambda b: None, {"max_tokens": 8}, "max_tokens goes with"),
+        (lambda b: None, {"aggregation": "constant", "max_tokens": 0}, "finite number > 0"),
+        (lambda b: b.pop("seq_ids"), {"aggregation": "constant", "max_tokens": 8}, "seq_ids"),
         (lambda b: None, {"logits_layout": "vbs"}, "logits_layout"),
         (lambda b: None, {"num_loss_tokens": 10}, "set by the adapter"),
         (lambda b: None, {"num_groups": 2}, r"needs batch\['groups'\]"),

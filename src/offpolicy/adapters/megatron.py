@@ -8,7 +8,8 @@ by it. :func:`make_loss_func` returns such a ``loss_func``:
 
 * ``loss``: the *sum* of this rank's terms, so that the divided gradient is exact: for ``token_mean`` the sum of
   per-token losses and ``count`` the trained tokens; for ``seq_mean_token_mean`` / ``seq_mean_token_sum`` the sum of
-  per-sequence terms and ``count`` the sequences (counted once, on context-parallel rank 0). The global
+  per-sequence terms and ``count`` the sequences (counted once, on context-parallel rank 0); for ``constant``
+  (Dr. GRPO) the token sum over ``max_tokens`` and ``count`` the sequences. The global
   normaliser is then exactly Megatron's all-reduced count, whatever the data-parallel size and the number of
   micro-batches.
 * ``report``: ``{"policy loss": [sum, count], <metric>: ...}``, the metrics of :func:`offpolicy.policy_loss`
@@ -63,7 +64,7 @@ BATCH_KEYS = {
                 "metrics)",
 }
 _REQUIRED = ("labels", "sampler_logprobs", "advantages", "loss_mask")
-AGGREGATIONS = ("token_mean",) + SEQUENCE_AGGREGATIONS
+AGGREGATIONS = ("token_mean",) + SEQUENCE_AGGREGATIONS + ("constant",)
 
 #: Metrics of :func:`offpolicy.policy_loss` that are means over trained tokens (reduced as sum / count).
 _MEAN_KEYS = (
@@ -183,6 +184,7 @@ def make_loss_func(
     correction: Correction = Correction(),
     candidate_kind: str = "head",
     aggregation: str = "token_mean",
+    max_tokens: float | None = None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
     logits_layout: str = "bsv",
@@ -204,8 +206,11 @@ def make_loss_func(
         correction: the :class:`~offpolicy.Correction`.
         candidate_kind: ``"head"`` or ``"support"``, the kind of ``candidate_ids`` / ``candidate_logprobs``.
         aggregation: ``"token_mean"`` (count = trained tokens) or ``"seq_mean_token_mean"`` /
-            ``"seq_mean_token_sum"`` (count = sequences; needs ``seq_ids``). ``"constant"`` (Dr. GRPO) does not
-            fit a per-count division: use ``seq_mean_token_sum`` and scale the loss by ``1 / max_tokens``.
+            ``"seq_mean_token_sum"`` (count = sequences; needs ``seq_ids``), or ``"constant"`` (Dr. GRPO: the sum
+            of all token losses over ``global sequences x max_tokens``; count = sequences, needs ``seq_ids`` and
+            ``max_tokens``).
+        max_tokens: the per-sequence token budget of ``aggregation="constant"`` (typically the maximum response
+            length), fixed across steps.
         temperature: sampling temperature when the batch has no ``temperature`` tensor.
         vocab_size: the real (unpadded) vocabulary; columns at or beyond it are left out of the softmax. None:
             every column is real.
@@ -258,8 +263,16 @@ def make_loss_func(
                              f"[b, s] = [{b}, {s}] (the labels' shape), got {tuple(x.shape)}")
     if ("candidate_ids" in batch) != ("candidate_logprobs" in batch):
         raise ValueError("batch['candidate_ids'] and batch['candidate_logprobs'] go together")
-    if aggregation in SEQUENCE_AGGREGATIONS and "seq_ids" not in batch:
+    if aggregation != "token_mean" and "seq_ids" not in batch:
         raise ValueError(f"aggregation={aggregation!r} needs batch['seq_ids']")
+    if (aggregation == "constant") != (max_tokens is not None):
+        raise ValueError("max_tokens goes with aggregation='constant' (and only with it): Dr. GRPO's normaliser is "
+                         "global sequences x max_tokens")
+    if max_tokens is not None and not (isinstance(max_tokens, (int, float)) and 0 < max_tokens < float("inf")):
+        raise ValueError(f"max_tokens must be a finite number > 0, got {max_tokens!r}")
+    # Megatron divides the gradient by the all-reduced count (sequences): Dr. GRPO's constant is that count
+    # times max_tokens, so the loss is the per-sequence token sum scaled by 1 / max_tokens.
+    inner = "seq_mean_token_sum" if aggregation == "constant" else aggregation
     buckets = _bucket_spec(batch, num_groups, max_staleness, current_version)
     tp_group, cp_group, dp_group = _default_groups(tp_group, cp_group, dp_group, use_parallel_state)
 
@@ -280,7 +293,7 @@ def make_loss_func(
         out = policy_loss(
             logits, flat["labels"], flat["sampler_logprobs"], flat["advantages"], candidates=cands,
             loss_mask=mask, temperature=flat.get("temperature", temperature), correction=correction,
-            seq_ids=seq_ids, aggregation=aggregation, num_loss_tokens=1.0, num_sequences=1.0,
+            seq_ids=seq_ids, aggregation=inner, num_loss_tokens=1.0, num_sequences=float(max_tokens or 1.0),
             tp_group=tp_group, vocab_start=start, cp_group=cp_group,
             proximal_logprobs=flat.get("proximal_logprobs"), **policy_loss_kwargs,
         )
