@@ -192,6 +192,40 @@ def _ddp_case(world, r):
     close("ddp W grad", layer.weight.grad, ref_layer.weight.grad, **F64)
 
 
+def _fsdp_case(world, r, agg):
+    """FSDP2 (``fully_shard``) averages the reduce-scattered gradients like DDP: with ``num_loss_tokens`` (or
+    ``num_sequences``) divided by the world size, every parameter's gradient (gathered from its shards) is the
+    one-batch gradient. The model is a two-layer MLP head whose output layer produces full-vocabulary logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    corr = op.Correction(weights="mis", score_centering=True) if agg == "token_mean" else op.Correction(
+        weights="tis", level="geometric")
+    b = make_batch(seed=6, kind="head" if agg == "token_mean" else None, seq_lens=SEQ_LENS * 2, mismatch=0.4)
+    h, w = _linear_params(b)
+
+    def model():
+        torch.manual_seed(3)
+        m = torch.nn.Sequential(torch.nn.Linear(h.shape[1], 16, dtype=torch.float64), torch.nn.Tanh(),
+                                torch.nn.Linear(16, w.shape[0], bias=False, dtype=torch.float64))
+        return m
+
+    ref = model()
+    op.policy_loss(ref(h), **loss_kwargs(b, corr, agg)).loss.backward()
+    sharded = model()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(sharded[0], mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    # Whole sequences per rank (sequence-level weights need them): sequences alternate between the ranks.
+    mine = torch.nonzero(b.seq_ids % world == r)[:, 0]
+    share = b.rows(mine)
+    norm = {"num_loss_tokens": int(b.mask.sum()) / world} if agg == "token_mean" else {
+        "num_sequences": int(torch.unique(b.seq_ids[b.mask]).numel()) / world}
+    op.policy_loss(sharded(h[mine]), **loss_kwargs(share, corr, agg, **norm)).loss.backward()
+    for (name, p), (_, q) in zip(sharded.named_parameters(), ref.named_parameters()):
+        close(f"fsdp {agg} grad {name}", p.grad.full_tensor(), q.grad, **F64)
+
+
 def build_cases(rank: int, world: int) -> dict:
     """On 2 ranks: CP 2 (the world), DP 2, DDP. On 4: TP 2 x CP 2 and DP 2 x TP 2."""
     cases = {}
@@ -206,6 +240,8 @@ def build_cases(rank: int, world: int) -> dict:
         for name in DP_MODES:
             cases[f"dp/{name}"] = functools.partial(_dp_case, g, 2, rank, None, 1, 0, name)
         cases["ddp"] = functools.partial(_ddp_case, world, rank)
+        for agg in FSDP_AGGS:
+            cases[f"fsdp/{agg}"] = functools.partial(_fsdp_case, world, rank, agg)
     else:  # TP pairs {0, 1}, {2, 3}; CP (or DP) pairs {0, 2}, {1, 3}
         tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         cross = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -224,8 +260,9 @@ SPLITS = (("bshd", "head"), ("thd", "support"), ("random", None))
 DP_MODES = ("mis-token", "seq_tis", "geo_mis", "opsm", "seqsum_kl")
 TPCP_MODES = ("seq_tis", "geo_mis", "opsm", "batchnorm")
 DPTP_MODES = ("mis-token", "geo_mis")
+FSDP_AGGS = ("token_mean", "seq_mean_token_mean")
 CASES_2 = ([f"cp/{n}/{how}" for n in CP_MODES for how, _ in SPLITS] + ["cp/sensitivity", "cp/bad_ids", "cp/empty_rank"]
-           + [f"dp/{n}" for n in DP_MODES] + ["ddp"])
+           + [f"dp/{n}" for n in DP_MODES] + ["ddp"] + [f"fsdp/{a}" for a in FSDP_AGGS])
 CASES_4 = [f"tp2xcp2/{n}" for n in TPCP_MODES] + ["tp2xcp2/mis-token/thd"] + [f"dp2xtp2/{n}" for n in DPTP_MODES]
 
 
