@@ -22,6 +22,7 @@ from offpolicy.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS, aggregate
 from offpolicy.candidates import Candidates
 from offpolicy.centering import Centering, centering_coefficients
 from offpolicy.correction import Correction
+from offpolicy.dtensor import vocab_shard_of
 from offpolicy.metrics import policy_metrics
 from offpolicy.ops import SparseLogSoftmax, VocabShard, sparse_log_softmax
 from offpolicy.segments import Segments
@@ -100,7 +101,8 @@ def policy_loss(
         groups: ``[N]`` int sampler group of each token, for per-group metrics.
         versions: ``[N]`` int policy version that sampled each token, for per-staleness metrics.
         tp_group: ``torch.distributed`` group over which the vocabulary is split; ``vocab_start`` is this
-            rank's first id. The shards must tile ``[0, V)`` (checked with one small all-gather when validating);
+            rank's first id. Vocabulary-sharded ``DTensor`` logits (``Shard(1)``, e.g. from a ``loss_parallel``
+            output layer) carry both in their device mesh: pass them as they are, without these two. The shards must tile ``[0, V)`` (checked with one small all-gather when validating);
             ``V`` is the global vocabulary that tokens and candidates are checked against. Exclude padded
             vocabulary columns by passing only the real ones (e.g. ``logits[:, :real_width]``).
         hidden, weight, bias: the fused-linear input (instead of ``logits``).
@@ -123,6 +125,7 @@ def policy_loss(
     """
     corr = correction
     check = validate and not torch.compiler.is_compiling()
+    logits, tp_group, vocab_start = vocab_shard_of(logits, tp_group, vocab_start)
     if check:
         _validate(
             logits, hidden, weight, bias, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature,
