@@ -12,7 +12,8 @@ See SPEC.md-derived docs in docs/ for the math.
 from offpolicy import advantages
 from offpolicy.candidates import Candidates
 from offpolicy.correction import Correction, KLRejection
-from offpolicy.loss import PolicyLossOutput, policy_loss
+from offpolicy.logprob_loss import PolicyLossOutput, policy_loss_from_logprobs
+from offpolicy.loss import policy_loss
 from offpolicy.ops import SparseLogSoftmax, sparse_log_softmax
 
 __version__ = "0.1.0"
@@ -25,5 +26,6 @@ __all__ = [
     "SparseLogSoftmax",
     "advantages",
     "policy_loss",
+    "policy_loss_from_logprobs",
     "sparse_log_softmax",
 ]

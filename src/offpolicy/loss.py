@@ -1,56 +1,21 @@
 """``policy_loss``: the public entry point (SPEC section 9).
 
-The path is short: validate at the boundary -> one sparse log-softmax (logits, or hidden x weight) -> ``O(N K)``
-loss math in plain torch (weights, rejections, score centering, aggregation, metrics).
-
-Per-token loss (SPEC section 3), ``sg`` = stop-gradient:
-
-    loss_t = -A_t * ( w_t log p(y_t) - sum_{v in H_t} sg(c_t(v)) log p(v) )
-
-with ``w_t = sg(f(r_t))`` (or the sequence-level weight), and the centering sum present only with score
-centering. Decoupled PPO replaces the first term by the clipped surrogate of ``u = p / pi_prox``.
+The path is short: validate at the boundary -> one sparse log-softmax (logits, or hidden x weight) -> the
+``O(N K)`` loss math of :func:`offpolicy.policy_loss_from_logprobs` (weights, rejections, score centering,
+aggregation, metrics; the formula is in :mod:`offpolicy.logprob_loss`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 
-from offpolicy.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS, aggregate
 from offpolicy.candidates import Candidates
-from offpolicy.centering import Centering, centering_coefficients
 from offpolicy.correction import Correction
 from offpolicy.dtensor import vocab_shard_of
-from offpolicy.metrics import policy_metrics
+from offpolicy.logprob_loss import PolicyLossOutput, policy_loss_from_logprobs
 from offpolicy.ops import SparseLogSoftmax, VocabShard, sparse_log_softmax
-from offpolicy.segments import Segments
-from offpolicy.weights import sequence_keep, sequence_weight, weight_function
-
-#: Sampler log-probabilities may exceed 0 by rounding; beyond this they are not log-probabilities.
-LOGPROB_SLACK = 1e-4
-
-
-@dataclass
-class PolicyLossOutput:
-    """What :func:`policy_loss` returns.
-
-    Attributes:
-        loss: scalar, differentiable with respect to the logits (or hidden and weight).
-        token_loss: ``[N]`` detached per-token loss (0 on untrained and rejected tokens), before aggregation.
-        metrics: dict of detached scalar tensors (see :mod:`offpolicy.metrics`).
-        token_weight: ``[N]`` detached importance weight ``w_t`` of each sampled token.
-        log_ratio: ``[N]`` detached ``log p(y_t) - lq_t``.
-        logprobs: ``[N]`` detached trainer log-probability ``log p(y_t)`` (support-normalised under replay).
-    """
-
-    loss: Tensor
-    token_loss: Tensor
-    metrics: dict[str, Tensor] = field(default_factory=dict)
-    token_weight: Tensor | None = None
-    log_ratio: Tensor | None = None
-    logprobs: Tensor | None = None
+from offpolicy.validation import check_batch, check_candidates, check_vector
 
 
 def policy_loss(
@@ -145,70 +110,12 @@ def policy_loss(
         row = int((torch.isnan(lp.target) & active).nonzero()[0])
         raise ValueError(f"logits: NaN in row {row}, a trained token (loss_mask is True there)")
 
-    logp_y = lp.target
-    dtype = logp_y.dtype
-    # Sampler-side inputs are data, never differentiated (w = sg(f(r)), c = sg(c)), even if a caller's are attached.
-    lq = sampler_logprobs.to(dtype).detach()
-    adv = advantages.to(dtype).detach()
-    zero = torch.zeros_like(logp_y)
-    log_r = torch.where(active, logp_y.detach() - lq, zero)
-    seg = Segments.from_ids(seq_ids, active, cp_group) if seq_ids is not None else None
-
-    # The ratio that importance-weights the sampled token: p/q, or pi_prox/q under decoupled PPO.
-    log_w = log_r if proximal_logprobs is None else torch.where(active, proximal_logprobs.to(dtype) - lq, zero)
-    w = sequence_weight(log_w, seg, corr) if corr.sequence_level else weight_function(log_w, corr)
-    kept = sequence_keep(log_w, adv, seg, corr)
-    trained = active & (adv != 0) if kept is None else active & (adv != 0) & kept
-    w = torch.where(active if kept is None else active & kept, w, zero)
-    scale = 1.0
-    if corr.batch_normalize:
-        # A batch constant, applied to the weights and the centering coefficients alike: drift stays zero.
-        sel = active if kept is None else active & kept
-        w_sum, n_sel = _group_sum(torch.stack([w.sum(), sel.sum().to(dtype)]), cp_group)
-        mean_w = w_sum / n_sel.clamp_min(1)
-        scale = torch.where(mean_w > 0, 1.0 / mean_w.clamp_min(torch.finfo(dtype).tiny), torch.ones_like(mean_w))
-        w = w * scale
-
-    centering: Centering | None = None
-    if corr.ppo_clip is not None:
-        eps_lo, eps_hi = corr.ppo_clip
-        log_u = (logp_y - proximal_logprobs.to(dtype)).clamp(-corr.max_log_ratio, corr.max_log_ratio)
-        u = torch.exp(log_u)
-        surrogate = torch.minimum(u * adv, u.clamp(1.0 - eps_lo, 1.0 + eps_hi) * adv)
-        token_loss = -w * surrogate
-    else:
-        # w * log p(y) with w = 0 where the token's own weight is masked (0 * -inf must not make a NaN).
-        policy_term = torch.where(w != 0, w * logp_y, zero)
-        if corr.score_centering and candidates is not None:
-            valid = candidates.ids >= 0
-            centering = centering_coefficients(lp.candidates.detach(), candidates.logprobs.detach(), valid, support,
-                                               corr)
-            coef = centering.coef * scale
-            policy_term = policy_term - torch.where(coef != 0, coef * lp.candidates, torch.zeros_like(coef)).sum(1)
-        token_loss = -adv * policy_term
-    token_loss = torch.where(trained, token_loss, zero)
-    loss = aggregate(
-        token_loss, active, aggregation, seg, num_loss_tokens, num_sequences, constant_normalizer, cp_group
+    return policy_loss_from_logprobs(
+        lp.target, sampler_logprobs, advantages, candidates, lp.candidates, loss_mask, corr, seq_ids, aggregation,
+        num_loss_tokens, groups, versions, entropy=lp.entropy, proximal_logprobs=proximal_logprobs,
+        num_sequences=num_sequences, constant_normalizer=constant_normalizer, cp_group=cp_group,
+        current_version=current_version, validate=False,
     )
-
-    metrics = policy_metrics(
-        log_ratio=log_r, weight=w, active=active, entropy=lp.entropy, corr=corr, kept=kept, centering=centering,
-        cand_valid=(candidates.ids >= 0) if candidates is not None else None,
-        seg=seg.local() if seg is not None else None, groups=groups,
-        versions=versions, current_version=current_version,
-    )
-    return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach())
-
-
-def _group_sum(x: Tensor, group) -> Tensor:
-    """``x`` summed over ``group`` (a detached all-reduce), or ``x`` itself without a group."""
-    if group is None:
-        return x
-    import torch.distributed as dist
-
-    x = x.detach().clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
-    return x
 
 
 def _global_vocab(group, vocab_start: int, v_local: int, n: int, device) -> int:
@@ -248,25 +155,9 @@ def _log_probs(logits, hidden, weight, bias, tokens, cand_ids, temperature, supp
                                      skip=skip, shard=shard, backend=backend)
 
 
-def _vector(name: str, x, n: int, device, kind: str) -> None:
-    """Check that ``x`` is an ``[n]`` tensor of the given kind ("int" or "float") on ``device``."""
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape [{n}], got {type(x).__name__}")
-    if x.dim() != 1 or x.shape[0] != n:
-        raise ValueError(f"{name} must have shape [N] = [{n}], got {tuple(x.shape)}")
-    if kind == "int" and (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
-        raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
-    if kind == "float" and not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device}, expected {device} like the other inputs")
-
-
 def _validate(logits, hidden, weight, bias, tokens, lq, adv, candidates, loss_mask, temperature, corr, seq_ids,
               aggregation, num_loss_tokens, num_sequences, constant_normalizer, groups, versions, proximal,
               tp_group, vocab_start) -> None:
-    if not isinstance(corr, Correction):
-        raise TypeError(f"correction must be an offpolicy.Correction, got {type(corr).__name__}")
     if logits is not None and (hidden is not None or weight is not None):
         raise ValueError("pass either logits, or hidden and weight, not both")
     if logits is None:
@@ -290,35 +181,16 @@ def _validate(logits, hidden, weight, bias, tokens, lq, adv, candidates, loss_ma
         if logits.shape[1] > 0 and logits.stride(1) != 1:
             raise ValueError("logits must have unit stride along the vocabulary (call .contiguous())")
         n, v, device = logits.shape[0], logits.shape[1], logits.device
-    if tokens is None or lq is None or adv is None:
+    if tokens is None:
         raise ValueError("tokens, sampler_logprobs and advantages are required")
-    _vector("tokens", tokens, n, device, "int")
-    _vector("sampler_logprobs", lq, n, device, "float")
-    _vector("advantages", adv, n, device, "float")
-    if loss_mask is not None:
-        _vector("loss_mask", loss_mask, n, device, "any")
-        if loss_mask.dtype != torch.bool:
-            if loss_mask.is_floating_point() and bool(((loss_mask != 0) & (loss_mask != 1)).any()):
-                raise ValueError("loss_mask must be bool (or hold only 0 and 1)")
-            if not loss_mask.is_floating_point() and bool(((loss_mask != 0) & (loss_mask != 1)).any()):
-                raise ValueError("loss_mask must be bool (or hold only 0 and 1)")
-        active = loss_mask.to(torch.bool)
-    else:
-        active = torch.ones(n, dtype=torch.bool, device=device)
+    check_vector("tokens", tokens, n, device, "int")
     vocab = v if tp_group is None else _global_vocab(tp_group, vocab_start, v, n, device)
     if n and bool((tokens < 0).any()):
         raise ValueError(f"tokens: id {int(tokens.min())} is negative")
     if n and vocab is not None and bool((tokens >= vocab).any()):
         raise ValueError(f"tokens: id {int(tokens.max())} is out of range for vocabulary size {vocab}")
-    lq_a = lq[active]
-    if bool(torch.isnan(lq_a).any()):
-        raise ValueError("sampler_logprobs: NaN on a trained token")
-    if bool((lq_a == float("-inf")).any()):
-        raise ValueError("sampler_logprobs: -inf on a trained token (the sampler cannot have drawn it)")
-    if bool((lq_a > LOGPROB_SLACK).any()):
-        raise ValueError(f"sampler_logprobs: value {float(lq_a.max()):.4g} > 0 on a trained token")
-    if not bool(torch.isfinite(adv[active]).all()):
-        raise ValueError("advantages: NaN or inf on a trained token")
+    active = check_batch(n, device, lq, adv, loss_mask, corr, seq_ids, aggregation, num_loss_tokens, num_sequences,
+                         constant_normalizer, groups, versions, proximal)
     if isinstance(temperature, Tensor):
         if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != n):
             raise ValueError(f"temperature must be a float or a [N] = [{n}] tensor, got {tuple(temperature.shape)}")
@@ -326,34 +198,4 @@ def _validate(logits, hidden, weight, bias, tokens, lq, adv, candidates, loss_ma
             raise ValueError("temperature must be finite and > 0")
     elif not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
         raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    if aggregation in SEQUENCE_AGGREGATIONS and seq_ids is None:
-        raise ValueError(f"aggregation={aggregation!r} needs seq_ids")
-    if aggregation == "constant" and not (constant_normalizer is not None and constant_normalizer > 0):
-        raise ValueError("aggregation='constant' needs constant_normalizer > 0")
-    if corr.needs_sequences and seq_ids is None:
-        raise ValueError("this correction (sequence-level weights or a sequence rejection) needs seq_ids")
-    for name, val in (("num_loss_tokens", num_loss_tokens), ("num_sequences", num_sequences)):
-        if val is not None and not float(val) > 0:
-            raise ValueError(f"{name} must be > 0, got {val}")
-    if (corr.ppo_clip is None) != (proximal is None):
-        raise ValueError("correction.ppo_clip and proximal_logprobs go together (decoupled PPO)")
-    if proximal is not None:
-        _vector("proximal_logprobs", proximal, n, device, "float")
-        if not bool(torch.isfinite(proximal[active]).all()):
-            raise ValueError("proximal_logprobs: NaN or inf on a trained token")
-    for name, val in (("seq_ids", seq_ids), ("groups", groups), ("versions", versions)):
-        if val is not None:
-            _vector(name, val, n, device, "int")
-    if candidates is not None:
-        if not isinstance(candidates, Candidates):
-            raise TypeError(f"candidates must be an offpolicy.Candidates, got {type(candidates).__name__}")
-        if candidates.ids.device != device:
-            raise ValueError(f"candidates are on {candidates.ids.device}, expected {device}")
-        candidates.validate(vocab, n, tokens)
-        if candidates.kind == "support":
-            empty = active & ~(candidates.ids >= 0).any(dim=1)
-            if bool(empty.any()):
-                row = int(empty.nonzero()[0])
-                raise ValueError(f"candidates: kind='support' row {row} is empty but its token is trained")
+    check_candidates(candidates, vocab, n, device, active, tokens)
