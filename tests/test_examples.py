@@ -15,6 +15,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
     ("qwen3_quickstart.py", "sc_abs_coef_sum"),
     ("megatron_forward_step.py", "step 5: reward"),
     ("dtensor_tensor_parallel.py", "equals the single-process loss"),
+    ("verl_style_policy_loss.py", "seq-mean-token-sum-norm  loss"),
 ])
 def test_example_runs(script, expect):
     if script == "megatron_forward_step.py":
