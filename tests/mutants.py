@@ -36,6 +36,8 @@ BUGS = {
     "sequence_counts_untrained": "sequence ratio summed over every token, untrained ones (loss_mask False) too",
     "geometric_as_sequence": "level='geometric' computed as the sequence product (sum of log-ratios, no mean)",
     "sequence_as_token": "level='sequence' that ignores seq_ids and weights each token by its own ratio",
+    "seq_mean_as_token_mean": "aggregation='seq_mean_token_mean' computed as the token mean",
+    "mean_over_all_tokens": "token_mean dividing by every token, untrained ones (loss_mask False) included",
 }
 
 
@@ -74,6 +76,21 @@ def _sequence_weight(log_r: Tensor, trained: Tensor, seq_ids: Tensor, cfg: LossC
     count = torch.zeros(num, dtype=lr.dtype).index_add(0, seq, counted.to(lr.dtype)).clamp_min(1)
     seq_lr = total / count if cfg.level == "geometric" and bug != "geometric_as_sequence" else total
     return _f(seq_lr[seq], cfg, bug)
+
+
+def _aggregate(loss: Tensor, trained: Tensor, seq_ids: Tensor | None, cfg: LossConfig, bug: str | None) -> Tensor:
+    """The scalar of ``cfg.aggregation`` from per-token losses (0 where untrained)."""
+    count = trained.sum().clamp_min(1).to(loss.dtype)
+    if cfg.aggregation == "token_mean" or bug == "seq_mean_as_token_mean":
+        return loss.sum() / (loss.new_tensor(float(max(1, loss.shape[0]))) if bug == "mean_over_all_tokens" else count)
+    if cfg.aggregation == "constant":
+        return loss.sum() / cfg.constant_normalizer
+    _, seq = torch.unique(seq_ids, return_inverse=True)
+    num = int(seq.max()) + 1 if seq.numel() else 0
+    sums = torch.zeros(num, dtype=loss.dtype).index_add(0, seq, loss)
+    tokens = torch.zeros(num, dtype=loss.dtype).index_add(0, seq, trained.to(loss.dtype))
+    per_seq = sums / tokens.clamp_min(1) if cfg.aggregation == "seq_mean_token_mean" else sums
+    return per_seq.sum() / (tokens > 0).sum().clamp_min(1)
 
 
 def dense_loss(cfg: LossConfig, bug: str | None = None):
@@ -136,7 +153,8 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
         adv = advantages.double().detach()
         loss = adv * term if bug == "sign_error" else -adv * term
         keep = (adv != 0) if bug == "mask_ignored" else (adv != 0) & trained
-        return torch.where(keep, loss, torch.zeros_like(loss))
+        loss = torch.where(keep, loss, torch.zeros_like(loss))
+        return loss if cfg.aggregation is None else _aggregate(loss, trained, seq_ids, cfg, bug)
 
     loss_fn.__qualname__ = f"dense_loss[{bug or 'correct'}]"
     return loss_fn

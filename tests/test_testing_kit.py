@@ -96,6 +96,24 @@ def test_project_policy_loss_passes_at_sequence_level(cfg):
     assert "level=" in report["plain_is_unbiased"].detail or cfg.weights == "reject"
 
 
+AGGREGATED = [
+    LossConfig(weights="mis", score_centering=True, record="support", aggregation="token_mean"),
+    LossConfig(weights="mis", score_centering=True, record="head", aggregation="seq_mean_token_mean"),
+    LossConfig(weights="tis", record="head", aggregation="seq_mean_token_sum"),
+    LossConfig(weights="tis", level="geometric", record="support", aggregation="constant", constant_normalizer=3.0),
+]
+
+
+@pytest.mark.parametrize("cfg", AGGREGATED, ids=[c.describe() for c in AGGREGATED])
+def test_project_policy_loss_passes_aggregated(cfg):
+    """The function returns the aggregated scalar; expectations over outcomes undo the uniform row scaling."""
+    report = check_all(project_loss(cfg), cfg, max_examples=40, raise_on_failure=False)
+    assert report.passed, str(report)
+    ran = {r.invariant for r in report.results if r.status == "pass"}
+    assert {"agreement", "shift_invariance", "sampler_no_grad", "hostile_finite", "masking"} <= ran
+    assert ("zero_drift" in ran) == cfg.score_centering
+
+
 def test_project_policy_loss_passes_in_float32():
     cfg = LossConfig(weights="mis", score_centering=True, record="head", dtype=torch.float32)
     report = check_all(project_loss(cfg), cfg, max_examples=40, raise_on_failure=False)
@@ -281,6 +299,14 @@ def test_config_parse_and_errors():
         LossConfig(weights="mis", level="sentence")
     with pytest.raises(ValueError, match="token-level weights only"):
         LossConfig(weights="mis", level="sequence", score_centering=True, record="head")
+    cfg = LossConfig.parse("weights=tis,aggregation=constant,constant_normalizer=4")
+    assert cfg.aggregation == "constant" and cfg.constant_normalizer == 4.0 and "constant_normalizer=4" in cfg.describe()
+    with pytest.raises(ValueError, match="aggregation must be None or one of"):
+        LossConfig(aggregation="mean")
+    with pytest.raises(ValueError, match="constant_normalizer goes with"):
+        LossConfig(aggregation="constant")
+    with pytest.raises(ValueError, match="constant_normalizer goes with"):
+        LossConfig(constant_normalizer=2.0)
     with pytest.raises(ValueError, match=r"score_centering=True\) needs record"):
         LossConfig(score_centering=True)
     with pytest.raises(ValueError, match="record must be"):
@@ -316,6 +342,8 @@ def test_sequence_levels_need_seq_ids_and_keywords_are_read_from_the_signature()
 
     with pytest.raises(ValueError, match="must take a seq_ids keyword"):
         check_all(no_seq_ids, cfg)
+    with pytest.raises(ValueError, match=r"aggregation='seq_mean_token_sum'\) works on packed sequences"):
+        check_all(no_seq_ids, LossConfig(weights="mis", aggregation="seq_mean_token_sum"))
 
     def forwarding(*args, **kwargs):
         return full(*args, **kwargs)
@@ -337,6 +365,12 @@ def test_wrong_return_and_exceptions_are_failures_with_the_example():
     assert r.status == "fail" and "expected per-token [N]" in r.detail and "shrunk example" in r.detail
     r = run_invariant(raising_loss, cfg, "hostile_finite", max_examples=5)
     assert r.status == "fail" and "raised RuntimeError: shape mismatch in my kernel" in r.detail
+
+    def per_token_loss(logits, tokens, lq, cands, adv, tau):
+        return torch.zeros_like(adv)
+
+    r = run_invariant(per_token_loss, LossConfig(aggregation="token_mean"), "agreement", max_examples=5)
+    assert r.status == "fail" and "expected a scalar (LossConfig.aggregation is set)" in r.detail
 
 
 def test_check_all_raises_the_whole_report():

@@ -24,6 +24,8 @@ NONE_SUPPORT_SC = LossConfig(weights="none", score_centering=True, record="suppo
 NONE_HEAD = LossConfig(weights="none", record="head")
 TIS_SEQ = LossConfig(weights="tis", bounds=(0.0, 5.0), level="sequence", record="head")
 MIS_GEO = LossConfig(weights="mis", level="geometric", record="support")
+TIS_SEQ_MEAN = LossConfig(weights="tis", score_centering=True, record="head", aggregation="seq_mean_token_mean")
+MIS_TOKEN_MEAN = LossConfig(weights="mis", record="support", aggregation="token_mean")
 
 #: (bug, configuration, the invariant that must fail). Where a mistake breaks several invariants, the one named
 #: is the most specific (docs/testing_kit.md lists every invariant each one fails).
@@ -48,6 +50,8 @@ CAUGHT = [
     ("sequence_counts_untrained", TIS_SEQ, "masking"),  # placeholder lq = 0 on untrained rows moves the ratio
     ("geometric_as_sequence", MIS_GEO, "agreement"),
     ("sequence_as_token", TIS_SEQ, "agreement"),
+    ("seq_mean_as_token_mean", TIS_SEQ_MEAN, "agreement"),
+    ("mean_over_all_tokens", MIS_TOKEN_MEAN, "masking"),
 ]
 
 

@@ -16,6 +16,7 @@ def project_loss(config: LossConfig):
     ``aggregation="constant"`` and normaliser 1 the scalar is the sum of the per-token losses, so the adapter
     returns ``token_loss`` with ``loss - loss.detach()`` (zero in value) added to its first entry: the values are
     the per-token losses and the gradient of their sum is the gradient of ``loss``, which is what the kit uses.
+    With ``config.aggregation`` set it returns the aggregated ``loss`` itself.
     """
     from offpolicy.loss import policy_loss
 
@@ -24,6 +25,10 @@ def project_loss(config: LossConfig):
     def offpolicy_policy_loss(logits: Tensor, tokens: Tensor, sampler_logprobs: Tensor,
                               candidates: Candidates | None, advantages: Tensor, temperature: float,
                               loss_mask: Tensor | None = None, seq_ids: Tensor | None = None) -> Tensor:
+        if config.aggregation is not None:
+            return policy_loss(logits, tokens, sampler_logprobs, advantages, candidates=candidates,
+                               loss_mask=loss_mask, temperature=temperature, correction=corr, seq_ids=seq_ids,
+                               aggregation=config.aggregation, constant_normalizer=config.constant_normalizer).loss
         out = policy_loss(logits, tokens, sampler_logprobs, advantages, candidates=candidates, loss_mask=loss_mask,
                           temperature=temperature, correction=corr, seq_ids=seq_ids, aggregation="constant",
                           constant_normalizer=1.0)

@@ -11,12 +11,14 @@ The function is reached through one adapter signature (:data:`LossFn`)::
                       kind "head" | "support"), or None when LossConfig.record is None
     advantages        [N] float
     temperature       float > 0: the sampling temperature; the trainer's distribution is softmax(logits / tau)
-    token_loss        [N] per-token loss, unaggregated (no mean); the kit differentiates its sum
+    token_loss        [N] per-token loss, unaggregated (no mean); the kit differentiates its sum; or, with
+                      LossConfig(aggregation=...), the aggregated scalar loss []
 
 Two optional keywords widen what is checked: ``loss_mask`` ([N] bool, True on trained tokens; the ``masking``
 invariant runs when the function takes it) and ``seq_ids`` ([N] int64 packed sequence ids; needed for
 ``LossConfig(level="sequence" | "geometric")``, whose batches the kit packs into random sequences). The function
-receives each keyword only where the check uses it.
+receives each keyword only where the check uses it. Sequence aggregations (``seq_mean_token_mean``,
+``seq_mean_token_sum``) need ``seq_ids`` too.
 
 and a :class:`~offpolicy.testing.LossConfig` declaring which correction it claims. Each invariant is a property
 over a hypothesis strategy from :mod:`offpolicy.testing.strategies`; a violation is shrunk to a small example
@@ -24,7 +26,7 @@ and reported with the invariant's name, the configuration and the example.
 
 Invariants (see docs/testing_kit.md for one paragraph each):
 
-``agreement``          per-token loss and logit gradient equal offpolicy.reference's (SPEC 7.2, 7.5)
+``agreement``          loss (per token, or aggregated) and logit gradient equal offpolicy.reference's (SPEC 7.2, 7.5)
 ``zero_drift``         constant advantage: sum_y q(y) grad loss(y) = 0 (SPEC 7.1), when centering is claimed
 ``plain_is_unbiased``  f(r) = r: E_q[grad loss] = E_p[grad of -A log p] (SPEC 7.3), for tis / mis
 ``support_replay``     support records: no gradient outside S, no dependence on logits outside S (SPEC 7.4)
@@ -99,6 +101,11 @@ class _Fed:
     tau: float
     loss_mask: Tensor | None = None
     seq_ids: Tensor | None = None
+    scalar: bool = False  # the function returns the aggregated scalar, not per-token losses
+
+    @property
+    def loss_name(self) -> str:
+        return "aggregated loss" if self.scalar else "per-token loss"
 
     def keywords(self) -> dict[str, Tensor]:
         """The optional keywords this call passes (only those set)."""
@@ -126,22 +133,26 @@ def _feed(prob: Problem, cfg: LossConfig, logits: Tensor | None = None, sampler_
     if cfg.record is not None and prob.candidates is not None:
         clp = prob.candidates.logprobs.to(sd).detach().requires_grad_(sampler_grad)
         cands = Candidates(prob.candidates.ids.clone(), clp, prob.candidates.kind)
-    seq_ids = prob.seq_ids.clone() if cfg.level != "token" and prob.seq_ids is not None else None
+    seq_ids = prob.seq_ids.clone() if cfg.needs_sequences and prob.seq_ids is not None else None
     mask = None if loss_mask is None else loss_mask.clone()
-    return _Fed(z, prob.tokens.clone(), lq, cands, adv, float(prob.temperature), mask, seq_ids)
+    return _Fed(z, prob.tokens.clone(), lq, cands, adv, float(prob.temperature), mask, seq_ids,
+                cfg.aggregation is not None)
 
 
 def _call(fn: LossFn, fed: _Fed, example: str) -> Tensor:
     """Run the user's function; a wrong type or shape, or an exception, is a failure of the example."""
     n = fed.tokens.shape[0]
+    want, shape = ("a scalar [] tensor (LossConfig.aggregation is set)", ()) if fed.scalar else (
+        f"a [N] = [{n}] tensor", (n,))
     try:
         out = fn(fed.logits, fed.tokens, fed.lq, fed.cands, fed.adv, fed.tau, **fed.keywords())
     except Exception as exc:  # the user's code failed on a valid input: report it with the example
         raise _Fail(f"the loss function raised {type(exc).__name__}: {exc}", example) from exc
     if not isinstance(out, Tensor):
-        raise _Fail(f"the loss function returned {type(out).__name__}, expected a [N] = [{n}] tensor", example)
-    if tuple(out.shape) != (n,):
-        raise _Fail(f"the loss function returned shape {tuple(out.shape)}, expected per-token [N] = [{n}]", example)
+        raise _Fail(f"the loss function returned {type(out).__name__}, expected {want}", example)
+    if tuple(out.shape) != shape:
+        expected = "a scalar (LossConfig.aggregation is set)" if fed.scalar else f"per-token [N] = [{n}]"
+        raise _Fail(f"the loss function returned shape {tuple(out.shape)}, expected {expected}", example)
     return out
 
 
@@ -162,16 +173,19 @@ def _logit_grad(out: Tensor, fed: _Fed, example: str) -> Tensor:
 
 
 def _reference(fed: _Fed, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    """``(token_loss [N], d sum(token_loss) / d logits [N, V])`` of the float64 oracle."""
+    """``(token_loss [N], d sum(token_loss) / d logits [N, V])`` of the float64 oracle, or ``(loss [], d loss /
+    d logits)`` for an aggregated configuration."""
     z = fed.logits.detach().double().requires_grad_()
     cands = None if fed.cands is None else Candidates(fed.cands.ids, fed.cands.logprobs.detach().double(),
                                                        fed.cands.kind)
+    agg = cfg.aggregation or "constant"
     loss, token_loss, _ = reference_policy_loss(
         z, fed.tokens, fed.lq.detach().double(), fed.adv.detach().double(), cands, fed.loss_mask, fed.tau,
-        cfg.correction, fed.seq_ids, aggregation="constant", constant_normalizer=1.0,
+        cfg.correction, fed.seq_ids, aggregation=agg,
+        constant_normalizer=cfg.constant_normalizer if cfg.aggregation else (1.0 if agg == "constant" else None),
     )
     (g,) = torch.autograd.grad(loss, z)
-    return token_loss, g
+    return (loss.detach() if fed.scalar else token_loss), g
 
 
 def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
@@ -262,7 +276,26 @@ def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
         seq_len = (fed.seq_ids[:, None] == fed.seq_ids[None, :]).sum(1).double()
         per_token = per_token + fed.adv.detach().double().abs() * cap * 16 * unit * x_max * seq_len * logp_y
     per_token = torch.where(fed.trained(), per_token, 0.0)
-    return float(per_token.max()) * max(1.0, 1.0 / fed.tau)
+    return float(per_token.max()) * max(1.0, 1.0 / fed.tau) * _aggregation_factor(fed, cfg)
+
+
+def _aggregation_factor(fed: _Fed, cfg: LossConfig) -> float:
+    """A bound on how much the aggregation scales the largest per-token error: means keep it, a sequence's token
+    sum multiplies it by the sequence length, the constant normaliser by ``N / C``."""
+    n = fed.tokens.shape[0]
+    if cfg.aggregation == "seq_mean_token_sum" and fed.seq_ids is not None and n:
+        return float((fed.seq_ids[:, None] == fed.seq_ids[None, :]).sum(1).max())
+    if cfg.aggregation == "constant":
+        return max(1.0, n / cfg.constant_normalizer)
+    return 1.0
+
+
+def _row_scale(cfg: LossConfig, rows: int) -> float:
+    """For a batch of ``rows`` single-token sequences with no mask, the factor the aggregation divides each row's
+    loss by (1 for per-token output): ``rows`` for the means, ``C`` for the constant."""
+    if cfg.aggregation is None:
+        return 1.0
+    return cfg.constant_normalizer if cfg.aggregation == "constant" else float(rows)
 
 
 def _compare(name: str, yours: Tensor, ref: Tensor, cfg: LossConfig, scale: float | None = None,
@@ -305,7 +338,7 @@ def _batches(cfg: LossConfig, record: str | None | bool = False) -> st.SearchStr
     """Generic batches for ``cfg`` (``record`` overrides ``cfg.record``), packed into sequences for
     sequence-level configurations."""
     batches = problems(cfg.record if record is False else record, temperature=_generic_temperatures(cfg))
-    return batches if cfg.level == "token" else with_sequences(batches)
+    return with_sequences(batches) if cfg.needs_sequences else batches
 
 
 def _prop_agreement(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
@@ -315,7 +348,7 @@ def _prop_agreement(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
     ref_loss, ref_grad = _reference(fed, cfg)
     out = _call(fn, fed, ex)
     floor = _rounding_floor(fed, cfg)
-    msg = _compare("per-token loss", out, ref_loss, cfg, floor=floor)
+    msg = _compare(fed.loss_name, out, ref_loss, cfg, floor=floor)
     if msg:
         raise _Fail(msg, ex)
     if not out.requires_grad and bool((ref_grad != 0).any()):
@@ -329,11 +362,14 @@ def _expected_grad(fn: LossFn, cfg: LossConfig, pos: Position, adv: Tensor | flo
     """Exact ``E_{y ~ q}[grad loss(y)]`` over the position's outcomes (one row each): ``(mean [V], scale [V])``
     with ``scale = E_q |grad loss(y)|`` entrywise."""
     prob = pos.expand(adv)
+    if cfg.needs_sequences:  # each outcome row is its own sequence
+        prob = replace(prob, seq_ids=torch.arange(prob.num_tokens))
     fed = _feed(prob, cfg)
     assume(not _near_discontinuity(fed, cfg))
     ex = pos.describe() + f"\nadvantages per outcome y={prob.tokens.tolist()}: {prob.advantages.tolist()}"
     out = _call(fn, fed, ex)
-    g = _logit_grad(out, fed, ex)
+    # An aggregated loss divides every row's term by the same factor: undo it to get grad loss(y) per row.
+    g = _logit_grad(out, fed, ex) * _row_scale(cfg, prob.num_tokens)
     if not bool(torch.isfinite(g).all()):
         raise _Fail("the logit gradient is not finite", ex)
     q = fed.lq.detach().double().exp()[:, None]
@@ -404,7 +440,7 @@ def _prop_support_replay(fn: LossFn, cfg: LossConfig, case: tuple[Problem, Tenso
     fed2 = _feed(prob, cfg, logits=z2)
     out2 = _call(fn, fed2, ex)
     floor = max(floor, _rounding_floor(fed2, cfg))
-    msg = _compare("per-token loss after changing logits outside the support", out2, out.detach().double(), cfg,
+    msg = _compare(f"{fed.loss_name} after changing logits outside the support", out2, out.detach().double(), cfg,
                    floor=floor, expected="unchanged value")
     msg = msg or _compare("d loss / d logits after changing logits outside the support", _logit_grad(out2, fed2, ex),
                           g, cfg, floor=floor, expected="unchanged value")
@@ -438,7 +474,7 @@ def _prop_shift(fn: LossFn, cfg: LossConfig, case: tuple[Problem, list[float]]) 
     fed2 = _feed(prob, cfg, logits=prob.logits + c)
     out2 = _call(fn, fed2, ex)
     floor = max(_rounding_floor(fed, cfg), _rounding_floor(fed2, cfg))
-    msg = _compare("per-token loss after a constant logit shift", out2, out.detach().double(), cfg, floor=floor,
+    msg = _compare(f"{fed.loss_name} after a constant logit shift", out2, out.detach().double(), cfg, floor=floor,
                    expected="unshifted value")
     msg = msg or _compare("d loss / d logits after a constant logit shift", _logit_grad(out2, fed2, ex), g, cfg,
                           floor=floor, expected="unshifted value")
@@ -467,6 +503,8 @@ def _prop_hostile(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
     fed = _feed(prob, cfg)
     out = _call(fn, fed, ex)
     if not bool(torch.isfinite(out.detach()).all()):
+        if fed.scalar:
+            raise _Fail(f"the aggregated loss is {float(out.detach())}", ex)
         bad = [int(i) for i in (~torch.isfinite(out.detach())).nonzero()[:, 0]]
         raise _Fail(f"per-token loss is not finite at tokens {bad}: {_rows(out.detach().double())}", ex)
     g = _logit_grad(out, fed, ex)
@@ -496,7 +534,9 @@ def _prop_masking(fn: LossFn, cfg: LossConfig, case: tuple[Problem, Tensor]) -> 
     assume(not _near_discontinuity(fed, cfg))
     out = _call(fn, fed, ex)
     values = out.detach().double()
-    if not bool(torch.isfinite(values).all()):
+    if fed.scalar and not bool(torch.isfinite(values)):
+        raise _Fail(f"the aggregated loss is {float(values)}", ex)
+    if not fed.scalar and not bool(torch.isfinite(values).all()):
         bad = [int(i) for i in (~torch.isfinite(values)).nonzero()[:, 0]]
         raise _Fail(f"per-token loss is not finite at tokens {bad}: {_rows(values)}", ex)
     g = _logit_grad(out, fed, ex)
@@ -505,7 +545,7 @@ def _prop_masking(fn: LossFn, cfg: LossConfig, case: tuple[Problem, Tensor]) -> 
         raise _Fail(f"d loss / d logits is not finite (first at {idx}): {_rows(g)}", ex)
     _, atol = cfg.tolerances
     off = ~mask
-    if bool(off.any()) and float(values[off].abs().max()) > atol:
+    if not fed.scalar and bool(off.any()) and float(values[off].abs().max()) > atol:
         bad = [int(i) for i in (off & (values.abs() > atol)).nonzero()[:, 0]]
         raise _Fail(f"untrained tokens {bad} (loss_mask False) carry loss: {_rows(values)}", ex)
     if bool(off.any()) and float(g[off].abs().max()) > atol:
@@ -513,7 +553,7 @@ def _prop_masking(fn: LossFn, cfg: LossConfig, case: tuple[Problem, Tensor]) -> 
         raise _Fail(f"gradient reaches the logits of untrained tokens {bad}: {_rows(g)}", ex)
     ref_loss, ref_grad = _reference(fed, cfg)
     floor = _rounding_floor(fed, cfg)
-    msg = _compare("per-token loss under the loss mask", out, ref_loss, cfg, floor=floor)
+    msg = _compare(f"{fed.loss_name} under the loss mask", out, ref_loss, cfg, floor=floor)
     msg = msg or _compare("d sum(loss) / d logits under the loss mask", g, ref_grad, cfg, floor=floor)
     if msg:
         raise _Fail(msg, ex)
@@ -579,7 +619,7 @@ class Invariant:
 
 def _hostile_cases(cfg: LossConfig) -> st.SearchStrategy[Problem]:
     batches = hostile_problems(cfg.record, zero_weight_at_zero_ratio=cfg.weight_at_zero == 0.0)
-    return batches if cfg.level == "token" else with_sequences(batches)
+    return with_sequences(batches) if cfg.needs_sequences else batches
 
 
 def _is_bounds(cfg: LossConfig) -> tuple[float, float]:
@@ -592,7 +632,7 @@ INVARIANTS: dict[str, Invariant] = {
     for inv in [
         Invariant(
             "agreement", "SPEC 7.2, 7.5",
-            "per-token loss and logit gradient equal offpolicy.reference for the declared configuration",
+            "loss (per token, or aggregated) and logit gradient equal offpolicy.reference for the declared configuration",
             _always, _batches, _prop_agreement,
         ),
         Invariant(
@@ -745,9 +785,10 @@ def run_invariant(
         raise KeyError(f"unknown invariant {invariant!r}; expected one of {list(INVARIANTS)}")
     inv = INVARIANTS[invariant]
     takes = _keywords(fn)
-    if config.level != "token" and "seq_ids" not in takes:
-        raise ValueError(f"LossConfig(level={config.level!r}) checks sequence-level weights: the loss function "
-                         f"{_target_name(fn)} must take a seq_ids keyword ([N] int64 packed sequence ids)")
+    if config.needs_sequences and "seq_ids" not in takes:
+        what = f"level={config.level!r}" if config.level != "token" else f"aggregation={config.aggregation!r}"
+        raise ValueError(f"LossConfig({what}) works on packed sequences: the loss function {_target_name(fn)} must "
+                         "take a seq_ids keyword ([N] int64 packed sequence ids)")
     reason = inv.applies(config)
     missing = [k for k in inv.needs if k not in takes]
     if reason is None and missing:

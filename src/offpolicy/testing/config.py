@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from offpolicy.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
 from offpolicy.correction import Correction
 from offpolicy.testing.strategies import RECORDS, Record
 
@@ -47,6 +48,11 @@ class LossConfig:
             function then receives ``candidates=None``).
         level: ``"token"``, or ``"sequence"`` / ``"geometric"`` ratios (SPEC section 5). Sequence levels need a
             function that takes a ``seq_ids`` keyword: the kit packs each batch into random sequences.
+        aggregation: None: the function returns the per-token loss ``[N]``. Otherwise the function returns the
+            aggregated scalar and this names how it aggregates (``"token_mean"``, ``"seq_mean_token_mean"``,
+            ``"seq_mean_token_sum"`` (these two need a ``seq_ids`` keyword) or ``"constant"``, dividing the sum by
+            ``constant_normalizer``).
+        constant_normalizer: the divisor of ``aggregation="constant"``.
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before exponentiating (SPEC section 2).
         dtype: the dtype of every float tensor the kit passes (logits, log-probabilities, advantages).
         rtol, atol: comparison tolerances; None takes :data:`DEFAULT_TOLERANCES` for ``dtype``.
@@ -57,6 +63,8 @@ class LossConfig:
     score_centering: bool = False
     record: Record = None
     level: str = "token"
+    aggregation: str | None = None
+    constant_normalizer: float | None = None
     max_log_ratio: float = 20.0
     dtype: torch.dtype = torch.float64
     rtol: float | None = None
@@ -72,6 +80,12 @@ class LossConfig:
                 "LossConfig(score_centering=True) needs record='head' or 'support': centering sums over the "
                 "sampler's recorded candidates"
             )
+        if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"LossConfig.aggregation must be None or one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if (self.aggregation == "constant") != (self.constant_normalizer is not None):
+            raise ValueError("LossConfig.constant_normalizer goes with aggregation='constant' (and only with it)")
+        if self.constant_normalizer is not None and not self.constant_normalizer > 0:
+            raise ValueError(f"LossConfig.constant_normalizer must be > 0, got {self.constant_normalizer!r}")
         if isinstance(self.bounds, list):
             object.__setattr__(self, "bounds", tuple(self.bounds))
         self.correction  # validates weights and bounds with Correction's own messages
@@ -81,6 +95,11 @@ class LossConfig:
         """The :class:`~offpolicy.Correction` the reference is run with."""
         return Correction(weights=self.weights, bounds=self.bounds, level=self.level,
                           score_centering=self.score_centering, max_log_ratio=self.max_log_ratio)
+
+    @property
+    def needs_sequences(self) -> bool:
+        """Whether batches are packed into sequences (``seq_ids``): sequence-level weights or aggregations."""
+        return self.level != "token" or self.aggregation in SEQUENCE_AGGREGATIONS
 
     @property
     def tolerances(self) -> tuple[float, float]:
@@ -107,8 +126,11 @@ class LossConfig:
         tol = "" if self.rtol is None and self.atol is None else f", rtol={rtol:g}, atol={atol:g}"
         mlr = "" if self.max_log_ratio == 20.0 else f", max_log_ratio={self.max_log_ratio:g}"
         level = "" if self.level == "token" else f", level={self.level!r}"
+        agg = "" if self.aggregation is None else f", aggregation={self.aggregation!r}"
+        if self.constant_normalizer is not None:
+            agg += f", constant_normalizer={self.constant_normalizer:g}"
         return (f"LossConfig(weights={self.weights!r}{bounds}, score_centering={self.score_centering}, "
-                f"record={self.record!r}{level}, dtype={str(self.dtype).replace('torch.', '')}{mlr}{tol})")
+                f"record={self.record!r}{level}{agg}, dtype={str(self.dtype).replace('torch.', '')}{mlr}{tol})")
 
     @classmethod
     def parse(cls, text: str) -> "LossConfig":
@@ -129,11 +151,11 @@ class LossConfig:
                 kw[key] = parts[0] if len(parts) == 1 else tuple(parts)
             elif key == "score_centering":
                 kw[key] = val.lower() in ("1", "true", "yes", "on")
-            elif key == "record":
+            elif key in ("record", "aggregation"):
                 kw[key] = None if val.lower() in ("none", "") else val
             elif key == "dtype":
                 kw[key] = getattr(torch, val)
-            elif key in ("max_log_ratio", "rtol", "atol"):
+            elif key in ("max_log_ratio", "rtol", "atol", "constant_normalizer"):
                 kw[key] = float(val)
             else:
                 kw[key] = val
