@@ -46,7 +46,8 @@ def _worker(rank: int, world: int, vocab: int) -> dict:
         op.policy_loss(logits, tp_group=mesh.get_group(0), **kw)
     except ValueError as exc:
         errors["tp_group"] = str(exc)
-    return {"loss": float(out.loss.detach()), "grad": logits.grad.full_tensor().tolist(), "kl": float(out.metrics["kl_k3"]),
+    return {"loss": float(out.loss.detach()), "grad": logits.grad.full_tensor().tolist(),
+            "kl": float(out.metrics["kl_k3"]),
             "grad_is_dtensor": type(logits.grad).__name__, "errors": errors}
 
 

@@ -300,7 +300,8 @@ def test_config_parse_and_errors():
     with pytest.raises(ValueError, match="token-level weights only"):
         LossConfig(weights="mis", level="sequence", score_centering=True, record="head")
     cfg = LossConfig.parse("weights=tis,aggregation=constant,constant_normalizer=4")
-    assert cfg.aggregation == "constant" and cfg.constant_normalizer == 4.0 and "constant_normalizer=4" in cfg.describe()
+    assert cfg.aggregation == "constant" and cfg.constant_normalizer == 4.0
+    assert "constant_normalizer=4" in cfg.describe()
     with pytest.raises(ValueError, match="aggregation must be None or one of"):
         LossConfig(aggregation="mean")
     with pytest.raises(ValueError, match="constant_normalizer goes with"):

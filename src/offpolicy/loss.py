@@ -66,10 +66,11 @@ def policy_loss(
         groups: ``[N]`` int sampler group of each token, for per-group metrics.
         versions: ``[N]`` int policy version that sampled each token, for per-staleness metrics.
         tp_group: ``torch.distributed`` group over which the vocabulary is split; ``vocab_start`` is this
-            rank's first id. Vocabulary-sharded ``DTensor`` logits (``Shard(1)``, e.g. from a ``loss_parallel``
-            output layer) carry both in their device mesh: pass them as they are, without these two. The shards must tile ``[0, V)`` (checked with one small all-gather when validating);
+            rank's first id. The shards must tile ``[0, V)`` (checked with one small all-gather when validating);
             ``V`` is the global vocabulary that tokens and candidates are checked against. Exclude padded
             vocabulary columns by passing only the real ones (e.g. ``logits[:, :real_width]``).
+            Vocabulary-sharded ``DTensor`` logits (``Shard(1)``, e.g. from a ``loss_parallel`` output layer)
+            carry both in their device mesh: pass them as they are, without these two.
         hidden, weight, bias: the fused-linear input (instead of ``logits``).
         proximal_logprobs: ``[N]`` ``log pi_prox(y_t)`` for decoupled PPO (``correction.ppo_clip``).
         num_sequences: global sequence count for the sequence aggregations.

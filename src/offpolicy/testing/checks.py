@@ -632,7 +632,7 @@ INVARIANTS: dict[str, Invariant] = {
     for inv in [
         Invariant(
             "agreement", "SPEC 7.2, 7.5",
-            "loss (per token, or aggregated) and logit gradient equal offpolicy.reference for the declared configuration",
+            "loss (per token or aggregated) and logit gradient equal offpolicy.reference for the declared config",
             _always, _batches, _prop_agreement,
         ),
         Invariant(
