@@ -202,7 +202,7 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     trained = fed.trained()
     token_log_r = torch.where(trained, lp[torch.arange(n), fed.tokens] - fed.lq.detach().double(), 0.0)
     log_r = [token_log_r[trained]]
-    if fed.seq_ids is not None:
+    if fed.seq_ids is not None and cfg.level != "token":
         # Sequence levels: the weight function sees the sum (or mean) of each sequence's trained log-ratios.
         log_r = []
         for sid in torch.unique(fed.seq_ids).tolist():
@@ -268,7 +268,7 @@ def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
             tail = alpha * rel_rho * (1 + 2 * x_max)
         coef = coef + 2 * cap + alpha
     per_token = fed.adv.detach().double().abs() * (16 * unit * x_max * coef + tail)
-    if fed.seq_ids is not None:
+    if fed.seq_ids is not None and cfg.level != "token":
         # A sequence weight exp(sum_s log r_s) carries the log-probability errors of all L tokens of its sequence
         # (relative error L * 16 u x_max), and the loss multiplies it by |log p(y_t)|.
         lp = log_probs(z, fed.tau)
