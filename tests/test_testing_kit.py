@@ -237,12 +237,12 @@ def test_positions_with_ratio_bounds_keep_every_ratio_inside(data, bounds, recor
     LossConfig(weights="tis", bounds=(0.5, 2.0), record="head"),
 ], ids=lambda c: c.describe())
 def test_hostile_problems_have_a_finite_oracle_and_valid_records(cfg):
-    """Hostile examples are hostile but legal: valid records, and the SPEC's own loss is finite on them."""
+    """Hostile examples are hostile but legal: valid records, and the SPEC's own loss is finite on them. Checked on
+    fresh draws, and on a fixed example sequence that must also cover every hostile feature (coverage of random
+    draws would make the test flaky: a -inf logit is rare where f(0) != 0 keeps it off recorded tokens)."""
     seen = set()
 
-    @settings(max_examples=40, deadline=None)
-    @given(S.hostile_problems(cfg.record, zero_weight_at_zero_ratio=cfg.weight_at_zero == 0.0))
-    def run(prob):
+    def check(prob):
         n, v = prob.logits.shape
         if prob.candidates is not None:
             prob.candidates.validate(v, n, prob.tokens)
@@ -260,7 +260,10 @@ def test_hostile_problems_have_a_finite_oracle_and_valid_records(cfg):
         if n and bool((prob.logits == -math.inf).any()):
             seen.add("-inf logits")
 
-    run()
+    strategy = S.hostile_problems(cfg.record, zero_weight_at_zero_ratio=cfg.weight_at_zero == 0.0)
+    settings(max_examples=40, deadline=None)(given(strategy)(check))()
+    seen.clear()
+    settings(max_examples=60, deadline=None, derandomize=True, database=None)(given(strategy)(check))()
     assert {"big", "neg_inf", "degenerate", "extreme", "N=0", "-inf logits"} <= seen
 
 
