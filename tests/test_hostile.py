@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import offpolicy as op
-from offpolicy.reference import reference_policy_loss
+from offpolicy.reference import TAIL_EPS, log_probs, reference_policy_loss, support_mask
 
 from helpers import make_batch
 
@@ -28,6 +30,28 @@ def _both(z, y, lq, adv, cands, tau, corr, mask=None, dtype=torch.float64):
     ref, _, _ = reference_policy_loss(z2, y, lq, adv, cands, mask, tau, corr)
     ref.backward()
     return out, z1.grad, ref, z2.grad
+
+
+def _near_a_bound(z, y, lq, cands, tau, corr, margin: float) -> bool:
+    """Whether a log-ratio the weight function sees (the sampled token's, each candidate's under centering, the
+    head's tail ratio) lies within ``margin`` of a MIS / rejection bound, where rounding may flip the mask."""
+    if corr.weights not in ("mis", "reject"):
+        return False
+    support = cands.kind == "support"
+    lp = log_probs(z, tau, support_mask(cands, z.shape[1]) if support else None)
+    log_r = [lp[torch.arange(z.shape[0]), y] - lq.double()]
+    if corr.score_centering:
+        valid = cands.ids >= 0
+        lpc, lqc = lp.gather(1, cands.ids.clamp_min(0)), cands.logprobs.double()
+        log_r.append((lpc - lqc)[valid])
+        if not support:
+            zero = torch.zeros((), dtype=torch.float64)
+            p_h = torch.where(valid, lpc.exp(), zero).sum(1)
+            q_h = torch.where(valid, lqc.exp(), zero).sum(1)
+            log_r.append(-torch.log((1 - q_h).clamp_min(TAIL_EPS) / (1 - p_h).clamp_min(TAIL_EPS)))
+    r = torch.cat(log_r)
+    r = r[torch.isfinite(r)]
+    return any(bool(((r - math.log(b)).abs() < margin).any()) for b in (corr.lower, corr.upper) if b > 0)
 
 
 @pytest.mark.parametrize("corr", CORRS, ids=lambda c: c.weights)
@@ -70,6 +94,9 @@ def test_bf16_extreme_logits_and_temperatures(tau, corr, kind, seed):
     and probabilities inherit as a relative error. The loss error is therefore bounded by
     ``4 eps_x mean(|A| (|w| + 2))`` (the centering coefficients sum to at most ``|w| + 2`` in absolute value), and
     the gradient's by ``4 eps_x max|A| (max w + 2) / tau`` plus bf16 storage rounding (2**-8 of its max).
+    A log-ratio within that error (``4 eps_x``) of a MIS / rejection bound may be masked on one side and not on the
+    other, a discontinuity no tolerance covers: such examples are finite-checked only (one had log r = log 5 - 6e-6
+    at ``eps_x = 0.006``).
     """
     gen = torch.Generator().manual_seed(seed)
     z, y, lq, cands = make_batch(6, 24, 4, kind, seed=seed)
@@ -79,6 +106,7 @@ def test_bf16_extreme_logits_and_temperatures(tau, corr, kind, seed):
     out, g, ref, rg = _both(z, y, lq, adv, cands, tau, corr, dtype=torch.bfloat16)
     assert torch.isfinite(out.loss) and bool(torch.isfinite(g.float()).all())
     eps_x = float(z.abs().max()) / tau * 2.0**-24 + 1e-7
+    assume(not _near_a_bound(z, y, lq, cands, tau, corr, 4 * eps_x))
     w = out.token_weight.double()
     loss_tol = 4 * eps_x * float((adv.abs() * (w.abs() + 2)).mean())
     grad_tol = 4 * eps_x * float(adv.abs().max()) * (float(w.max()) + 2) / tau + 2.0**-8 * float(rg.abs().max())
