@@ -18,7 +18,6 @@ Results go to benchmarks/results/cpu_<host>_<date>.json and .csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
@@ -29,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from results_io import write_results  # beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -164,15 +165,8 @@ def main() -> None:
         "cpus": os.cpu_count(), "python": platform.python_version(), "date": dt.datetime.now().isoformat(),
         "torch": __import__("torch").__version__,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"cpu_{meta['host']}_{dt.date.today().isoformat()}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    with stem.with_suffix(".csv").open("w", newline="") as fh:
-        fields = [f for f in rows[0] if f != "times_s"]
-        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {stem}.json and .csv")
+    write_results(stem, {"meta": meta, "results": rows}, rows, drop=("times_s",))
 
 
 if __name__ == "__main__":

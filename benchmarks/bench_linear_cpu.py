@@ -28,7 +28,6 @@ Results go to benchmarks/results/linear_cpu_<host>_<date>.json and .csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
@@ -39,6 +38,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from results_io import write_results  # beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -282,18 +283,9 @@ def main() -> None:
                 print(f"{dtype:9s} {kind:8s} fused speed-up over materialised: "
                       f"{pick['fused']['speedup_vs_materialised']:.2f}x")
     meta["loadavg_end"] = os.getloadavg()
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"linear_cpu_{meta['host']}_{dt.date.today().isoformat()}{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "args": vars(args) | {"out": str(args.out)},
-                                                     "results": rows}, indent=2, default=str))
-    fields: list[str] = []
-    for r in rows:
-        fields += [f for f in r if f not in fields and f != "times_s"]
-    with stem.with_suffix(".csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {stem}.json and .csv")
+    write_results(stem, {"meta": meta, "args": vars(args) | {"out": str(args.out)}, "results": rows}, rows,
+                  drop=("times_s",))
 
 
 if __name__ == "__main__":

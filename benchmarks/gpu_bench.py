@@ -26,7 +26,6 @@ the ``eager`` backend) in seconds, so that the script cannot rot; its numbers me
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from results_io import write_results  # beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -369,14 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: (str(v) if not isinstance(v, (int, float, bool, list)) else v) for k, v in asdict(cfg).items()},
         "rows": rows, "sweep": sweep_rows,
     }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    with open(args.out / f"{stem}.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["device", "date"] + list(rows[0]))
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({"device": name, "date": result["date"], **r})
-    print(f"wrote {args.out / stem}.json/.csv in {result['elapsed_s']:.0f} s", flush=True)
+    write_results(args.out / stem, result, [{"device": name, "date": result["date"], **r} for r in rows])
+    print(f"in {result['elapsed_s']:.0f} s", flush=True)
     return 0
 
 

@@ -27,9 +27,7 @@ Results go to benchmarks/results/linear_gpu_<host>_<date>.json and .csv (``--out
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
-import json
 import os
 import platform
 import socket
@@ -40,6 +38,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from results_io import write_results  # beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -263,17 +263,8 @@ def main() -> None:
         meta["triton"] = triton.__version__
     except ImportError:
         meta["triton"] = None
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (f"linear_gpu_{meta['host']}_{dt.date.today().isoformat()}" + ("_dryrun" if args.dry_run else ""))
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "results": rows}, indent=2))
-    fields: list[str] = []
-    for r in rows:
-        fields += [f for f in r if f not in fields and f != "traceback_tail"]
-    with stem.with_suffix(".csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {stem}.json and .csv")
+    write_results(stem, {"meta": meta, "summary": summary, "results": rows}, rows, drop=("traceback_tail",))
 
 
 def _need_triton(ok: bool) -> str:
