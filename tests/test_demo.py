@@ -21,15 +21,6 @@ from offpolicy.demo.warmup import WarmupConfig, expected_success, warmup
 TASK = SortTask(n_items=5, max_value=30)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The demo's ops are tiny: one intra-op thread is faster, and much faster on a loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ----------------------------------------------------------------------------------------------- the reward check
 def test_reward_exact_sorted_answer_only():
     numbers = torch.tensor([[3, 1, 2, 2, 0], [29, 0, 15, 7, 7]])

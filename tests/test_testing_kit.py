@@ -36,15 +36,6 @@ from offpolicy.testing import strategies as S
 TESTS = Path(__file__).resolve().parent
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: a second intra-op thread only adds wake-ups (run_invariant does the same for its checks)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def reference_loss(cfg: LossConfig):
     """The float64 oracle itself through the adapter signature: it must satisfy every invariant the kit states
     (otherwise the kit's properties, not the implementations, would be wrong)."""
