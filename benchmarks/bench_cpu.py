@@ -69,8 +69,8 @@ def _dense_loss(logits, tokens, lq, adv, cands, tau):
     import torch
 
     import offpolicy as op
-    from offpolicy.centering import centering_coefficients
-    from offpolicy.weights import weight_function
+    from offpolicy.loss.centering import centering_coefficients
+    from offpolicy.corrections.weights import weight_function
 
     corr = op.Correction(weights="mis", score_centering=True)
     x = logits.float() / tau

@@ -1,7 +1,12 @@
-"""Shared test settings: a hypothesis profile sized for 2-core CI machines, and one intra-op thread.
+"""Shared test settings: a hypothesis profile sized for 2-core CI machines, one intra-op thread, and Triton's
+CPU interpreter when there is no GPU.
 
 The tests use small tensors, for which a second OpenMP thread costs more in synchronisation than it saves (and on a
 busy machine a tiny op can wait milliseconds for it).
+
+``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is defined, so it is set here, before any test module
+imports :mod:`offpolicy.kernels`: without a GPU every Triton kernel then runs in the interpreter (the torch
+backends never import Triton). With a GPU nothing changes: the kernels compile for it.
 """
 
 import os
@@ -10,6 +15,8 @@ import torch
 from hypothesis import HealthCheck, settings
 
 torch.set_num_threads(1)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile(
     "ci",

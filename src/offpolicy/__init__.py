@@ -6,14 +6,13 @@
                          correction=op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True))
     out.loss.backward()
 
-See SPEC.md-derived docs in docs/ for the math.
+The definitions and contracts are in docs/spec.md; the layers in docs/architecture.md.
 """
 
 from offpolicy import advantages
-from offpolicy.candidates import Candidates
-from offpolicy.correction import Correction, KLRejection
-from offpolicy.logprob_loss import PolicyLossOutput, policy_loss_from_logprobs
-from offpolicy.loss import policy_loss
+from offpolicy.corrections import Correction, KLRejection
+from offpolicy.loss import PolicyLossOutput, policy_loss, policy_loss_from_logprobs
+from offpolicy.records import Candidates, TokenBatch
 from offpolicy.ops import SparseLogSoftmax, sparse_log_softmax
 
 __version__ = "0.1.0"
@@ -24,6 +23,7 @@ __all__ = [
     "KLRejection",
     "PolicyLossOutput",
     "SparseLogSoftmax",
+    "TokenBatch",
     "advantages",
     "policy_loss",
     "policy_loss_from_logprobs",

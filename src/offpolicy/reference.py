@@ -12,8 +12,8 @@ import math
 import torch
 from torch import Tensor
 
-from offpolicy.candidates import Candidates
-from offpolicy.correction import Correction
+from offpolicy.records.candidates import Candidates
+from offpolicy.corrections.correction import Correction
 
 TAIL_EPS = 1e-6
 EXTREME = (0.2, 5.0)

@@ -1,9 +1,9 @@
 """What the serving adapters share: the per-turn record, multi-turn trajectories, collation into a
-:class:`~offpolicy.sampler.TokenBatch`, and the semantic checks on recorded log-probabilities.
+:class:`~offpolicy.records.TokenBatch`, and the semantic checks on recorded log-probabilities.
 
 A *turn* is one generation request: the context sent (token ids), the tokens the server sampled, the sampler's
 log-probability of each (after temperature, renormalised over the support when sampling was filtered) and
-optionally a :class:`~offpolicy.candidates.Candidates` row per token. A *trajectory* strings turns together
+optionally a :class:`~offpolicy.records.candidates.Candidates` row per token. A *trajectory* strings turns together
 with non-trained tokens between them (tool outputs, chat-template markers), token in, token out: the next
 request's context must be exactly the trajectory so far, or the trainer would score tokens in a context the
 sampler never saw (the seed's "multi-turn context" mismatch source), so :meth:`Trajectory.add_turn` checks it.
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from offpolicy.candidates import SUPPORT_SUM_TOL, Candidates
-from offpolicy.sampler import TokenBatch
+from offpolicy.records.candidates import SUPPORT_SUM_TOL, Candidates
+from offpolicy.records.token_batch import TokenBatch
 
 #: Two log-probabilities of the same token from the same response agree to this (JSON floats are fp32 values
 #: printed with enough digits; servers compute them once, so only formatting can differ).

@@ -40,13 +40,13 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from offpolicy.aggregation import SEQUENCE_AGGREGATIONS
-from offpolicy.candidates import Candidates
-from offpolicy.correction import Correction
-from offpolicy.loss import policy_loss
-from offpolicy.metrics import token_stats
-from offpolicy.packing import seq_ids_from_cu_seqlens, thd_cp_index, zigzag_index
-from offpolicy.segments import Segments
+from offpolicy.loss.aggregation import SEQUENCE_AGGREGATIONS
+from offpolicy.records.candidates import Candidates
+from offpolicy.corrections.correction import Correction
+from offpolicy.loss.logits import policy_loss
+from offpolicy.loss.metrics import token_stats
+from offpolicy.parallel.packing import seq_ids_from_cu_seqlens, thd_cp_index, zigzag_index
+from offpolicy.loss.segments import Segments
 
 #: Keys of a micro-batch dict; each value is ``[b, s]`` (candidates ``[b, s, K]``) on this rank.
 BATCH_KEYS = {
@@ -134,7 +134,7 @@ def split_for_context_parallel(
 
     Without ``cu_seqlens_padded``: Megatron's ``bshd`` split (``get_batch_on_this_cp_rank``, the whole row in
     ``2 cp`` chunks). With it: the ``thd`` split (each packed sequence in ``2 cp`` chunks; pad the row with
-    :func:`offpolicy.packing.scatter_to_padded` first). ``seq_ids`` travel with their tokens.
+    :func:`offpolicy.parallel.packing.scatter_to_padded` first). ``seq_ids`` travel with their tokens.
     """
     if cp_size == 1:
         return dict(batch)

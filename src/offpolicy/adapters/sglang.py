@@ -51,7 +51,7 @@ from offpolicy.adapters.common import (
     check_temperature,
     head_record,
 )
-from offpolicy.candidates import Candidates
+from offpolicy.records.candidates import Candidates
 
 SGLANG_VERSION = "0.5.23"
 #: SGLang's default ``--sampling-mask-max-tokens``.

@@ -52,7 +52,7 @@ from offpolicy.adapters.common import (
     check_temperature,
     head_record,
 )
-from offpolicy.candidates import Candidates
+from offpolicy.records.candidates import Candidates
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 #: vLLM's JSON clamp for -inf log-probs.

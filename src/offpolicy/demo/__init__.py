@@ -6,7 +6,7 @@ from a simulated fleet of sampler groups, each serving a stale copy of the train
 :func:`offpolicy.policy_loss` with each of the seed's corrections. See ``docs/demo.md``.
 
 Modules: :mod:`~offpolicy.demo.task` (the task and its reward), :mod:`~offpolicy.demo.model` (the transformer),
-:mod:`~offpolicy.demo.warmup` (cached supervised start), :mod:`~offpolicy.demo.fleet` (the simulated fleet),
+:mod:`~offpolicy.demo.warmup` (cached supervised start), :mod:`~offpolicy.demo.simulated_fleet` (the simulated fleet),
 :mod:`~offpolicy.demo.rollout` (reference-sampler calls), :mod:`~offpolicy.demo.arms` (the six arms),
 :mod:`~offpolicy.demo.train` (one run), :mod:`~offpolicy.demo.report` (tables, files, plots),
 :mod:`~offpolicy.demo.cli` (the command line).

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offpolicy.correction import Correction
+from offpolicy.corrections.correction import Correction
 
 #: The seed's masking bounds for MIS.
 MIS_BOUNDS = (0.5, 5.0)

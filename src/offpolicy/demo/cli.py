@@ -23,7 +23,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from offpolicy.demo.arms import ARMS, parse_arms
-from offpolicy.demo.fleet import FLEETS, WEIGHT_FORMATS
+from offpolicy.demo.simulated_fleet import FLEETS, WEIGHT_FORMATS
 
 #: Presets; any flag given explicitly overrides its preset value.
 PRESETS = {

@@ -1,7 +1,7 @@
 """A tiny causal transformer language model (pre-LayerNorm, learned positions), in plain torch.
 
 The trainer runs it in fp32. A simulated sampler runs a copy of it in its own numerics (see
-:mod:`offpolicy.demo.fleet`): weights fake-quantised on sync, compute in bf16, an FP8 key/value path, and another
+:mod:`offpolicy.demo.simulated_fleet`): weights fake-quantised on sync, compute in bf16, an FP8 key/value path, and another
 attention kernel. All of that is a property of the copy; the module only offers two hooks:
 
 * ``attn_impl``: ``"sdpa"`` (``torch.nn.functional.scaled_dot_product_attention``) or ``"math"`` (an explicit

@@ -1,4 +1,4 @@
-"""Sampling answers with the reference sampler (:mod:`offpolicy.sampler`) and reshaping its record for the demo.
+"""Sampling answers with the reference sampler (:mod:`offpolicy.fleet.sampler`) and reshaping its record for the demo.
 
 The demo's answers have a fixed length (the task's ``answer_len``), so every session yields exactly that many
 tokens; the record is reshaped to ``[B, L]`` / ``[B, L, K]``.
@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from offpolicy.sampler import sample
+from offpolicy.fleet.sampler import sample
 
 
 class Rollout(NamedTuple):

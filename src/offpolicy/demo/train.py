@@ -10,7 +10,7 @@ Per optimizer step (version ``v`` of the trainer):
 3. binary rewards, GRPO advantages per prompt;
 4. the fp32 trainer recomputes the logits and applies :func:`offpolicy.policy_loss` with the arm's correction;
    Adam step with gradient clipping;
-5. each group receives version ``v + 1`` or not (see :mod:`offpolicy.demo.fleet`).
+5. each group receives version ``v + 1`` or not (see :mod:`offpolicy.demo.simulated_fleet`).
 
 Besides the loss's own metrics, the run measures the mismatch directly: each group re-scores its sessions with its
 copy (teacher forcing, the same numerics), giving the sampler's whole distribution ``q`` at every trained
@@ -31,7 +31,7 @@ from torch import Tensor
 
 import offpolicy as op
 from offpolicy.demo.arms import ARMS
-from offpolicy.demo.fleet import FLEETS, SimulatedFleet, build_fleet, describe
+from offpolicy.demo.simulated_fleet import FLEETS, SimulatedFleet, build_fleet, describe
 from offpolicy.demo.model import ModelConfig, TinyLM
 from offpolicy.demo.rollout import rollout
 from offpolicy.demo.task import SortTask
@@ -46,7 +46,7 @@ class RunConfig:
     """Everything that defines one run (an arm on a fleet with a seed). Identical across arms but ``arm``.
 
     Attributes:
-        arm, fleet, seed: what runs (see :data:`~offpolicy.demo.arms.ARMS`, :data:`~offpolicy.demo.fleet.FLEETS`).
+        arm, fleet, seed: what runs (see :data:`~offpolicy.demo.arms.ARMS`, :data:`~offpolicy.demo.simulated_fleet.FLEETS`).
         steps, prompts, samples: optimizer steps; prompts per step; sessions (samples) per prompt.
         lr, grad_clip: Adam learning rate; global gradient-norm clip (0 disables).
         top_p: the top-p of the arms that filter; ``head_k``: candidates recorded by the other arms.

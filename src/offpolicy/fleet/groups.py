@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from offpolicy.quant.fake import FAKE_FORMATS
+from offpolicy.fleet.quant.fake import FAKE_FORMATS
 
 #: KV-cache formats a group may declare (informational; the reference sampler has no KV cache).
 KV_FORMATS = ("bf16", "fp16", "fp8", "fp32", "none")
@@ -19,7 +19,7 @@ class SamplerGroup:
         name: unique name, used as the group's key in routing and metrics.
         accelerator: e.g. ``"B200"``, ``"H100"``.
         weight_format: the format the trainer's weights are synced in: one of
-            :data:`offpolicy.quant.FAKE_FORMATS` (``"bf16"``, ``"fp8"``, ``"nvfp4"``, ``"mxfp4"``, ...), so a
+            :data:`offpolicy.fleet.quant.FAKE_FORMATS` (``"bf16"``, ``"fp8"``, ``"nvfp4"``, ``"mxfp4"``, ...), so a
             simulation can call ``fake_quantize_module(model, group.weight_format)``.
         kv_format: the KV-cache format, one of :data:`KV_FORMATS`.
         capacity: relative serving capacity (e.g. sessions or tokens per second), ``>= 0``. Routing shares are

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from offpolicy.fleet.groups import SamplerGroup
-from offpolicy.metrics import EXTREME_RATIO
-from offpolicy.weights import kl_estimate
+from offpolicy.loss.metrics import EXTREME_RATIO
+from offpolicy.corrections.weights import kl_estimate
 
 #: log-ratios are clamped to this magnitude, as ``Correction.max_log_ratio`` does by default.
 MAX_LOG_RATIO = 20.0

@@ -16,7 +16,7 @@ Requires ``hypothesis`` (``pip install offpolicy[test]``).
 """
 
 from offpolicy.testing import strategies
-from offpolicy.testing.adapters import project_loss
+from offpolicy.testing.project import project_loss
 from offpolicy.testing.checks import (
     DEFAULT_MAX_EXAMPLES,
     INVARIANTS,

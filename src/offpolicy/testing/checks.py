@@ -50,7 +50,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from offpolicy.candidates import Candidates
+from offpolicy.records.candidates import Candidates
 from offpolicy.reference import TAIL_EPS, log_probs, reference_policy_loss, support_mask
 from offpolicy.testing.config import LossConfig
 from offpolicy.testing.strategies import (

@@ -11,8 +11,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from offpolicy.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
-from offpolicy.correction import Correction
+from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
+from offpolicy.corrections.correction import Correction
 from offpolicy.testing.strategies import RECORDS, Record
 
 #: Default comparison tolerances ``(rtol, atol)`` by the dtype the kit feeds: a difference passes when

@@ -34,7 +34,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from torch import Tensor
 
-from offpolicy.candidates import Candidates
+from offpolicy.records.candidates import Candidates
 
 Record = Literal["head", "support"] | None
 RECORDS = ("head", "support", None)

@@ -1,0 +1,6 @@
+"""The correction family: the :class:`Correction` configuration and the importance weights and rejections it
+selects."""
+
+from offpolicy.corrections.correction import Correction, KLRejection
+
+__all__ = ["Correction", "KLRejection"]

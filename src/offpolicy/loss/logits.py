@@ -1,0 +1,202 @@
+"""``policy_loss``: the public entry point (SPEC section 9).
+
+The path is short: validate at the boundary -> one sparse log-softmax (logits, or hidden x weight) -> the
+``O(N K)`` loss math of :func:`offpolicy.policy_loss_from_logprobs` (weights, rejections, score centering,
+aggregation, metrics; the formula is in :mod:`offpolicy.loss.logprobs`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from offpolicy.records.candidates import Candidates
+from offpolicy.corrections.correction import Correction
+from offpolicy.parallel.dtensor import vocab_shard_of
+from offpolicy.loss.logprobs import PolicyLossOutput, policy_loss_from_logprobs
+from offpolicy.ops import SparseLogSoftmax, VocabShard, sparse_log_softmax
+from offpolicy.loss.validation import check_batch, check_candidates, check_vector
+
+
+def policy_loss(
+    logits: Tensor | None = None,
+    tokens: Tensor | None = None,
+    sampler_logprobs: Tensor | None = None,
+    advantages: Tensor | None = None,
+    candidates: Candidates | None = None,
+    loss_mask: Tensor | None = None,
+    temperature: float | Tensor = 1.0,
+    correction: Correction = Correction(),
+    seq_ids: Tensor | None = None,
+    aggregation: str = "token_mean",
+    num_loss_tokens: float | Tensor | None = None,
+    groups: Tensor | None = None,
+    versions: Tensor | None = None,
+    tp_group=None,
+    vocab_start: int = 0,
+    *,
+    hidden: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    proximal_logprobs: Tensor | None = None,
+    num_sequences: float | Tensor | None = None,
+    constant_normalizer: float | None = None,
+    cp_group=None,
+    current_version: int | None = None,
+    inplace_grad: bool = False,
+    backend: str | None = None,
+    validate: bool = True,
+) -> PolicyLossOutput:
+    """Off-policy-corrected policy-gradient loss on tokens drawn by a sampler ``q``.
+
+    Args:
+        logits: ``[N, V]`` bf16/fp16/fp32/fp64 trainer logits (``V`` = this rank's shard under ``tp_group``).
+            Alternatively pass ``hidden [N, D]``, ``weight [V, D]`` (and optional ``bias [V]``).
+        tokens: ``[N]`` int sampled token ids.
+        sampler_logprobs: ``[N]`` float ``lq_t``, the sampler's log-probability of ``y_t`` after temperature
+            (renormalised over the support when sampling was filtered).
+        advantages: ``[N]`` float, detached.
+        candidates: :class:`~offpolicy.Candidates` record (``kind="head"`` or ``"support"``), or None.
+        loss_mask: ``[N]`` bool, True on trained tokens; None trains all.
+        temperature: float or ``[N]`` tensor, ``> 0``: the sampling temperature.
+        correction: :class:`~offpolicy.Correction`; the default is plain REINFORCE/GRPO.
+        seq_ids: ``[N]`` int sequence of each token (sequence-level weights, rejections, sequence aggregation).
+        aggregation: ``"token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum" | "constant"``.
+        num_loss_tokens: global token count for ``token_mean`` (data-parallel / micro-batch exactness).
+        groups: ``[N]`` int sampler group of each token, for per-group metrics.
+        versions: ``[N]`` int policy version that sampled each token, for per-staleness metrics.
+        tp_group: ``torch.distributed`` group over which the vocabulary is split; ``vocab_start`` is this
+            rank's first id. The shards must tile ``[0, V)`` (checked with one small all-gather when validating);
+            ``V`` is the global vocabulary that tokens and candidates are checked against. Exclude padded
+            vocabulary columns by passing only the real ones (e.g. ``logits[:, :real_width]``).
+            Vocabulary-sharded ``DTensor`` logits (``Shard(1)``, e.g. from a ``loss_parallel`` output layer)
+            carry both in their device mesh: pass them as they are, without these two.
+        hidden, weight, bias: the fused-linear input (instead of ``logits``).
+        proximal_logprobs: ``[N]`` ``log pi_prox(y_t)`` for decoupled PPO (``correction.ppo_clip``).
+        num_sequences: global sequence count for the sequence aggregations.
+        constant_normalizer: the divisor of ``aggregation="constant"``.
+        cp_group: ``torch.distributed`` group over which the tokens of each sequence are split (context
+            parallelism). Sequence statistics (sequence and geometric log-ratios, OPSM and veto, per-sequence token
+            counts), the default ``token_mean`` count and the ``batch_normalize`` mean are all-reduced over it;
+            ``seq_ids`` must then name the same sequence on every rank (ids ``>= 0``), and ``loss`` is this rank's
+            share: the shares sum to the whole batch's loss. Metrics stay per rank.
+        current_version: the trainer's policy version (staleness = current - version); default the newest.
+        inplace_grad: write the logits' gradient into ``logits`` (saves an ``[N, V]`` buffer; the logits are
+            overwritten by the backward and autograd's version check is bypassed).
+        backend: ``"torch"`` or ``"triton"``; default by device.
+        validate: check inputs at the boundary (host syncs); skipped automatically under ``torch.compile``.
+
+    Returns:
+        :class:`PolicyLossOutput`.
+    """
+    corr = correction
+    check = validate and not torch.compiler.is_compiling()
+    logits, tp_group, vocab_start = vocab_shard_of(logits, tp_group, vocab_start)
+    if check:
+        _validate(
+            logits, hidden, weight, bias, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature,
+            corr, seq_ids, aggregation, num_loss_tokens, num_sequences, constant_normalizer, groups, versions,
+            proximal_logprobs, tp_group, vocab_start,
+        )
+    n = tokens.shape[0]
+    device = tokens.device
+    active = torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.to(torch.bool)
+    support = candidates is not None and candidates.kind == "support"
+    cand_ids = candidates.ids if candidates is not None else None
+    shard = VocabShard(tp_group, vocab_start) if tp_group is not None else None
+
+    lp = _log_probs(logits, hidden, weight, bias, tokens, cand_ids, temperature, support, ~active, shard,
+                    inplace_grad, backend)
+    if check and bool(torch.isnan(lp.target[active]).any()):
+        row = int((torch.isnan(lp.target) & active).nonzero()[0])
+        raise ValueError(f"logits: NaN in row {row}, a trained token (loss_mask is True there)")
+
+    return policy_loss_from_logprobs(
+        lp.target, sampler_logprobs, advantages, candidates, lp.candidates, loss_mask, corr, seq_ids, aggregation,
+        num_loss_tokens, groups, versions, entropy=lp.entropy, proximal_logprobs=proximal_logprobs,
+        num_sequences=num_sequences, constant_normalizer=constant_normalizer, cp_group=cp_group,
+        current_version=current_version, validate=False,
+    )
+
+
+def _global_vocab(group, vocab_start: int, v_local: int, n: int, device) -> int:
+    """Size of the vocabulary split over ``group``, checking that the shards tile ``[0, V)`` and agree on ``N``.
+
+    One all-gather of three integers per rank.
+    """
+    import torch.distributed as dist
+
+    mine = torch.tensor([vocab_start, v_local, n], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    # Shards without columns (a rank holding only vocabulary padding) may sit anywhere.
+    shards = sorted((int(x[0]), int(x[1])) for x in every if int(x[1]) > 0)
+    rows = {int(x[2]) for x in every}
+    if len(rows) != 1:
+        raise ValueError(f"tp_group: the ranks hold different numbers of rows {sorted(rows)}; each needs all N rows")
+    end = 0
+    for start, width in shards:
+        if start != end:
+            raise ValueError(
+                f"vocab_start: the shards (start, width) {shards} do not tile [0, V) (expected a shard at {end}); "
+                "each rank passes its first vocabulary id"
+            )
+        end = start + width
+    return end
+
+
+def _log_probs(logits, hidden, weight, bias, tokens, cand_ids, temperature, support, skip, shard, inplace_grad,
+               backend) -> SparseLogSoftmax:
+    if logits is not None:
+        return sparse_log_softmax(logits, tokens, cand_ids, temperature, support=support, skip=skip, shard=shard,
+                                  inplace_grad=inplace_grad, backend=backend)
+    from offpolicy.ops.linear_log_softmax import linear_sparse_log_softmax
+
+    return linear_sparse_log_softmax(hidden, weight, tokens, cand_ids, temperature, bias=bias, support=support,
+                                     skip=skip, shard=shard, backend=backend)
+
+
+def _validate(logits, hidden, weight, bias, tokens, lq, adv, candidates, loss_mask, temperature, corr, seq_ids,
+              aggregation, num_loss_tokens, num_sequences, constant_normalizer, groups, versions, proximal,
+              tp_group, vocab_start) -> None:
+    if logits is not None and (hidden is not None or weight is not None):
+        raise ValueError("pass either logits, or hidden and weight, not both")
+    if logits is None:
+        if hidden is None or weight is None:
+            raise ValueError("policy_loss needs logits [N, V], or hidden [N, D] and weight [V, D]")
+        if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+            raise ValueError(
+                f"hidden must be [N, D] and weight [V, D] with the same D, got {tuple(hidden.shape)} and "
+                f"{tuple(weight.shape)}"
+            )
+        if not (hidden.is_floating_point() and weight.is_floating_point()):
+            raise TypeError("hidden and weight must be floating-point tensors")
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+            raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+        n, v, device = hidden.shape[0], weight.shape[0], hidden.device
+    else:
+        if not isinstance(logits, Tensor) or logits.dim() != 2:
+            raise ValueError(f"logits must be a [N, V] tensor, got {getattr(logits, 'shape', type(logits))}")
+        if not logits.is_floating_point():
+            raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
+        if logits.shape[1] > 0 and logits.stride(1) != 1:
+            raise ValueError("logits must have unit stride along the vocabulary (call .contiguous())")
+        n, v, device = logits.shape[0], logits.shape[1], logits.device
+    if tokens is None:
+        raise ValueError("tokens, sampler_logprobs and advantages are required")
+    check_vector("tokens", tokens, n, device, "int")
+    vocab = v if tp_group is None else _global_vocab(tp_group, vocab_start, v, n, device)
+    if n and bool((tokens < 0).any()):
+        raise ValueError(f"tokens: id {int(tokens.min())} is negative")
+    if n and vocab is not None and bool((tokens >= vocab).any()):
+        raise ValueError(f"tokens: id {int(tokens.max())} is out of range for vocabulary size {vocab}")
+    active = check_batch(n, device, lq, adv, loss_mask, corr, seq_ids, aggregation, num_loss_tokens, num_sequences,
+                         constant_normalizer, groups, versions, proximal)
+    if isinstance(temperature, Tensor):
+        if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != n):
+            raise ValueError(f"temperature must be a float or a [N] = [{n}] tensor, got {tuple(temperature.shape)}")
+        if not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
+            raise ValueError("temperature must be finite and > 0")
+    elif not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    check_candidates(candidates, vocab, n, device, active, tokens)

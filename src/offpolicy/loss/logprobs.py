@@ -1,0 +1,210 @@
+"""The loss math on per-token log-probabilities: ``policy_loss_from_logprobs``.
+
+Everything of SPEC sections 2-6 that follows the log-softmax, in ``O(N K)`` plain torch: importance weights
+(token, sequence, geometric), rejections, batch normalisation, decoupled PPO, score centering, aggregation and
+metrics. :func:`offpolicy.policy_loss` computes the log-probabilities from logits (or hidden states) with the
+sparse log-softmax primitive and lands here; trainers that already compute per-token log-probabilities with
+their own kernels (verl, TRL, OpenRLHF style) call this entry point directly.
+
+Per-token loss (SPEC section 3), ``sg`` = stop-gradient:
+
+    loss_t = -A_t * ( w_t log p(y_t) - sum_{v in H_t} sg(c_t(v)) log p(v) )
+
+with ``w_t = sg(f(r_t))`` (or the sequence-level weight), and the centering sum present only with score
+centering. Decoupled PPO replaces the first term by the clipped surrogate of ``u = p / pi_prox``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from offpolicy.loss.aggregation import aggregate
+from offpolicy.records.candidates import Candidates
+from offpolicy.loss.centering import Centering, centering_coefficients
+from offpolicy.corrections.correction import Correction
+from offpolicy.loss.metrics import policy_metrics
+from offpolicy.loss.segments import Segments
+from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_vector
+from offpolicy.corrections.weights import sequence_keep, sequence_weight, weight_function
+
+
+@dataclass
+class PolicyLossOutput:
+    """What :func:`offpolicy.policy_loss` and :func:`policy_loss_from_logprobs` return.
+
+    Attributes:
+        loss: scalar, differentiable with respect to the logits (or hidden and weight, or the log-probabilities).
+        token_loss: ``[N]`` detached per-token loss (0 on untrained and rejected tokens), before aggregation.
+        metrics: dict of detached scalar tensors (see :mod:`offpolicy.loss.metrics`).
+        token_weight: ``[N]`` detached importance weight ``w_t`` of each sampled token.
+        log_ratio: ``[N]`` detached ``log p(y_t) - lq_t``.
+        logprobs: ``[N]`` detached trainer log-probability ``log p(y_t)`` (support-normalised under replay).
+    """
+
+    loss: Tensor
+    token_loss: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    token_weight: Tensor | None = None
+    log_ratio: Tensor | None = None
+    logprobs: Tensor | None = None
+
+
+def policy_loss_from_logprobs(
+    logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    advantages: Tensor,
+    candidates: Candidates | None = None,
+    candidate_logprobs: Tensor | None = None,
+    loss_mask: Tensor | None = None,
+    correction: Correction = Correction(),
+    seq_ids: Tensor | None = None,
+    aggregation: str = "token_mean",
+    num_loss_tokens: float | Tensor | None = None,
+    groups: Tensor | None = None,
+    versions: Tensor | None = None,
+    *,
+    entropy: Tensor | None = None,
+    proximal_logprobs: Tensor | None = None,
+    num_sequences: float | Tensor | None = None,
+    constant_normalizer: float | None = None,
+    cp_group=None,
+    current_version: int | None = None,
+    validate: bool = True,
+) -> PolicyLossOutput:
+    """Off-policy-corrected policy-gradient loss from the trainer's per-token log-probabilities.
+
+    Args:
+        logprobs: ``[N]`` float ``log p(y_t)``, differentiable: the trainer's log-probability of each sampled token
+            at the sampling temperature, renormalised over the replayed support for ``kind="support"`` records
+            (the caller's log-softmax does the masking; it cannot be checked without the logits).
+        sampler_logprobs: ``[N]`` float ``lq_t``.
+        advantages: ``[N]`` float.
+        candidates: the sampler's :class:`~offpolicy.Candidates` record (ids and ``log q``); needed for score
+            centering.
+        candidate_logprobs: ``[N, K]`` float, differentiable: the trainer's log-probabilities at
+            ``candidates.ids`` (same normalisation as ``logprobs``; any finite value at ``-1`` padding). Required
+            with score centering and a record.
+        loss_mask, correction, seq_ids, aggregation, num_loss_tokens, groups, versions, proximal_logprobs,
+            num_sequences, constant_normalizer, cp_group, current_version, validate: as in
+            :func:`offpolicy.policy_loss`.
+        entropy: ``[N]`` detached entropy of the trainer's distribution, for the ``entropy`` metric (omitted from
+            the metrics when None).
+
+    Returns:
+        :class:`PolicyLossOutput`; ``loss`` is differentiable with respect to ``logprobs`` and
+        ``candidate_logprobs``.
+    """
+    corr = correction
+    if validate and not torch.compiler.is_compiling():
+        _validate(logprobs, sampler_logprobs, advantages, candidates, candidate_logprobs, loss_mask, corr, seq_ids,
+                  aggregation, num_loss_tokens, num_sequences, constant_normalizer, groups, versions,
+                  proximal_logprobs, entropy)
+    n = logprobs.shape[0]
+    active = (torch.ones(n, dtype=torch.bool, device=logprobs.device) if loss_mask is None
+              else loss_mask.to(torch.bool))
+    support = candidates is not None and candidates.kind == "support"
+    logp_y = logprobs
+    dtype = logp_y.dtype
+    # Sampler-side inputs are data, never differentiated (w = sg(f(r)), c = sg(c)), even if a caller's are attached.
+    lq = sampler_logprobs.to(dtype).detach()
+    adv = advantages.to(dtype).detach()
+    zero = torch.zeros_like(logp_y)
+    log_r = torch.where(active, logp_y.detach() - lq, zero)
+    seg = Segments.from_ids(seq_ids, active, cp_group) if seq_ids is not None else None
+
+    # The ratio that importance-weights the sampled token: p/q, or pi_prox/q under decoupled PPO.
+    log_w = log_r if proximal_logprobs is None else torch.where(active, proximal_logprobs.to(dtype) - lq, zero)
+    w = sequence_weight(log_w, seg, corr) if corr.sequence_level else weight_function(log_w, corr)
+    kept = sequence_keep(log_w, adv, seg, corr)
+    trained = active & (adv != 0) if kept is None else active & (adv != 0) & kept
+    w = torch.where(active if kept is None else active & kept, w, zero)
+    scale = 1.0
+    if corr.batch_normalize:
+        # A batch constant, applied to the weights and the centering coefficients alike: drift stays zero.
+        sel = active if kept is None else active & kept
+        w_sum, n_sel = _group_sum(torch.stack([w.sum(), sel.sum().to(dtype)]), cp_group)
+        mean_w = w_sum / n_sel.clamp_min(1)
+        scale = torch.where(mean_w > 0, 1.0 / mean_w.clamp_min(torch.finfo(dtype).tiny), torch.ones_like(mean_w))
+        w = w * scale
+
+    centering: Centering | None = None
+    if corr.ppo_clip is not None:
+        eps_lo, eps_hi = corr.ppo_clip
+        log_u = (logp_y - proximal_logprobs.to(dtype)).clamp(-corr.max_log_ratio, corr.max_log_ratio)
+        u = torch.exp(log_u)
+        surrogate = torch.minimum(u * adv, u.clamp(1.0 - eps_lo, 1.0 + eps_hi) * adv)
+        token_loss = -w * surrogate
+    else:
+        # w * log p(y) with w = 0 where the token's own weight is masked (0 * -inf must not make a NaN).
+        policy_term = torch.where(w != 0, w * logp_y, zero)
+        if corr.score_centering and candidates is not None:
+            valid = candidates.ids >= 0
+            centering = centering_coefficients(candidate_logprobs.detach(), candidates.logprobs.detach(), valid,
+                                               support, corr)
+            coef = centering.coef * scale
+            policy_term = policy_term - torch.where(coef != 0, coef * candidate_logprobs,
+                                                    torch.zeros_like(coef)).sum(1)
+        token_loss = -adv * policy_term
+    token_loss = torch.where(trained, token_loss, zero)
+    loss = aggregate(
+        token_loss, active, aggregation, seg, num_loss_tokens, num_sequences, constant_normalizer, cp_group
+    )
+
+    metrics = policy_metrics(
+        log_ratio=log_r, weight=w, active=active, entropy=zero if entropy is None else entropy, corr=corr,
+        kept=kept, centering=centering, cand_valid=(candidates.ids >= 0) if candidates is not None else None,
+        seg=seg.local() if seg is not None else None, groups=groups,
+        versions=versions, current_version=current_version,
+    )
+    if entropy is None:
+        del metrics["entropy"]
+    return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach())
+
+
+def _group_sum(x: Tensor, group) -> Tensor:
+    """``x`` summed over ``group`` (a detached all-reduce), or ``x`` itself without a group."""
+    if group is None:
+        return x
+    import torch.distributed as dist
+
+    x = x.detach().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def _validate(logprobs, lq, adv, candidates, cand_lp, loss_mask, corr, seq_ids, aggregation, num_loss_tokens,
+              num_sequences, constant_normalizer, groups, versions, proximal, entropy) -> None:
+    if not isinstance(logprobs, Tensor) or logprobs.dim() != 1:
+        raise ValueError(f"logprobs must be a [N] tensor, got {getattr(logprobs, 'shape', type(logprobs))}")
+    if not logprobs.is_floating_point():
+        raise TypeError(f"logprobs must be a floating-point tensor, got {logprobs.dtype}")
+    n, device = logprobs.shape[0], logprobs.device
+    active = check_batch(n, device, lq, adv, loss_mask, corr, seq_ids, aggregation, num_loss_tokens, num_sequences,
+                         constant_normalizer, groups, versions, proximal)
+    lp_a = logprobs.detach()[active]
+    if bool(torch.isnan(lp_a).any()):
+        raise ValueError(f"logprobs: NaN on trained token {int((torch.isnan(logprobs) & active).nonzero()[0])}")
+    if bool((lp_a > LOGPROB_SLACK).any()):
+        raise ValueError(f"logprobs: value {float(lp_a.max()):.4g} > 0 on a trained token (log-probabilities are "
+                         "<= 0: were logits passed?)")
+    if entropy is not None:
+        check_vector("entropy", entropy, n, device, "float")
+    check_candidates(candidates, None, n, device, active, None)
+    if cand_lp is not None and candidates is None:
+        raise ValueError("candidate_logprobs needs candidates (the sampler's record at the same ids)")
+    if candidates is not None and corr.score_centering and cand_lp is None:
+        raise ValueError("score centering needs candidate_logprobs [N, K]: the trainer's log-probabilities at "
+                         "candidates.ids")
+    if cand_lp is not None:
+        if not isinstance(cand_lp, Tensor) or tuple(cand_lp.shape) != tuple(candidates.ids.shape):
+            raise ValueError(f"candidate_logprobs must be [N, K] = {list(candidates.ids.shape)} like candidates.ids, "
+                             f"got {list(getattr(cand_lp, 'shape', []))}")
+        if not cand_lp.is_floating_point():
+            raise TypeError(f"candidate_logprobs must be a floating-point tensor, got {cand_lp.dtype}")
+        on = active[:, None] & (candidates.ids >= 0)
+        vals = cand_lp.detach()[on]
+        if bool(torch.isnan(vals).any()) or bool((vals > LOGPROB_SLACK).any()):
+            raise ValueError("candidate_logprobs: NaN or a value > 0 at a recorded candidate of a trained token")

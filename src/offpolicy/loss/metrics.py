@@ -1,0 +1,157 @@
+"""Detached diagnostics of the sampler-trainer mismatch and of the correction (SPEC section 6).
+
+Keys (all scalar tensors, means over trained tokens unless named otherwise):
+
+* mismatch: ``kl_k1``, ``kl_k2``, ``kl_k3`` (estimators of KL(q||p) on sampled tokens), ``abs_log_ratio_mean``,
+  ``abs_log_ratio_max``, ``extreme_ratio_frac`` (share of tokens with ``r`` outside ``[0.2, 5]``);
+* weights: ``weight_mean``, ``weight_min``, ``weight_max``, ``ratio_below_lower_frac``,
+  ``ratio_above_upper_frac`` (tokens masked low / high by MIS, or clipped by TIS), ``ess`` (effective sample
+  size ``(sum w)^2 / (n sum w^2)``), ``rejected_frac`` (dropped by veto / KL rejection / OPSM);
+* policy: ``entropy`` (of ``p``, or of ``p^S`` under mask replay), ``num_tokens``;
+* records: ``support_size``; with score centering ``sc_p_head``, ``sc_q_head``, ``sc_rho``, ``sc_abs_coef_sum``;
+* per sampler group ``g``: ``group/{g}/<name>`` with ``share_samples`` (of sequences when ``seq_ids`` are given,
+  else of tokens), ``share_tokens``, ``share_extreme`` (the group's share of all extreme-ratio tokens) and the
+  mismatch and weight keys above;
+* per staleness ``s = current_version - version``: ``staleness/{s}/<name>``, the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from offpolicy.loss.centering import Centering
+from offpolicy.corrections.correction import Correction
+from offpolicy.loss.segments import Segments
+from offpolicy.corrections.weights import kl_estimate, log_bound
+
+EXTREME_RATIO = (0.2, 5.0)
+
+
+def _mean(x: Tensor, sel: Tensor) -> Tensor:
+    n = sel.sum()
+    return torch.where(sel, x, torch.zeros_like(x)).sum() / n.clamp_min(1)
+
+
+def _max(x: Tensor, sel: Tensor) -> Tensor:
+    """Max of a non-negative quantity over the selection; 0 for an empty one. Branch-free (no host sync)."""
+    if x.numel() == 0:
+        return x.new_zeros(())
+    return torch.where(sel, x, torch.full_like(x, -math.inf)).amax().clamp_min(0)
+
+
+def _min(x: Tensor, sel: Tensor) -> Tensor:
+    """Min over the selection; 0 for an empty one."""
+    if x.numel() == 0:
+        return x.new_zeros(())
+    low = torch.where(sel, x, torch.full_like(x, math.inf)).amin()
+    return torch.where(torch.isfinite(low), low, torch.zeros_like(low))
+
+
+def token_stats(lr: Tensor, w: Tensor, sel: Tensor, corr: Correction) -> dict[str, Tensor]:
+    """Mismatch and weight statistics over the tokens selected by ``sel [N]`` (bool): ``lr [N]`` clamped
+    log-ratios, ``w [N]`` final weights. Keys: the mismatch and weight keys of the module docstring, ``ess`` and
+    ``num_tokens``."""
+    n = sel.sum()
+    out = {
+        "kl_k1": _mean(kl_estimate(lr, "k1"), sel),
+        "kl_k2": _mean(kl_estimate(lr, "k2"), sel),
+        "kl_k3": _mean(kl_estimate(lr, "k3"), sel),
+        "abs_log_ratio_mean": _mean(lr.abs(), sel),
+        "abs_log_ratio_max": _max(lr.abs(), sel),
+        "extreme_ratio_frac": _mean(_extreme(lr).to(lr.dtype), sel),
+        "weight_mean": _mean(w, sel),
+        "weight_min": _min(w, sel),
+        "weight_max": _max(w, sel),
+        "ratio_below_lower_frac": _mean((lr < log_bound(corr.lower)).to(lr.dtype), sel),
+        "ratio_above_upper_frac": _mean((lr > log_bound(corr.upper)).to(lr.dtype), sel),
+    }
+    ws = torch.where(sel, w, torch.zeros_like(w))
+    sq = (ws * ws).sum()
+    out["ess"] = torch.where(sq > 0, ws.sum() ** 2 / (n.clamp_min(1) * sq), torch.zeros_like(sq))
+    out["num_tokens"] = n.to(lr.dtype)
+    return out
+
+
+def _extreme(lr: Tensor) -> Tensor:
+    return (lr < math.log(EXTREME_RATIO[0])) | (lr > math.log(EXTREME_RATIO[1]))
+
+
+def policy_metrics(
+    *,
+    log_ratio: Tensor,
+    weight: Tensor,
+    active: Tensor,
+    entropy: Tensor,
+    corr: Correction,
+    kept: Tensor | None = None,
+    centering: Centering | None = None,
+    cand_valid: Tensor | None = None,
+    seg: Segments | None = None,
+    groups: Tensor | None = None,
+    versions: Tensor | None = None,
+    current_version: int | None = None,
+) -> dict[str, Tensor]:
+    """All metrics of the module docstring.
+
+    Args:
+        log_ratio: ``[N]`` ``log p(y) - lq`` (detached; may hold ``+-inf``, clamped here to ``+-max_log_ratio``).
+        weight: ``[N]`` final token weights (after rejection and batch normalisation).
+        active: ``[N]`` bool trained tokens.
+        entropy: ``[N]`` entropy of the trainer's (full or support) distribution.
+        kept: ``[N]`` bool, tokens not dropped by a sequence-level rejection (None: all kept).
+        centering: score-centering coefficients and diagnostics, or None.
+        cand_valid: ``[N, K]`` bool valid candidate entries, or None.
+        seg: sequence segments (for ``share_samples``), or None.
+        groups, versions: ``[N]`` int sampler group and policy version of each token, or None.
+        current_version: the trainer's version for staleness; default ``versions.max()``.
+    """
+    lr = log_ratio.detach().clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    w = weight.detach()
+    out = token_stats(lr, w, active, corr)
+    out["entropy"] = _mean(entropy.detach().to(lr.dtype), active)
+    out["rejected_frac"] = (
+        _mean((~kept).to(lr.dtype), active) if kept is not None else lr.new_zeros(())
+    )
+    if cand_valid is not None:
+        out["support_size"] = _mean(cand_valid.sum(dim=1).to(lr.dtype), active)
+    if centering is not None:
+        out["sc_p_head"] = _mean(centering.p_head, active)
+        out["sc_q_head"] = _mean(centering.q_head, active)
+        out["sc_rho"] = _mean(centering.rho, active)
+        out["sc_abs_coef_sum"] = _mean(centering.coef.abs().sum(dim=1), active)
+    if groups is not None:
+        out.update(_split(lr, w, active, corr, groups, "group", seg))
+    if versions is not None:
+        now = int(versions[active].max()) if current_version is None and bool(active.any()) else current_version
+        if now is not None:
+            out.update(_split(lr, w, active, corr, now - versions, "staleness", seg))
+    return out
+
+
+def _split(
+    lr: Tensor, w: Tensor, active: Tensor, corr: Correction, key: Tensor, name: str, seg: Segments | None
+) -> dict[str, Tensor]:
+    """Per-value statistics of ``key [N]`` over the active tokens, with each value's shares."""
+    out: dict[str, Tensor] = {}
+    n_total = active.sum().clamp_min(1).to(lr.dtype)
+    extreme = _extreme(lr) & active
+    n_extreme = extreme.sum().to(lr.dtype)
+    seq_total = seg.has_active().sum().clamp_min(1).to(lr.dtype) if seg is not None else None
+    for value in torch.unique(key[active]).tolist():
+        sel = active & (key == value)
+        stats = token_stats(lr, w, sel, corr)
+        stats["share_tokens"] = sel.sum().to(lr.dtype) / n_total
+        stats["share_extreme"] = torch.where(
+            n_extreme > 0, (extreme & sel).sum().to(lr.dtype) / n_extreme.clamp_min(1), n_extreme * 0
+        )
+        if seg is not None:
+            in_seq = torch.zeros(seg.num, dtype=torch.bool, device=lr.device)
+            in_seq[seg.index[sel]] = True
+            stats["share_samples"] = in_seq.sum().to(lr.dtype) / seq_total
+        else:
+            stats["share_samples"] = stats["share_tokens"]
+        out.update({f"{name}/{value}/{k}": v for k, v in stats.items()})
+    return out

@@ -1,0 +1,93 @@
+"""Boundary checks shared by the public entry points (:func:`offpolicy.policy_loss`,
+:func:`offpolicy.policy_loss_from_logprobs`): each names the argument and what was expected."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
+from offpolicy.records.candidates import Candidates
+from offpolicy.corrections.correction import Correction
+
+#: Log-probabilities may exceed 0 by rounding; beyond this they are not log-probabilities.
+LOGPROB_SLACK = 1e-4
+
+
+def check_vector(name: str, x, n: int, device, kind: str) -> None:
+    """Check that ``x`` is an ``[n]`` tensor of the given kind ("int", "float" or "any") on ``device``."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [{n}], got {type(x).__name__}")
+    if x.dim() != 1 or x.shape[0] != n:
+        raise ValueError(f"{name} must have shape [N] = [{n}], got {tuple(x.shape)}")
+    if kind == "int" and (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+    if kind == "float" and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, expected {device} like the other inputs")
+
+
+def check_batch(n: int, device, lq, adv, loss_mask, corr, seq_ids, aggregation, num_loss_tokens, num_sequences,
+                constant_normalizer, groups, versions, proximal) -> Tensor:
+    """The per-token data and options common to every entry point; returns ``active [N]`` (bool)."""
+    if not isinstance(corr, Correction):
+        raise TypeError(f"correction must be an offpolicy.Correction, got {type(corr).__name__}")
+    if lq is None or adv is None:
+        raise ValueError("sampler_logprobs and advantages are required")
+    check_vector("sampler_logprobs", lq, n, device, "float")
+    check_vector("advantages", adv, n, device, "float")
+    if loss_mask is not None:
+        check_vector("loss_mask", loss_mask, n, device, "any")
+        if loss_mask.dtype != torch.bool and bool(((loss_mask != 0) & (loss_mask != 1)).any()):
+            raise ValueError("loss_mask must be bool (or hold only 0 and 1)")
+        active = loss_mask.to(torch.bool)
+    else:
+        active = torch.ones(n, dtype=torch.bool, device=device)
+    lq_a = lq[active]
+    if bool(torch.isnan(lq_a).any()):
+        raise ValueError("sampler_logprobs: NaN on a trained token")
+    if bool((lq_a == float("-inf")).any()):
+        raise ValueError("sampler_logprobs: -inf on a trained token (the sampler cannot have drawn it)")
+    if bool((lq_a > LOGPROB_SLACK).any()):
+        raise ValueError(f"sampler_logprobs: value {float(lq_a.max()):.4g} > 0 on a trained token")
+    if not bool(torch.isfinite(adv[active]).all()):
+        raise ValueError("advantages: NaN or inf on a trained token")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if aggregation in SEQUENCE_AGGREGATIONS and seq_ids is None:
+        raise ValueError(f"aggregation={aggregation!r} needs seq_ids")
+    if aggregation == "constant" and not (constant_normalizer is not None and constant_normalizer > 0):
+        raise ValueError("aggregation='constant' needs constant_normalizer > 0")
+    if corr.needs_sequences and seq_ids is None:
+        raise ValueError("this correction (sequence-level weights or a sequence rejection) needs seq_ids")
+    for name, val in (("num_loss_tokens", num_loss_tokens), ("num_sequences", num_sequences)):
+        if val is not None and not float(val) > 0:
+            raise ValueError(f"{name} must be > 0, got {val}")
+    if (corr.ppo_clip is None) != (proximal is None):
+        raise ValueError("correction.ppo_clip and proximal_logprobs go together (decoupled PPO)")
+    if proximal is not None:
+        check_vector("proximal_logprobs", proximal, n, device, "float")
+        if not bool(torch.isfinite(proximal[active]).all()):
+            raise ValueError("proximal_logprobs: NaN or inf on a trained token")
+    for name, val in (("seq_ids", seq_ids), ("groups", groups), ("versions", versions)):
+        if val is not None:
+            check_vector(name, val, n, device, "int")
+    return active
+
+
+def check_candidates(candidates, vocab: int | None, n: int, device, active: Tensor, tokens: Tensor | None) -> None:
+    """The record against the batch (ids in range when ``vocab`` is known, the sampled token in its support when
+    ``tokens`` are known)."""
+    if candidates is None:
+        return
+    if not isinstance(candidates, Candidates):
+        raise TypeError(f"candidates must be an offpolicy.Candidates, got {type(candidates).__name__}")
+    if candidates.ids.device != device:
+        raise ValueError(f"candidates are on {candidates.ids.device}, expected {device}")
+    candidates.validate(vocab, n, tokens)
+    if candidates.kind == "support":
+        empty = active & ~(candidates.ids >= 0).any(dim=1)
+        if bool(empty.any()):
+            row = int(empty.nonzero()[0])
+            raise ValueError(f"candidates: kind='support' row {row} is empty but its token is trained")

@@ -1,0 +1,43 @@
+"""``TokenBatch``: a rollout flattened over its sampled positions, the record that samplers (the reference
+sampler, the SGLang and vLLM adapters) hand to :func:`offpolicy.policy_loss`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from offpolicy.records.candidates import Candidates
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A rollout flattened over its sampled positions (``N`` of them), ready for ``op.policy_loss``.
+
+    Attributes:
+        tokens: ``[N]`` int64 sampled ids.
+        sampler_logprobs: ``[N]`` fp32, ``lq_t`` (after temperature, renormalised over the support when
+            filtered).
+        candidates: the :class:`Candidates` record ``[N, K]``, or ``None``.
+        loss_mask: ``[N]`` bool, True on trained tokens.
+        seq_ids: ``[N]`` int64, the rollout row of each token.
+        versions: ``[N]`` int64 policy version that sampled each token.
+        rows, cols: ``[N]`` int64 position of each token in ``Rollout.sequences``.
+        temperature: ``[N]`` fp32 sampling temperature of each token.
+    """
+
+    tokens: Tensor
+    sampler_logprobs: Tensor
+    candidates: Candidates | None
+    loss_mask: Tensor
+    seq_ids: Tensor
+    versions: Tensor
+    rows: Tensor
+    cols: Tensor
+    temperature: Tensor
+
+    def gather(self, logits: Tensor) -> Tensor:
+        """Pick the trainer logits that predicted each token: ``logits[rows, cols - 1]``, ``[B, L, V] -> [N, V]``."""
+        if logits.dim() != 3:
+            raise ValueError(f"logits must be [B, L, V], got shape {tuple(logits.shape)}")
+        return logits[self.rows, self.cols - 1]

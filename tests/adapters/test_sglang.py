@@ -1,0 +1,287 @@
+"""SGLang adapter: request fields per mode (validated by SGLang's own SamplingParams), response parsing into the
+record contract, the semantic checks, multi-turn trajectories."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import offpolicy as op
+from offpolicy.adapters import RecordError, Trajectory, check_calibration, collate
+from offpolicy.adapters import sglang
+from offpolicy.fleet.sampler import support_mask
+
+FIX = Path(__file__).resolve().parents[1] / "support" / "fixtures"
+_spec = importlib.util.spec_from_file_location("fake_servers", FIX / "fake_servers.py")
+fake = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake)
+
+
+def load(name):
+    return json.loads((FIX / name).read_text())
+
+
+def true_record(context, tokens, temperature, top_p=1.0, top_k=None):
+    """Post-temperature full log-probs and support-renormalised log-probs of each generated token."""
+    ctx, full, renorm, supports = list(context), [], [], []
+    for y in tokens:
+        lp = torch.log_softmax(fake.toy_logits(ctx).double() / temperature, -1)
+        keep = support_mask(lp[None].float(), top_k, top_p)[0]
+        full.append(float(lp[y]))
+        renorm.append(float(lp[y] - torch.logsumexp(lp[keep], 0)))
+        supports.append(set(keep.nonzero().flatten().tolist()))
+        ctx.append(y)
+    return torch.tensor(full, dtype=torch.float64), torch.tensor(renorm, dtype=torch.float64), supports
+
+
+# ---------------------------------------------------------------- requests
+def test_build_request_fields_per_mode():
+    head = sglang.build_request([1, 2], max_new_tokens=5, temperature=0.8, record="head", top_logprobs_num=4)
+    assert head == {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 4,
+                    "sampling_params": {"max_new_tokens": 5, "temperature": 0.8, "top_p": 1.0}}
+    sup = sglang.build_request([1], max_new_tokens=3, top_p=0.95, top_k=64, record="support", sampling_seed=3)
+    assert sup["return_sampling_mask"] is True and sup["sampling_logprobs_mode"] == "support"
+    assert sup["top_logprobs_num"] == 2 and sup["sampling_params"]["top_k"] == 64
+    assert sup["sampling_params"]["sampling_seed"] == 3
+    pure_p = sglang.build_request([1], max_new_tokens=3, top_p=0.9, record="support", top_logprobs_num=0)
+    assert pure_p["sampling_params"]["top_k"] == sglang.DEFAULT_SAMPLING_MASK_MAX_TOKENS
+    assert "top_logprobs_num" not in pure_p
+    plain = sglang.build_request([1], max_new_tokens=2, record=None, stop_token_ids=[0])
+    assert "top_logprobs_num" not in plain and plain["sampling_params"]["stop_token_ids"] == [0]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": 0.0}, "temperature 0"),
+    ({"top_p": 0.9, "record": "head"}, "unfiltered"),
+    ({"top_k": 5, "record": None}, "unfiltered"),
+    ({"record": "support"}, "needs top_p < 1"),
+    ({"top_k": 5000, "record": "support"}, "sampling-mask-max-tokens"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"record": "head", "top_logprobs_num": 0}, "top_logprobs_num"),
+    ({"extra_sampling_params": {"temperature": 2.0}}, "override"),
+])
+def test_build_request_refuses(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sglang.build_request([1], max_new_tokens=2, **kwargs)
+
+
+def test_requests_validate_against_sglang_sampling_params():
+    pytest.importorskip("sglang.srt.sampling.sampling_params")
+    for body in (
+        sglang.build_request([1, 2], max_new_tokens=5, temperature=0.8, record="head"),
+        sglang.build_request([1], max_new_tokens=3, top_p=0.95, top_k=64, record="support"),
+        sglang.build_request([1], max_new_tokens=3, top_p=0.9, record="support",
+                             extra_sampling_params={"ignore_eos": True}),
+    ):
+        assert sglang.validate_request(body, vocab_size=1000) is True
+    bad = sglang.build_request([1], max_new_tokens=3, record="head")
+    bad["sampling_params"]["top_p"] = 1.5
+    with pytest.raises(ValueError, match="top_p"):
+        sglang.validate_request(bad, vocab_size=1000)
+    bad = sglang.build_request([1], max_new_tokens=3, record="head")
+    bad["sampling_params"]["min_new_tokens"] = 9
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        sglang.validate_request(bad, vocab_size=1000)
+    bad = sglang.build_request([1], max_new_tokens=3, record="head")
+    bad["sampling_logprobs_mode"] = "support"
+    with pytest.raises(ValueError, match="return_sampling_mask=true"):
+        sglang.validate_request(bad, vocab_size=1000)
+    nok = sglang.build_request([1], max_new_tokens=3, top_p=0.9, top_k=5, record="support")
+    del nok["sampling_params"]["top_k"]
+    with pytest.raises(ValueError, match="finite top_k"):
+        sglang.validate_request(nok, vocab_size=1000)
+
+
+# ---------------------------------------------------------------- fixtures
+def test_parse_head_fixture():
+    req, resp = load("sglang_head_request.json"), load("sglang_head_response.json")
+    rec = sglang.parse_response(resp, req, vocab_size=fake.V)
+    assert rec.tokens.tolist() == resp["output_ids"] and rec.kind == "head"
+    assert rec.candidates.ids.shape == (6, 4) and rec.versions == ("7",) * 6
+    full, _, _ = true_record(req["input_ids"], resp["output_ids"], 0.8)
+    # fp32 server values against a float64 recompute: 1e-5
+    assert torch.allclose(rec.sampler_logprobs.double(), full, atol=1e-5)
+    assert rec.finish_reason == {"type": "length", "length": 6}
+    assert rec.input_ids == tuple(req["input_ids"])
+
+
+def test_parse_support_fixture_with_weight_version_spans():
+    req, resp = load("sglang_support_request.json"), load("sglang_support_response.json")
+    rec = sglang.parse_response(resp, req, vocab_size=fake.V)
+    assert rec.kind == "support" and rec.versions == ("6", "6", "6", "7", "7", "7")
+    _, renorm, supports = true_record(req["input_ids"], resp["output_ids"], 0.7, 0.9, 8)
+    assert torch.allclose(rec.sampler_logprobs.double(), renorm, atol=1e-5)
+    for t, s in enumerate(supports):
+        row = rec.candidates.ids[t]
+        assert set(row[row >= 0].tolist()) == s
+    rec.candidates.validate(fake.V, len(rec), rec.tokens)
+    assert rec.top_p == 0.9 and rec.top_k == 8 and rec.temperature == 0.7
+
+
+# ---------------------------------------------------------------- failure modes
+def fresh(body, **kw):
+    return fake.sglang_generate(body, torch.Generator().manual_seed(5), **kw)
+
+
+SUP = sglang.build_request([2, 7, 1, 8], max_new_tokens=6, temperature=0.7, top_p=0.9, top_k=8,
+                           record="support", top_logprobs_num=3)
+HEAD = sglang.build_request([3, 1, 4], max_new_tokens=6, temperature=0.6, record="head", top_logprobs_num=4)
+
+
+def test_raw_vs_post_temperature_logprobs_detected():
+    with pytest.raises(RecordError, match="post-temperature"):
+        sglang.parse_response(fresh(SUP, raw_logprobs=True), SUP)
+    # at temperature 1 raw and post-temperature coincide: nothing to flag
+    t1 = copy.deepcopy(SUP)
+    t1["sampling_params"]["temperature"] = 1.0
+    sglang.parse_response(fresh(t1, raw_logprobs=True), t1)
+    with pytest.raises(RecordError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
+        sglang.parse_response(fresh(HEAD, raw_logprobs=True), HEAD, return_original_logprob=True)
+
+
+def test_renormalised_vs_full_vocabulary_confusion_detected():
+    with pytest.raises(RecordError, match="not 1"):
+        sglang.parse_response(fresh(SUP, renormalised_full=True), SUP)
+    filtered_plain = copy.deepcopy(HEAD)
+    filtered_plain["sampling_params"]["top_p"] = 0.9
+    with pytest.raises(RecordError, match="full-vocabulary"):
+        sglang.parse_response(fresh(filtered_plain), filtered_plain)
+    resp = fresh(HEAD)
+    top = resp["meta_info"]["output_top_logprobs"][2]
+    z = math.log(sum(math.exp(e[0]) for e in top))
+    for e in top:
+        e[0] -= z  # top-K renormalised over itself: its copy of the sampled token no longer matches
+    with pytest.raises(RecordError, match="differ"):
+        sglang.parse_response(resp, HEAD)
+    for e in top:
+        e[0] += math.log(1.3)  # mass 1.3: not probabilities of one distribution at all
+    resp["meta_info"]["output_token_logprobs"][2][0] = top[0][0] if top[0][1] == resp["output_ids"][2] else -9.0
+    with pytest.raises(RecordError, match="> 1"):
+        sglang.parse_response(resp, HEAD)
+
+
+def test_support_row_sum_and_sampled_outside_support_detected():
+    resp = fresh(SUP)
+    masks = resp["meta_info"]["output_token_sampling_mask"]
+    lps = resp["meta_info"]["output_token_sampling_logprobs"]
+    t = next(i for i, m in enumerate(masks) if len(m) >= 2)
+    y = resp["output_ids"][t]
+    j = masks[t].index(y)
+    del masks[t][j], lps[t][j]
+    z = math.log(sum(math.exp(v) for v in lps[t]))
+    lps[t] = [v - z for v in lps[t]]
+    with pytest.raises(RecordError, match="outside its support"):
+        sglang.parse_response(resp, SUP)
+    resp = fresh(SUP)
+    resp["meta_info"]["output_token_sampling_logprobs"][1] = [
+        v - 0.5 for v in resp["meta_info"]["output_token_sampling_logprobs"][1]]
+    with pytest.raises(RecordError, match="not 1"):
+        sglang.parse_response(resp, SUP)
+
+
+def test_other_refusals():
+    zero = copy.deepcopy(HEAD)
+    zero["sampling_params"]["temperature"] = 0.0
+    with pytest.raises(RecordError, match="temperature 0"):
+        sglang.parse_response(fresh(HEAD), zero)
+    aborted = fresh(SUP)
+    aborted["meta_info"]["finish_reason"] = {"type": "abort", "message": "Sampling support exceeds"}
+    with pytest.raises(RecordError, match="aborted"):
+        sglang.parse_response(aborted, SUP)
+    selected = copy.deepcopy(SUP)
+    selected["sampling_logprobs_mode"] = "selected"
+    with pytest.raises(RecordError, match="sampling_logprobs_mode='support'"):
+        sglang.parse_response(fresh(selected), selected)
+    short = fresh(SUP)
+    short["meta_info"]["output_token_sampling_mask"].pop()
+    with pytest.raises(RecordError, match="rows for 6 tokens"):
+        sglang.parse_response(short, SUP)
+    logits = fresh(HEAD)
+    logits["meta_info"]["output_token_logprobs"][0][0] = 3.5
+    with pytest.raises(RecordError, match="not a log-probability"):
+        sglang.parse_response(logits, HEAD)
+    mixed = fresh(HEAD)
+    mixed["meta_info"]["output_token_logprobs"][0][0] -= 0.1
+    with pytest.raises(RecordError, match="differ"):
+        sglang.parse_response(mixed, HEAD)
+    ids = fresh(HEAD)
+    ids["output_ids"][0] = (ids["output_ids"][0] + 1) % fake.V
+    with pytest.raises(RecordError, match="differ from output_ids"):
+        sglang.parse_response(ids, HEAD)
+
+
+def test_calibration_catches_raw_logprobs_statistically():
+    bodies = [sglang.build_request([i % 7, i % 5 + 1, 3], max_new_tokens=8, temperature=0.5, record="head",
+                                   top_logprobs_num=3) for i in range(60)]
+    g = torch.Generator().manual_seed(11)
+    good = [fake.sglang_generate(b, g) for b in bodies]
+    recs = sglang.parse_batch(good, bodies)
+    assert len(recs) == 60
+    z = check_calibration(torch.cat([r.tokens for r in recs]),
+                          op.Candidates(torch.cat([r.candidates.ids for r in recs]),
+                                        torch.cat([r.candidates.logprobs for r in recs]), "head"))
+    assert abs(z) < 4
+    raw = [fake.sglang_generate(b, g, raw_logprobs=True) for b in bodies]
+    with pytest.raises(RecordError, match="miscalibrated"):
+        sglang.parse_batch(raw, bodies)
+    sglang.parse_batch(raw, bodies, calibration_z=None)  # the check can be switched off
+
+
+# ---------------------------------------------------------------- multi-turn
+def test_multi_turn_trajectory_collate_and_policy_loss():
+    g = torch.Generator().manual_seed(2)
+    trajs = []
+    for prompt in ([1, 2, 3], [4, 5]):
+        traj = Trajectory(prompt)
+        for turn in range(2):
+            body = sglang.build_request(traj.input_ids, max_new_tokens=4, temperature=0.9, top_p=0.85, top_k=6,
+                                        record="support")
+            resp = fake.sglang_generate(body, g, weight_version=str(3 + turn))
+            traj.add_turn(sglang.parse_response(resp, body, vocab_size=fake.V))
+            traj.add_tokens([15, 14])  # tool output, not trained
+        trajs.append(traj)
+    seqs, batch = collate(trajs)
+    assert seqs.shape == (2, 3 + 2 * 6) and batch.tokens.shape == (16,)
+    assert batch.versions.tolist() == [3] * 4 + [4] * 4 + [3] * 4 + [4] * 4
+    assert bool(batch.loss_mask.all()) and batch.candidates.kind == "support"
+    assert seqs[0, 7:9].tolist() == [15, 14]  # tool tokens between the turns
+    # the trainer (here: the same toy model) scores each token in exactly the sampler's context
+    logits = torch.stack([fake.toy_logits(seqs[r, :c].tolist()) for r, c in zip(batch.rows, batch.cols)])
+    logits = logits / batch.temperature[:, None]
+    ids, valid = batch.candidates.ids.clamp(min=0), batch.candidates.valid
+    lp = torch.log_softmax(logits, -1).gather(1, ids).masked_fill(~valid, float("-inf"))
+    renorm = lp - torch.logsumexp(lp, 1, keepdim=True)
+    assert torch.allclose(renorm.masked_fill(~valid, 0), batch.candidates.logprobs.masked_fill(~valid, 0), atol=1e-5)
+    out = op.policy_loss(logits, batch.tokens, batch.sampler_logprobs, torch.ones(16),
+                         candidates=batch.candidates, loss_mask=batch.loss_mask,
+                         correction=op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True))
+    assert torch.isfinite(out.loss) and abs(float(out.metrics["kl_k3"])) < 1e-6  # same model: no mismatch
+
+
+def test_trajectory_refuses_context_drift():
+    g = torch.Generator().manual_seed(0)
+    traj = Trajectory([1, 2, 3])
+    body = sglang.build_request(traj.input_ids, max_new_tokens=2, record="head")
+    traj.add_turn(sglang.parse_response(fake.sglang_generate(body, g), body))
+    traj.add_tokens([9])
+    retokenised = traj.input_ids[:-1] + [8]  # e.g. a chat template re-rendered the tool turn
+    body2 = sglang.build_request(retokenised, max_new_tokens=2, record="head")
+    with pytest.raises(RecordError, match="context differs from the trajectory at token 5"):
+        traj.add_turn(sglang.parse_response(fake.sglang_generate(body2, g), body2))
+    with pytest.raises(ValueError, match="different kinds"):
+        other = Trajectory([1])
+        b3 = sglang.build_request(other.input_ids, max_new_tokens=2, top_p=0.9, top_k=4, record="support")
+        other.add_turn(sglang.parse_response(fake.sglang_generate(b3, g), b3))
+        collate([traj, other])
+    strings = Trajectory([1])
+    b4 = sglang.build_request(strings.input_ids, max_new_tokens=2, record="head")
+    strings.add_turn(sglang.parse_response(fake.sglang_generate(b4, g, weight_version="default"), b4))
+    with pytest.raises(ValueError, match="version_of"):
+        collate([strings])
+    assert collate([strings], version_of=lambda v: 0)[1].versions.tolist() == [0, 0]

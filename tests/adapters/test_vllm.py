@@ -1,0 +1,178 @@
+"""vLLM adapter: sampling params per mode, the three response shapes, --logprobs-mode semantics, mask replay."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from offpolicy.adapters import RecordError, Trajectory, check_calibration, collate
+from offpolicy.adapters import vllm
+from offpolicy.fleet.sampler import support_mask
+
+FIX = Path(__file__).resolve().parents[1] / "support" / "fixtures"
+_spec = importlib.util.spec_from_file_location("fake_servers", FIX / "fake_servers.py")
+fake = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake)
+
+
+def load(name):
+    return json.loads((FIX / name).read_text())
+
+
+def processed(context, tokens, temperature, top_p=1.0, top_k=None):
+    """vLLM's processed log-probs of each token, recomputed in float64 with vLLM's filter semantics."""
+    ctx, out, supports = list(context), [], []
+    for y in tokens:
+        lp = torch.log_softmax(fake.toy_logits(ctx).double() / temperature, -1)
+        keep = support_mask(lp[None].float(), top_k, top_p, semantics="vllm")[0]
+        out.append(float(lp[y] - torch.logsumexp(lp[keep], 0)))
+        supports.append(set(keep.nonzero().flatten().tolist()))
+        ctx.append(y)
+    return torch.tensor(out, dtype=torch.float64), supports
+
+
+def test_sampling_params_per_mode():
+    assert vllm.build_sampling_params(max_tokens=4, temperature=0.7, record="head", logprobs=5) == {
+        "max_tokens": 4, "temperature": 0.7, "top_p": 1.0, "logprobs": 5}
+    sup = vllm.build_sampling_params(max_tokens=4, top_p=0.9, top_k=16, record="support", seed=1)
+    assert sup["logprobs"] == 16 and sup["top_k"] == 16 and sup["seed"] == 1
+    body = vllm.build_request([1, 2], model="m", max_tokens=3, record=None)
+    assert body == {"token_ids": [1, 2], "sampling_params": {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0,
+                                                             "logprobs": 0}, "stream": False, "model": "m"}
+    for kwargs, match in [
+        ({"temperature": 0.0}, "temperature 0"),
+        ({"top_p": 0.9, "record": "support"}, "requires top_k"),
+        ({"top_k": 8, "record": "support", "logprobs": 4}, "support log-probs would be missing"),
+        ({"top_k": 32, "record": "support"}, "max-logprobs"),
+        ({"top_p": 0.5, "record": "head"}, "unfiltered"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            vllm.build_sampling_params(max_tokens=2, **kwargs)
+
+
+def test_parse_generate_support_fixture():
+    req, resp = load("vllm_generate_support_request.json"), load("vllm_generate_support_response.json")
+    rec = vllm.parse_generate_response(resp, req, vocab_size=fake.V)
+    assert rec.kind == "support" and rec.tokens.tolist() == resp["choices"][0]["token_ids"]
+    truth, supports = processed(req["token_ids"], rec.tokens.tolist(), 0.7, 0.9, 6)
+    # float64 recompute of vLLM's fp32 processed log-probs
+    assert torch.allclose(rec.sampler_logprobs.double(), truth, atol=1e-5)
+    for t, s in enumerate(supports):
+        row = rec.candidates.ids[t]
+        assert set(row[row >= 0].tolist()) == s == set(resp["choices"][0]["sampling_mask"][t])
+    rec.candidates.validate(fake.V, len(rec), rec.tokens)
+    assert rec.versions is None and rec.finish_reason == "length"
+
+
+def test_parse_generate_head_and_completions_fixtures():
+    req, resp = load("vllm_generate_head_request.json"), load("vllm_generate_head_response.json")
+    rec = vllm.parse_generate_response(resp, req, vocab_size=fake.V)
+    truth, _ = processed(req["token_ids"], rec.tokens.tolist(), 1.2)
+    assert rec.kind == "head" and rec.candidates.width == 3
+    assert torch.allclose(rec.sampler_logprobs.double(), truth, atol=1e-5)
+    creq, cresp = load("vllm_completions_head_request.json"), load("vllm_completions_head_response.json")
+    crec = vllm.parse_completion_response(cresp, creq, vocab_size=fake.V)
+    truth, _ = processed(creq["prompt"], crec.tokens.tolist(), 0.9)
+    assert torch.allclose(crec.sampler_logprobs.double(), truth, atol=1e-5)
+    # the completions API appends the sampled token to top_logprobs when it is outside the top-K; the head
+    # keeps exactly the top-K (a head that depends on the draw would bias score centering)
+    assert crec.candidates.width == 3
+    lps = crec.candidates.logprobs
+    assert bool((lps[:, :-1] >= lps[:, 1:]).all())
+
+
+def test_parse_offline_request_output():
+    sp = vllm.build_sampling_params(max_tokens=5, temperature=0.8, top_p=0.8, top_k=5, record="support")
+    out = fake.vllm_offline(sp, [1, 2, 3], torch.Generator().manual_seed(3))
+    rec = vllm.parse_request_output(out, sp, vocab_size=fake.V)
+    truth, _ = processed([1, 2, 3], rec.tokens.tolist(), 0.8, 0.8, 5)
+    assert torch.allclose(rec.sampler_logprobs.double(), truth, atol=1e-5)
+    assert rec.input_ids == (1, 2, 3) and rec.kind == "support"
+    hsp = vllm.build_sampling_params(max_tokens=5, temperature=1.1, record="head", logprobs=2)
+    hout = fake.vllm_offline(hsp, [4], torch.Generator().manual_seed(3), mask=False)
+    hrec = vllm.parse_request_output(hout, hsp)
+    assert hrec.candidates.width == 2  # the (K+1)-th entry (sampled token outside the top-K) is dropped
+
+
+def test_logprobs_mode_semantics_are_enforced():
+    req = load("vllm_generate_support_request.json")
+    g = torch.Generator().manual_seed(1)
+    raw = fake.vllm_generate(req, g, logprobs_mode="raw_logprobs")
+    # a server left at the default raw_logprobs: finite values outside the mask, unnormalised support
+    with pytest.raises(RecordError, match="outside the sampling mask"):
+        vllm.parse_generate_response(raw, req)
+    with pytest.raises(RecordError, match="raw_logprobs returns log-probs before temperature"):
+        vllm.parse_generate_response(raw, req, logprobs_mode="raw_logprobs")
+    with pytest.raises(RecordError, match="logits, not log-probabilities"):
+        vllm.parse_generate_response(raw, req, logprobs_mode="processed_logits")
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        vllm.parse_generate_response(raw, req, logprobs_mode="processed")
+    t1 = vllm.build_request([5, 6], max_tokens=4, record="head", logprobs=3)
+    vllm.parse_generate_response(fake.vllm_generate(t1, g, logprobs_mode="raw_logprobs", mask=False), t1,
+                                 logprobs_mode="raw_logprobs")  # T = 1, unfiltered: raw == processed
+
+
+def test_missing_support_logprobs_and_missing_mask_detected():
+    req = copy.deepcopy(load("vllm_generate_support_request.json"))
+    req["sampling_params"]["logprobs"] = 2  # fewer than the support sizes
+    resp = fake.vllm_generate(req, torch.Generator().manual_seed(0))
+    with pytest.raises(RecordError, match="without a finite log-prob"):
+        vllm.parse_generate_response(resp, req)
+    req = load("vllm_generate_support_request.json")
+    nomask = fake.vllm_generate(req, torch.Generator().manual_seed(0), mask=False)
+    with pytest.raises(RecordError, match="enable-return-sampling-mask"):
+        vllm.parse_generate_response(nomask, req)
+    resp = load("vllm_generate_support_response.json")
+    choice = resp["choices"][0]
+    t = next(i for i, m in enumerate(choice["sampling_mask"]) if len(m) >= 2)
+    choice["sampling_mask"][t] = [v for v in choice["sampling_mask"][t] if v != choice["token_ids"][t]]
+    with pytest.raises(RecordError, match="outside its support"):
+        vllm.parse_generate_response(resp, req)
+
+
+def test_json_rendering_and_clamp():
+    req, resp = load("vllm_generate_support_request.json"), load("vllm_generate_support_response.json")
+    # tokens outside the support come back clamped at -9999.0 and read as probability 0
+    tops = [e for item in resp["choices"][0]["logprobs"]["content"] for e in item["top_logprobs"]]
+    assert any(e["logprob"] == -9999.0 for e in tops)
+    vllm.parse_generate_response(resp, req)
+    bad = copy.deepcopy(resp)
+    bad["choices"][0]["logprobs"]["content"][0]["token"] = "hello"
+    with pytest.raises(RecordError, match="token_id:<id>"):
+        vllm.parse_generate_response(bad, req)
+    bad = copy.deepcopy(resp)
+    bad["choices"][0]["token_ids"] = bad["choices"][0]["token_ids"][:-1]
+    with pytest.raises(RecordError, match="entries for"):
+        vllm.parse_generate_response(bad, req)
+    zero = copy.deepcopy(req)
+    zero["sampling_params"]["temperature"] = 0
+    with pytest.raises(RecordError, match="temperature 0"):
+        vllm.parse_generate_response(resp, zero)
+
+
+def test_head_calibration_and_multi_turn():
+    g = torch.Generator().manual_seed(4)
+    bodies = [vllm.build_request([i % 9, 2], max_tokens=8, temperature=0.6, record="head", logprobs=3)
+              for i in range(60)]
+    # raw_logprobs recorded for a T = 0.6 sampler but declared processed: caught only statistically
+    recs = [vllm.parse_generate_response(fake.vllm_generate(b, g, logprobs_mode="raw_logprobs", mask=False), b)
+            for b in bodies]
+    import offpolicy as op
+    cands = op.Candidates(torch.cat([r.candidates.ids for r in recs]),
+                          torch.cat([r.candidates.logprobs for r in recs]), "head")
+    with pytest.raises(RecordError, match="miscalibrated"):
+        check_calibration(torch.cat([r.tokens for r in recs]), cands)
+    traj = Trajectory([1, 2])
+    for v in (5, 6):
+        body = vllm.build_request(traj.input_ids, max_tokens=3, temperature=0.9, top_p=0.9, top_k=4,
+                                  record="support")
+        traj.add_turn(vllm.parse_generate_response(fake.vllm_generate(body, g), body), version=v)
+        traj.add_tokens([0])
+    seqs, batch = collate([traj])
+    assert batch.versions.tolist() == [5, 5, 5, 6, 6, 6] and seqs.shape == (1, 2 + 8)
+    batch.candidates.validate(fake.V, 6, batch.tokens)

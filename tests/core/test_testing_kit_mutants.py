@@ -1,0 +1,96 @@
+"""The kit must be able to fail: each deliberately wrong loss in tests/mutants.py is caught by the invariant that
+its mistake breaks, and the correct version of the same code passes every invariant under the same configuration.
+
+Failures are found without shrinking here (``shrink=False``) to keep the suite fast; one test shrinks and checks
+the report a user reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support.mutants import BUGS, dense_loss
+from offpolicy.testing import INVARIANTS, InvariantViolation, LossConfig, check_all, run_invariant
+
+MIS_HEAD_SC = LossConfig(weights="mis", score_centering=True, record="head")
+MIS_SUPPORT_SC = LossConfig(weights="mis", score_centering=True, record="support")
+MIS_SUPPORT = LossConfig(weights="mis", record="support")
+MIS_HEAD = LossConfig(weights="mis", record="head")
+TIS_HEAD_SC = LossConfig(weights="tis", score_centering=True, record="head")
+TIS_SUPPORT_SC = LossConfig(weights="tis", score_centering=True, record="support")
+TIS_SUPPORT = LossConfig(weights="tis", record="support")
+TIS_HEAD = LossConfig(weights="tis", record="head")
+NONE_SUPPORT_SC = LossConfig(weights="none", score_centering=True, record="support")
+NONE_HEAD = LossConfig(weights="none", record="head")
+TIS_SEQ = LossConfig(weights="tis", bounds=(0.0, 5.0), level="sequence", record="head")
+MIS_GEO = LossConfig(weights="mis", level="geometric", record="support")
+TIS_SEQ_MEAN = LossConfig(weights="tis", score_centering=True, record="head", aggregation="seq_mean_token_mean")
+MIS_TOKEN_MEAN = LossConfig(weights="mis", record="support", aggregation="token_mean")
+
+#: (bug, configuration, the invariant that must fail). Where a mistake breaks several invariants, the one named
+#: is the most specific (docs/testing_kit.md lists every invariant each one fails).
+CAUGHT = [
+    ("sc_no_tail", MIS_HEAD_SC, "zero_drift"),          # the modelled tail is what makes head records drift-free
+    ("sc_no_tail", MIS_SUPPORT_SC, "agreement"),        # support: -p_S adds no gradient, only loss value
+    ("sc_unweighted", MIS_HEAD_SC, "zero_drift"),
+    ("sc_unweighted", TIS_SUPPORT_SC, "zero_drift"),
+    ("sc_skipped", NONE_SUPPORT_SC, "zero_drift"),
+    ("sc_coef_not_detached", MIS_SUPPORT_SC, "agreement"),
+    ("rho_no_floor", TIS_HEAD_SC, "hostile_finite"),
+    ("mis_clip", MIS_HEAD_SC, "agreement"),             # consistent clipping keeps drift zero: only the oracle sees it
+    ("weights_not_detached", MIS_SUPPORT, "plain_is_unbiased"),
+    ("temperature_twice", TIS_HEAD, "agreement"),
+    ("temperature_numerator_only", NONE_HEAD, "shift_invariance"),
+    ("support_not_replayed", MIS_SUPPORT_SC, "support_replay"),
+    ("sampler_grad_leak", MIS_SUPPORT_SC, "sampler_no_grad"),
+    ("sign_error", TIS_SUPPORT, "plain_is_unbiased"),
+    ("unclamped_ratio", MIS_HEAD, "hostile_finite"),
+    ("no_inf_guard", MIS_HEAD_SC, "hostile_finite"),
+    ("mask_ignored", TIS_SUPPORT_SC, "masking"),
+    ("sequence_counts_untrained", TIS_SEQ, "masking"),  # placeholder lq = 0 on untrained rows moves the ratio
+    ("geometric_as_sequence", MIS_GEO, "agreement"),
+    ("sequence_as_token", TIS_SEQ, "agreement"),
+    ("seq_mean_as_token_mean", TIS_SEQ_MEAN, "agreement"),
+    ("mean_over_all_tokens", MIS_TOKEN_MEAN, "masking"),
+]
+
+
+def test_every_bug_is_exercised():
+    assert {bug for bug, _, _ in CAUGHT} == set(BUGS)
+    assert {inv for _, _, inv in CAUGHT} <= set(INVARIANTS)
+
+
+@pytest.mark.parametrize("bug,cfg,invariant", CAUGHT, ids=[f"{b}-{i}" for b, _, i in CAUGHT])
+def test_mutant_is_caught(bug, cfg, invariant):
+    result = run_invariant(dense_loss(cfg, bug), cfg, invariant, max_examples=150, shrink=False)
+    assert result.status == "fail", f"{bug} was not caught by {invariant} under {cfg.describe()}"
+    assert f"invariant '{invariant}' violated" in result.detail
+    assert cfg.describe() in result.detail
+
+
+CONFIGS = sorted({cfg for _, cfg, _ in CAUGHT}, key=lambda c: c.describe())
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.describe() for c in CONFIGS])
+def test_correct_dense_loss_passes(cfg):
+    """The same code without the bug passes everything, so each catch above is the bug's doing."""
+    report = check_all(dense_loss(cfg), cfg, max_examples=25, raise_on_failure=False)
+    assert report.passed, str(report)
+    applicable = [r.invariant for r in report.results if r.status == "pass"]
+    assert "agreement" in applicable and "hostile_finite" in applicable
+
+
+def test_shrunk_report_is_readable():
+    """A shrunk failure names the invariant, the SPEC clause, the configuration and a minimal example."""
+    cfg = MIS_HEAD_SC
+    with pytest.raises(InvariantViolation) as info:
+        check_all(dense_loss(cfg, "sc_unweighted"), cfg, invariants=["zero_drift"], max_examples=40)
+    text = str(info.value)
+    assert "FAIL  zero_drift" in text
+    assert "invariant 'zero_drift' violated (SPEC 7.1, 7.2" in text
+    assert "configuration: LossConfig(weights='mis', bounds=(0.5, 5), score_centering=True, record='head'" in text
+    assert "function:      support.mutants.dense_loss[sc_unweighted]" in text
+    assert "what failed:   sum_y q(y) d loss(y) / d logits (the drift) differs" in text
+    example = text.split("shrunk example:")[1]
+    vocab = int(example.split("V=")[1].split()[0])
+    assert vocab <= 3, f"expected a shrunk example over a tiny vocabulary, got:\n{example}"

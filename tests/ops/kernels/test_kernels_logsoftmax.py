@@ -1,0 +1,529 @@
+"""The Triton vocabulary kernels against a float64 dense reference, directly and through ``sparse_log_softmax``.
+
+Without a GPU the kernels run in Triton's interpreter (``conftest.py``) on fp32 and fp16 logits (the interpreter
+mishandles bf16 arithmetic); with a GPU the same tests run compiled on it, bf16 added.
+
+Tolerances (the reference is computed in float64 from the *same stored* logits, so input rounding is shared):
+* ``arg_tol = 64 u (1 + max|x|)``, ``u = 2**-24``: the absolute error of an fp32 ``x - lse``: ``x = z * (1/tau)``
+  and ``lse`` carry a few roundings of numbers of size ``|x|``, and ``log s`` the relative error of an fp32 sum
+  (a block tree plus ``V / BLOCK`` sequential adds, under 50 u here). It bounds lse, log-probabilities and the
+  entropy, and, times ``it * sum|g|`` (which bounds every term of the gradient), the gradient's fp32 math.
+* the gradient is then rounded once to the logits' dtype: relative ``2**-24`` (fp32), ``2**-11`` (fp16),
+  ``2**-8`` (bf16), plus half fp16's smallest subnormal (``2**-25``) for fp16 underflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import offpolicy.ops as ops
+from offpolicy.kernels import logsoftmax as kernels
+from offpolicy.ops import triton_backend
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+U = 2.0**-24
+STORE_RTOL = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+STORE_FLOOR = {torch.float32: 0.0, torch.float16: 2.0**-25, torch.bfloat16: 0.0}
+INF = float("inf")
+REPO = Path(__file__).resolve().parents[3]
+
+
+def dname(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def arg_tol(x: torch.Tensor) -> torch.Tensor:
+    """``[N]`` float64 absolute tolerance of fp32 ``x - lse`` per row (``x`` float64 ``[N, V]``)."""
+    finite = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
+    return 64 * U * (1 + finite.amax(dim=1))
+
+
+def assert_close_inf(got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor, what: str) -> None:
+    """Infinite entries equal exactly; finite ones within ``tol`` (broadcast against ``want``)."""
+    got, want = got.double(), want.double()
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want)), f"{what}: finiteness differs"
+    inf = ~torch.isfinite(want)
+    assert torch.equal(got[inf], want[inf]), f"{what}: infinite entries differ"
+    err = torch.where(inf, torch.zeros_like(got), (got - want).abs())
+    tol = torch.broadcast_to(tol, want.shape)
+    worst = (err - tol).argmax()
+    assert bool((err <= tol).all()), f"{what}: error {err.flatten()[worst]:.3g} > tol {tol.flatten()[worst]:.3g}"
+
+
+def hostile_logits(n: int, v: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """``[n, v]`` logits with -inf scattered, one all -inf row, one -inf prefix (the max arrives late) and
+    one row whose max sits in the last column."""
+    z = torch.randn(n, v, generator=gen, dtype=torch.float64) * 3
+    z = torch.where(torch.rand(n, v, generator=gen) < 0.2, -INF, z)
+    if n > 1:
+        z[1] = -INF
+    if n > 2:
+        z[2, : (3 * v) // 4] = -INF
+    if n > 3:
+        z[3, -1] = 40.0
+    return z.to(dtype).to(DEVICE)
+
+
+def temperatures(n: int, gen: torch.Generator) -> torch.Tensor:
+    """``[n]`` temperatures spread log-uniformly over [0.05, 10]."""
+    return torch.exp(torch.empty(n, dtype=torch.float64).uniform_(-3.0, 2.3, generator=gen))
+
+
+def ref_stats(z: torch.Tensor, inv_temp: torch.Tensor):
+    """float64 lse (``+inf`` for rows without mass) and entropy of ``softmax(z * inv_temp)``, and ``x``."""
+    x = z.double() * inv_temp.double()[:, None]
+    lse = torch.logsumexp(x, dim=1)
+    dead = lse == -INF
+    logp = torch.log_softmax(torch.where(dead[:, None], torch.zeros_like(x), x), dim=1)
+    p = torch.exp(logp)
+    ent = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=1)
+    return torch.where(dead, INF, lse), torch.where(dead, 0.0, ent), x
+
+
+# ---------------------------------------------------------------- forward statistics kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("block", [64, None], ids=["block64", "default"])
+def test_row_stats_match_float64(dtype, block):
+    gen = torch.Generator().manual_seed(0)
+    n, v = 9, 1000  # 1000 is no multiple of 64: a partial last block
+    z = hostile_logits(n, v, dtype, gen)
+    inv_temp = (1.0 / temperatures(n, gen)).float().to(DEVICE)
+    skip = torch.zeros(n, dtype=torch.bool, device=DEVICE)
+    skip[5] = True
+    z[5] = float("nan")  # a skipped row is never read: NaN there must not show
+    z[7, 3] = float("nan")  # a NaN logit in a read row must show (the caller turns it into an error)
+    m, s, t = kernels.row_stats(z, inv_temp, skip, block=block)
+    assert m.dtype == s.dtype == t.dtype == torch.float32
+    assert m[5] == 0 and s[5] == 0 and t[5] == 0
+    assert m[1] == 0 and s[1] == 0 and t[1] == 0  # all -inf
+    assert bool(torch.isnan(s[7]))
+    live = ~skip.cpu()
+    live[7] = False
+    lse_ref, ent_ref, x = ref_stats(z.cpu()[live], inv_temp.cpu()[live])
+    m, s, t = m.cpu()[live].double(), s.cpu()[live].double(), t.cpu()[live].double()
+    has = s > 0
+    lse = torch.where(has, m + torch.log(torch.where(has, s, 1.0)), INF)
+    ent = torch.where(has, torch.log(torch.where(has, s, 1.0)) - t / torch.where(has, s, 1.0), 0.0)
+    tol = arg_tol(x)
+    assert_close_inf(lse, lse_ref, tol, "lse")
+    assert_close_inf(ent, ent_ref, tol, "entropy")
+    row_max = torch.where(torch.isfinite(x.amax(1)), x.amax(1), 0.0)
+    assert_close_inf(m, row_max, tol, "row max")
+
+
+def test_row_stats_strided_rows_and_no_skip():
+    """A row stride wider than V (a slice of a wider buffer) and ``skip=None``."""
+    gen = torch.Generator().manual_seed(1)
+    wide = hostile_logits(5, 700, torch.float32, gen)
+    z = wide[:, 50:550]
+    inv_temp = torch.full((5,), 1 / 0.7, device=DEVICE)
+    m, s, t = kernels.row_stats(z, inv_temp, None, block=128)
+    lse_ref, ent_ref, x = ref_stats(z.cpu(), inv_temp.cpu())
+    m, s, t = m.cpu().double(), s.cpu().double(), t.cpu().double()
+    has = s > 0
+    safe = torch.where(has, s, 1.0)
+    assert_close_inf(torch.where(has, m + torch.log(safe), INF), lse_ref, arg_tol(x), "lse")
+    assert_close_inf(torch.where(has, torch.log(safe) - t / safe, 0.0), ent_ref, arg_tol(x), "entropy")
+
+
+# ---------------------------------------------------------------- backward kernel
+
+
+def ref_grad(z, ids, inv_temp, lse, grad, grad_sum):
+    """float64 ``inv_temp * (scatter_add(grad at ids) - G exp(x - lse))`` (no dense part if ``lse = +inf`` or G = 0)."""
+    n, v = z.shape
+    x = z.double() * inv_temp.double()[:, None]
+    p = torch.exp(x - lse.double()[:, None])
+    no_dense = torch.isinf(lse.double()) | (grad_sum == 0)  # the kernel skips these reads (NaN logits there)
+    p = torch.where(no_dense[:, None], torch.zeros_like(p), p)
+    sc = torch.zeros(n, v + 1, dtype=torch.float64)
+    sc.scatter_add_(1, torch.where(ids >= 0, ids, v), grad.double())
+    return inv_temp.double()[:, None] * (sc[:, :v] - grad_sum.double()[:, None] * p)
+
+
+def grad_tol(dz_ref, inv_temp, grad, x, dtype):
+    """Elementwise tolerance of the stored gradient (see the module docstring)."""
+    bound = inv_temp.double().abs() * grad.double().abs().sum(dim=1)  # bounds every term of the row
+    return (STORE_RTOL[dtype] * dz_ref.abs() + (arg_tol(x) * bound)[:, None] + STORE_FLOOR[dtype])
+
+
+def grad_case(n, v, m_ids, dtype, gen, k_pad=0.2):
+    z = hostile_logits(n, v, dtype, gen)
+    inv_temp = (1.0 / temperatures(n, gen)).float()
+    ids = torch.randint(0, v, (n, m_ids), generator=gen)
+    ids = torch.where(torch.rand(n, m_ids, generator=gen) < k_pad, -1, ids)
+    if m_ids > 2:
+        ids[:, 1] = ids[:, 0]  # the target among the candidates
+        ids[0, 2:] = ids[0, 2]  # one id repeated across the row
+    grad = torch.where(ids >= 0, torch.randn(n, m_ids, generator=gen), 0.0).float()
+    lse, _, _ = ref_stats(z.cpu(), inv_temp)
+    lse = lse.float()
+    grad_sum = grad.sum(dim=1)
+    if n > 4:
+        lse[4] = INF  # a row without mass: its logits are not read
+        z[4] = float("nan")
+    if n > 6:
+        grad[6] = 0.0  # G = 0 and no id gradient: zero row, logits not read
+        grad_sum[6] = 0.0
+        z[6] = float("nan")
+    if n > 7:
+        grad[7, :2] = torch.tensor([1.5, -1.5])  # G = 0 but id gradients: ids only
+        grad[7, 2:] = 0.0
+        grad_sum[7] = 0.0
+    return z, ids.to(DEVICE), inv_temp.to(DEVICE), lse.to(DEVICE), grad.to(DEVICE), grad_sum.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+@pytest.mark.parametrize("block", [64, None], ids=["block64", "default"])
+def test_row_grad_matches_float64(dtype, inplace, block):
+    gen = torch.Generator().manual_seed(2)
+    n, v, m_ids = 9, 1000, 70  # 70 ids: two chunks of the exact scatter and several comparison steps
+    z, ids, inv_temp, lse, grad, grad_sum = grad_case(n, v, m_ids, dtype, gen)
+    z_ref = z.cpu().clone()
+    want = ref_grad(z_ref, ids.cpu(), inv_temp.cpu(), lse.cpu(), grad.cpu(), grad_sum.cpu())
+    out = z if inplace else torch.full_like(z, 7.0)
+    got = kernels.row_grad(z, ids, inv_temp, lse, grad, grad_sum, out, block=block)
+    assert got is out and got.dtype == dtype
+    x = z_ref.double() * inv_temp.cpu().double()[:, None]
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+    assert_close_inf(got.cpu(), want, grad_tol(want, inv_temp.cpu(), grad.cpu(), x, dtype), "dz")
+    assert torch.equal(got[6].cpu(), torch.zeros(v, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+def test_row_grad_strided_out_and_logits(dtype):
+    """Row strides wider than V for both the logits and the output."""
+    gen = torch.Generator().manual_seed(3)
+    z, ids, inv_temp, lse, grad, grad_sum = grad_case(4, 300, 5, dtype, gen)
+    wide = torch.zeros(4, 400, dtype=dtype, device=DEVICE)
+    wide[:, 37:337] = z
+    out_wide = torch.full((4, 512), 3.0, dtype=dtype, device=DEVICE)
+    got = kernels.row_grad(wide[:, 37:337], ids, inv_temp, lse, grad, grad_sum, out_wide[:, 100:400], block=128)
+    want = ref_grad(z.cpu(), ids.cpu(), inv_temp.cpu(), lse.cpu(), grad.cpu(), grad_sum.cpu())
+    x = z.cpu().double() * inv_temp.cpu().double()[:, None]
+    assert_close_inf(got.cpu(), want, grad_tol(want, inv_temp.cpu(), grad.cpu(), x, dtype), "dz")
+    assert bool((out_wide[:, :100] == 3).all()) and bool((out_wide[:, 400:] == 3).all())
+
+
+@settings(max_examples=25)
+@given(
+    n=st.integers(1, 4),
+    v=st.integers(1, 300),
+    m_ids=st.integers(1, 80),
+    block=st.sampled_from([16, 32, 256]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernels_random_shapes(n, v, m_ids, block, dtype, seed):
+    """Odd shapes (V below, at and above the block; more ids than columns) against float64."""
+    gen = torch.Generator().manual_seed(seed)
+    z, ids, inv_temp, lse, grad, grad_sum = grad_case(n, v, m_ids, dtype, gen)
+    m, s, t = kernels.row_stats(z, inv_temp, None, block=block)
+    lse_ref, _, x = ref_stats(z.cpu(), inv_temp.cpu())
+    has = s.cpu().double() > 0
+    lse_k = torch.where(has, m.cpu().double() + torch.log(torch.where(has, s.cpu().double(), 1.0)), INF)
+    assert_close_inf(lse_k, lse_ref, arg_tol(x), "lse")
+    got = kernels.row_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z), block=block)
+    want = ref_grad(z.cpu(), ids.cpu(), inv_temp.cpu(), lse.cpu(), grad.cpu(), grad_sum.cpu())
+    xg = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+    assert_close_inf(got.cpu(), want, grad_tol(want, inv_temp.cpu(), grad.cpu(), xg, dtype), "dz")
+
+
+def test_empty_shapes():
+    inv = torch.ones(0, device=DEVICE)
+    m, s, t = kernels.row_stats(torch.empty(0, 5, device=DEVICE), inv)
+    assert m.shape == s.shape == t.shape == (0,)
+    m, s, t = kernels.row_stats(torch.empty(3, 0, device=DEVICE), torch.ones(3, device=DEVICE))
+    assert bool((s == 0).all()) and bool((m == 0).all())
+    out = kernels.row_grad(torch.empty(0, 5, device=DEVICE), torch.empty(0, 2, dtype=torch.int64, device=DEVICE),
+                           inv, inv, torch.empty(0, 2, device=DEVICE), inv, torch.empty(0, 5, device=DEVICE))
+    assert out.shape == (0, 5)
+
+
+def test_64bit_row_offsets():
+    """Row offsets past 2**31 elements: a 3-row view with a 2**30 + 64 row stride over a lazily allocated
+    buffer (about 6 GiB of address space, only the touched pages are backed on the CPU)."""
+    stride, v = 2**30 + 64, 256
+    base = torch.empty(2 * stride + v, dtype=torch.float16, device=DEVICE)
+    z = base.as_strided((3, v), (stride, 1))
+    gen = torch.Generator().manual_seed(4)
+    src = torch.randn(3, v, generator=gen).to(torch.float16)
+    z.copy_(src.to(DEVICE))
+    inv_temp = torch.full((3,), 1.3, device=DEVICE)
+    assert kernels._needs_int64(3, z)
+    m, s, t = kernels.row_stats(z, inv_temp)
+    lse_ref, _, x = ref_stats(src, inv_temp.cpu())
+    lse = m.cpu().double() + torch.log(s.cpu().double())
+    assert_close_inf(lse, lse_ref, arg_tol(x), "lse")
+    ids = torch.tensor([[3, 3, -1], [0, 255, 7], [9, 1, 2]], device=DEVICE)
+    grad = torch.where(ids >= 0, torch.randn(3, 3, generator=gen).to(DEVICE), 0.0)
+    lse32 = lse_ref.float().to(DEVICE)
+    kernels.row_grad(z, ids, inv_temp, lse32, grad, grad.sum(1), z)  # in place, through the same view
+    want = ref_grad(src, ids.cpu(), inv_temp.cpu(), lse32.cpu(), grad.cpu(), grad.sum(1).cpu())
+    assert_close_inf(z.cpu(), want, grad_tol(want, inv_temp.cpu(), grad.cpu(), x, torch.float16), "dz")
+
+
+def test_bad_inputs_raise():
+    z = torch.randn(4, 10, device=DEVICE)
+    inv = torch.ones(4, device=DEVICE)
+    with pytest.raises(ValueError, match="unit stride"):
+        kernels.row_stats(z.t().contiguous().t(), inv)
+    with pytest.raises(ValueError, match="inv_temp"):
+        kernels.row_stats(z, inv.double())
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        kernels.row_stats(z.to(torch.int32), inv)
+    ids = torch.zeros(4, 2, dtype=torch.int64, device=DEVICE)
+    g = torch.zeros(4, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="ids"):
+        kernels.row_grad(z, ids.int(), inv, inv, g, inv, torch.empty_like(z))
+    with pytest.raises(ValueError, match="out"):
+        kernels.row_grad(z, ids, inv, inv, g, inv, torch.empty_like(z, dtype=torch.float16))
+    with pytest.raises(ValueError, match="block"):
+        kernels.row_stats(z, inv, block=48)
+
+
+# ---------------------------------------------------------------- through sparse_log_softmax
+
+
+def dense_reference(z, y, cands, tau, support, skip):
+    """float64 ``(target, candidates, lse, entropy)`` of the primitive, written densely with log-softmax.
+
+    Rows without mass (all -inf, empty support) and skipped rows give ``-inf`` log-probabilities, ``lse = +inf``,
+    entropy 0 and no gradient. In support mode the target's value is ``x_y - lse_S`` (as the primitive defines
+    it), ``-inf`` only when ``x_y`` is.
+    """
+    n, v = z.shape
+    x = z / tau[:, None]
+    if support:
+        mask = torch.zeros(n, v + 1, dtype=torch.bool).scatter_(1, torch.where(cands >= 0, cands, v), True)[:, :v]
+        xs = x.masked_fill(~mask, -INF)
+    else:
+        xs = x
+    dead = (xs == -INF).all(dim=1) | skip
+    xs_live = torch.where(dead[:, None], torch.zeros_like(xs), xs)  # no NaN in the backward of dead rows
+    lse_live = torch.logsumexp(xs_live, dim=1)
+    target = torch.where(dead, -INF, x.gather(1, y[:, None])[:, 0] - lse_live)
+    cand = torch.where((cands >= 0) & ~dead[:, None], x.gather(1, cands.clamp_min(0)) - lse_live[:, None], -INF)
+    logp = (xs_live - lse_live[:, None]).detach()
+    p = torch.exp(logp)
+    ent = torch.where(dead, 0.0, -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=1))
+    lse = torch.where(dead, INF, lse_live.detach())
+    return target, cand, lse, ent
+
+
+def e2e_case(n, v, k, dtype, gen):
+    z = hostile_logits(n, v, dtype, gen).cpu()
+    z[0] = torch.linspace(-1e4, 1e4, v).to(dtype)  # extreme logits
+    y = torch.randint(0, v, (n,), generator=gen)
+    cands = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(n)])
+    cands[:, 0] = y  # target among candidates (a repeated id in the kernel's scatter)
+    cands[2, 0] = (y[2] + 1) % v  # ... except in row 2
+    cands = torch.where(torch.rand(n, k, generator=gen) < 0.25, -1, cands)
+    cands[3] = -1  # an empty candidate row
+    skip = torch.zeros(n, dtype=torch.bool)
+    skip[5] = True
+    w_t = torch.randn(n, generator=gen, dtype=torch.float64)
+    w_c = torch.where(cands >= 0, torch.randn(n, k, generator=gen, dtype=torch.float64), 0.0)
+    return z, y, cands, skip, w_t, w_c
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("support", [False, True], ids=["full", "support"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["scalar_tau", "token_tau"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["grad", "inplace_grad"])
+def test_sparse_log_softmax_triton_matches_dense_float64(dtype, support, per_token, inplace):
+    gen = torch.Generator().manual_seed(5)
+    n, v, k = 8, 777, 6
+    z, y, cands, skip, w_t, w_c = e2e_case(n, v, k, dtype, gen)
+    tau64 = temperatures(n, gen) if per_token else torch.full((n,), 0.7, dtype=torch.float64)
+    tau = tau64.float().to(DEVICE) if per_token else 0.7
+    leaf = z.to(DEVICE).requires_grad_()
+    logits = leaf * 1  # a non-leaf, as model logits are (in-place gradients land in it)
+    out = ops.sparse_log_softmax(logits, y.to(DEVICE), cands.to(DEVICE), tau, support=support,
+                                 skip=skip.to(DEVICE), inplace_grad=inplace, backend="triton")
+    (g,) = torch.autograd.grad((out.target, out.candidates), leaf,
+                               (w_t.float().to(DEVICE), w_c.float().to(DEVICE)))
+    zr = z.double().requires_grad_()
+    target, cand, lse, ent = dense_reference(zr, y, cands, tau64.double(), support, skip)
+    (gr,) = torch.autograd.grad((target, cand), zr, (w_t, w_c), allow_unused=True)
+    x = z.double() / tau64[:, None]
+    tol = arg_tol(x)
+    assert_close_inf(out.lse.cpu(), lse, tol, "lse")
+    assert_close_inf(out.entropy.cpu(), ent, tol * (1 + ent.abs()), "entropy")
+    assert_close_inf(out.target.detach().cpu(), target.detach(), tol, "target")
+    assert_close_inf(out.candidates.detach().cpu(), cand.detach(), tol[:, None], "candidates")
+    bound_g = torch.cat([w_t[:, None], w_c], 1)
+    assert_close_inf(g.cpu(), gr, grad_tol(gr, 1 / tau64, bound_g, x, dtype), "gradient")
+    if inplace:
+        assert torch.equal(logits.detach(), g)  # the gradient was written into the logits
+    assert bool((g[5] == 0).all()) and bool((g[1] == 0).all())  # skipped, and all -inf
+
+
+def test_triton_and_torch_backends_agree():
+    """Same inputs through both backends: outputs and gradients equal to fp32 rounding."""
+    gen = torch.Generator().manual_seed(6)
+    z, y, cands, skip, w_t, w_c = e2e_case(8, 500, 5, torch.float32, gen)
+    res = {}
+    for name in ("torch", "triton"):
+        leaf = z.to(DEVICE).requires_grad_()
+        out = ops.sparse_log_softmax(leaf, y.to(DEVICE), cands.to(DEVICE), 1.3, skip=skip.to(DEVICE), backend=name)
+        (g,) = torch.autograd.grad((out.target, out.candidates), leaf, (w_t.float().to(DEVICE),
+                                                                        w_c.float().to(DEVICE)))
+        res[name] = [t.detach().cpu() for t in (out.target, out.candidates, out.lse, out.entropy, g)]
+    for a, b in zip(res["torch"], res["triton"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_env_var_routes_to_kernels(monkeypatch):
+    """``OFFPOLICY_BACKEND=triton`` (and CUDA tensors by default) reach the kernels."""
+    calls = []
+    stats, grad = kernels.row_stats, kernels.row_grad
+    monkeypatch.setattr(kernels, "row_stats", lambda *a, **k: calls.append("stats") or stats(*a, **k))
+    monkeypatch.setattr(kernels, "row_grad", lambda *a, **k: calls.append("grad") or grad(*a, **k))
+    z = torch.randn(3, 40, device=DEVICE, requires_grad=True)
+    y = torch.tensor([1, 2, 3], device=DEVICE)
+    if not CUDA:
+        monkeypatch.setenv("OFFPOLICY_BACKEND", "triton")
+    ops.sparse_log_softmax(z, y).target.sum().backward()
+    assert calls == ["stats", "grad"]
+    monkeypatch.setenv("OFFPOLICY_BACKEND", "torch")
+    ops.sparse_log_softmax(z, y).target.sum().backward()
+    assert calls == ["stats", "grad"]
+
+
+def test_float64_logits_use_the_torch_path():
+    z = torch.randn(3, 40, dtype=torch.float64, device=DEVICE)
+    inv = torch.ones(3, dtype=torch.float64, device=DEVICE)
+    m, s, t = triton_backend.full_stats(z, inv, None)
+    assert m.dtype == torch.float64
+    torch.testing.assert_close(m + torch.log(s), torch.logsumexp(z, 1))
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_custom_ops_opcheck(backend):
+    """``torch.library.opcheck``: schemas (the in-place op declares its mutation), fake kernels, AOT dispatch."""
+    from offpolicy.ops import library
+
+    gen = torch.Generator().manual_seed(9)
+    z = torch.randn(4, 50, generator=gen).to(DEVICE)
+    inv = torch.full((4,), 1.2, device=DEVICE)
+    skip = torch.tensor([False, True, False, False], device=DEVICE)
+    ids = torch.tensor([[1, 1, -1], [2, 3, 4], [0, 49, 7], [5, 5, 5]], device=DEVICE)
+    g = torch.where(ids >= 0, torch.randn(4, 3, generator=gen).to(DEVICE), 0.0)
+    lse = torch.logsumexp(z * inv[:, None], 1)
+    for op, args in [
+        (library.full_stats, (z, inv, skip, backend)),
+        (library.full_grad, (z, ids, inv, lse, g, g.sum(1), backend)),
+        (library.full_grad_inplace_, (z.clone(), ids, inv, lse, g, g.sum(1), backend)),
+    ]:
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def _primitive(z, y, c, tau, support, backend):
+    out = ops.sparse_log_softmax(z, y, c, tau, support=support, backend=backend)
+    return out.target.sum() + torch.where(c >= 0, out.candidates, 0.0).sum(), out.entropy
+
+
+@pytest.mark.parametrize(
+    "backend,compiler",
+    [("torch", "inductor"), ("triton", "inductor" if CUDA else "aot_eager")],
+    ids=["torch_backend", "triton_backend"],
+)
+def test_compile_fullgraph_sparse_log_softmax(backend, compiler):
+    """``torch.compile(fullgraph=True)``: the backend functions are custom ops, traced without graph breaks.
+    (On CPU the Triton backend is compiled with aot_eager: inductor would only wrap the same opaque op.)"""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(7)
+    z = torch.randn(6, 300, generator=gen).to(DEVICE)
+    y = torch.randint(0, 300, (6,), generator=gen).to(DEVICE)
+    c = torch.where(torch.rand(6, 4, generator=gen) < 0.3, -1, torch.randint(0, 300, (6, 4), generator=gen))
+    c = c.to(DEVICE)
+    tau = torch.linspace(0.5, 2.0, 6, device=DEVICE)
+    fn = torch.compile(_primitive, fullgraph=True, backend=compiler)
+    for support in (False, True):
+        got_z, want_z = z.clone().requires_grad_(), z.clone().requires_grad_()
+        loss, ent = fn(got_z, y, c, tau, support, backend)
+        loss.backward()
+        want, want_ent = _primitive(want_z, y, c, tau, support, backend)
+        want.backward()
+        torch.testing.assert_close(loss, want)
+        torch.testing.assert_close(ent, want_ent)
+        torch.testing.assert_close(got_z.grad, want_z.grad)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compile_fullgraph_policy_loss(backend):
+    """``torch.compile(fullgraph=True)`` over ``op.policy_loss`` (head candidates, MIS + score centering), with
+    aot_eager: tracing, fake kernels and the joint graph, without inductor's codegen."""
+    import offpolicy as op
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(8)
+    n, v, k = 8, 64, 4
+    z = torch.randn(n, v, generator=gen).to(DEVICE)
+    y = torch.randint(0, v, (n,), generator=gen).to(DEVICE)
+    lq = (torch.log_softmax(torch.randn(n, v, generator=gen), 1).gather(1, y.cpu()[:, None])[:, 0]).to(DEVICE)
+    adv = torch.randn(n, generator=gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(n)]).to(DEVICE)
+    cands = op.Candidates(ids, torch.full((n, k), -3.0, device=DEVICE), "head")
+    corr = op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True)
+
+    def loss_fn(z):
+        return op.policy_loss(z, y, lq, adv, cands, temperature=0.9, correction=corr, backend=backend).loss
+
+    got_z, want_z = z.clone().requires_grad_(), z.clone().requires_grad_()
+    got = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(got_z)
+    got.backward()
+    want = loss_fn(want_z)
+    want.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_z.grad, want_z.grad)
+
+
+# ---------------------------------------------------------------- GPU build and benchmark script
+
+
+def test_kernels_compile_for_sm90():
+    """Both kernels, every storage dtype, 32- and 64-bit offsets, lower to a Hopper cubin (see compile_sm90.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_sm90.py"))], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("ok ") == 12
+
+
+def test_gpu_bench_dry_run(tmp_path):
+    """The GPU benchmark script runs end to end at tiny shapes in the interpreter (so it cannot rot)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_bench.py"), "--dry-run", "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (js,) = tmp_path.glob("*.json")
+    (csv,) = tmp_path.glob("*.csv")
+    data = json.loads(js.read_text())
+    assert {"device", "versions", "date", "copy_gbps", "rows"} <= set(data)
+    methods = {r["method"] for r in data["rows"]}
+    assert {"offpolicy", "torch_eager_dense"} <= methods
+    ours = [r for r in data["rows"] if r["method"] == "offpolicy" and r["status"] == "ok"]
+    assert {r["mode"] for r in ours} == {"head", "support"} and all(r["ms"] > 0 for r in ours)
+    assert csv.read_text().count("\n") == len(data["rows"]) + 1

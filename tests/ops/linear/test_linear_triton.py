@@ -1,0 +1,113 @@
+"""The Triton fused-linear kernels against the float64 dense reference.
+
+Without a GPU they run in Triton's interpreter (see conftest.py) with fp32 and fp16 inputs only: the
+interpreter's bf16 ``tl.dot`` is wrong (ENVIRONMENT.md), so bf16 is checked on a GPU only. Shapes are tiny (the
+interpreter costs milliseconds per program and loop step). Tolerances: those of tests/test_linear_log_softmax.py
+(``linear_reference.TOL``); fp32 ``tl.dot`` runs with ``input_precision="ieee"``, so fp32 inputs keep fp32 accuracy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.linear_reference import check_against_reference, grads, make_inputs, probe_loss
+
+from offpolicy.ops import linear_sparse_log_softmax
+from offpolicy.ops import linear_torch_backend as ltb
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("support", [False, True])
+def test_fp32_with_bias_and_per_token_temperature(support):
+    h, w, b, y, c, tau = make_inputs(n=37, d=40, v=150, k=5)  # 3 token blocks: a partial program group
+    check_against_reference(h, w, b, y, c, tau, support=support, backend="triton", device=DEVICE)
+
+
+@pytest.mark.parametrize("support", [False, True])
+def test_fp16_no_bias_no_candidates_skipped_rows(support):
+    h, w, _, y, c, tau = make_inputs(n=18, d=24, v=97, k=3, dtype=torch.float16, bias=False, seed=2)
+    skip = torch.zeros(18, dtype=torch.bool)
+    skip[[0, 7]] = True
+    check_against_reference(h, w, None, y, c, tau, support=support, skip=skip, backend="triton", device=DEVICE,
+                            dtype=torch.float16)
+    check_against_reference(h, w, None, y, None, 1.3, support=support, backend="triton", device=DEVICE,
+                            dtype=torch.float16)
+
+
+@pytest.mark.parametrize("support", [False, True])
+def test_hostile_values_and_empty_batch(support):
+    h, w, b, y, c, _ = make_inputs(n=17, d=32, v=120, scale=300.0, seed=5)
+    tau = torch.linspace(0.05, 10.0, 17)
+    b[::3] = -float("inf")
+    check_against_reference(h, w, b, y, c, tau, support=support, backend="triton", device=DEVICE)
+    check_against_reference(h[:0], w, b, y[:0], c[:0], tau[:0], support=support, backend="triton", device=DEVICE)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="bf16 tl.dot is wrong in Triton's interpreter; checked on a GPU")
+@pytest.mark.parametrize("support", [False, True])
+def test_bf16_on_gpu(support):
+    h, w, b, y, c, tau = make_inputs(n=300, d=256, v=5000, k=16, dtype=torch.bfloat16, seed=9)
+    check_against_reference(h, w, b, y, c, tau, support=support, backend="triton", device=DEVICE,
+                            dtype=torch.bfloat16)
+
+
+def test_split_statistics_merge_to_the_unsplit_ones():
+    from offpolicy.kernels import linear_logsoftmax as K
+
+    h, w, b, *_ = make_inputs(n=19, d=24, v=200, seed=3)
+    inv = torch.rand(19) + 0.5
+    one = K.merge_stats(*K.linear_row_stats(h, w, b, inv, splits=1))
+    four = K.merge_stats(*K.linear_row_stats(h, w, b, inv, splits=4))
+    ids = torch.zeros(19, 1, dtype=torch.int64)
+    ref = ltb.full_stats(h, w, b, ids, inv, 1 << 20)[:3]
+    for a, r, q in zip(one, four, ref):
+        assert torch.allclose(a, r, atol=1e-5, rtol=1e-5) and torch.allclose(a, q, atol=1e-4, rtol=1e-5)
+
+
+def test_triton_and_torch_backends_agree_and_filter_bound():
+    gen = torch.Generator().manual_seed(19)
+    n, d, v = 32, 16, 512
+    h = torch.randn(n, d, generator=gen) * 4
+    w = torch.randn(v, d, generator=gen)
+    y = torch.randint(0, v, (n,), generator=gen)
+    c = torch.randint(0, v, (n, 4), generator=gen)
+    res = {}
+    for backend, eps in (("torch", None), ("triton", None), ("triton", 2.0**-12)):
+        hl, wl = h.clone().to(DEVICE).requires_grad_(), w.clone().to(DEVICE).requires_grad_()
+        out = linear_sparse_log_softmax(hl, wl, y.to(DEVICE), c.to(DEVICE), 1.0, backend=backend, grad_filter=eps)
+        g = grads(probe_loss(out.target, out.candidates), [hl, wl])
+        res[backend, eps] = [x.detach().cpu() for x in (out.target, *g)]
+    for a, r in zip(res["triton", None], res["torch", None]):
+        assert float((a - r).abs().max()) <= 1e-4 * float(r.abs().max())
+    # Filtering drops entries of dz below eps |coef[n]|: |dX err[n]| <= eps |coef[n]| sum_v |W[v]|.
+    gen = torch.Generator().manual_seed(1)
+    coef = (torch.randn(n, generator=gen, dtype=torch.float64) + torch.randn(n, 4, generator=gen,
+                                                                              dtype=torch.float64).sum(1)).abs()
+    bound_h = 2.0**-12 * coef.float()[:, None] * w.abs().sum(0)[None, :] + 1e-5
+    bound_w = 2.0**-12 * (coef.float()[:, None] * h.abs()).sum(0)[None, :] + 1e-5
+    assert bool(((res["triton", 2.0**-12][1] - res["triton", None][1]).abs() <= bound_h).all())
+    assert bool(((res["triton", 2.0**-12][2] - res["triton", None][2]).abs() <= bound_w).all())
+
+
+def test_filter_skips_tiles_in_the_kernel():
+    from offpolicy.kernels import linear_logsoftmax as K
+
+    gen = torch.Generator().manual_seed(23)
+    n, d, v = 16, 16, 1024
+    h = (torch.randn(n, d, generator=gen) * 6).to(DEVICE)
+    w = torch.randn(v, d, generator=gen).to(DEVICE)
+    inv = torch.ones(n, device=DEVICE)
+    m, s, _ = K.merge_stats(*K.linear_row_stats(h, w, None, inv))
+    lse = m + s.log()
+    rows = torch.arange(n, device=DEVICE)
+    dh = torch.zeros(n, d, device=DEVICE)
+    coef = torch.ones(n, device=DEVICE)
+    assert K.linear_dense_grad(h, w, None, rows, inv, lse, coef, dh, None, None) == 0
+    assert K.linear_dense_grad(h, w, None, rows, inv, lse, coef, dh, None, None, eps=2.0**-12) > 0
+
+
+def test_float64_is_refused_by_triton():
+    h, w, b, y, c, tau = make_inputs(n=3, d=4, v=10, k=2)
+    with pytest.raises(ValueError, match="triton"):
+        linear_sparse_log_softmax(h.double(), w.double(), y, c, tau, backend="triton")

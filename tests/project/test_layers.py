@@ -1,0 +1,96 @@
+"""The package's layers, as docs/architecture.md draws them, hold in the source: every ``import`` (module level or
+inside a function) points down or sideways, never up, and no two modules share a name at different levels."""
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src" / "offpolicy"
+KERNELS = ROOT / "kernels"
+
+# Layer of each top-level subpackage or module of ``offpolicy`` (a lower number is lower in the house). The core is
+# everything a user imports for the loss; the fleet (sampler groups, router, reference sampler, quantisers) sits on
+# it; adapters may use the fleet's records; the demo and the command line sit on top.
+KERNEL, CORE, FLEET, ADAPTERS, DEMO, CLI = range(6)
+LAYER = {
+    "kernels": KERNEL,
+    "ops": CORE, "records": CORE, "corrections": CORE, "loss": CORE, "parallel": CORE, "reference": CORE,
+    "advantages": CORE, "testing": CORE, "__init__": CORE,
+    "fleet": FLEET,
+    "adapters": ADAPTERS,
+    "demo": DEMO,
+    "__main__": CLI,
+}
+
+
+def _modules():
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        yield path, rel.parts[0].removesuffix(".py")
+    for path in sorted(KERNELS.rglob("*.py")):
+        yield path, "kernels"
+
+
+def _imports(path: Path):
+    """Every ``offpolicy`` module that ``path`` imports, anywhere in the file, with the line."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "offpolicy" or name.startswith("offpolicy."):
+                yield name, node.lineno
+
+
+def _layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return CORE  # ``import offpolicy``: the public API
+    return LAYER.get(parts[1])
+
+
+def test_every_top_level_module_has_a_layer():
+    tops = {top for _, top in _modules()}
+    assert tops <= set(LAYER), f"modules without a layer (add them to LAYER and docs/architecture.md): {tops - set(LAYER)}"
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for path, top in _modules():
+        mine = LAYER[top]
+        for name, line in _imports(path):
+            theirs = _layer_of(name)
+            if theirs is not None and theirs > mine:
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_kernels_know_nothing_of_the_library():
+    offenders = [f"{p.relative_to(ROOT)}:{line} {name}" for p, top in _modules() if top == "kernels"
+                 for name, line in _imports(p) if not name.startswith("offpolicy.kernels")]
+    assert not offenders, offenders
+
+
+def test_no_two_modules_share_a_name():
+    names = Counter()
+    for path, _ in _modules():
+        stem = path.parent.name if path.name == "__init__.py" else path.stem
+        if path.name != "__init__.py" or path.parent != SRC:
+            names[stem] += 1
+    assert not [n for n, c in names.items() if c > 1 and n != "__main__"], names.most_common(5)
+
+
+@pytest.mark.parametrize("probe", ["offpolicy.fleet", "offpolicy.demo", "offpolicy.adapters.common"])
+def test_the_layer_test_can_fail(probe, tmp_path):
+    """A core module that imported ``probe`` would be reported."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(f"def f():\n    import {probe}\n")
+    assert [(name, line) for name, line in _imports(bad)] == [(probe, 2)]
+    assert _layer_of(probe) > CORE
