@@ -18,8 +18,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
     ("verl_style_policy_loss.py", "seq-mean-token-sum-norm  loss"),
 ])
 def test_example_runs(script, expect):
-    if script == "megatron_forward_step.py":
-        pytest.importorskip("megatron.core", reason="megatron-core is in the README's test set-up")
+    needs = {"megatron_forward_step.py": "megatron.core", "qwen3_quickstart.py": "transformers"}
+    if script in needs:
+        pytest.importorskip(needs[script], reason=f"{needs[script]} is installed by the README's test set-up")
     out = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert expect in out.stdout, out.stdout
