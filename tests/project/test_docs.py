@@ -38,3 +38,28 @@ def test_import_and_cpu_loss_without_triton():
         "out.loss.backward(); assert z.grad is not None and torch.isfinite(out.loss)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_the_library_needs_only_its_declared_dependencies():
+    """The core, the fleet and the adapters import and compute without the packages pyproject.toml no longer
+    requires (numpy, einops, jaxtyping; their imports are blocked), and pyproject.toml requires nothing else."""
+    import subprocess
+    import sys
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(re.split(r"[<>=;\s]", d)[0] for d in deps) == ["torch", "triton"]
+    code = (
+        "import sys\n"
+        "for name in ('numpy', 'einops', 'jaxtyping'): sys.modules[name] = None\n"
+        "import torch, offpolicy as op\n"
+        "import offpolicy.reference, offpolicy.fleet, offpolicy.fleet.sampler, offpolicy.adapters.sglang\n"
+        "from offpolicy.fleet.quant import quantize, dequantize\n"
+        "x = torch.randn(4, 32)\n"
+        "assert dequantize(quantize(x, 'nvfp4')).shape == x.shape\n"
+        "z = torch.randn(4, 10, requires_grad=True)\n"
+        "out = op.policy_loss(z, torch.tensor([1, 2, 3, 4]), torch.full((4,), -2.0), torch.randn(4),\n"
+        "                     correction=op.Correction(weights='mis', score_centering=True))\n"
+        "out.loss.backward(); assert z.grad is not None and torch.isfinite(out.loss)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)

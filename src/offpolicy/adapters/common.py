@@ -6,7 +6,8 @@ log-probability of each (after temperature, renormalised over the support when s
 optionally a :class:`~offpolicy.records.candidates.Candidates` row per token. A *trajectory* strings turns together
 with non-trained tokens between them (tool outputs, chat-template markers), token in, token out: the next
 request's context must be exactly the trajectory so far, or the trainer would score tokens in a context the
-sampler never saw (the seed's "multi-turn context" mismatch source), so :meth:`Trajectory.add_turn` checks it.
+sampler never saw (the "multi-turn context" mismatch source of the mixed-fleet study, docs/spec.md#sources), so
+:meth:`Trajectory.add_turn` checks it.
 """
 
 from __future__ import annotations

@@ -172,12 +172,6 @@ def _rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _size(group) -> int:
-    import torch.distributed as dist
-
-    return 1 if group is None else dist.get_world_size(group)
-
-
 def make_loss_func(
     batch: Mapping[str, Tensor],
     *,
