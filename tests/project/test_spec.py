@@ -23,7 +23,7 @@ SCANNED = ("src", "kernels", "tests", "docs", "examples", "benchmarks")
 SKIPPED_DIRS = {".git", "__pycache__", ".pytest_cache", ".hypothesis", ".benchmarks", "node_modules"}
 
 ANCHOR_TAG = re.compile(r'<a id="([^"]+)"></a>')
-SPEC_CITATION = re.compile(r"(?<![\w/.-])(?:docs/)?spec\.md#([A-Za-z0-9_-]+)")
+SPEC_CITATION = re.compile(r"(?<![\w.-])(?:[\w.-]+/)*spec\.md#([A-Za-z0-9_-]+)")
 # A document outside the repository: the old spec by its upper-case name ("<name> section 3", "<name> 7.2"), any
 # path into the shared folder, the research write-up's file name, and the phrase for that write-up.
 OUTSIDE_CITATIONS = (
@@ -125,7 +125,10 @@ def _rel(path: Path) -> str:
 
 
 def test_spec_defines_the_cited_anchors():
-    anchors = spec_anchors(SPEC.read_text(encoding="utf-8"))
+    text = SPEC.read_text(encoding="utf-8")
+    anchors = spec_anchors(text)
+    repeated = sorted(a for a in anchors if ANCHOR_TAG.findall(text).count(a) > 1)
+    assert not repeated, f"anchors defined twice in docs/spec.md: {repeated}"
     required = {
         "notation", "records", "weights", "score-centering", "mask-replay", "family", "sequence-level", "veto",
         "kl-rejection", "opsm", "batch-normalization", "decoupled-ppo", "aggregation", "advantages", "metrics",
@@ -166,11 +169,13 @@ def test_the_scan_covers_the_tree():
 
 # The checks can fail: each is fed a bad sample.
 
-@pytest.mark.parametrize("sample", ["see docs/spec.md#no-such-anchor", "(spec.md#weightz)", "`spec.md#inv-7`"])
+@pytest.mark.parametrize("sample", ["see docs/spec.md#no-such-anchor", "(spec.md#weightz)", "`spec.md#inv-7`",
+                                    "[x](../docs/spec.md#nope)"])
 def test_unknown_anchor_is_reported(sample):
     anchors = spec_anchors('<a id="weights"></a>\n<a id="inv-zero-drift"></a>')
     assert unknown_spec_anchors(sample, anchors) != []
     assert unknown_spec_anchors("docs/spec.md#weights and spec.md#inv-zero-drift", anchors) == []
+    assert unknown_spec_anchors("myspec.md#nope, the OCP spec, spec.md", anchors) == []
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 
 A *turn* is one generation request: the context sent (token ids), the tokens the server sampled, the sampler's
 log-probability of each (after temperature, renormalised over the support when sampling was filtered) and
-optionally a :class:`~offpolicy.records.candidates.Candidates` row per token. A *trajectory* strings turns together
+optionally a :class:`~offpolicy.records.candidates.Candidates` row per token (the record contract:
+docs/spec.md#records, docs/spec.md#mask-replay). A *trajectory* strings turns together
 with non-trained tokens between them (tool outputs, chat-template markers), token in, token out: the next
 request's context must be exactly the trajectory so far, or the trainer would score tokens in a context the
 sampler never saw (the "multi-turn context" mismatch source of the mixed-fleet study, docs/spec.md#sources), so
