@@ -16,9 +16,9 @@ by it. :func:`make_loss_func` returns such a ``loss_func``:
   (docs/spec.md#metrics) reduced over the data-parallel x context-parallel group: token means as
   ``[global sum, global count]`` pairs (Megatron-LM's ``train_step`` sums such pairs over micro-batches,
   all-reduces them and divides: an exact token mean, unchanged by its extra all-reduce since both entries scale
-  alike), maxima, minima and the effective sample size as 1-element tensors (averaged over micro-batches by ``train_step``). With ``num_groups`` (and a
-  ``groups`` tensor in the batch) the mismatch and weight metrics are also reported per sampler group,
-  ``group/{g}/<metric>`` for every ``g < num_groups``, and with ``max_staleness`` (and ``versions``) per
+  alike), maxima, minima and the effective sample size as 1-element tensors (averaged over micro-batches by
+  ``train_step``). With ``num_groups`` (and a ``groups`` tensor in the batch) the mismatch and weight metrics are
+  also reported per sampler group, ``group/{g}/<metric>`` for every ``g < num_groups``, and with ``max_staleness`` (and ``versions``) per
   staleness ``staleness/{s}/<metric>``, ``s = 0 .. max_staleness`` (the last bucket holds everything older):
   fixed key sets, the same on every rank, so that the reduction lines up. Each bucket also reports
   ``share_tokens`` as a ``[tokens in the bucket, all trained tokens]`` pair.
