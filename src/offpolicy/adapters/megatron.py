@@ -13,15 +13,15 @@ by it. :func:`make_loss_func` returns such a ``loss_func``:
   normaliser is then exactly Megatron's all-reduced count, whatever the data-parallel size and the number of
   micro-batches (docs/spec.md#aggregation).
 * ``report``: ``{"policy loss": [sum, count], <metric>: ...}``, the metrics of :func:`offpolicy.policy_loss`
-  (docs/spec.md#metrics) reduced over the data-parallel x context-parallel group: token means as
-  ``[global sum, global count]`` pairs (Megatron-LM's ``train_step`` sums such pairs over micro-batches,
-  all-reduces them and divides: an exact token mean, unchanged by its extra all-reduce since both entries scale
-  alike), maxima, minima and the effective sample size as 1-element tensors (averaged over micro-batches by
-  ``train_step``). With ``num_groups`` (and a ``groups`` tensor in the batch) the mismatch and weight metrics are
-  also reported per sampler group, ``group/{g}/<metric>`` for every ``g < num_groups``, and with ``max_staleness`` (and ``versions``) per
-  staleness ``staleness/{s}/<metric>``, ``s = 0 .. max_staleness`` (the last bucket holds everything older):
-  fixed key sets, the same on every rank, so that the reduction lines up. Each bucket also reports
-  ``share_tokens`` as a ``[tokens in the bucket, all trained tokens]`` pair.
+  (docs/spec.md#metrics) reduced over the data-parallel x context-parallel group: token means as ``[global sum,
+  global count]`` pairs (Megatron-LM's ``train_step`` sums such pairs over micro-batches, all-reduces them and
+  divides: an exact token mean, unchanged by its extra all-reduce since both entries scale alike), maxima, minima
+  and the effective sample size as 1-element tensors (averaged over micro-batches by ``train_step``). With
+  ``num_groups`` (and a ``groups`` tensor in the batch) the mismatch and weight metrics are also reported per
+  sampler group, ``group/{g}/<metric>`` for every ``g < num_groups``, and with ``max_staleness`` (and ``versions``)
+  per staleness ``staleness/{s}/<metric>``, ``s = 0 .. max_staleness`` (the last bucket holds everything older):
+  fixed key sets, the same on every rank, so that the reduction lines up. Each bucket also reports ``share_tokens``
+  as a ``[tokens in the bucket, all trained tokens]`` pair.
 
 The logits are Megatron's vocabulary-parallel ones: ``GPTModel.forward(..., labels=None)`` returns
 ``[b, s, V / tp]`` (``logits_layout="bsv"``), a bare output layer ``[s, b, V / tp]`` (``"sbv"``). Each tensor-parallel
