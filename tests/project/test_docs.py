@@ -63,3 +63,16 @@ def test_the_library_needs_only_its_declared_dependencies():
         "out.loss.backward(); assert z.grad is not None and torch.isfinite(out.loss)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_architecture_page_lists_every_top_level_part_in_its_layer_table():
+    """docs/architecture.md's layer table names every top-level module and subpackage of ``offpolicy`` and the
+    kernels folder, so the page cannot fall behind the folders (tests/project/test_layers.py checks the imports)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    named = set(re.findall(r"`(?:src/offpolicy/)?([\w]+)(?:/|\.py)`", table))
+    src = ROOT / "src" / "offpolicy"
+    parts = {p.stem for p in src.glob("*.py")} | {p.name for p in src.iterdir() if (p / "__init__.py").exists()}
+    assert (ROOT / "kernels" / "__init__.py").exists() and "kernels" in named
+    assert parts <= named, f"parts missing from the layer table of docs/architecture.md: {sorted(parts - named)}"
