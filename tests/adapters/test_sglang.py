@@ -285,3 +285,149 @@ def test_trajectory_refuses_context_drift():
     with pytest.raises(ValueError, match="version_of"):
         collate([strings])
     assert collate([strings], version_of=lambda v: 0)[1].versions.tolist() == [0, 0]
+
+
+# ---------------------------------------------------------------- malformed responses and requests
+DEL = object()  # a mutation that deletes the field
+
+
+def _mutated(which: str, path: tuple, value):
+    """The support fixture (every field: token and top log-probs, sampling mask, weight-version spans) with one
+    field of the request or the response replaced (or deleted)."""
+    req, resp = load("sglang_support_request.json"), load("sglang_support_response.json")
+    obj = req if which == "request" else resp
+    for key in path[:-1]:
+        obj = obj[key]
+    if value is DEL:
+        del obj[path[-1]]
+    else:
+        obj[path[-1]] = value
+    return resp, req
+
+
+M, WV, REQ, RESP = "meta_info", "weight_versions", "request", "response"
+MALFORMED = [
+    # (which, path, value, exception, message naming the field)
+    (RESP, (M, WV, 0, "start"), DEL, RecordError,
+     r"weight_versions\[0\] lacks the field 'start'"),
+    (RESP, (M, WV, 1, "end"), DEL, RecordError,
+     r"weight_versions\[1\] lacks the field 'end'"),
+    (RESP, (M, WV, 0, "version"), DEL, RecordError,
+     r"weight_versions\[0\] lacks the field 'version'"),
+    (RESP, (M, WV, 0, "version"), None, RecordError,
+     r"weight_versions\[0\]\.version must be a string"),
+    (RESP, (M, WV, 0, "start"), "0", RecordError,
+     r"weight_versions\[0\]\.start must be an integer"),
+    (RESP, (M, WV, 0, "start"), -1, RecordError,
+     r"weight_versions\[0\]: expected 0 <= start"),
+    (RESP, (M, WV, 1, "start"), 2, RecordError,
+     r"weight_versions\[1\] overlaps"),
+    (RESP, (M, WV, 1), ["7", 3, 6], RecordError,
+     r"weight_versions\[1\] must be a JSON object"),
+    (RESP, (M, WV), "6:0-3", RecordError,
+     r"weight_versions must be a list"),
+    (RESP, (M, "weight_version"), ["7"], RecordError,
+     r"weight_version must be a string"),
+    (RESP, ("output_ids",), None, RecordError,
+     r"output_ids must be a list"),
+    (RESP, ("output_ids", 0), 9.0, RecordError,
+     r"output_ids\[0\] must be an integer"),
+    (RESP, ("output_ids", 1), -10, RecordError,
+     r"output_ids\[1\] must be >= 0"),
+    (RESP, (M, "output_token_logprobs"), None, RecordError,
+     r"output_token_logprobs must be a list"),
+    (RESP, (M, "output_token_logprobs", 0), {"logprob": -1.7}, RecordError,
+     r"output_token_logprobs\[0\]: expected a \[logprob"),
+    (RESP, (M, "output_token_logprobs", 0, 0), "-1.7", RecordError,
+     r"output_token_logprobs\[0\] log-probability must be a number"),
+    (RESP, (M, "output_token_logprobs", 2, 1), True, RecordError,
+     r"output_token_logprobs\[2\] token id must be an integer"),
+    (RESP, (M, "output_top_logprobs"), 3.5, RecordError,
+     r"output_top_logprobs must be a list"),
+    (RESP, (M, "output_top_logprobs", 0, 1, 1), 13.5, RecordError,
+     r"output_top_logprobs\[0\]\[1\] token id must be an integer"),
+    (RESP, (M, "output_token_sampling_mask"), 3.5, RecordError,
+     r"output_token_sampling_mask must be a list"),
+    (RESP, (M, "output_token_sampling_mask", 0), "9 13 12", RecordError,
+     r"output_token_sampling_mask\[0\] must be a list"),
+    (RESP, (M, "output_token_sampling_mask", 1, 0), -1, RecordError,
+     r"output_token_sampling_mask\[1\]\[0\] must be >= 0"),
+    (RESP, (M, "output_token_sampling_mask", 1, 2), 14.0, RecordError,
+     r"output_token_sampling_mask\[1\]\[2\] must be an integer"),
+    (RESP, (M, "output_token_sampling_logprobs"), {}, RecordError,
+     r"output_token_sampling_logprobs must be a list"),
+    (RESP, (M, "output_token_sampling_logprobs", 0), "-1.6", RecordError,
+     r"output_token_sampling_logprobs\[0\] must be a list"),
+    (RESP, (M, "output_token_sampling_logprobs", 0, 1), None, RecordError,
+     r"output_token_sampling_logprobs\[0\]\[1\] must be a number"),
+    (REQ, ("sampling_params",), [0.7, 0.9, 8], TypeError,
+     r"request sampling_params must be a JSON object"),
+    (REQ, ("sampling_params", "temperature"), None, TypeError,
+     r"sampling_params\.temperature must be a number"),
+    (REQ, ("sampling_params", "temperature"), True, TypeError,
+     r"sampling_params\.temperature must be a number"),
+    (REQ, ("sampling_params", "top_p"), "0.9", TypeError,
+     r"sampling_params\.top_p must be a number"),
+    (REQ, ("sampling_params", "top_p"), 1.5, ValueError,
+     r"sampling_params\.top_p must be in \(0, 1\]"),
+    (REQ, ("sampling_params", "top_k"), {"k": 8}, TypeError,
+     r"top_k must be an integer"),
+    (REQ, ("input_ids",), "2 7 1 8", TypeError,
+     r"request input_ids must be a list"),
+    (REQ, ("input_ids", 1), None, TypeError,
+     r"request input_ids\[1\] must be an integer"),
+]
+
+
+@pytest.mark.parametrize("which,path,value,error,match", MALFORMED,
+                         ids=[f"{w}:{'.'.join(map(str, p))}={'DEL' if v is DEL else v!r}"
+                              for w, p, v, _, _ in MALFORMED])
+def test_malformed_field_raises_an_error_naming_it(which, path, value, error, match):
+    resp, req = _mutated(which, path, value)
+    with pytest.raises(error, match=match):
+        sglang.parse_response(resp, req, vocab_size=fake.V)
+
+
+def test_malformed_top_level_objects():
+    req, resp = load("sglang_support_request.json"), load("sglang_support_response.json")
+    with pytest.raises(RecordError, match="response must be a JSON object"):
+        sglang.parse_response([resp], req)
+    with pytest.raises(TypeError, match="request must be a JSON object"):
+        sglang.parse_response(resp, None)
+    with pytest.raises(RecordError, match="no meta_info"):
+        sglang.parse_response({"output_ids": resp["output_ids"]}, req)
+
+
+def _field_paths(obj, prefix=()):
+    """Every key / index path of a JSON value (lists: their first two elements)."""
+    yield prefix
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj[:2]) if isinstance(obj, list) else ()
+    for key, value in items:
+        yield from _field_paths(value, prefix + (key,))
+
+
+BAD_VALUES = [DEL, None, "x", 3.5, True, -1, {}, {"a": 1}, [], [None], ["a"], [1.5], [[]]]
+
+
+@pytest.mark.parametrize("which", ["request", "response"])
+def test_every_malformed_field_gives_a_clear_error_or_a_valid_record(which):
+    """Each field of the support fixture (head and support parts), replaced by each bad value: the parser either
+    returns a record that passes the record checks, or raises RecordError (a malformed response) or
+    TypeError / ValueError (a malformed request): never a KeyError, AttributeError or IndexError."""
+    req, resp = load("sglang_support_request.json"), load("sglang_support_response.json")
+    allowed = (RecordError,) if which == "response" else (TypeError, ValueError)
+    outcomes = {"error": 0, "record": 0}
+    for path in list(_field_paths(req if which == "request" else resp))[1:]:
+        for value in BAD_VALUES:
+            r_resp, r_req = _mutated(which, path, value)
+            try:
+                rec = sglang.parse_response(r_resp, r_req, vocab_size=fake.V)
+            except allowed:
+                outcomes["error"] += 1
+                continue
+            except Exception as err:  # noqa: BLE001 - any other type is the failure this test looks for
+                pytest.fail(f"{which} {path} = {value!r}: {type(err).__name__}: {err}")
+            if rec.candidates is not None:
+                rec.candidates.validate(fake.V, len(rec), rec.tokens)
+            outcomes["record"] += 1
+    assert outcomes["error"] > 50 and outcomes["record"] > 0, outcomes

@@ -168,7 +168,7 @@ def test_table_from_arrays_matches_hand_computation():
     assert "g0" in text and "all" in text and text.count("\n") == 6
 
 
-def test_table_reproduces_the_seed_pattern_share_of_extremes_follows_kl_not_samples():
+def test_table_reproduces_the_study_pattern_share_of_extremes_follows_kl_not_samples():
     # synthetic fleet: the FP8 group has 10% of samples but the largest mismatch; NVFP4 groups have 47%
     groups = seed_fleet()
     gen = torch.Generator().manual_seed(0)

@@ -3,17 +3,20 @@
 
 A *turn* is one generation request: the context sent (token ids), the tokens the server sampled, the sampler's
 log-probability of each (after temperature, renormalised over the support when sampling was filtered) and
-optionally a :class:`~offpolicy.records.candidates.Candidates` row per token. A *trajectory* strings turns together
+optionally a :class:`~offpolicy.records.candidates.Candidates` row per token (the record contract:
+docs/spec.md#records, docs/spec.md#mask-replay). A *trajectory* strings turns together
 with non-trained tokens between them (tool outputs, chat-template markers), token in, token out: the next
 request's context must be exactly the trajectory so far, or the trainer would score tokens in a context the
-sampler never saw (the seed's "multi-turn context" mismatch source), so :meth:`Trajectory.add_turn` checks it.
+sampler never saw (the "multi-turn context" mismatch source of the mixed-fleet study, docs/spec.md#sources), so
+:meth:`Trajectory.add_turn` checks it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import torch
 from torch import Tensor
@@ -173,6 +176,45 @@ def collate(
         cols=cat(cols, torch.int64), temperature=cat(temps, torch.float32),
     )
     return seqs, batch
+
+
+# ------------------------------------------------------------------------------------------ JSON fields
+# Readers for fields of a server's JSON response (or of a request body): each returns the field as the type the
+# parser needs or raises ``error`` naming the field, never a KeyError / AttributeError / IndexError from deep
+# inside, and never converts silently (a float token id is refused, not truncated; a bool is not a number).
+def json_mapping(value: object, what: str, error: type[Exception] = RecordError) -> Mapping:
+    """``value`` as a JSON object."""
+    if not isinstance(value, Mapping):
+        raise error(f"{what} must be a JSON object (dict), got {type(value).__name__}")
+    return value
+
+
+def json_list(value: object, what: str, error: type[Exception] = RecordError) -> Sequence:
+    """``value`` as a JSON array (a list or tuple; strings and objects are refused)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise error(f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def json_int(value: object, what: str, error: type[Exception] = RecordError) -> int:
+    """``value`` as an integer (bools and floats are refused, even integral ones: ids are never rounded)."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise error(f"{what} must be an integer, got {value!r}")
+    return int(value)
+
+
+def json_float(value: object, what: str, error: type[Exception] = RecordError) -> float:
+    """``value`` as a float (any real number but a bool)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise error(f"{what} must be a number, got {value!r}")
+    return float(value)
+
+
+def json_field(obj: Mapping, key: str, what: str, error: type[Exception] = RecordError) -> object:
+    """``obj[key]``, or ``error`` naming ``what`` when it is missing."""
+    if key not in obj:
+        raise error(f"{what} lacks the field {key!r}")
+    return obj[key]
 
 
 # ---------------------------------------------------------------------------------------------------- checks

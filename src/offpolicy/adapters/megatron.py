@@ -11,17 +11,17 @@ by it. :func:`make_loss_func` returns such a ``loss_func``:
   per-sequence terms and ``count`` the sequences (counted once, on context-parallel rank 0); for ``constant``
   (Dr. GRPO) the token sum over ``max_tokens`` and ``count`` the sequences. The global
   normaliser is then exactly Megatron's all-reduced count, whatever the data-parallel size and the number of
-  micro-batches.
+  micro-batches (docs/spec.md#aggregation).
 * ``report``: ``{"policy loss": [sum, count], <metric>: ...}``, the metrics of :func:`offpolicy.policy_loss`
-  reduced over the data-parallel x context-parallel group: token means as ``[global sum, global count]`` pairs
-  (Megatron-LM's ``train_step`` sums such pairs over micro-batches, all-reduces them and divides: an exact token
-  mean, unchanged by its extra all-reduce since both entries scale alike), maxima, minima and the effective
-  sample size as 1-element tensors (averaged over micro-batches by ``train_step``). With ``num_groups`` (and a
-  ``groups`` tensor in the batch) the mismatch and weight metrics are also reported per sampler group,
-  ``group/{g}/<metric>`` for every ``g < num_groups``, and with ``max_staleness`` (and ``versions``) per
-  staleness ``staleness/{s}/<metric>``, ``s = 0 .. max_staleness`` (the last bucket holds everything older):
-  fixed key sets, the same on every rank, so that the reduction lines up. Each bucket also reports
-  ``share_tokens`` as a ``[tokens in the bucket, all trained tokens]`` pair.
+  (docs/spec.md#metrics) reduced over the data-parallel x context-parallel group: token means as ``[global sum,
+  global count]`` pairs (Megatron-LM's ``train_step`` sums such pairs over micro-batches, all-reduces them and
+  divides: an exact token mean, unchanged by its extra all-reduce since both entries scale alike), maxima, minima
+  and the effective sample size as 1-element tensors (averaged over micro-batches by ``train_step``). With
+  ``num_groups`` (and a ``groups`` tensor in the batch) the mismatch and weight metrics are also reported per
+  sampler group, ``group/{g}/<metric>`` for every ``g < num_groups``, and with ``max_staleness`` (and ``versions``)
+  per staleness ``staleness/{s}/<metric>``, ``s = 0 .. max_staleness`` (the last bucket holds everything older):
+  fixed key sets, the same on every rank, so that the reduction lines up. Each bucket also reports ``share_tokens``
+  as a ``[tokens in the bucket, all trained tokens]`` pair.
 
 The logits are Megatron's vocabulary-parallel ones: ``GPTModel.forward(..., labels=None)`` returns
 ``[b, s, V / tp]`` (``logits_layout="bsv"``), a bare output layer ``[s, b, V / tp]`` (``"sbv"``). Each tensor-parallel
@@ -170,12 +170,6 @@ def _rank(group) -> int:
     import torch.distributed as dist
 
     return 0 if group is None else dist.get_rank(group)
-
-
-def _size(group) -> int:
-    import torch.distributed as dist
-
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def make_loss_func(

@@ -31,7 +31,9 @@ Checks (each a :class:`~offpolicy.adapters.common.RecordError` naming the token)
 request recorded as a head or without a support (full-vocabulary vs renormalised confusion); support rows not
 summing to 1; a sampled token outside its support; full-vocabulary log-probs that are not post-temperature
 (their offset to the support log-probs must be one constant per row); head mass above 1; disagreeing copies of
-one token's log-prob; log-probs above 0 (logits); mismatched lengths; an aborted request.
+one token's log-prob; log-probs above 0 (logits); mismatched lengths; an aborted request; and every malformed
+field (missing, of the wrong JSON type, a float or negative token id, overlapping or partial weight-version spans),
+named. A malformed *request* body raises ``TypeError`` / ``ValueError`` naming its field.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ from offpolicy.adapters.common import (
     check_support_rows,
     check_temperature,
     head_record,
+    json_field,
+    json_float,
+    json_int,
+    json_list,
+    json_mapping,
 )
 from offpolicy.records.candidates import Candidates
 
@@ -61,11 +68,14 @@ TOP_K_ALL = 1 << 30
 
 
 def _top_k_value(top_k: int | None) -> int | None:
-    if top_k is None or top_k in (-1, TOP_K_ALL):
+    if top_k is None:
         return None
-    if int(top_k) != top_k or top_k < 1:
+    top_k = json_int(top_k, "top_k", TypeError)
+    if top_k in (-1, TOP_K_ALL):
+        return None
+    if top_k < 1:
         raise ValueError(f"top_k must be None, -1 or an integer >= 1, got {top_k!r}")
-    return int(top_k)
+    return top_k
 
 
 def build_request(
@@ -191,30 +201,56 @@ def _finish_type(meta: Mapping[str, object]) -> object:
     return fr
 
 
-def _pairs(entries: Sequence, what: str) -> tuple[list[float], list[int]]:
-    """``[[logprob, token_id, text], ...]`` -> (logprobs, ids)."""
+def _pairs(entries: object, what: str) -> tuple[list[float], list[int]]:
+    """``[[logprob, token_id, text], ...]`` -> (logprobs, ids); a ``None`` log-probability is ``-inf``."""
     lps, ids = [], []
-    for e in entries:
-        if not isinstance(e, Sequence) or len(e) < 2:
-            raise RecordError(f"{what}: expected [logprob, token_id, text] entries, got {e!r}")
-        lps.append(float("-inf") if e[0] is None else float(e[0]))
-        ids.append(int(e[1]))
+    for i, e in enumerate(json_list(entries, what)):
+        if isinstance(e, (str, bytes, Mapping)) or not isinstance(e, Sequence) or len(e) < 2:
+            raise RecordError(f"{what}[{i}]: expected a [logprob, token_id, text] entry, got {e!r}")
+        lps.append(float("-inf") if e[0] is None else json_float(e[0], f"{what}[{i}] log-probability"))
+        ids.append(_token_id(e[1], f"{what}[{i}] token id"))
     return lps, ids
 
 
+def _token_id(value: object, what: str) -> int:
+    """A token id of a response: an integer >= 0."""
+    token = json_int(value, what)
+    if token < 0:
+        raise RecordError(f"{what} must be >= 0, got {token}")
+    return token
+
+
 def _versions(meta: Mapping[str, object], n: int) -> tuple[str, ...] | None:
+    """Per-token weight versions from ``weight_versions`` spans ``[{"version", "start", "end"}]`` (disjoint,
+    covering every output token) or the one ``weight_version``."""
+    single = meta.get("weight_version")
+    single = None if single is None else _version(single, "weight_version")
     spans = meta.get("weight_versions")
     if spans:
         out: list[str | None] = [None] * n
-        for s in spans:
-            for t in range(int(s["start"]), min(int(s["end"]), n)):
-                out[t] = str(s["version"])
+        for i, span in enumerate(json_list(spans, "weight_versions")):
+            what = f"weight_versions[{i}]"
+            span = json_mapping(span, what)
+            start = json_int(json_field(span, "start", what), f"{what}.start")
+            end = json_int(json_field(span, "end", what), f"{what}.end")
+            version = _version(json_field(span, "version", what), f"{what}.version")
+            if not 0 <= start <= end:
+                raise RecordError(f"{what}: expected 0 <= start <= end, got start={start}, end={end}")
+            for t in range(start, min(end, n)):
+                if out[t] is not None:
+                    raise RecordError(f"{what} overlaps another span at output token {t}")
+                out[t] = version
         if any(v is None for v in out):
             raise RecordError(f"weight_versions spans {spans} do not cover all {n} output tokens")
         return tuple(out)  # type: ignore[arg-type]
-    if meta.get("weight_version") is not None:
-        return (str(meta["weight_version"]),) * n
-    return None
+    return None if single is None else (single,) * n
+
+
+def _version(value: object, what: str) -> str:
+    """A weight version as SGLang reports it (a string; an integer is accepted) -> str."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RecordError(f"{what} must be a string (or an integer), got {value!r}")
+    return str(value)
 
 
 def parse_response(
@@ -232,10 +268,19 @@ def parse_response(
         vocab_size: if given, ids are checked against it.
         return_original_logprob: set True if the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``
             (raw log-probs): then a head record at temperature != 1 is refused.
+
+    Raises:
+        RecordError: (a ``ValueError``) the response is malformed (a missing or mistyped field, named) or
+            contradicts the record semantics (see the module docstring).
+        TypeError / ValueError: the request body is malformed (the field is named).
     """
-    sp = request.get("sampling_params") or {}
-    temperature = float(sp.get("temperature", 1.0))
-    top_p = float(sp.get("top_p", 1.0))
+    request = json_mapping(request, "request", TypeError)
+    response = json_mapping(response, "response")
+    sp = json_mapping(request.get("sampling_params") or {}, "request sampling_params", TypeError)
+    temperature = json_float(sp.get("temperature", 1.0), "request sampling_params.temperature", TypeError)
+    top_p = json_float(sp.get("top_p", 1.0), "request sampling_params.top_p", TypeError)
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"request sampling_params.top_p must be in (0, 1], got {top_p!r}")
     top_k = _top_k_value(sp.get("top_k"))
     check_temperature(temperature)
     filtered = top_k is not None or top_p < 1.0
@@ -251,7 +296,10 @@ def parse_response(
         if "output_token_logprobs" not in meta:
             raise RecordError("meta_info lacks output_token_logprobs although return_logprob was set")
         full_lp, full_ids = _pairs(meta["output_token_logprobs"], "output_token_logprobs")
-    tokens_list = [int(t) for t in response["output_ids"]] if "output_ids" in response else full_ids
+    tokens_list = full_ids
+    if "output_ids" in response:
+        tokens_list = [_token_id(t, f"output_ids[{i}]") for i, t in enumerate(json_list(response["output_ids"],
+                                                                                         "output_ids"))]
     if tokens_list is None:
         raise RecordError("the response has neither output_ids nor output_token_logprobs")
     n = len(tokens_list)
@@ -265,9 +313,9 @@ def parse_response(
     top = None
     if request.get("top_logprobs_num"):
         rows = meta.get("output_top_logprobs")
-        if rows is None or len(rows) != n:
+        if rows is None or len(json_list(rows, "output_top_logprobs")) != n:
             raise RecordError(f"{where}: output_top_logprobs must hold one list per output token ({n})")
-        top = [_pairs(r or [], "output_top_logprobs") for r in rows]
+        top = [_pairs(r or [], f"output_top_logprobs[{t}]") for t, r in enumerate(rows)]
 
     mode = request.get("sampling_logprobs_mode") if request.get("return_sampling_mask") else None
     if request.get("return_sampling_mask") and mode != "support":
@@ -287,16 +335,22 @@ def parse_response(
         slps = meta.get("output_token_sampling_logprobs")
         if masks is None or slps is None:
             raise RecordError(f"{where}: meta_info lacks output_token_sampling_mask / _logprobs")
+        masks = [json_list(m, f"output_token_sampling_mask[{t}]")
+                 for t, m in enumerate(json_list(masks, "output_token_sampling_mask"))]
+        slps = json_list(slps, "output_token_sampling_logprobs")
         if len(masks) != n or len(slps) != n:
             raise RecordError(f"{where}: sampling mask / log-probs hold {len(masks)} / {len(slps)} rows for {n} tokens")
         width = max((len(m) for m in masks), default=0)
         ids = torch.full((n, width), -1, dtype=torch.int64)
         lps = torch.full((n, width), float("-inf"))
         for t, (m, lp) in enumerate(zip(masks, slps)):
-            if not isinstance(lp, Sequence) or len(lp) != len(m):
-                raise RecordError(f"{where}: token {t}: support log-probs must be a list aligned with the mask")
-            ids[t, : len(m)] = torch.tensor([int(v) for v in m], dtype=torch.int64)
-            lps[t, : len(m)] = torch.tensor([float(v) for v in lp])
+            if isinstance(lp, (str, bytes, Mapping)) or not isinstance(lp, Sequence) or len(lp) != len(m):
+                raise RecordError(f"{where}: token {t}: output_token_sampling_logprobs[{t}] must be a list aligned "
+                                  "with the sampling mask")
+            ids[t, : len(m)] = torch.tensor([_token_id(v, f"output_token_sampling_mask[{t}][{j}]")
+                                             for j, v in enumerate(m)], dtype=torch.int64)
+            lps[t, : len(m)] = torch.tensor([json_float(v, f"output_token_sampling_logprobs[{t}][{j}]")
+                                             for j, v in enumerate(lp)], dtype=torch.float32)
         check_logprob_values(lps, f"{where} output_token_sampling_logprobs")
         cands = Candidates(ids, lps, "support")
         hit = (ids == tokens[:, None]) & cands.valid
@@ -333,8 +387,11 @@ def parse_response(
             cands = head_record(ids, lps, tokens, lq, where, "output_top_logprobs", vocab_size)
     check_sampled_possible(lq, where)
     input_ids = request.get("input_ids")
+    if input_ids is not None:
+        input_ids = tuple(json_int(t, f"request input_ids[{i}]", TypeError)
+                          for i, t in enumerate(json_list(input_ids, "request input_ids", TypeError)))
     return TurnRecord(
-        input_ids=tuple(int(t) for t in input_ids) if input_ids is not None else None,
+        input_ids=input_ids,
         tokens=tokens, sampler_logprobs=lq.float(), candidates=cands, temperature=temperature, top_p=top_p,
         top_k=top_k, versions=_versions(meta, n), finish_reason=finish,
     )

@@ -1,7 +1,7 @@
 """The heterogeneous sampler fleet: sampler groups, a capacity-proportional sticky router, per-group metrics.
 
     from offpolicy.fleet import Router, FleetMetrics, seed_fleet
-    groups = seed_fleet()                      # the seed write-up's eight groups (illustrative capacities)
+    groups = seed_fleet()                      # the mixed-fleet study's eight groups (illustrative capacities)
     router = Router(groups)
     group = router.assign(session_id)          # sticky for the session's life
     fm = FleetMetrics(groups)

@@ -50,10 +50,10 @@ class SamplerGroup:
 
 
 def seed_fleet(endpoints: dict[str, str] | None = None) -> list[SamplerGroup]:
-    """The seed write-up's mixed fleet: six accelerator types, eight groups, every KV cache in FP8.
+    """The mixed-fleet study's fleet (docs/spec.md#sources): six accelerator types, eight groups, FP8 KV caches.
 
     B200 and B300 serve NVFP4 weights, H100 and H200 serve FP8 and BF16, A100 and RTX PRO 6000 serve BF16.
-    The capacities are illustrative: the write-up gives only two shares (B200 + B300 NVFP4 about 47% of the
+    The capacities are illustrative: the study gives only two shares (B200 + B300 NVFP4 about 47% of the
     samples, H100 FP8 about 10%); the rest split the remainder. Replace them with measured throughputs.
     """
     endpoints = endpoints or {}
@@ -71,7 +71,7 @@ def seed_fleet(endpoints: dict[str, str] | None = None) -> list[SamplerGroup]:
 
 
 def homogeneous_fleet(replicas: int = 1, endpoint: str | None = None) -> list[SamplerGroup]:
-    """The seed's homogeneous baseline: B200 with BF16 weights and a BF16 KV cache."""
+    """The mixed-fleet study's homogeneous baseline: B200 with BF16 weights and a BF16 KV cache."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     return [SamplerGroup("b200-bf16", "B200", "bf16", "bf16", float(replicas), endpoint)]

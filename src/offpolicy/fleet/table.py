@@ -1,5 +1,6 @@
 """Per-group mismatch table: each sampler group's share of the samples and of the extreme-ratio tokens, and
-its sampler-trainer KL (the seed write-up's per-group table), as formatted text and as a dict for loggers.
+its sampler-trainer KL (the mixed-fleet study's per-group table, docs/spec.md#metrics), as formatted text and as a
+dict for loggers.
 
 Two ways in, accumulated over as many steps as wanted:
 
@@ -8,7 +9,7 @@ Two ways in, accumulated over as many steps as wanted:
 * :meth:`FleetMetrics.update_from_metrics` from ``op.policy_loss(...).metrics`` computed with ``groups=``
   (keys ``group/{g}/<name>``): counts are rebuilt from each group's ``num_tokens``.
 
-Definitions (SPEC section 6; ``log r = log p - lq`` clamped to ``[-20, 20]`` as in the loss):
+Definitions (docs/spec.md#metrics; ``log r = log p - lq`` clamped to ``[-20, 20]`` as in the loss):
 ``share_samples`` is the group's share of sequences (of tokens when no sequence ids are known),
 ``share_tokens`` its share of trained tokens, ``share_extreme`` its share of all tokens whose ratio lies
 outside ``[0.2, 5]``, ``extreme_frac`` the fraction of its own tokens that are extreme, ``kl_k1`` /

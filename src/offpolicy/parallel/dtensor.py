@@ -3,7 +3,8 @@ parallelism, whose output layer returns logits ``Shard(-1)`` over the tensor-par
 
 :func:`offpolicy.policy_loss` accepts such logits directly: the device mesh names the vocabulary shards, so the
 caller passes neither ``tp_group`` nor ``vocab_start``. The loss runs on the local shard (``to_local()``, which is
-differentiable: the gradient comes back as a ``DTensor`` with the logits' placements).
+differentiable: the gradient comes back as a ``DTensor`` with the logits' placements). Sharded equals unsharded:
+docs/spec.md#inv-sharding.
 """
 
 from __future__ import annotations

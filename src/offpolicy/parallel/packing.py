@@ -5,7 +5,8 @@ A packed micro-batch concatenates sequences along one token axis; ``cu_seqlens [
 lengths (``cu_seqlens[0] = 0``, sequence ``i`` owns tokens ``[cu_seqlens[i], cu_seqlens[i + 1])``), as in
 Megatron's ``PackedSeqParams`` and FlashAttention's varlen API. The sequence id of a token is its sequence's
 index ``i``, which is the same on every context-parallel rank: pass the split ids with ``cp_group=`` to
-:func:`offpolicy.policy_loss` and the sequence-level quantities are reduced over the group.
+:func:`offpolicy.policy_loss` and the sequence-level quantities are reduced over the group (docs/spec.md#aggregation,
+docs/spec.md#inv-sharding).
 
 Context-parallel splits (causal load balance, as Megatron does it): a sequence is cut into ``2 * cp`` equal chunks
 and rank ``r`` keeps chunks ``r`` and ``2 cp - 1 - r``.
