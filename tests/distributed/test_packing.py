@@ -98,6 +98,13 @@ def test_thd_errors():
         pad_cu_seqlens(torch.tensor([0, 4]), 0)
 
 
+def test_pad_cu_seqlens_keeps_multiples_and_empty_sequences():
+    """Lengths already a multiple stay as they are (no extra block), empty sequences stay empty."""
+    assert pad_cu_seqlens(torch.tensor([0, 4, 4, 9]), 4).tolist() == [0, 4, 4, 12]
+    assert pad_cu_seqlens(torch.tensor([0, 1, 8]), 1).tolist() == [0, 1, 8]
+    assert pad_cu_seqlens(torch.tensor([0]), 4).tolist() == [0]
+
+
 def test_scatter_to_padded():
     cu = torch.tensor([0, 2, 5])
     cu_p = pad_cu_seqlens(cu, 4)
