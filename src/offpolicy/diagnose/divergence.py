@@ -7,6 +7,7 @@ On tokens drawn from ``q`` with ``log r = log p(y) - lq``: ``k1 = -log r`` and `
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +40,9 @@ def divergence(log_ratio: Tensor) -> Divergence:
     n = int(fin.numel())
     if n == 0:
         return Divergence(int(lr.numel()), float("nan"), float("nan"), float("nan"), float("nan"), int((~ok).sum()))
-    lo, hi = EXTREME_BAND
+    lo, hi = (math.log(b) for b in EXTREME_BAND)
     r = torch.exp(fin.clamp(max=50.0))
-    extreme = ((r < lo) | (r > hi)).double()
+    extreme = ((fin < lo) | (fin > hi)).double()  # the band is inclusive, compared in log space
     return Divergence(
         tokens=int(lr.numel()), k1=float((-fin).mean()), k3=float((r - 1 - fin).mean()),
         extreme_share=float(extreme.mean()), mean_log_ratio=float(fin.mean()), non_finite=int((~ok).sum()),

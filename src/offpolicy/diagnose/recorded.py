@@ -27,6 +27,7 @@ from torch import Tensor
 
 from offpolicy.adapters.common import TurnRecord
 from offpolicy.records.candidates import Candidates
+from offpolicy.records.token_batch import TokenBatch
 
 
 @dataclass(frozen=True)
@@ -219,3 +220,27 @@ def load_rollouts(path: str | Path) -> RecordedRollouts:
     if path.suffix in (".jsonl", ".json"):
         return load_jsonl(path)
     raise ValueError(f"{path}: rollouts must be .jsonl or .safetensors")
+
+
+def from_token_batch(
+    batch: TokenBatch,
+    sequences: Tensor,
+    *,
+    group_names: Sequence[str] = ("default",),
+    group_index: Tensor | None = None,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+) -> RecordedRollouts:
+    """Rollouts from a :class:`~offpolicy.records.TokenBatch` (e.g. the reference sampler's ``Rollout.flatten()``
+    or the adapters' ``collate``) and its ``sequences [B, L]``; ``top_p`` / ``top_k`` are the declared filter."""
+    n = batch.tokens.shape[0]
+    gi = torch.zeros(n, dtype=torch.int64) if group_index is None else group_index.to(torch.int64)
+    if gi.shape != (n,) or (n and (int(gi.min()) < 0 or int(gi.max()) >= len(group_names))):
+        raise ValueError(f"group_index must be [N] = [{n}] int64 indexing group_names ({len(group_names)})")
+    return RecordedRollouts(
+        tokens=batch.tokens, sampler_logprobs=batch.sampler_logprobs.float(), candidates=batch.candidates,
+        group_names=tuple(group_names), group_index=gi, versions=batch.versions.to(torch.int64),
+        seq_ids=batch.seq_ids.to(torch.int64), temperature=batch.temperature.float(),
+        top_p=torch.full((n,), float(top_p)), top_k=torch.full((n,), -1 if top_k is None else int(top_k)),
+        sequences=sequences, rows=batch.rows, cols=batch.cols,
+    )

@@ -56,6 +56,14 @@ def load_trainer_logprobs(path: str | Path, n: int) -> TrainerScores:
     return TrainerScores(lp, None if cand is None else cand.double())
 
 
+def support_of(ids: Tensor, vocab: int) -> Tensor:
+    """``[n, V]`` bool from padded support ids ``[n, K]`` (``-1`` padding goes to a spare column, so it can never
+    clear a real id 0)."""
+    sup = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool)
+    sup.scatter_(1, torch.where(ids >= 0, ids, vocab), True)
+    return sup[:, :vocab]
+
+
 def _tempered(z: Tensor, temperature: Tensor) -> Tensor:
     return torch.log_softmax(z / temperature[:, None], dim=-1)
 
@@ -113,9 +121,7 @@ def score_model(model: torch.nn.Module, rollouts: RecordedRollouts, *, semantics
             hyp["temperature_twice"][sel] = _filtered(_tempered(z, t * t), p, k, semantics).gather(1, y)[:, 0]
             hyp["not_renormalised"][sel] = lt.gather(1, y)[:, 0]
             if r.candidates is not None and r.candidates.kind == "support":
-                sup = torch.zeros_like(z, dtype=torch.bool)
-                ids = r.candidates.ids[sel]
-                sup.scatter_(1, ids.clamp(min=0), ids >= 0)
+                sup = support_of(r.candidates.ids[sel], z.shape[1])
                 sub = torch.where(sup, lt, float("-inf"))
                 lp[sel] = (sub - torch.logsumexp(sub, -1, keepdim=True)).gather(1, y)[:, 0]
             else:

@@ -116,9 +116,10 @@ def best_reading(rollouts: RecordedRollouts, scores: TrainerScores) -> list[Find
     if not filtered:
         candidates.pop("not_renormalised")
     if abs(t - 1.0) <= 1e-6:
+        # at T = 1 "twice" is the declared reading, and raw log-probs of a filtered sampler are exactly the
+        # unrenormalised ones: the mistake to name is then the missing renormalisation
         candidates.pop("temperature_twice")
-        if not filtered:
-            candidates.pop("raw")
+        candidates.pop("raw")
     best = min(candidates, key=lambda k: err[k], default=None)
     if best is not None and err["declared"] > MIN_ERROR and err[best] * ERROR_RATIO < err["declared"]:
         mistake, text = candidates[best]
