@@ -38,6 +38,7 @@ import offpolicy as op
 from offpolicy import reference
 from offpolicy.adapters import Trajectory, collate
 from offpolicy.adapters import vllm
+from offpolicy.diagnose import diagnose, from_lines, turn_to_json
 from offpolicy.fleet.quant import fake_quantize_module
 from offpolicy.fleet.sampler import support_mask
 
@@ -356,3 +357,75 @@ def test_policy_loss_on_live_records_matches_reference(engines, kind):
                                    reference.support_mask(batch.candidates, V) if kind == "support" else None)
     gap = (lp_train.gather(1, batch.tokens[:, None])[:, 0] - batch.sampler_logprobs.double()).abs()
     assert 1e-4 < float(gap.max()) < 1.0
+
+
+# ------------------------------------------------------------------ offpolicy diagnose on live-engine records
+def _server_lines(engines, temperature, *, declared=None, top_p=1.0, top_k=None, kind="head", n=8, seed=10):
+    lines = []
+    for i, p in enumerate(prompts(n, seed=seed)):
+        if kind == "head":
+            sp = vllm.build_sampling_params(max_tokens=6, temperature=temperature, record="head", logprobs=8,
+                                            seed=seed + i, max_logprobs=MAX_LOGPROBS)
+        else:
+            sp = vllm.build_sampling_params(max_tokens=6, temperature=temperature, top_p=top_p, top_k=top_k,
+                                            record="support", seed=seed + i, max_logprobs=MAX_LOGPROBS)
+        body = completion_body(p, **sp)
+        rec = vllm.parse_completion_response(engines.complete(body), body, vocab_size=V)
+        line = turn_to_json(rec, group="server", version=i % 2)
+        if declared is not None:
+            line["temperature"] = declared
+        lines.append(line)
+    return lines
+
+
+def test_diagnose_passes_the_right_configuration(engines):
+    for lines in (_server_lines(engines, 0.7), _server_lines(engines, 0.7, top_p=0.9, top_k=16, kind="support")):
+        rep = diagnose(from_lines(lines), model=engines.model)
+        assert rep.ok, rep.text()
+        assert rep.overall.k3 < 1e-6  # same weights, fp32 both sides
+        report(f"diagnose, right {rep.candidate_kind} records: k3", rep.overall.k3)
+
+
+def test_diagnose_names_raw_logprobs_at_temperature_07(engines):
+    """The raw_logprobs engine sampled at T = 0.7 and the record was taken as processed (the default)."""
+    sp = vllm.build_sampling_params(max_tokens=6, temperature=0.7, record="head", logprobs=8, seed=4,
+                                    max_logprobs=MAX_LOGPROBS)
+    ps = prompts(8, seed=11)
+    lines = [turn_to_json(vllm.parse_request_output(out, sp, vocab_size=V), group="offline", version=0)
+             for out in engines.offline(ps, sp)]
+    rep = diagnose(from_lines(lines), model=engines.model)
+    assert rep.mistakes == ["raw_logprobs"], rep.text()
+    t_eff = next(f for f in rep.findings if f.check == "temperature").evidence["effective_temperature"]
+    report("diagnose, raw log-probs at T=0.7: effective temperature", t_eff)
+    assert abs(t_eff - 1.0) < 0.02
+
+
+def test_diagnose_names_missing_renormalisation(engines):
+    """Top-p 0.9 sampling recorded with full-vocabulary (unrenormalised) log-probs: the raw engine at T = 1."""
+    sp = vllm.build_sampling_params(max_tokens=6, temperature=1.0, record="head", logprobs=8, seed=5,
+                                    max_logprobs=MAX_LOGPROBS)
+    filtered = dict(sp, top_p=0.9)
+    ps = prompts(8, seed=12)
+    lines = []
+    for out in engines.offline(ps, filtered):
+        # the adapter refuses this record (a filtered request needs a support); a hand-rolled recorder keeps the
+        # raw top-K as if it were the sampler's distribution
+        line = turn_to_json(vllm.parse_request_output(out, sp, logprobs_mode="raw_logprobs", vocab_size=V),
+                            group="offline", version=0)
+        line["top_p"] = 0.9
+        lines.append(line)
+    with pytest.raises(vllm.RecordError, match="raw_logprobs returns log-probs before temperature"):
+        vllm.parse_request_output(engines.offline(ps[:1], filtered)[0], filtered, logprobs_mode="raw_logprobs")
+    rep = diagnose(from_lines(lines), model=engines.model)
+    assert rep.mistakes == ["missing_renormalisation"], rep.text()
+    sign = next(f for f in rep.findings if f.check == "ratio_sign")
+    report("diagnose, unrenormalised top-p 0.9: share of ratios above 1", sign.evidence["share_above_one"])
+
+
+def test_diagnose_names_temperature_applied_twice(engines):
+    """Logits divided by 0.7 before a sampler that divides again: the engine ran at 0.49, the record says 0.7."""
+    rep = diagnose(from_lines(_server_lines(engines, 0.49, declared=0.7)), model=engines.model)
+    assert rep.mistakes == ["temperature_twice"], rep.text()
+    t_eff = next(f for f in rep.findings if f.check == "temperature").evidence["effective_temperature"]
+    report("diagnose, temperature twice (0.7^2): effective temperature", t_eff)
+    assert abs(t_eff - 0.49) < 0.01
