@@ -69,7 +69,7 @@ def _require_engine_env() -> None:
 
 def report(what: str, value: float) -> None:
     """Measured numbers, shown with ``pytest -s`` (docs/samplers.md quotes them)."""
-    print(f"[live vLLM] {what}: {value:.3g}", file=sys.stderr)
+    print(f"[live vLLM] {what}: {value:.4g}", file=sys.stderr)
 
 
 def build_tiny_qwen3(path: Path, seed: int = 0) -> torch.nn.Module:
