@@ -285,3 +285,39 @@ def test_jsonl_lines_and_errors(tmp_path):
         load_rollouts(tmp_path / "r.csv")
     with pytest.raises(ValueError, match="exactly one of"):
         diagnose(rec)
+
+
+def test_cli_with_a_transformers_model_and_jsonl(tmp_path, capsys):
+    """JSONL rollouts from the reference sampler on a saved tiny Qwen3; diagnose loads the model from its folder."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
+    net = Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        net.lm_head.weight.mul_(40.0)
+    net.save_pretrained(tmp_path / "model")
+    ro = sample(net, _prompts(6), 5, 0.7, 0.9, None, record="support", version=2, filter_semantics="vllm",
+                generator=torch.Generator().manual_seed(0))
+    rec = from_token_batch(ro.flatten(), ro.sequences, top_p=0.9)
+    lines = []
+    for b in range(ro.sequences.shape[0]):
+        sel = rec.rows == b
+        start = int(rec.cols[sel].min())
+        c = rec.candidates
+        lines.append({"group": "ref", "version": 2, "input_ids": ro.sequences[b, :start].tolist(),
+                      "tokens": rec.tokens[sel].tolist(), "sampler_logprobs": rec.sampler_logprobs[sel].tolist(),
+                      "temperature": 0.7, "top_p": 0.9, "top_k": None,
+                      "candidates": {"kind": "support", "ids": c.ids[sel].tolist(),
+                                     "logprobs": [[v if v > float("-inf") else None for v in row]
+                                                  for row in c.logprobs[sel].tolist()]}})
+    path = save_jsonl(lines, tmp_path / "r.jsonl")
+    assert cli(["diagnose", str(path), "--model", str(tmp_path / "model"), "--out", str(tmp_path / "o"),
+                "--strict"]) == 0, capsys.readouterr().out
+    assert json.loads((tmp_path / "o" / "report.json").read_text())["mistakes"] == []
+    bad = [dict(line, temperature=1.0) for line in lines]  # declared T = 1 for a T = 0.7 sampler
+    save_jsonl(bad, tmp_path / "bad.jsonl")
+    assert cli(["diagnose", str(tmp_path / "bad.jsonl"), "--model", str(tmp_path / "model"), "--out",
+                str(tmp_path / "o2"), "--strict"]) == 1
+    assert "temperature" in capsys.readouterr().out
