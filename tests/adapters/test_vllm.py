@@ -305,3 +305,44 @@ def test_malformed_offline_output_names_the_field():
     out.outputs[0].token_ids = None
     with pytest.raises(RecordError, match="'token_ids' must be a list"):
         vllm.parse_request_output(out, sp)
+
+
+def _tokens_layout(resp):
+    """The same response in vLLM 0.32's ``output_mode="tokens"`` layout: integer ``token_id`` entries."""
+    out = copy.deepcopy(resp)
+    for item in out["choices"][0]["logprobs"]["content"]:
+        item["token_id"] = int(item.pop("token").split(":")[1])
+        for e in item["top_logprobs"]:
+            e["token_id"] = int(e.pop("token").split(":")[1])
+    return out
+
+
+def test_generate_tokens_layout_and_weight_versions():
+    req, resp = load("vllm_generate_support_request.json"), load("vllm_generate_support_response.json")
+    want = vllm.parse_generate_response(resp, req, vocab_size=fake.V)
+    tok = _tokens_layout(resp)
+    n = len(tok["choices"][0]["token_ids"])
+    tok["choices"][0]["weight_versions"] = [{"version": "6", "start": 0, "end": 2},
+                                           {"version": "7", "start": 2, "end": n}]
+    rec = vllm.parse_generate_response(tok, req, vocab_size=fake.V)
+    assert torch.equal(rec.tokens, want.tokens) and torch.equal(rec.candidates.ids, want.candidates.ids)
+    assert torch.equal(rec.sampler_logprobs, want.sampler_logprobs)
+    assert rec.versions == ("6", "6") + ("7",) * (n - 2)
+    traj = Trajectory(req["token_ids"])
+    traj.add_turn(rec)
+    assert collate([traj])[1].versions.tolist() == [6, 6] + [7] * (n - 2)
+    for spans, match in [
+        ([{"version": "6", "start": 0, "end": n - 1}], "cover no span for output tokens"),
+        ([{"version": "6", "start": 0, "end": n}, {"version": "7", "start": 1, "end": 2}], "covered by two"),
+        ([{"version": "6", "start": 0, "end": n + 1}], "outside the"),
+        ([{"version": "6", "end": n}], r"weight_versions\[0\]: field 'start' is missing"),
+        ("6", "must be a list of spans"),
+    ]:
+        bad = copy.deepcopy(tok)
+        bad["choices"][0]["weight_versions"] = spans
+        with pytest.raises(RecordError, match=match):
+            vllm.parse_generate_response(bad, req)
+    bad = copy.deepcopy(tok)
+    bad["choices"][0]["logprobs"]["content"][1]["top_logprobs"][0]["token_id"] = "3"
+    with pytest.raises(RecordError, match=r"content\[1\].top_logprobs\[0\].token_id must be an integer"):
+        vllm.parse_generate_response(bad, req)

@@ -4,7 +4,9 @@ adapter records what it returned, and every record is checked against a float64 
 Two engines run for the whole module, in their own processes (started together, about 25-90 s on 2 busy cores):
 
 * the OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``) with ``--logprobs-mode
-  processed_logprobs``, answering ``/v1/completions`` (records through ``parse_completion_response``);
+  processed_logprobs``, answering ``/v1/completions`` (records through ``parse_completion_response``) and, with
+  ``--enable-scale-out`` and ``VLLM_SERVER_DEV_MODE=1`` (which mounts ``/update_weight_version``),
+  ``/inference/v1/generate`` (records and weight versions through ``parse_generate_response``);
 * the offline ``vllm.LLM`` (``tools/vllm_worker.py``) with ``logprobs_mode="raw_logprobs"`` (records through
   ``parse_request_output``; raw log-probs are also what the planted mistakes of ``offpolicy diagnose`` need).
 
@@ -111,8 +113,10 @@ class Engines:
             [str(VENV_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
              "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--max-logprobs", str(MAX_LOGPROBS),
              "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "256", "--enforce-eager",
-             "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0"],
-            stdout=self.server_log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+             "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0",
+             "--enable-scale-out"],
+            stdout=self.server_log, stderr=subprocess.STDOUT, env={**env, "VLLM_SERVER_DEV_MODE": "1"},
+            start_new_session=True)
         self.worker = subprocess.Popen(
             [str(VENV_PYTHON), str(ROOT / "tools" / "vllm_worker.py"), "--model", str(model_dir),
              "--logprobs-mode", "raw_logprobs", "--max-logprobs", str(MAX_LOGPROBS)],
@@ -143,8 +147,10 @@ class Engines:
 
     def complete(self, body: dict) -> dict:
         """POST ``/v1/completions`` (processed_logprobs server)."""
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
-                                     data=json.dumps({"model": str(self.model_dir), **body}).encode(),
+        return self.post("/v1/completions", {"model": str(self.model_dir), **body})
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=300) as r:
@@ -357,6 +363,25 @@ def test_policy_loss_on_live_records_matches_reference(engines, kind):
                                    reference.support_mask(batch.candidates, V) if kind == "support" else None)
     gap = (lp_train.gather(1, batch.tokens[:, None])[:, 0] - batch.sampler_logprobs.double()).abs()
     assert 1e-4 < float(gap.max()) < 1.0
+
+
+def test_generate_endpoint_records_and_weight_versions(engines):
+    """Token in, token out on ``/inference/v1/generate``: a support record and the engine's own weight versions."""
+    ans = engines.post("/update_weight_version", {"new_version": "7"})
+    assert ans.get("new_version") == "7", ans
+    worst = 0.0
+    for i, p in enumerate(prompts(3, seed=5)):
+        body = vllm.build_request(p, model=str(engines.model_dir), max_tokens=4, temperature=0.7, top_p=0.9,
+                                  top_k=16, record="support", seed=i, max_logprobs=MAX_LOGPROBS)
+        resp = engines.post("/inference/v1/generate", body)
+        rec = vllm.parse_generate_response(resp, body, vocab_size=V)
+        assert rec.kind == "support" and rec.versions == ("7",) * len(rec)
+        for t, (lp, keep) in enumerate(expected(engines.model, p, rec.tokens.tolist(), 0.7, 0.9, 16)):
+            row = rec.candidates.ids[t]
+            assert set(row[row >= 0].tolist()) == set(keep.nonzero().flatten().tolist())
+            worst = max(worst, float((rec.candidates.logprobs[t][row >= 0].double() - lp[row[row >= 0]]).abs().max()))
+    report("generate endpoint support records max |lq - recomputed|", worst)
+    assert worst < LP_TOL, worst
 
 
 # ------------------------------------------------------------------ offpolicy diagnose on live-engine records

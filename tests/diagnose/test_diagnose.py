@@ -321,3 +321,21 @@ def test_cli_with_a_transformers_model_and_jsonl(tmp_path, capsys):
     assert cli(["diagnose", str(tmp_path / "bad.jsonl"), "--model", str(tmp_path / "model"), "--out",
                 str(tmp_path / "o2"), "--strict"]) == 1
     assert "temperature" in capsys.readouterr().out
+
+
+def test_turn_to_json_versions():
+    from offpolicy.adapters.common import TurnRecord
+    from offpolicy.diagnose import turn_to_json
+
+    rec = TurnRecord(input_ids=(1, 2), tokens=torch.tensor([3, 4]), sampler_logprobs=torch.tensor([-0.1, -0.2]),
+                     candidates=None, temperature=1.0, top_p=1.0, top_k=None, versions=("6", "7"))
+    line = turn_to_json(rec, group="g")
+    assert line["versions"] == [6, 7] and "version" not in line
+    assert from_lines([line]).versions.tolist() == [6, 7]
+    assert turn_to_json(rec, group="g", version=3)["version"] == 3
+    with pytest.raises(ValueError, match="not integers"):
+        turn_to_json(replace(rec, versions=("a", "b")), group="g")
+    with pytest.raises(ValueError, match="pass version="):
+        turn_to_json(replace(rec, versions=None), group="g")
+    with pytest.raises(ValueError, match="1 versions for 2 tokens"):
+        from_lines([dict(line, versions=[6])])

@@ -34,11 +34,14 @@ What vLLM returns (documented in vLLM's "Sampling Mask (Distribution Replay)" gu
 
 Response shapes parsed:
 
-``/inference/v1/generate`` (token in, token out; :func:`parse_generate_response`)
-    ``{"choices": [{"token_ids": [...], "logprobs": {"content": [{"token": "token_id:17", "logprob": ...,
-    "top_logprobs": [{"token": "token_id:3", "logprob": ...}, ...]}, ...]}, "sampling_mask": [[...], ...],
-    "finish_reason": ...}]}``. Tokens are rendered as ``"token_id:<id>"`` (the generate endpoint's
-    ``return_as_token_id`` rendering).
+``/inference/v1/generate`` (token in, token out; :func:`parse_generate_response`; the server needs
+``--enable-scale-out``)
+    ``{"choices": [{"token_ids": [...], "logprobs": {"content": [{"token_id": 17, "logprob": ..., "rank": ...,
+    "top_logprobs": [{"token_id": 3, "logprob": ...}, ...]}, ...]}, "sampling_mask": [[...], ...],
+    "weight_versions": [{"version": "7", "start": 0, "end": 5}], "finish_reason": ...}]}`` (vLLM 0.32's
+    ``output_mode="tokens"`` layout; entries rendered as ``"token": "token_id:<id>"`` are read too).
+    ``weight_versions`` (spans over output tokens, set by ``POST /update_weight_version`` or
+    ``/finish_weight_update``) become the record's per-token ``versions``.
 ``/v1/completions`` with ``return_tokens_as_token_ids=true`` (:func:`parse_completion_response`)
     ``choices[i].logprobs = {"tokens": ["token_id:17", ...], "token_logprobs": [...], "top_logprobs":
     [{"token_id:3": -0.1, ...}, ...]}`` (and ``choices[i].sampling_mask`` when returned).
@@ -187,7 +190,7 @@ def _list(obj: object, key: str, where: str) -> Sequence:
 
 def _int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RecordError(f"{what} must be an integer token id, got {value!r}")
+        raise RecordError(f"{what} must be an integer, got {value!r}")
     return int(value)
 
 
@@ -207,6 +210,38 @@ def _lp(value: object, what: str = "log-prob") -> float:
         raise RecordError(f"{what} must be a number, got {type(value).__name__} {value!r}")
     v = float(value)
     return float("-inf") if v <= JSON_NEG_INF else v
+
+
+def _entry_id(entry: Mapping[str, object], at: str) -> int:
+    """A generate log-prob entry's token id: integer ``token_id`` (vLLM 0.32) or ``"token": "token_id:<id>"``."""
+    if "token_id" in entry:
+        return _int(entry["token_id"], f"{at}.token_id")
+    return _token_id(_field(entry, "token", at, str), f"{at}.token")
+
+
+def _weight_versions(spans: object, n: int, where: str) -> tuple[str, ...] | None:
+    """Per-token versions from ``[{"version", "start", "end"}]`` spans over the ``n`` output tokens (``[start,
+    end)``); every token must be covered exactly once."""
+    if spans is None:
+        return None
+    if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
+        raise RecordError(f"{where}: field 'weight_versions' must be a list of spans, got {type(spans).__name__}")
+    out: list[str | None] = [None] * n
+    for j, span in enumerate(spans):
+        at = f"{where} weight_versions[{j}]"
+        version = _field(span, "version", at, (str, int))
+        start = _int(_field(span, "start", at, int), f"{at}.start")
+        end = _int(_field(span, "end", at, int), f"{at}.end")
+        if not 0 <= start <= end <= n:
+            raise RecordError(f"{at}: span [{start}, {end}) lies outside the {n} output tokens")
+        for t in range(start, end):
+            if out[t] is not None:
+                raise RecordError(f"{at}: output token {t} is covered by two version spans")
+            out[t] = str(version)
+    missing = [t for t, v in enumerate(out) if v is None]
+    if missing:
+        raise RecordError(f"{where}: weight_versions cover no span for output tokens {missing[:5]}")
+    return tuple(out)
 
 
 def _sampling_fields(sp: object, where: str) -> Mapping[str, object]:
@@ -292,6 +327,7 @@ def _record(
     finish: object,
     vocab_size: int | None,
     where: str,
+    versions: tuple[str, ...] | None = None,
 ) -> TurnRecord:
     """Build and check a record from per-token (sampled id, its log-prob, {id: log-prob} of the returned top)."""
     if logprobs_mode not in LOGPROBS_MODES:
@@ -362,8 +398,8 @@ def _record(
     check_sampled_possible(lq, where)
     return TurnRecord(
         input_ids=tuple(int(t) for t in input_ids) if input_ids is not None else None, tokens=tokens,
-        sampler_logprobs=lq, candidates=cands, temperature=temperature, top_p=top_p, top_k=top_k, versions=None,
-        finish_reason=finish,
+        sampler_logprobs=lq, candidates=cands, temperature=temperature, top_p=top_p, top_k=top_k,
+        versions=versions, finish_reason=finish,
     )
 
 
@@ -424,7 +460,7 @@ def parse_generate_response(
         at = f"{where} logprobs.content[{t}]"
         if not isinstance(item, Mapping):
             raise RecordError(f"{at} must be an object, got {type(item).__name__}")
-        tid = _token_id(_field(item, "token", at, str), f"{at}.token")
+        tid = _entry_id(item, at)
         if tid != token_ids[t]:
             raise RecordError(f"{where}: token {t}: logprobs entry {tid} differs from token_ids {token_ids[t]}")
         sampled.append(tid)
@@ -437,11 +473,11 @@ def parse_generate_response(
             ej = f"{at}.top_logprobs[{j}]"
             if not isinstance(e, Mapping):
                 raise RecordError(f"{ej} must be an object, got {type(e).__name__}")
-            row[_token_id(_field(e, "token", ej, str), f"{ej}.token")] = _lp(
-                _field(e, "logprob", ej, (int, float, type(None))), f"{ej}.logprob")
+            row[_entry_id(e, ej)] = _lp(_field(e, "logprob", ej, (int, float, type(None))), f"{ej}.logprob")
         tops.append(row)
     return _record(sampled, sampled_lp, tops, _mask_rows(c.get("sampling_mask"), where), sp, logprobs_mode,
-                   request.get("token_ids"), c.get("finish_reason"), vocab_size, where)
+                   request.get("token_ids"), c.get("finish_reason"), vocab_size, where,
+                   _weight_versions(c.get("weight_versions"), len(sampled), where))
 
 
 def parse_completion_response(
@@ -521,4 +557,5 @@ def parse_request_output(
         tops.append(d)
     return _record(token_ids, sampled_lp, tops, _mask_rows(getattr(comp, "sampling_mask", None), where),
                    sp, logprobs_mode, getattr(output, "prompt_token_ids", None),
-                   getattr(comp, "finish_reason", None), vocab_size, where)
+                   getattr(comp, "finish_reason", None), vocab_size, where,
+                   _weight_versions(getattr(comp, "weight_versions", None), len(token_ids), where))

@@ -40,7 +40,7 @@ from offpolicy.diagnose.summary import DiagnoseReport
 
 __all__ = [
     "DiagnoseReport", "Divergence", "Finding", "RecordedRollouts", "TrainerScores", "diagnose", "from_lines",
-    "from_token_batch", "load_rollouts", "save_jsonl", "save_safetensors", "turn_to_json",
+    "from_token_batch", "load_rollouts", "load_trainer_logprobs", "save_jsonl", "save_safetensors", "turn_to_json",
 ]
 
 

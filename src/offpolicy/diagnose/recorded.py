@@ -7,7 +7,7 @@ JSONL line (what :func:`turn_to_json` writes from an adapter :class:`~offpolicy.
      "sampler_logprobs": [...], "temperature": 0.7, "top_p": 0.9, "top_k": 16,
      "candidates": {"kind": "support", "ids": [[...], ...], "logprobs": [[...], ...]}}
 
-``candidates`` may be ``null``; ``-inf`` padding is written as ``null`` (``ids`` padded with -1); ``seq_id`` groups the
+``"versions": [...]`` (one per token) may replace ``version``; ``candidates`` may be ``null``; ``-inf`` padding is written as ``null`` (``ids`` padded with -1); ``seq_id`` groups the
 turns of one multi-turn episode (default: one sequence per line). safetensors: tensors ``tokens [N]``,
 ``sampler_logprobs [N]``, ``versions [N]``, ``group_index [N]``, ``seq_ids [N]``, ``temperature [N]``, ``top_p [N]``,
 ``top_k [N]`` (-1: off), ``rows [N]``, ``cols [N]``, ``sequences [B, L]`` and optionally ``candidate_ids [N, K]``,
@@ -62,16 +62,30 @@ class RecordedRollouts:
         return int(self.tokens.shape[0])
 
 
-def turn_to_json(record: TurnRecord, *, group: str, version: int, seq_id: int | None = None) -> dict:
-    """One JSONL line from an adapter record (``record.input_ids`` must be known: the trainer needs the context)."""
+def turn_to_json(record: TurnRecord, *, group: str, version: int | None = None, seq_id: int | None = None) -> dict:
+    """One JSONL line from an adapter record (``record.input_ids`` must be known: the trainer needs the context).
+
+    ``version`` stamps every token; without it the record's own per-token ``versions`` (e.g. vLLM's
+    ``weight_versions`` spans, SGLang's ``weight_version``) are written as ``"versions": [...]`` (integers).
+    """
     if record.input_ids is None:
         raise ValueError("turn_to_json: the record carries no input_ids (the context the trainer must score)")
+    if version is None and record.versions is None:
+        raise ValueError("turn_to_json: pass version= (the record carries no weight versions)")
     line: dict[str, object] = {
-        "group": str(group), "version": int(version), "input_ids": list(record.input_ids),
+        "group": str(group), "input_ids": list(record.input_ids),
         "tokens": record.tokens.tolist(), "sampler_logprobs": [_num(v) for v in record.sampler_logprobs.tolist()],
         "temperature": record.temperature, "top_p": record.top_p, "top_k": record.top_k,
         "candidates": None,
     }
+    if version is not None:
+        line["version"] = int(version)
+    else:
+        try:
+            line["versions"] = [int(v) for v in record.versions]
+        except ValueError as exc:
+            raise ValueError(f"turn_to_json: weight versions {record.versions[:3]} are not integers: pass "
+                             "version=") from exc
     if seq_id is not None:
         line["seq_id"] = int(seq_id)
     if record.candidates is not None:
@@ -133,7 +147,13 @@ def from_lines(lines: Sequence[dict]) -> RecordedRollouts:
         cols_t += range(len(ids), len(ids) + t)
         rows_key += [sid] * t
         gi += [g] * t
-        vers += [int(line.get("version", -1))] * t
+        if "versions" in line:
+            per = [int(v) for v in line["versions"]]
+            if len(per) != t:
+                raise ValueError(f"rollouts line {n}: {len(per)} versions for {t} tokens")
+            vers += per
+        else:
+            vers += [int(line.get("version", -1))] * t
         sids += [sid] * t
         temps += [float(_req(line, "temperature", n))] * t
         tps += [float(line.get("top_p", 1.0) or 1.0)] * t

@@ -167,7 +167,6 @@ def record_checks(rollouts: RecordedRollouts) -> list[Finding]:
                                f"{over} head rows sum above one: renormalised values recorded as a head" if over
                                else "head rows are sub-probabilities (sum <= 1)",
                                "head_renormalised" if over else None, {"rows_over_one": over}))
-    back = 0
     seq_order = torch.argsort(rollouts.seq_ids * (rollouts.cols.max() + 1) + rollouts.cols)
     s, v = rollouts.seq_ids[seq_order], rollouts.versions[seq_order]
     same = s[1:] == s[:-1]
