@@ -339,3 +339,19 @@ def test_turn_to_json_versions():
         turn_to_json(replace(rec, versions=None), group="g")
     with pytest.raises(ValueError, match="1 versions for 2 tokens"):
         from_lines([dict(line, versions=[6])])
+
+
+def test_documented_examples_script(capsys):
+    """tools/diagnose_examples.py (quoted in docs/diagnose.md) still gives the documented verdicts."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "diagnose_examples.py"
+    spec = importlib.util.spec_from_file_location("diagnose_examples", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main()
+    verdicts = [line for line in capsys.readouterr().out.splitlines() if line.startswith("offpolicy diagnose:")]
+    assert verdicts == ["offpolicy diagnose: OK", "offpolicy diagnose: MISTAKES FOUND: raw_logprobs",
+                        "offpolicy diagnose: MISTAKES FOUND: temperature_twice",
+                        "offpolicy diagnose: MISTAKES FOUND: missing_renormalisation"]

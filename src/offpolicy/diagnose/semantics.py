@@ -70,7 +70,7 @@ def effective_temperature(rollouts: RecordedRollouts, scores: TrainerScores) -> 
     slope, used = _centred_slope(rec, scores.candidate_logprobs)
     if used == 0 or not math.isfinite(slope) or slope <= 0:
         return None
-    t = float(rollouts.temperature.double().median())
+    t = round(float(rollouts.temperature.double().median()), 6)  # fp32 storage: 0.7 reads 0.69999999
     t_eff = t / slope
     ev = {"declared_temperature": t, "effective_temperature": round(t_eff, 4), "rows": used}
     if abs(t_eff - t) <= TEMPERATURE_RTOL * t:
@@ -100,7 +100,7 @@ def best_reading(rollouts: RecordedRollouts, scores: TrainerScores) -> list[Find
            ("declared", "raw", "temperature_twice", "not_renormalised")}
     g = int(h["grid_error"].argmin())
     t_best = float(TEMPERATURE_GRID[g])
-    t = float(rollouts.temperature.double().median())
+    t = round(float(rollouts.temperature.double().median()), 6)  # fp32 storage: 0.7 reads 0.69999999
     filtered = bool(((rollouts.top_p < 1.0) | (rollouts.top_k >= 0)).any())
     ev: dict[str, float | int | str] = {f"median_abs_error_{k}": round(v, 5) for k, v in err.items()}
     ev["best_grid_temperature"] = round(t_best, 3)
