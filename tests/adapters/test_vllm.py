@@ -56,6 +56,7 @@ def test_sampling_params_per_mode():
         ({"top_k": 8, "record": "support", "logprobs": 8}, "never prove the support complete"),
         ({"top_k": 32, "record": "support"}, "max-logprobs"),
         ({"top_k": 8, "record": "support", "support_source": "both"}, "support_source"),
+        ({"record": "support"}, "unfiltered sampling has no support"),
         ({"top_p": 0.5, "record": "head"}, "unfiltered"),
     ]:
         with pytest.raises(ValueError, match=match):

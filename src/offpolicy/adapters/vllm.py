@@ -115,6 +115,9 @@ def build_sampling_params(
         raise ValueError(f"record={record!r} needs unfiltered sampling (top_p=1, top_k off); use record='support'")
     if support_source not in ("logprobs", "mask"):
         raise ValueError(f"support_source must be 'logprobs' or 'mask', got {support_source!r}")
+    if record == "support" and not filtered:
+        raise ValueError("record='support' needs top_p < 1 or top_k: unfiltered sampling has no support to record; "
+                         "use record='head'")
     if record == "support" and support_source == "mask":
         if top_k is None:
             raise ValueError("vLLM's sampling mask requires top_k > 0 (it bounds the mask); pass top_k")
