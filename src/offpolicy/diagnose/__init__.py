@@ -1,0 +1,109 @@
+"""``offpolicy diagnose``: before training on a sampler's records, check what they mean and how far they are.
+
+    from offpolicy.diagnose import diagnose, load_rollouts
+    report = diagnose(load_rollouts("rollouts.jsonl"), model="path/to/trainer")   # or trainer_logprobs=...
+    report.print(); report.save("diagnose_out")       # report.md, report.json, PNG plots
+    report.mistakes                                   # e.g. ["raw_logprobs"]; empty when the record looks right
+    report.correction                                 # the op.Correction to start from (None: fix the record)
+
+Command line: ``offpolicy diagnose ROLLOUTS (--trainer-logprobs FILE | --model DIR) [--out DIR]``
+(``offpolicy diagnose --help``). See docs/diagnose.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from offpolicy.diagnose.divergence import Divergence, divergence, split
+from offpolicy.diagnose.recommend import recommend
+from offpolicy.diagnose.recorded import (
+    RecordedRollouts,
+    from_lines,
+    from_token_batch,
+    load_rollouts,
+    save_jsonl,
+    save_safetensors,
+    turn_to_json,
+)
+from offpolicy.diagnose.scoring import TrainerScores, load_model, load_trainer_logprobs, score_model
+from offpolicy.diagnose.semantics import (
+    Finding,
+    best_reading,
+    effective_temperature,
+    one_sided_ratios,
+    record_checks,
+)
+from offpolicy.diagnose.summary import DiagnoseReport
+
+__all__ = [
+    "DiagnoseReport", "Divergence", "Finding", "RecordedRollouts", "TrainerScores", "diagnose", "from_lines",
+    "from_token_batch", "load_rollouts", "load_trainer_logprobs", "save_jsonl", "save_safetensors", "turn_to_json",
+]
+
+
+def diagnose(
+    rollouts: RecordedRollouts,
+    *,
+    trainer_logprobs: TrainerScores | Tensor | None = None,
+    model: torch.nn.Module | str | Path | None = None,
+    current_version: int | None = None,
+    semantics: str = "vllm",
+    out_dir: str | Path | None = None,
+) -> DiagnoseReport:
+    """Compare recorded rollouts with the trainer and check the record's semantics.
+
+    Args:
+        rollouts: the sampler's records (:func:`load_rollouts`).
+        trainer_logprobs: the trainer's ``log p(y)`` ``[N]`` for the same tokens (at the declared temperature,
+            support-renormalised for support records), or :class:`TrainerScores` with candidate log-probs.
+        model: instead, a causal LM (or a local ``transformers`` directory) that diagnose evaluates itself; this
+            also enables the per-reading fit (raw, temperature twice, not renormalised, best temperature).
+        current_version: the trainer's weight version (staleness = current - version); default the newest
+            recorded version.
+        semantics: the engine's top-k/top-p order for recomputation (``"vllm"`` or ``"sglang"``).
+        out_dir: if given, write ``report.md``, ``report.json``, ``ratio_hist.png`` and ``kl_by_staleness.png``.
+    """
+    if (trainer_logprobs is None) == (model is None):
+        raise ValueError("diagnose: pass exactly one of trainer_logprobs= or model=")
+    if model is not None:
+        net = load_model(model) if isinstance(model, (str, Path)) else model
+        scores = score_model(net, rollouts, semantics=semantics)
+    elif isinstance(trainer_logprobs, TrainerScores):
+        scores = trainer_logprobs
+    else:
+        scores = TrainerScores(torch.as_tensor(trainer_logprobs).double().flatten())
+    if scores.logprobs.shape[0] != len(rollouts):
+        raise ValueError(f"diagnose: {scores.logprobs.shape[0]} trainer log-probs for {len(rollouts)} tokens")
+    log_ratio = scores.logprobs - rollouts.sampler_logprobs.double()
+    known = rollouts.versions >= 0
+    current = current_version if current_version is not None else (
+        int(rollouts.versions[known].max()) if bool(known.any()) else None)
+    by_staleness = split(log_ratio[known], current - rollouts.versions[known]) if current is not None else {}
+    by_group = {rollouts.group_names[g]: d for g, d in split(log_ratio, rollouts.group_index).items()}
+    findings = record_checks(rollouts)
+    if current is not None and bool((rollouts.versions[known] > current).any()):
+        findings.append(Finding("versions_future", False, f"versions newer than the trainer's ({current}) were "
+                                "recorded", "versions_backwards", {"current_version": current}))
+    for extra in (effective_temperature(rollouts, scores), *best_reading(rollouts, scores),
+                  one_sided_ratios(rollouts, log_ratio)):
+        if extra is not None:
+            findings.append(extra)
+    overall = divergence(log_ratio)
+    mistakes = [f.mistake for f in findings if not f.ok and f.mistake]
+    kind = rollouts.candidates.kind if rollouts.candidates is not None else None
+    correction, reasons = recommend(overall, by_staleness, kind, mistakes)
+    report = DiagnoseReport(overall, by_group, by_staleness, findings, correction, reasons, kind, current)
+    if out_dir is not None:
+        from offpolicy.diagnose.plots import kl_by_staleness, ratio_histograms
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        plots = [str(ratio_histograms(log_ratio, rollouts.group_index, rollouts.group_names, out / "ratio_hist.png"))]
+        if by_staleness:
+            plots.append(str(kl_by_staleness(by_staleness, out / "kl_by_staleness.png")))
+        report.plots.extend(plots)
+        report.save(out)
+    return report
