@@ -19,7 +19,7 @@ else
     "$VERL_VENV/bin/pip" install -q torch==2.13.0
     "$VERL_VENV/bin/pip" install -q --no-deps verl==0.9.1
     "$VERL_VENV/bin/pip" install -q torch==2.13.0 "tensordict>=0.8,<=0.10,!=0.9.0" omegaconf codetiming ray \
-        "transformers>=5.5.3,<5.11,!=5.6.0" datasets pillow numpy einops jaxtyping pytest
+        "transformers>=5.5.3,<5.11,!=5.6.0" datasets pillow numpy einops jaxtyping pytest hypothesis
     "$VERL_VENV/bin/pip" install -q --no-deps -e .
     echo "$VERL_VENV: created in $(( $(date +%s) - start )) s"
 fi
