@@ -1,6 +1,6 @@
-"""Runs tests/adapters/test_verl_cases.py inside .venv-verl (verl==0.9.1 pins transformers<5.11, which excludes
-TRL 1.16's 5.24, so verl gets its own venv). A missing venv fails with the command that builds it, unless
-OFFPOLICY_SKIP_TRAINER_TESTS=1 (an explicit opt-out)."""
+"""Runs tests/adapters/test_verl_cases.py inside .venv-trainers (verl==0.9.1 pins transformers<5.11, which
+excludes TRL 1.16's 5.24, so verl, and SkyRL beside it, get their own venv). A missing venv fails with the command
+that builds it, unless OFFPOLICY_SKIP_TRAINER_TESTS=1 (an explicit opt-out)."""
 
 import os
 import subprocess
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("OFFPOLICY_VERL_VENV", ROOT / ".venv-verl"))
+VENV = Path(os.environ.get("OFFPOLICY_TRAINERS_VENV", ROOT / ".venv-trainers"))
 
 
-def test_verl_adapter_in_its_venv():
+def run_in_trainers_venv(case_file: str) -> None:
+    """Run ``tests/adapters/<case_file>`` with the trainers venv's pytest; fail with its output."""
     if os.environ.get("OFFPOLICY_SKIP_TRAINER_TESTS") == "1":
         pytest.skip("OFFPOLICY_SKIP_TRAINER_TESTS=1: trainer-adapter tests opted out")
     python = VENV / "bin" / "python"
@@ -22,9 +23,13 @@ def test_verl_adapter_in_its_venv():
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     proc = subprocess.run(
         [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
-         str(ROOT / "tests" / "adapters" / "test_verl_cases.py")],
+         str(ROOT / "tests" / "adapters" / case_file)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     assert " passed" in tail and "skipped" not in tail, tail
+
+
+def test_verl_adapter_in_its_venv():
+    run_in_trainers_venv("test_verl_cases.py")
