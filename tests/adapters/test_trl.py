@@ -200,3 +200,14 @@ def test_rejects_unsupported_options():
     with pytest.raises(ValueError, match="score centering needs a candidate record"):
         OffPolicyGRPOTrainer(model=None, reward_funcs=_reward, record="logprobs",
                              correction=op.Correction(weights="mis", score_centering=True))
+
+
+def test_head_record_with_score_centering_matches_reference():
+    """Unfiltered sampling (top_p=1, top_k=0): a head record of the sampler's top 20 and score centering."""
+    corr = op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True)
+    trainer, _ = _train(corr, "head", top_p=1.0, steps=1)
+    window = trainer.seen[:2]
+    assert window[0]["inputs"][IDS_KEY].shape[-1] == 20
+    got = sum(float(s["loss"]) for s in window)
+    ref = float(_reference(window, corr, "head", "token_mean"))
+    assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (got, ref)
