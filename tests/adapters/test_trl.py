@@ -66,12 +66,13 @@ class RecordingTrainer(OffPolicyGRPOTrainer):
         return loss
 
 
-def _train(correction, record, *, top_p=0.9, loss_type="dapo", steps=2, max_len=6, accum=2, temperature=0.9):
+def _train(correction, record, *, top_p=0.9, loss_type="dapo", steps=2, max_len=6, accum=2, temperature=0.9,
+           bf16=False):
     model = _model()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     ds = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
     args = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="offpolicy_trl_"), use_cpu=True, bf16=False,
+        output_dir=tempfile.mkdtemp(prefix="offpolicy_trl_"), use_cpu=True, bf16=bf16,
         per_device_train_batch_size=4, gradient_accumulation_steps=accum, num_generations=4,
         max_completion_length=max_len, max_steps=steps, logging_steps=1, report_to=[], learning_rate=1e-2,
         top_p=top_p, temperature=temperature, loss_type=loss_type, save_strategy="no", seed=0,
@@ -211,3 +212,14 @@ def test_head_record_with_score_centering_matches_reference():
     got = sum(float(s["loss"]) for s in window)
     ref = float(_reference(window, corr, "head", "token_mean"))
     assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (got, ref)
+
+
+def test_default_bf16_autocast_trains_with_a_numerics_gap():
+    """GRPOConfig's default bf16=True: the backbone runs under bf16 autocast in training, fp32 in generation; the
+    replay ratio then carries that numerics gap (no longer ~1e-7), and training still runs through offpolicy."""
+    trainer, before = _train(op.Correction(weights="mis", bounds=(0.5, 5.0)), "support", steps=1, bf16=True)
+    logs = [h for h in trainer.state.log_history if "offpolicy/abs_log_ratio_max" in h]
+    assert logs and 1e-4 < logs[0]["offpolicy/abs_log_ratio_max"] < 0.5, logs
+    assert not torch.equal(trainer.model.lm_head.weight.detach(), before["lm_head.weight"])
+    print(f"bf16 autocast vs fp32 generation: max |log-ratio| {logs[0]['offpolicy/abs_log_ratio_max']:.2e}, "
+          f"mean {logs[0]['offpolicy/abs_log_ratio_mean']:.2e}")

@@ -268,12 +268,14 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             candidates = Candidates(ids.reshape(n, ids.shape[-1]), clq.reshape(n, clq.shape[-1]).float(),
                                     kind=self.offpolicy_record)
         seq_ids = torch.arange(b, device=tokens.device)[:, None].expand(b, t).reshape(n)
-        out = policy_loss(
-            tokens=tokens, sampler_logprobs=lq, advantages=adv, candidates=candidates, loss_mask=loss_mask,
-            temperature=self.temperature, correction=self.offpolicy_correction, seq_ids=seq_ids,
-            aggregation=AGGREGATIONS[self.loss_type], hidden=hidden.reshape(n, -1).to(head.weight.dtype),
-            weight=head.weight, bias=head.bias, **self._divisor(inputs, mask),
-        )
+        # The LM-head product runs in the head's dtype whatever autocast TRL set up around compute_loss.
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            out = policy_loss(
+                tokens=tokens, sampler_logprobs=lq, advantages=adv, candidates=candidates, loss_mask=loss_mask,
+                temperature=self.temperature, correction=self.offpolicy_correction, seq_ids=seq_ids,
+                aggregation=AGGREGATIONS[self.loss_type], hidden=hidden.reshape(n, -1).to(head.weight.dtype),
+                weight=head.weight, bias=head.bias, **self._divisor(inputs, mask),
+            )
         self.offpolicy_last = {"log_ratio": out.log_ratio.view(b, t), "token_weight": out.token_weight.view(b, t),
                                "loss_mask": mask.bool()}
         self._log_offpolicy(out.metrics, out.loss.detach() * (self.current_gradient_accumulation_steps
