@@ -7,8 +7,8 @@
 #
 # verl 0.9.1 pins transformers <5.11 and skyrl 0.3.0 <=5.8, both excluding TRL 1.16's 5.24 (TRL goes into the main
 # venv: pip install trl==1.16.0). verl and skyrl are installed without their dependency trees (vLLM, Ray extras,
-# JAX ...): the tests need their loss code only. torch is pinned to the CPU build (2.13.0) served to this kind of machine: an
-# unpinned torch pulls a multi-GB CUDA build. Re-running is cheap: an existing, working venv is kept.
+# JAX ...): the tests need their loss code only. torch is pinned to the CPU build (2.13.0) served to this kind of
+# machine: an unpinned torch pulls a multi-GB CUDA build. Re-running is cheap: an existing, working venv is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -172,7 +172,8 @@ def test_trl_6789_bias_vs_support_replay():
     assert float(replay_tok.abs().max()) < 1e-5
     assert abs(float(replay_seq.mean()) - 1.0) < 1e-4
     print(f"TRL #6789 at top_p=0.9: TRL-style token log-ratio mean {float(trl_tok.mean()):.4f}, sequence ratio "
-          f"mean {float(trl_seq.mean()):.3f}; offpolicy replay token |log-ratio| max {float(replay_tok.abs().max()):.2e}, "
+          f"mean {float(trl_seq.mean()):.3f}; offpolicy replay token |log-ratio| max "
+          f"{float(replay_tok.abs().max()):.2e}, "
           f"sequence ratio mean {float(replay_seq.mean()):.6f}")
 
 

@@ -105,5 +105,6 @@ def test_trl_6789_with_vllm(run):
     assert float(trl_seq.mean()) < 0.75
     assert float(replay_tok.abs().max()) < 1e-4 and abs(float(replay_seq.mean()) - 1) < 1e-3
     print(f"TRL #6789 with vLLM (top_p=0.9, 8 tokens): TRL pairing token log-ratio mean {float(trl_tok.mean()):.4f}, "
-          f"sequence ratio mean {float(trl_seq.mean()):.3f}; replay max |log-ratio| {float(replay_tok.abs().max()):.2e}, "
+          f"sequence ratio mean {float(trl_seq.mean()):.3f}; replay max |log-ratio| "
+          f"{float(replay_tok.abs().max()):.2e}, "
           f"sequence ratio mean {float(replay_seq.mean()):.6f}")

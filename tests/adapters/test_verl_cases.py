@@ -121,8 +121,8 @@ def test_ppo_loss_end_to_end_equals_policy_loss_from_logprobs(agg):
         norm = {"aggregation": "seq_mean_token_sum", "num_sequences": float(b * t)}
     else:
         norm = {"aggregation": adapter.AGGREGATIONS[agg]}
-    ref = op.policy_loss_from_logprobs(lp.reshape(-1), x["rollout"].reshape(-1), x["adv"].reshape(-1), loss_mask=m.reshape(-1),
-                                       correction=adapter.PRESETS["offpolicy"],
+    ref = op.policy_loss_from_logprobs(lp.reshape(-1), x["rollout"].reshape(-1), x["adv"].reshape(-1),
+                                       loss_mask=m.reshape(-1), correction=adapter.PRESETS["offpolicy"],
                                        seq_ids=torch.arange(b)[:, None].expand(b, t).reshape(-1), **norm)
     ref.loss.backward()
     assert torch.allclose(loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-7), (float(loss), float(ref.loss))

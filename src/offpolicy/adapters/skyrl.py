@@ -42,7 +42,8 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, co
     """SkyRL's registered-loss signature: ``[B, T]`` tensors; returns ``(masked sum, metrics)``."""
     name = getattr(config, "policy_loss_type", None)
     if name not in _CORRECTIONS:
-        raise ValueError(f"config.policy_loss_type={name!r} is not an offpolicy loss; registered: {sorted(_CORRECTIONS)}")
+        raise ValueError(f"config.policy_loss_type={name!r} is not an offpolicy loss; registered: "
+                         f"{sorted(_CORRECTIONS)}")
     if rollout_logprobs is None:
         raise ValueError("rollout_logprobs is required (the sampler's log-probs): enable them in SkyRL's generator")
     correction = _CORRECTIONS[name]

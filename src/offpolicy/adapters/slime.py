@@ -109,7 +109,8 @@ def correction_from_args(args) -> Correction:
             if isinstance(fields.get(key), list):
                 fields[key] = tuple(fields[key])
         return Correction(**fields)
-    raise TypeError(f"args.offpolicy_correction must be a Correction or a dict of its fields, got {type(spec).__name__}")
+    raise TypeError("args.offpolicy_correction must be a Correction or a dict of its fields, got "
+                    f"{type(spec).__name__}")
 
 
 def _per_sample(x, name: str, i: int, resp: Tensor, response_length: int, device) -> Tensor:
