@@ -12,7 +12,7 @@ import torch
 try:
     import verl  # noqa: F401  (loads the verl.plugins entry points)
 except ImportError:
-    pytest.skip("runs inside .venv-verl, through tests/adapters/test_verl.py (tools/setup_test_envs.sh builds it)",
+    pytest.skip("runs inside .venv-trainers, through tests/adapters/test_verl.py (tools/setup_test_envs.sh builds it)",
                 allow_module_level=True)
 
 from tensordict import TensorDict
