@@ -1,4 +1,4 @@
-"""offpolicy.adapters.verl against the installed verl==0.9.1, on CPU. These run inside .venv-verl (verl pins a
+"""offpolicy.adapters.verl against the installed verl==0.9.1, on CPU. These run inside .venv-trainers (verl pins a
 transformers range that excludes TRL's): tests/adapters/test_verl.py runs this file there in a subprocess."""
 
 import itertools
