@@ -224,3 +224,13 @@ def test_default_bf16_autocast_trains_with_a_numerics_gap():
     assert not torch.equal(trainer.model.lm_head.weight.detach(), before["lm_head.weight"])
     print(f"bf16 autocast vs fp32 generation: max |log-ratio| {logs[0]['offpolicy/abs_log_ratio_max']:.2e}, "
           f"mean {logs[0]['offpolicy/abs_log_ratio_mean']:.2e}")
+
+
+def test_rejects_options_whose_terms_the_correction_replaces():
+    args = trl.GRPOConfig(output_dir=tempfile.mkdtemp(prefix="offpolicy_trl_"), use_cpu=True, bf16=False,
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=4, report_to=[],
+                          num_iterations=2, top_entropy_quantile=0.5)
+    ds = Dataset.from_dict({"prompt": ["w1 w2"] * 4})
+    with pytest.raises(ValueError, match=r"top_entropy_quantile < 1.*num_iterations > 1"):
+        OffPolicyGRPOTrainer(model=_model(), reward_funcs=_reward, args=args, train_dataset=ds,
+                             processing_class=_tokenizer())

@@ -9,8 +9,8 @@ What is recorded where (transformers generation, ``use_vllm=False``; for vLLM co
 
 * ``record="logprobs"``: the sampler's log-probability ``lq_t`` of each sampled token, post-warper (after
   temperature, top-k, top-p, min-p: renormalised over the support when sampling was filtered). TRL pads it into
-  ``inputs["sampling_per_token_logps"]`` ``[B, T]``. The loss is :func:`offpolicy.policy_loss_from_logprobs` on the
-  trainer's full-vocabulary log-probabilities. With a filtered sampler this is the biased pairing of
+  ``inputs["sampling_per_token_logps"]`` ``[B, T]``. The loss is :func:`offpolicy.policy_loss` on the trainer's
+  full-vocabulary distribution. With a filtered sampler this is the biased pairing of
   docs/spec.md#mask-replay (a per-token offset of ``-log P(S_t)``); use ``"support"`` then.
 * ``record="head"``: also the sampler's top-``head_k`` tokens and their log-probabilities (unfiltered sampling
   only, for score centering; docs/spec.md#records).
@@ -33,9 +33,10 @@ runner's ``reload_weights`` where it exists.
 
 The loss runs :func:`offpolicy.policy_loss` on the final hidden states and the LM head weight (no ``[N, V]``
 logits), in the weight's dtype outside autocast. TRL's normalisation is kept (``loss_type`` picks the aggregation,
-``num_items_in_batch`` and gradient accumulation the divisor); TRL's own objective terms (PPO clipping, its
-importance-sampling correction, KL to a reference, entropy bonus/masks) are replaced by the
-:class:`~offpolicy.Correction`, so those options are rejected rather than silently ignored. offpolicy's metrics are
+``num_items_in_batch`` and gradient accumulation the divisor); TRL's own objective terms (its importance-sampling
+correction, KL to a reference, entropy bonus/masks, OPSM) are replaced by the :class:`~offpolicy.Correction`, so
+those options are rejected rather than silently ignored; TRL's PPO clip (``epsilon``) would only act on reused
+generations, so ``num_iterations > 1`` is rejected too (decoupled PPO is not wired in). offpolicy's metrics are
 logged through TRL's metric logging as ``offpolicy/<name>``.
 """
 
@@ -154,6 +155,7 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             "an entropy bonus": bool(getattr(self, "_entropy_bonus_enabled", False)),
             "tools / environments": bool(self.tools) or self.environment_factories is not None,
             "aux_loss (MoE load balancing)": bool(self.aux_loss_enabled),
+            "num_iterations > 1 (PPO reuse of a generation)": self.num_iterations > 1,
         }
         bad = [name for name, on in unsupported.items() if on]
         if bad:
