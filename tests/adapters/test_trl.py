@@ -5,7 +5,6 @@ Missing TRL fails with the install line unless OFFPOLICY_SKIP_TRAINER_TESTS=1 (a
 
 import math
 import os
-import tempfile
 
 import pytest
 import torch
@@ -26,6 +25,13 @@ from offpolicy.adapters.trl import IDS_KEY, LOGPROBS_KEY, OffPolicyGRPOTrainer, 
 from offpolicy.reference import reference_policy_loss
 
 WORDS = ["<pad>", "<eos>"] + [f"w{i}" for i in range(30)]
+SCRATCH = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scratch(tmp_path_factory):
+    """TRL's output_dir (nothing is saved: save_strategy="no"), under pytest's managed temporary folder."""
+    SCRATCH["out"] = str(tmp_path_factory.mktemp("trl_out"))
 
 
 def _tokenizer():
@@ -72,7 +78,7 @@ def _train(correction, record, *, top_p=0.9, loss_type="dapo", steps=2, max_len=
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     ds = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
     args = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="offpolicy_trl_"), use_cpu=True, bf16=bf16,
+        output_dir=SCRATCH["out"], use_cpu=True, bf16=bf16,
         per_device_train_batch_size=4, gradient_accumulation_steps=accum, num_generations=4,
         max_completion_length=max_len, max_steps=steps, logging_steps=1, report_to=[], learning_rate=1e-2,
         top_p=top_p, temperature=temperature, loss_type=loss_type, save_strategy="no", seed=0,
@@ -227,7 +233,7 @@ def test_default_bf16_autocast_trains_with_a_numerics_gap():
 
 
 def test_rejects_options_whose_terms_the_correction_replaces():
-    args = trl.GRPOConfig(output_dir=tempfile.mkdtemp(prefix="offpolicy_trl_"), use_cpu=True, bf16=False,
+    args = trl.GRPOConfig(output_dir=SCRATCH["out"], use_cpu=True, bf16=False,
                           per_device_train_batch_size=4, num_generations=4, max_completion_length=4, report_to=[],
                           num_iterations=2, top_entropy_quantile=0.5)
     ds = Dataset.from_dict({"prompt": ["w1 w2"] * 4})

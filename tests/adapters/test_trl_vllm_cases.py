@@ -8,7 +8,6 @@ vocabulary so that vLLM can return the whole processed distribution (the realise
 
 import functools
 import math
-import tempfile
 
 import pytest
 import torch
@@ -49,7 +48,7 @@ class RecordingTrainer(OffPolicyGRPOTrainer):
 
 
 @pytest.fixture(scope="module")
-def run():
+def run(tmp_path_factory):
     vllm_generation.LLM = functools.partial(vllm_generation.LLM, dtype="float32", max_logprobs=V)
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -58,14 +57,14 @@ def run():
     cfg = Qwen3Config(vocab_size=V, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=128,
                       tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    path = tempfile.mkdtemp(prefix="offpolicy_trl_vllm_")
+    path = str(tmp_path_factory.mktemp("trl_vllm_model"))
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     ds = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
     args = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="offpolicy_trl_vllm_out_"), use_cpu=True, bf16=False,
+        output_dir=str(tmp_path_factory.mktemp("trl_vllm_out")), use_cpu=True, bf16=False,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1,
         report_to=[], learning_rate=1e-2, top_p=0.9, temperature=1.0, save_strategy="no", seed=0,
         use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1, vllm_max_model_length=64,
