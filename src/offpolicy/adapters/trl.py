@@ -1,0 +1,377 @@
+"""TRL: a ``GRPOTrainer`` whose loss is offpolicy's, with the sampler's records taken at generation time.
+
+    from offpolicy.adapters.trl import OffPolicyGRPOTrainer
+    trainer = OffPolicyGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(..., top_p=0.9),
+                                   train_dataset=..., processing_class=tokenizer,
+                                   correction=op.Correction(weights="mis", score_centering=True), record="support")
+
+What is recorded where (transformers generation, ``use_vllm=False``; for vLLM colocate see below):
+
+* ``record="logprobs"``: the sampler's log-probability ``lq_t`` of each sampled token, post-warper (after
+  temperature, top-k, top-p, min-p: renormalised over the support when sampling was filtered). TRL pads it into
+  ``inputs["sampling_per_token_logps"]`` ``[B, T]``. The loss is :func:`offpolicy.policy_loss` on the trainer's
+  full-vocabulary distribution. With a filtered sampler this is the biased pairing of
+  docs/spec.md#mask-replay (a per-token offset of ``-log P(S_t)``); use ``"support"`` then.
+* ``record="head"``: also the sampler's top-``head_k`` tokens and their log-probabilities (unfiltered sampling
+  only, for score centering; docs/spec.md#records).
+* ``record="support"``: also the realised support ``S_t`` (every token whose post-warper score is finite) and the
+  renormalised ``log q`` over it, so the trainer replays the mask (docs/spec.md#mask-replay).
+
+transformers runs a user ``logits_processor`` *before* its temperature/top-k/top-p warpers, so a processor cannot
+see the support; the record is taken from ``generate(..., output_scores=True)``, whose scores are post-warper
+(``-inf`` outside the support). The candidate records ride in the generation batch as ``[B, T, K]`` tensors
+(``offpolicy_candidate_ids`` / ``offpolicy_candidate_logprobs``), so TRL's shuffle and micro-batch split carry them.
+
+With ``use_vllm=True, vllm_mode="colocate"`` the records come from vLLM's ``processed_logprobs`` (TRL builds the
+engine with that mode): the sampled token's log-probability for ``"logprobs"``; for ``"support"`` the adapter asks
+for ``vllm_logprobs`` top log-probabilities per token (set it to at least the largest support, e.g. the vocabulary
+size, and raise vLLM's ``max_logprobs`` to match) and keeps the finite ones, which are the realised support (a row
+whose every returned entry is finite may be truncated and is an error); ``"head"`` keeps the top ``head_k``. TRL's
+own vLLM importance-sampling correction is switched off (the Correction replaces it). vLLM 0.32's colocate weight
+sync fails in TRL (``'Parameter' object has no attribute 'weight_loader'``); the adapter syncs through the model
+runner's ``reload_weights`` where it exists.
+
+The loss runs :func:`offpolicy.policy_loss` on the final hidden states and the LM head weight (no ``[N, V]``
+logits), in the weight's dtype outside autocast. TRL's normalisation is kept (``loss_type`` picks the aggregation,
+``num_items_in_batch`` and gradient accumulation the divisor); TRL's own objective terms (its importance-sampling
+correction, KL to a reference, entropy bonus/masks, OPSM) are replaced by the :class:`~offpolicy.Correction`, so
+those options are rejected rather than silently ignored; TRL's PPO clip (``epsilon``) would only act on reused
+generations, so ``num_iterations > 1`` is rejected too (decoupled PPO is not wired in). offpolicy's metrics are
+logged through TRL's metric logging as ``offpolicy/<name>``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:
+    from transformers import Trainer
+    from trl import GRPOTrainer
+    from trl.trainer.utils import pad
+except ImportError as exc:  # pragma: no cover - exercised only without TRL
+    raise ImportError("offpolicy.adapters.trl needs TRL: pip install trl==1.16.0") from exc
+
+from offpolicy.corrections.correction import Correction
+from offpolicy.loss.logits import policy_loss
+from offpolicy.records.candidates import Candidates
+
+RECORD_MODES = ("logprobs", "head", "support")
+IDS_KEY = "offpolicy_candidate_ids"
+LOGPROBS_KEY = "offpolicy_candidate_logprobs"
+#: loss_type -> offpolicy aggregation; the divisor is set per micro-batch in :meth:`OffPolicyGRPOTrainer._divisor`.
+AGGREGATIONS = {
+    "dapo": "token_mean", "cispo": "token_mean", "vespo": "token_mean", "bnpo": "token_mean",
+    "grpo": "seq_mean_token_mean", "sapo": "seq_mean_token_mean", "luspo": "seq_mean_token_sum",
+    "dr_grpo": "constant",
+}
+#: Output-head transforms that the plain ``hidden @ weight.T`` of the fused-linear path would skip.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                     "logits_scaling")
+
+
+def records_from_scores(scores: Tensor, tokens: Tensor, record: str, head_k: int) -> tuple[Tensor, Candidates | None]:
+    """The sampler's records of one generation step from its post-warper scores.
+
+    Args:
+        scores: ``[B, V]`` float post-warper scores (``-inf`` outside the realised support).
+        tokens: ``[B]`` int sampled ids.
+        record: one of :data:`RECORD_MODES`.
+        head_k: ``K`` of a ``"head"`` record.
+
+    Returns:
+        ``(lq [B] fp32, candidates)``: ``candidates`` is ``None`` for ``"logprobs"``, else a ``[B, K]`` record
+        (``K = head_k`` for ``"head"``, the largest support size for ``"support"``; ``-1`` / ``-inf`` padding).
+    """
+    logq = torch.log_softmax(scores.float(), dim=-1)
+    lq = logq.gather(1, tokens.long()[:, None])[:, 0]
+    if record == "logprobs":
+        return lq, None
+    finite = torch.isfinite(scores)
+    if record == "head":
+        if not bool(finite.all()):
+            raise ValueError("record='head' needs unfiltered sampling (top_p=1, top_k=0, min_p=None): the sampler "
+                             "masked tokens; use record='support' to replay its support")
+        vals, ids = logq.topk(min(head_k, logq.shape[1]), dim=-1)
+        return lq, Candidates(ids, vals, kind="head")
+    width = int(finite.sum(dim=1).max())
+    # Finite entries first (stable), so each row's support fills its first |S_t| columns.
+    order = torch.argsort((~finite).to(torch.int8), dim=1, stable=True)[:, :width]
+    valid = finite.gather(1, order)
+    ids = torch.where(valid, order, torch.full_like(order, -1))
+    vals = torch.where(valid, logq.gather(1, order), torch.full_like(logq[:, :width], float("-inf")))
+    return lq, Candidates(ids, vals, kind="support")
+
+
+class OffPolicyGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` with offpolicy's loss and the sampler's records taken at generation time.
+
+    Args (besides ``GRPOTrainer``'s):
+        correction: the :class:`~offpolicy.Correction` to apply (default: plain REINFORCE/GRPO on ``lq``).
+        record: ``"logprobs" | "head" | "support"`` (see the module docstring).
+        head_k: ``K`` of ``"head"`` records.
+        vllm_logprobs: with vLLM and ``record="support"``, how many top log-probabilities vLLM returns per token
+            (at least the largest realised support).
+    """
+
+    def __init__(self, *args: Any, correction: Correction = Correction(), record: str = "support",
+                 head_k: int = 20, vllm_logprobs: int | None = None, **kwargs: Any) -> None:
+        if not isinstance(correction, Correction):
+            raise TypeError(f"correction must be an offpolicy.Correction, got {type(correction).__name__}")
+        if record not in RECORD_MODES:
+            raise ValueError(f"record must be one of {RECORD_MODES}, got {record!r}")
+        if record == "head" and head_k < 1:
+            raise ValueError(f"head_k must be >= 1, got {head_k}")
+        if correction.score_centering and record == "logprobs":
+            raise ValueError("score centering needs a candidate record: use record='head' or 'support'")
+        if correction.ppo_clip is not None:
+            raise ValueError("Correction.ppo_clip (decoupled PPO) is not wired into the TRL adapter: TRL's "
+                             "old_per_token_logps are full-vocabulary log-probs, not the proximal policy of the replay")
+        super().__init__(*args, **kwargs)
+        self.offpolicy_correction = correction
+        self.offpolicy_record = record
+        self.offpolicy_head_k = head_k
+        self._check_supported()
+        if self.use_vllm:
+            if record == "support" and not vllm_logprobs:
+                raise ValueError("record='support' with vLLM needs vllm_logprobs (>= the largest realised support)")
+            self.vllm_importance_sampling_correction = False
+            self.vllm_generation.logprobs = {"logprobs": 0, "head": head_k, "support": vllm_logprobs}[record]
+            self._offpolicy_synced_step = -1
+        self._offpolicy_pending: list[tuple[Tensor, Tensor]] | None = None
+        #: The last micro-batch's detached ``[B, T]`` ``log_ratio``, ``token_weight`` and ``loss_mask``.
+        self.offpolicy_last: dict[str, Tensor] = {}
+
+    def _check_supported(self) -> None:
+        unsupported = {
+            "vllm_mode='server'": self.use_vllm and self.args.vllm_mode != "colocate",
+            "use_transformers_paged": self.use_transformers_continuous_batching,
+            "beta != 0 (KL to a reference)": self.beta != 0.0,
+            "top_entropy_quantile < 1": self.top_entropy_quantile < 1.0,
+            "off_policy_mask_threshold (use Correction(opsm_delta=...))": self.off_policy_mask_threshold is not None,
+            "an entropy bonus": bool(getattr(self, "_entropy_bonus_enabled", False)),
+            "tools / environments": bool(self.tools) or self.environment_factories is not None,
+            "aux_loss (MoE load balancing)": bool(self.aux_loss_enabled),
+            "num_iterations > 1 (PPO reuse of a generation)": self.num_iterations > 1,
+        }
+        bad = [name for name, on in unsupported.items() if on]
+        if bad:
+            raise ValueError(f"OffPolicyGRPOTrainer does not support {', '.join(bad)}; offpolicy's Correction "
+                             "replaces TRL's objective terms, and the records are taken from transformers generation")
+        if self.loss_type not in AGGREGATIONS:
+            raise ValueError(f"GRPOConfig.loss_type {self.loss_type!r} has no offpolicy aggregation; expected one "
+                             f"of {sorted(AGGREGATIONS)}")
+        text_config = self.model.config.get_text_config()
+        transforms = [a for a in _LOGIT_TRANSFORMS if getattr(text_config, a, None) not in (None, 1.0)]
+        if transforms:
+            raise ValueError(f"the model's config sets {transforms}: its logits are not hidden @ lm_head.weight.T, "
+                             "which the fused-linear loss computes")
+
+    # ---- generation: the sampler's records ----
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                              has_tool_images=False):
+        """transformers generation with post-warper scores; returns ``(completion_ids, lq)`` lists per row and
+        keeps the candidate records (per row, truncated as the completions are) for the generation batch."""
+        if images is not None or multimodal_fields:
+            raise ValueError("OffPolicyGRPOTrainer records text-only generation; got images / multimodal fields")
+        if self.use_vllm:
+            return self._generate_vllm(prompt_ids, num_generations)
+        from trl.models import unwrap_model_for_generation
+
+        device = self.accelerator.device
+        prompts = [torch.tensor(ids) for ids in prompt_ids]
+        padded = pad(prompts, padding_value=self._tokenizer.pad_token_id, padding_side="left",
+                     pad_to_multiple_of=self.pad_to_multiple_of)
+        attention = pad([torch.ones_like(t) for t in prompts], padding_value=0, padding_side="left",
+                        pad_to_multiple_of=self.pad_to_multiple_of)
+        # transformers.Trainer._prepare_inputs moves tensors to the device (GRPOTrainer overrides it to generate).
+        gen_inputs = Trainer._prepare_inputs(self, {"input_ids": padded, "attention_mask": attention})
+        with (
+            unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                        gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                                        generation_kwargs=self.generation_kwargs,
+                                        gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+            as unwrapped,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            config = copy.deepcopy(self.generation_config)
+            config.return_dict_in_generate, config.output_scores = True, True
+            out = unwrapped.generate(**gen_inputs, generation_config=config)
+        prompt_len = gen_inputs["input_ids"].shape[1]
+        generated = out.sequences[:, prompt_len:]
+        if len(out.scores) != generated.shape[1]:
+            raise RuntimeError(f"generate returned {len(out.scores)} score steps for {generated.shape[1]} tokens")
+        steps = [records_from_scores(s, generated[:, t], self.offpolicy_record, self.offpolicy_head_k)
+                 for t, s in enumerate(out.scores)]
+        eos = torch.isin(generated, torch.tensor(self.eos_token_ids, device=device))
+        lengths = torch.where(eos.any(1), eos.int().argmax(1) + 1, torch.full_like(eos[:, 0], eos.shape[1],
+                                                                                 dtype=torch.long))
+        completion_ids, lqs, records = [], [], []
+        for b in range(generated.shape[0]):
+            n = int(lengths[b])
+            completion_ids.append(generated[b, :n].tolist())
+            lqs.append([float(steps[t][0][b]) for t in range(n)])
+            if self.offpolicy_record != "logprobs":
+                width = max(steps[t][1].width for t in range(n)) if n else 1
+                ids = torch.full((n, width), -1, dtype=torch.long, device=device)
+                vals = torch.full((n, width), float("-inf"), device=device)
+                for t in range(n):
+                    c = steps[t][1]
+                    ids[t, :c.width] = c.ids[b]
+                    vals[t, :c.width] = c.logprobs[b]
+                records.append((ids, vals))
+        self._offpolicy_pending = records if self.offpolicy_record != "logprobs" else None
+        return completion_ids, lqs
+
+    def _generate_vllm(self, prompt_ids, num_generations):
+        """vLLM colocate generation; records from its processed (post-warper) top log-probabilities."""
+        gen = self.vllm_generation
+        if self.state.global_step != self._offpolicy_synced_step:
+            runner = gen.llm.llm_engine.model_executor.driver_worker.model_runner
+            if hasattr(runner, "reload_weights"):
+                runner.reload_weights(weights_iterator=[(n, p.detach()) for n, p in gen._iter_named_params()])
+                gen.llm.reset_prefix_cache()
+            else:
+                gen.sync_weights()
+            self._offpolicy_synced_step = self.state.global_step
+        _, completion_ids, logprobs, token_ids = gen.generate(prompts=prompt_ids, images=None,
+                                                               num_generations=num_generations)
+        vocab = self.model.config.get_text_config().vocab_size
+        lqs, records = [], []
+        for row, (ids, lps, tids) in enumerate(zip(completion_ids, logprobs, token_ids)):
+            row_lq, cand_ids, cand_lq = [], [], []
+            for t, (tok, lp, tid) in enumerate(zip(ids, lps, tids)):
+                entries = {int(i): (float("-inf") if v is None else float(v)) for i, v in zip(tid, lp)}
+                if tok not in entries:
+                    raise RuntimeError(f"vLLM did not return the sampled token's log-prob (row {row}, step {t})")
+                row_lq.append(entries[tok])
+                finite = {i: v for i, v in entries.items() if v > float("-inf")}
+                if self.offpolicy_record == "support":
+                    if len(finite) == len(entries) and len(entries) < vocab:
+                        raise ValueError(f"vLLM returned {len(entries)} log-probs, all inside the support (row {row}, "
+                                         f"step {t}): the support may be larger; raise vllm_logprobs and max_logprobs")
+                    keep = sorted(finite)
+                else:
+                    if self.offpolicy_record == "head" and len(finite) < len(entries):
+                        raise ValueError("record='head' needs unfiltered sampling: vLLM masked tokens")
+                    keep = sorted(entries, key=lambda i: -entries[i])[: self.offpolicy_head_k]
+                cand_ids.append(keep)
+                cand_lq.append([entries[i] for i in keep])
+            lqs.append(row_lq)
+            if self.offpolicy_record != "logprobs":
+                width = max([len(k) for k in cand_ids] + [1])
+                ids_t = torch.full((len(ids), width), -1, dtype=torch.long)
+                lq_t = torch.full((len(ids), width), float("-inf"))
+                for t, (k, v) in enumerate(zip(cand_ids, cand_lq)):
+                    ids_t[t, :len(k)] = torch.tensor(k, dtype=torch.long)
+                    lq_t[t, :len(v)] = torch.tensor(v)
+                records.append((ids_t.to(self.accelerator.device), lq_t.to(self.accelerator.device)))
+        self._offpolicy_pending = records if self.offpolicy_record != "logprobs" else None
+        return completion_ids, lqs
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        records, self._offpolicy_pending = self._offpolicy_pending, None
+        if self.offpolicy_record == "logprobs":
+            return output
+        if records is None or len(records) != output["completion_ids"].shape[0]:
+            raise RuntimeError("the candidate records do not match the generation batch's rows")
+        b, t = output["completion_ids"].shape
+        width = max(ids.shape[1] for ids, _ in records)
+        device = output["completion_ids"].device
+        all_ids = torch.full((b, t, width), -1, dtype=torch.long, device=device)
+        all_lq = torch.full((b, t, width), float("-inf"), device=device)
+        for row, (ids, vals) in enumerate(records):
+            all_ids[row, :ids.shape[0], :ids.shape[1]] = ids
+            all_lq[row, :vals.shape[0], :vals.shape[1]] = vals
+        output[IDS_KEY] = all_ids
+        output[LOGPROBS_KEY] = all_lq
+        return output
+
+    # ---- the loss ----
+
+    def _divisor(self, inputs: dict, mask: Tensor) -> dict[str, Any]:
+        """TRL's normalisation of ``loss_type`` as offpolicy aggregation arguments (one micro-batch)."""
+        train = self.model.training
+        accum = self.current_gradient_accumulation_steps if train else 1
+        rows = mask.shape[0]
+        if self.loss_type in ("dapo", "cispo", "vespo"):
+            # num_items_in_batch counts the whole generation batch on all processes.
+            tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if train:
+                tokens = tokens * accum / self.args.steps_per_generation
+            return {"num_loss_tokens": tokens}
+        if self.loss_type == "bnpo":
+            return {"num_loss_tokens": mask.sum().clamp(min=1).to(torch.float32) * accum}
+        if self.loss_type == "dr_grpo":
+            return {"constant_normalizer": float(rows * self.max_completion_length * accum)}
+        return {"num_sequences": float(rows * accum)}
+
+    def _compute_loss(self, model, inputs):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        if "sampling_per_token_logps" not in inputs:
+            raise RuntimeError("the generation batch has no sampler log-probs (sampling_per_token_logps)")
+        b, t = completion_ids.shape
+        hidden = self._completion_hidden(model, torch.cat([prompt_ids, completion_ids], 1),
+                                         torch.cat([prompt_mask, completion_mask], 1), t)
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        n = b * t
+        tokens = completion_ids.reshape(n)
+        loss_mask = mask.reshape(n).bool()
+        lq = inputs["sampling_per_token_logps"].reshape(n).float()
+        lq = torch.where(loss_mask, lq, torch.zeros_like(lq))
+        adv = inputs["advantages"]
+        adv = (adv[:, None].expand(b, t) if adv.dim() == 1 else adv).reshape(n).float()
+        candidates = None
+        if self.offpolicy_record != "logprobs":
+            ids, clq = inputs[IDS_KEY], inputs[LOGPROBS_KEY]
+            candidates = Candidates(ids.reshape(n, ids.shape[-1]), clq.reshape(n, clq.shape[-1]).float(),
+                                    kind=self.offpolicy_record)
+        seq_ids = torch.arange(b, device=tokens.device)[:, None].expand(b, t).reshape(n)
+        # The LM-head product runs in the head's dtype whatever autocast TRL set up around compute_loss.
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            out = policy_loss(
+                tokens=tokens, sampler_logprobs=lq, advantages=adv, candidates=candidates, loss_mask=loss_mask,
+                temperature=self.temperature, correction=self.offpolicy_correction, seq_ids=seq_ids,
+                aggregation=AGGREGATIONS[self.loss_type], hidden=hidden.reshape(n, -1).to(head.weight.dtype),
+                weight=head.weight, bias=head.bias, **self._divisor(inputs, mask),
+            )
+        self.offpolicy_last = {"log_ratio": out.log_ratio.view(b, t), "token_weight": out.token_weight.view(b, t),
+                               "loss_mask": mask.bool()}
+        self._log_offpolicy(out.metrics, out.loss.detach() * (self.current_gradient_accumulation_steps
+                                                              if self.model.training else 1))
+        return out.loss
+
+    def _completion_hidden(self, model, input_ids: Tensor, attention_mask: Tensor, t: int) -> Tensor:
+        """``[B, T, D]`` final hidden states that predict the ``T`` completion tokens, through the (possibly
+        wrapped) model's own forward; the head runs on one position only (``logits_to_keep=1``)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        backbone = getattr(unwrapped, unwrapped.base_model_prefix)
+        seen: list[Tensor] = []
+        handle = backbone.register_forward_hook(lambda _m, _a, o: seen.append(o.last_hidden_state))
+        try:
+            with self.accelerator.autocast():
+                model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
+        finally:
+            handle.remove()
+        if len(seen) != 1:
+            raise RuntimeError(f"expected one backbone forward, saw {len(seen)}")
+        return seen[0][:, -t - 1:-1, :]
+
+    def _log_offpolicy(self, metrics: dict[str, Tensor], policy_loss_value: Tensor) -> None:
+        mode = "train" if self.model.training else "eval"
+        for name, value in metrics.items():
+            v = value.detach().float().reshape(1)
+            self._metrics[mode][f"offpolicy/{name}"].append(self.accelerator.gather(v).nanmean().item())
+        self._metrics[mode]["policy_loss"].append(
+            self.accelerator.gather(policy_loss_value.float().reshape(1)).nanmean().item())
+
+
+__all__ = ["OffPolicyGRPOTrainer", "RECORD_MODES", "records_from_scores"]

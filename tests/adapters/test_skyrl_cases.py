@@ -1,0 +1,105 @@
+"""offpolicy.adapters.skyrl against the installed skyrl==0.3.0 (its ppo_utils, registry and AlgorithmConfig), on
+CPU. These run inside .venv-trainers: tests/adapters/test_skyrl.py runs this file there in a subprocess.
+
+skyrl 0.3.0's ``skyrl.backends/__init__`` imports its Tinker types, which pydantic refuses on Python < 3.12
+(``typing.TypedDict``); the package's ``ppo_utils`` itself is fine, so the test maps ``skyrl.backends`` to its folder
+without running that ``__init__`` (a documented pitfall, not a user-code change)."""
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+try:
+    import skyrl
+except ImportError:
+    pytest.skip("runs inside .venv-trainers, through tests/adapters/test_skyrl.py (tools/setup_test_envs.sh builds "
+                "it)", allow_module_level=True)
+
+_backends = types.ModuleType("skyrl.backends")
+_backends.__path__ = [os.path.join(os.path.dirname(skyrl.__file__), "backends")]
+sys.modules.setdefault("skyrl.backends", _backends)
+
+from skyrl.backends.skyrl_train.utils.ppo_utils import (  # noqa: E402
+    PolicyLossRegistry, apply_loss_reduction_to_advantages_minibatch,
+)
+from skyrl.train.config import AlgorithmConfig  # noqa: E402
+
+import offpolicy as op  # noqa: E402
+from offpolicy.adapters import skyrl as adapter  # noqa: E402
+
+
+def _batch(seed, b=4, t=6, vocab=9, drift=0.4, step=0.1):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(b, t, vocab, generator=g, dtype=torch.float64)
+    tok = torch.randint(0, vocab, (b, t), generator=g)
+
+    def lp(x):
+        return torch.log_softmax(x, -1).gather(-1, tok[..., None])[..., 0].float()
+
+    old = z + drift * torch.randn(z.shape, generator=g, dtype=torch.float64)
+    mask = torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=g)[:, None]
+    adv = torch.randn(b, 1, generator=g).expand(b, t).clone()
+    return {"rollout": lp(z), "old": lp(old), "lp": lp(old + step * torch.randn(z.shape, generator=g,
+                                                                              dtype=torch.float64)),
+            "adv": adv, "mask": mask.float()}
+
+
+def _run(name, x, config, adv):
+    lp = x["lp"].clone().requires_grad_(True)
+    loss, metrics = PolicyLossRegistry.get(name)(lp, x["old"], adv, config, loss_mask=x["mask"],
+                                                 rollout_logprobs=x["rollout"])
+    loss.backward()
+    return loss.detach(), lp.grad, metrics
+
+
+def test_registry_and_rollout_is_equality():
+    """SkyRL's rollout_is (rollout-ratio masked to (1 - eps_l, 1 + eps_h), REINFORCE) is token MIS on lq."""
+    adapter.register("offpolicy_test_mis", op.Correction(weights="mis", bounds=(0.8, 1.2)))
+    assert "offpolicy_test_mis" in PolicyLossRegistry.list_available()
+    x = _batch(0)
+    adv = apply_loss_reduction_to_advantages_minibatch(x["adv"], x["mask"], "token_mean", 4, 6)
+    theirs = _run("rollout_is", x, AlgorithmConfig(policy_loss_type="rollout_is", eps_clip_low=0.2,
+                                                   eps_clip_high=0.2), adv)
+    ours = _run("offpolicy_test_mis", x, AlgorithmConfig(policy_loss_type="offpolicy_test_mis"), adv)
+    r = (x["lp"] - x["rollout"]).exp()[x["mask"].bool()]
+    assert bool(((r < 0.8) | (r > 1.2)).any()) and bool(((r > 0.8) & (r < 1.2)).any())
+    assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
+    assert torch.allclose(ours[1], theirs[1], rtol=1e-5, atol=1e-7)
+    assert "offpolicy/kl_k3" in ours[2]
+
+
+def test_regular_ppo_with_token_tis_equality_and_token_mean_semantics():
+    """SkyRL regular PPO x token TIS (cap 2) is offpolicy's decoupled PPO with TIS [0, 2]; with SkyRL's token_mean
+    advantage scaling the sum equals offpolicy's token mean."""
+    corr = op.Correction(weights="tis", bounds=(0.0, 2.0), ppo_clip=(0.2, 0.2))
+    adapter.register("offpolicy_test_ppo_tis", corr)
+    x = _batch(1, drift=0.8, step=0.05)
+    adv = apply_loss_reduction_to_advantages_minibatch(x["adv"], x["mask"], "token_mean", 4, 6)
+    cfg = AlgorithmConfig(policy_loss_type="regular", eps_clip_low=0.2, eps_clip_high=0.2)
+    cfg.off_policy_correction.tis_ratio_type = "token"
+    cfg.off_policy_correction.token_tis_ratio_clip_high = 2.0
+    theirs = _run("regular", x, cfg, adv)
+    ours = _run("offpolicy_test_ppo_tis", x, AlgorithmConfig(policy_loss_type="offpolicy_test_ppo_tis"), adv)
+    assert bool(((x["old"] - x["rollout"]).exp()[x["mask"].bool()] > 2.0).any())  # the cap is exercised
+    assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
+    assert torch.allclose(ours[1], theirs[1], rtol=1e-5, atol=1e-7)
+    lp = x["lp"].clone().requires_grad_(True)
+    m = x["mask"].bool().reshape(-1)
+    ref = op.policy_loss_from_logprobs(lp.reshape(-1), x["rollout"].reshape(-1), x["adv"].reshape(-1), loss_mask=m,
+                                       correction=corr, proximal_logprobs=x["old"].reshape(-1))
+    assert torch.allclose(ours[0], ref.loss.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_errors_are_named():
+    x = _batch(2)
+    adapter.register("offpolicy", op.Correction(weights="mis", bounds=(0.5, 5.0)))
+    with pytest.raises(ValueError, match="rollout_logprobs is required"):
+        adapter.policy_loss(x["lp"], x["old"], x["adv"], AlgorithmConfig(policy_loss_type="offpolicy"), x["mask"])
+    with pytest.raises(ValueError, match="not an offpolicy loss"):
+        adapter.policy_loss(x["lp"], x["old"], x["adv"], AlgorithmConfig(policy_loss_type="regular"), x["mask"],
+                            x["rollout"])
+    with pytest.raises(ValueError, match="score_centering"):
+        adapter.register("bad", op.Correction(weights="mis", score_centering=True))

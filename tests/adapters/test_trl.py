@@ -1,0 +1,242 @@
+"""offpolicy.adapters.trl against the installed trl==1.16.0: real GRPO runs on CPU with a tiny random Qwen3 and a
+locally built WordLevel tokenizer (nothing downloaded), checked against the float64 reference.
+
+Missing TRL fails with the install line unless OFFPOLICY_SKIP_TRAINER_TESTS=1 (an explicit opt-out)."""
+
+import math
+import os
+
+import pytest
+import torch
+
+if os.environ.get("OFFPOLICY_SKIP_TRAINER_TESTS") == "1":
+    pytest.skip("OFFPOLICY_SKIP_TRAINER_TESTS=1: trainer-adapter tests opted out", allow_module_level=True)
+try:
+    import trl
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+except ImportError as exc:
+    raise ImportError(f"TRL tests need trl==1.16.0 in this venv: `pip install trl==1.16.0` ({exc}); "
+                      "set OFFPOLICY_SKIP_TRAINER_TESTS=1 to opt out") from exc
+
+import offpolicy as op
+from offpolicy.adapters.trl import IDS_KEY, LOGPROBS_KEY, OffPolicyGRPOTrainer, records_from_scores
+from offpolicy.reference import reference_policy_loss
+
+WORDS = ["<pad>", "<eos>"] + [f"w{i}" for i in range(30)]
+SCRATCH = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scratch(tmp_path_factory):
+    """TRL's output_dir (nothing is saved: save_strategy="no"), under pytest's managed temporary folder."""
+    SCRATCH["out"] = str(tmp_path_factory.mktemp("trl_out"))
+
+
+def _tokenizer():
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    return Qwen3ForCausalLM(cfg)
+
+
+def _reward(completions, **kwargs):
+    return [float(c.count("w3")) - 0.1 * len(c.split()) for c in completions]
+
+
+class RecordingTrainer(OffPolicyGRPOTrainer):
+    """Keeps each micro-batch's inputs, its loss and float64 logits computed by a plain dense forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        with torch.no_grad():
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            t = inputs["completion_ids"].shape[1]
+            logits = model(input_ids=ids, attention_mask=att).logits[:, -t - 1:-1].double()
+            trl_logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, att, t)
+        self.seen.append({"inputs": {k: v for k, v in inputs.items()}, "loss": loss.detach().clone(),
+                          "logits": logits, "trl_logps": trl_logps.detach(), **self.offpolicy_last})
+        return loss
+
+
+def _train(correction, record, *, top_p=0.9, loss_type="dapo", steps=2, max_len=6, accum=2, temperature=0.9,
+           bf16=False):
+    model = _model()
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ds = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
+    args = trl.GRPOConfig(
+        output_dir=SCRATCH["out"], use_cpu=True, bf16=bf16,
+        per_device_train_batch_size=4, gradient_accumulation_steps=accum, num_generations=4,
+        max_completion_length=max_len, max_steps=steps, logging_steps=1, report_to=[], learning_rate=1e-2,
+        top_p=top_p, temperature=temperature, loss_type=loss_type, save_strategy="no", seed=0,
+    )
+    trainer = RecordingTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=ds,
+                               processing_class=_tokenizer(), correction=correction, record=record)
+    trainer.train()
+    return trainer, before
+
+
+def _reference(seen, correction, record, aggregation, temperature=0.9):
+    """float64 loss of one accumulation window (the micro-batches concatenated) by offpolicy.reference."""
+    logits, tokens, lq, adv, mask, seq, ids, clq = [], [], [], [], [], [], [], []
+    offset = 0
+    for s in seen:
+        x = s["inputs"]
+        b, t = x["completion_ids"].shape
+        logits.append(s["logits"].reshape(b * t, -1))
+        tokens.append(x["completion_ids"].reshape(-1))
+        lq.append(x["sampling_per_token_logps"].reshape(-1))
+        adv.append(x["advantages"][:, None].expand(b, t).reshape(-1))
+        mask.append(x["completion_mask"].reshape(-1).bool())
+        seq.append((offset + torch.arange(b))[:, None].expand(b, t).reshape(-1))
+        offset += b
+        if record != "logprobs":
+            ids.append(x[IDS_KEY].reshape(b * t, -1))
+            clq.append(x[LOGPROBS_KEY].reshape(b * t, -1))
+    m = torch.cat(mask)
+    cands = op.Candidates(torch.cat(ids), torch.cat(clq).double(), kind=record) if ids else None
+    lqs = torch.where(m, torch.cat(lq).double(), torch.zeros_like(m, dtype=torch.float64))
+    loss, _, _ = reference_policy_loss(torch.cat(logits), torch.cat(tokens), lqs, torch.cat(adv), cands, m,
+                                       temperature, correction, torch.cat(seq), aggregation)
+    return loss
+
+
+@pytest.fixture(scope="module")
+def support_run():
+    corr = op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True)
+    return corr, *_train(corr, "support")
+
+
+def test_support_replay_trains_through_offpolicy(support_run):
+    corr, trainer, before = support_run
+    logs = [h for h in trainer.state.log_history if "offpolicy/num_tokens" in h]
+    assert len(logs) == 2, trainer.state.log_history
+    assert all(h["offpolicy/support_size"] < len(WORDS) for h in logs)  # top_p=0.9 filtered the support
+    # Replay: trainer and sampler are the same fp32 model, so the support-renormalised ratio is one to rounding.
+    assert max(h["offpolicy/abs_log_ratio_max"] for h in logs) < 1e-5
+    changed = [k for k, v in trainer.model.named_parameters() if not torch.equal(v.detach(), before[k])]
+    assert "lm_head.weight" in changed and len(changed) > 10
+
+
+def test_support_loss_equals_float64_reference_over_accumulation_window(support_run):
+    corr, trainer, _ = support_run
+    assert len(trainer.seen) == 4  # 2 optimizer steps x 2 micro-batches
+    for step in range(2):
+        window = trainer.seen[2 * step: 2 * step + 2]
+        got = sum(float(s["loss"]) for s in window)
+        # dapo: the window's loss is the token mean over the whole generation batch (default token count).
+        ref = float(_reference(window, corr, "support", "token_mean"))
+        assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (step, got, ref)
+
+
+@pytest.mark.parametrize("loss_type, aggregation", [("grpo", "seq_mean_token_mean"), ("bnpo", None)])
+def test_loss_type_normalisation_matches_trl(loss_type, aggregation):
+    corr = op.Correction(weights="tis", bounds=(0.0, 2.0))
+    trainer, _ = _train(corr, "logprobs", top_p=1.0, loss_type=loss_type, steps=1)
+    window = trainer.seen[:2]
+    got = sum(float(s["loss"]) for s in window)
+    if aggregation is not None:
+        ref = float(_reference(window, corr, "logprobs", aggregation))
+    else:  # bnpo: each micro-batch's token mean, averaged over the accumulation steps
+        ref = sum(float(_reference([s], corr, "logprobs", "token_mean")) for s in window) / 2
+    assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (got, ref)
+
+
+def test_trl_6789_bias_vs_support_replay():
+    """TRL #6789: sampler log-probs renormalised over the top-p support against the trainer's full-vocabulary
+    log-probs (TRL's vLLM importance-sampling pairing) give a sequence ratio far below one; offpolicy's replay of
+    the recorded support gives ratio one."""
+    corr = op.Correction(weights="mis", bounds=(0.5, 5.0))
+    trainer, _ = _train(corr, "support", top_p=0.9, steps=1, max_len=8, temperature=1.0)
+    trl_tok, replay_tok, trl_seq, replay_seq = [], [], [], []
+    for s in trainer.seen:
+        x, m = s["inputs"], s["loss_mask"]
+        # TRL's formula (grpo_trainer.py, vllm_importance_sampling_correction): exp(sum_t old - sampling).
+        diff = (s["trl_logps"] - x["sampling_per_token_logps"]) * m
+        trl_tok.append(diff[m])
+        trl_seq.append(diff.sum(-1).exp())
+        replay_tok.append(s["log_ratio"][m])
+        replay_seq.append((s["log_ratio"] * m).sum(-1).exp())
+    trl_tok, replay_tok = torch.cat(trl_tok), torch.cat(replay_tok)
+    trl_seq, replay_seq = torch.cat(trl_seq), torch.cat(replay_seq)
+    # Per token the gap is log P(S_t) in [log 0.9, 0): the mass the top-p filter kept.
+    assert float(trl_tok.max()) < 0 and float(trl_tok.min()) >= math.log(0.9) - 0.05
+    assert float(trl_seq.mean()) < 0.75
+    assert float(replay_tok.abs().max()) < 1e-5
+    assert abs(float(replay_seq.mean()) - 1.0) < 1e-4
+    print(f"TRL #6789 at top_p=0.9: TRL-style token log-ratio mean {float(trl_tok.mean()):.4f}, sequence ratio "
+          f"mean {float(trl_seq.mean()):.3f}; offpolicy replay token |log-ratio| max "
+          f"{float(replay_tok.abs().max()):.2e}, "
+          f"sequence ratio mean {float(replay_seq.mean()):.6f}")
+
+
+def test_records_from_scores_support_and_head():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 12)
+    scores = logits.clone()
+    scores[0, 5:] = float("-inf")
+    scores[1, :2] = float("-inf")
+    tokens = torch.tensor([1, 7, 0])
+    lq, c = records_from_scores(scores, tokens, "support", 4)
+    assert c.kind == "support" and c.width == 12
+    assert torch.equal(c.ids[0, :5], torch.arange(5)) and bool((c.ids[0, 5:] == -1).all())
+    assert torch.allclose(c.logprobs[c.valid].exp().reshape(-1).sum(), torch.tensor(3.0), atol=1e-5)
+    assert torch.allclose(lq, torch.log_softmax(scores, -1)[torch.arange(3), tokens])
+    with pytest.raises(ValueError, match="record='head' needs unfiltered"):
+        records_from_scores(scores, tokens, "head", 4)
+    _, h = records_from_scores(logits, tokens, "head", 4)
+    assert h.kind == "head" and h.width == 4
+    assert torch.equal(h.ids, logits.topk(4, -1).indices)
+
+
+def test_rejects_unsupported_options():
+    with pytest.raises(ValueError, match="record must be one of"):
+        OffPolicyGRPOTrainer(model=None, reward_funcs=_reward, record="topk")
+    with pytest.raises(ValueError, match="score centering needs a candidate record"):
+        OffPolicyGRPOTrainer(model=None, reward_funcs=_reward, record="logprobs",
+                             correction=op.Correction(weights="mis", score_centering=True))
+
+
+def test_head_record_with_score_centering_matches_reference():
+    """Unfiltered sampling (top_p=1, top_k=0): a head record of the sampler's top 20 and score centering."""
+    corr = op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True)
+    trainer, _ = _train(corr, "head", top_p=1.0, steps=1)
+    window = trainer.seen[:2]
+    assert window[0]["inputs"][IDS_KEY].shape[-1] == 20
+    got = sum(float(s["loss"]) for s in window)
+    ref = float(_reference(window, corr, "head", "token_mean"))
+    assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (got, ref)
+
+
+def test_default_bf16_autocast_trains_with_a_numerics_gap():
+    """GRPOConfig's default bf16=True: the backbone runs under bf16 autocast in training, fp32 in generation; the
+    replay ratio then carries that numerics gap (no longer ~1e-7), and training still runs through offpolicy."""
+    trainer, before = _train(op.Correction(weights="mis", bounds=(0.5, 5.0)), "support", steps=1, bf16=True)
+    logs = [h for h in trainer.state.log_history if "offpolicy/abs_log_ratio_max" in h]
+    assert logs and 1e-4 < logs[0]["offpolicy/abs_log_ratio_max"] < 0.5, logs
+    assert not torch.equal(trainer.model.lm_head.weight.detach(), before["lm_head.weight"])
+    print(f"bf16 autocast vs fp32 generation: max |log-ratio| {logs[0]['offpolicy/abs_log_ratio_max']:.2e}, "
+          f"mean {logs[0]['offpolicy/abs_log_ratio_mean']:.2e}")
+
+
+def test_rejects_options_whose_terms_the_correction_replaces():
+    args = trl.GRPOConfig(output_dir=SCRATCH["out"], use_cpu=True, bf16=False,
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=4, report_to=[],
+                          num_iterations=2, top_entropy_quantile=0.5)
+    ds = Dataset.from_dict({"prompt": ["w1 w2"] * 4})
+    with pytest.raises(ValueError, match=r"top_entropy_quantile < 1.*num_iterations > 1"):
+        OffPolicyGRPOTrainer(model=_model(), reward_funcs=_reward, args=args, train_dataset=ds,
+                             processing_class=_tokenizer())

