@@ -33,8 +33,10 @@ AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"]
 
 
 def _run(z, y, lq, cands, corr, tau, agg, mask, adv, seq, dtype=torch.float64, **kw):
-    z1 = z.to(dtype).requires_grad_()
-    z2 = z.to(dtype).double().requires_grad_()
+    # Each side gets its own fresh leaf: z.to(float64) returns z itself when z is float64, and two backward
+    # passes into one leaf would make the gradient comparison compare a tensor with itself.
+    z1 = z.to(dtype).clone().detach().requires_grad_()
+    z2 = z.to(dtype).double().clone().detach().requires_grad_()
     extra = {"constant_normalizer": 7.0} if agg == "constant" else {}
     out = op.policy_loss(z1, y, lq, adv, cands, mask, tau, corr, seq_ids=seq, aggregation=agg, **extra, **kw)
     ref, ref_tl, ref_w = reference_policy_loss(
@@ -140,3 +142,54 @@ def test_num_loss_tokens_splits_exactly():
         sub = op.Candidates(cands.ids[sl], cands.logprobs[sl], "head")
         op.policy_loss(parts[sl], y[sl], lq[sl], adv[sl], sub, correction=corr, num_loss_tokens=N).loss.backward()
     torch.testing.assert_close(parts.grad, whole.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_gradient_check_has_teeth(monkeypatch):
+    """The gradient comparison above compares two independent leaves: it passes on the real loss and fails on a
+    perturbed gradient and on a loss whose value is right but whose gradient is scaled by 1.001."""
+    z, y, lq, cands = make_batch(N, V, K, "head", seed=21)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(6))
+    corr = op.Correction(weights="mis", score_centering=True)
+    out, g, ref, _, _, ref_g = _run(z, y, lq, cands, corr, 1.0, "token_mean", None, adv, None)
+    assert g is not ref_g and g.data_ptr() != ref_g.data_ptr()
+    torch.testing.assert_close(g, ref_g, rtol=1e-9, atol=1e-11)
+    bad = ref_g.clone()
+    bad[3, 5] += 1e-7
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(g, bad, rtol=1e-9, atol=1e-11)
+
+    import offpolicy.loss.logprobs as lp_mod
+
+    real = lp_mod.aggregate
+
+    def wrong_gradient(token_loss, *args):
+        # Same value, gradient scaled by 1.001: only a check on the gradient itself can see it.
+        loss = real(token_loss, *args)
+        return loss + 1e-3 * (loss - loss.detach())
+
+    monkeypatch.setattr(lp_mod, "aggregate", wrong_gradient)
+    out2, g2, ref2, _, _, ref_g2 = _run(z, y, lq, cands, corr, 1.0, "token_mean", None, adv, None)
+    assert abs(out2.loss.item() - ref2.item()) <= 1e-10 * max(1.0, abs(ref2.item()))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(g2, ref_g2, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("corr", [
+    op.Correction(weights="mis", batch_normalize=True, veto=0.5),
+    op.Correction(weights="tis", batch_normalize=True, kl_rejection=op.KLRejection(0.3, "k2", "seq_mean")),
+    op.Correction(weights="reject", batch_normalize=True, opsm_delta=0.0, score_centering=True),
+], ids=["veto", "seq_kl", "opsm_sc"])
+def test_batch_normalize_with_live_sequence_rejection(corr):
+    """Batch normalisation averages the weights over the kept tokens only: a rejection that drops some but not all
+    sequences, against the reference (loss, per-token loss, weights, gradient)."""
+    z, y, lq, cands = make_batch(N, V, K, "head", seed=5, mismatch=0.8)
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.rand(N, generator=gen) > 0.15
+    adv = torch.randn(N, generator=gen)
+    seq = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4])
+    out, g, ref, ref_tl, ref_w, ref_g = _run(z, y, lq, cands, corr, 1.0, "token_mean", mask, adv, seq)
+    assert 0.0 < float(out.metrics["rejected_frac"]) < 1.0  # the rejection is live
+    assert abs(out.loss.item() - ref.item()) <= 1e-10 * max(1.0, abs(ref.item()))
+    torch.testing.assert_close(out.token_loss, ref_tl, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.token_weight.double(), ref_w, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g, ref_g, rtol=1e-9, atol=1e-11)
