@@ -1,8 +1,10 @@
-"""The float64 oracle: SPEC sections 2-6 written literally, for reading and for tests.
+"""The float64 oracle: docs/spec.md (#weights to #metrics) written literally, for reading and for tests.
 
 Nothing here is fast, chunked or fused, and nothing here imports the fast path: it materialises the full
-``[N, V]`` log-softmax in float64, loops over sequences in Python and spells each formula as the SPEC does.
-Gradients come from autograd through it. Use it on small inputs.
+``[N, V]`` log-softmax in float64, loops over sequences and tokens in Python and spells each formula as the spec
+does. Each correction's own formula is the ``reference`` function of its entry in
+:mod:`offpolicy.corrections.registry` (the fast path uses the same entry's ``fast`` function); this module
+enumerates those entries. Gradients come from autograd through it. Use it on small inputs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.records.candidates import Candidates
+from offpolicy.corrections import registry as reg
 from offpolicy.corrections.correction import Correction
 
 TAIL_EPS = 1e-6
@@ -37,41 +40,26 @@ def support_mask(candidates: Candidates, vocab: int) -> Tensor:
     return mask.scatter(1, ids, True)[:, :vocab]
 
 
-def f(r: Tensor, corr: Correction) -> Tensor:
-    """The weight function of SPEC section 2 at ratio ``r`` (float64), token-level KL rejection included.
+def f(r: Tensor, corr: Correction, token_rejection: bool = True) -> Tensor:
+    """The weight function (docs/spec.md#weights) at ratio ``r`` (float64), a token-level KL rejection included
+    unless ``token_rejection=False``.
 
-    ``r`` is clamped to ``exp(+-max_log_ratio)`` before use (the SPEC's "clamp in log space first"); bounds are
+    ``r`` is clamped to ``exp(+-max_log_ratio)`` before use (the spec's "clamp in log space first"); bounds are
     tested on the unclamped ratio.
     """
     r = r.double()
-    lo_r, hi_r = math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio)
-    rc = r.clamp(lo_r, hi_r)
+    rc = r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
     inside = (r >= corr.lower) & (r <= corr.upper)
-    if corr.weights == "none":
-        out = torch.ones_like(r)
-    elif corr.weights == "tis":
-        out = torch.minimum(torch.maximum(rc, torch.full_like(rc, corr.lower)), torch.full_like(rc, corr.upper))
-    elif corr.weights == "mis":
-        out = rc * inside
-    else:
-        out = inside.double()
+    out = reg.WEIGHT_MODES[corr.weights].reference(rc, inside, corr.lower, corr.upper)
     rej = corr.kl_rejection
-    if rej is not None and rej.level == "token":
+    if token_rejection and rej is not None and not reg.KL_LEVELS[rej.level].per_sequence:
         out = out * (kl(rc, rej.estimator) <= rej.threshold)
     return out
 
 
 def kl(r: Tensor, estimator: str) -> Tensor:
     """Schulman's k1 / k2 / k3 of KL(q||p) at ratio ``r = p / q``."""
-    if estimator == "k1":
-        return -torch.log(r)
-    if estimator == "k2":
-        return 0.5 * torch.log(r) ** 2
-    return r - 1 - torch.log(r)
-
-
-def token_ratio(logp_y: Tensor, lq: Tensor) -> Tensor:
-    return torch.exp(logp_y.detach() - lq.double())
+    return reg.ESTIMATORS[estimator].reference(r)
 
 
 def reference_policy_loss(
@@ -107,49 +95,41 @@ def reference_policy_loss(
     r = torch.where(mask, r, torch.ones_like(r))
     seqs = _sequences(seq_ids, mask) if seq_ids is not None else []
 
-    # Importance weight w_t.
-    if corr.level == "token":
+    # Importance weight w_t at the correction's level (a token-level KL rejection masks the token's own ratio).
+    level = reg.LEVELS[corr.level]
+    if not level.per_sequence:
         w = f(r, corr)
     else:
         w = torch.zeros(n, dtype=torch.float64)
-        token_only = _drop_token_rejection(corr)
         for idx in seqs:
-            log_rho = torch.log(r[idx]).sum() if corr.level == "sequence" else torch.log(r[idx]).mean()
-            w[idx] = f(torch.exp(log_rho)[None], token_only)[0]
+            w[idx] = f(torch.exp(level.reference(torch.log(r[idx])))[None], corr, token_rejection=False)[0]
+        rej = corr.kl_rejection
+        if rej is not None and not reg.KL_LEVELS[rej.level].per_sequence:
+            rc = r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
+            w = w * (kl(rc, rej.estimator) <= rej.threshold)
 
-    # Sequence-level rejections.
+    # Sequence-level rejections: a sequence is dropped when any rule that applies says so.
+    rules = [rule for rule in reg.SEQUENCE_RULES.values() if rule.applies(corr)]
+    r_p = torch.where(mask, torch.exp(logp_y.detach() - lq), torch.ones_like(lq))
     keep = torch.ones(n, dtype=torch.bool)
     for idx in seqs:
-        drop = False
-        rr = r[idx].clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
-        if corr.veto is not None and bool((r[idx] < corr.veto).any()):
-            drop = True
-        rej = corr.kl_rejection
-        if rej is not None and rej.level != "token":
-            k = kl(rr, rej.estimator)
-            stat = {"seq_sum": k.sum(), "seq_mean": k.mean(), "seq_max": k.max()}[rej.level]
-            drop = drop or bool(stat > rej.threshold)
-        if corr.opsm_delta is not None:
-            drop = drop or bool(adv[idx].mean() < 0 and (-torch.log(r[idx])).mean() > corr.opsm_delta)
-        if drop:
+        if any(rule.reference(r[idx], r_p[idx], adv[idx], corr) for rule in rules):
             keep[idx] = False
     w = w * (mask & keep)
     scale = 1.0
-    if corr.batch_normalize:
-        sel = mask & keep
-        mean_w = w[sel].mean() if bool(sel.any()) else torch.tensor(0.0, dtype=torch.float64)
+    norm = reg.normalisation_of(corr)
+    if norm is not None:
+        mean_w = norm.reference(w, mask & keep, seqs)
         scale = 1.0 / mean_w if mean_w > 0 else 1.0
         w = w * scale
+    surrogate = corr.surrogate
 
     token_loss = torch.zeros(n, dtype=torch.float64)
     for t in range(n):
         if not (mask[t] and keep[t]) or adv[t] == 0:
             continue
-        if corr.ppo_clip is not None:
-            u = torch.exp((logp_y[t] - proximal_logprobs[t].double()).clamp(-corr.max_log_ratio, corr.max_log_ratio))
-            lo, hi = corr.ppo_clip
-            surrogate = torch.minimum(u * adv[t], u.clamp(1 - lo, 1 + hi) * adv[t])
-            token_loss[t] = -w[t] * surrogate
+        if surrogate.reference is not None:
+            token_loss[t] = -w[t] * surrogate.reference(logp_y[t], proximal_logprobs[t].double(), adv[t], corr)
             continue
         term = w[t] * logp_y[t] if w[t] != 0 else torch.zeros((), dtype=torch.float64)
         if corr.score_centering and candidates is not None:
@@ -166,7 +146,7 @@ def reference_policy_loss(
 
 
 def _centering(lp_row: Tensor, cands: Candidates, t: int, is_support: bool, corr: Correction):
-    """SPEC section 3 for one row: ``c(v) = q f(p/q) - alpha p`` over the recorded ids."""
+    """docs/spec.md#score-centering for one row: ``c(v) = q f(p/q) - alpha p`` over the recorded ids."""
     valid = cands.ids[t] >= 0
     ids = cands.ids[t][valid].long()
     p = torch.exp(lp_row.detach()[ids])
@@ -179,14 +159,6 @@ def _centering(lp_row: Tensor, cands: Candidates, t: int, is_support: bool, corr
             rho = max(1 - float(q.sum()), TAIL_EPS) / max(1 - float(p.sum()), TAIL_EPS)
             alpha = rho * f(torch.tensor([1 / rho], dtype=torch.float64), corr)[0]
     return (m - alpha * p).tolist(), ids.tolist()
-
-
-def _drop_token_rejection(corr: Correction) -> Correction:
-    from dataclasses import replace
-
-    if corr.kl_rejection is not None and corr.kl_rejection.level == "token":
-        return replace(corr, kl_rejection=None)
-    return corr
 
 
 def _sequences(seq_ids: Tensor, mask: Tensor) -> list[Tensor]:
@@ -213,7 +185,7 @@ def _aggregate(token_loss, mask, aggregation, seqs, num_loss_tokens, num_sequenc
 def reference_metrics(
     logp_y: Tensor, sampler_logprobs: Tensor, weight: Tensor, loss_mask: Tensor, corr: Correction
 ) -> dict[str, float]:
-    """SPEC section 6 mismatch and weight metrics over the trained tokens, literally."""
+    """docs/spec.md#metrics mismatch and weight metrics over the trained tokens, literally."""
     sel = loss_mask.bool()
     log_r = (logp_y.double() - sampler_logprobs.double())[sel].clamp(-corr.max_log_ratio, corr.max_log_ratio)
     r = torch.exp(log_r)

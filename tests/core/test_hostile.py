@@ -1,4 +1,4 @@
-"""SPEC 7.8: hostile numerics give finite results that match the float64 reference."""
+"""docs/spec.md#inv-hostile: hostile numerics give finite results that match the float64 reference."""
 
 from __future__ import annotations
 

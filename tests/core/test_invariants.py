@@ -1,4 +1,4 @@
-"""SPEC section 7 invariants as property tests against exact enumeration (float64 throughout).
+"""docs/spec.md#invariants invariants as property tests against exact enumeration (float64 throughout).
 
 Drift and unbiasedness are checked by enumerating every sampled token ``y`` of a small vocabulary: one row per
 ``y`` with identical logits, advantage ``A * q(y)``, and the "constant" aggregation, so the summed row gradient

@@ -2,40 +2,32 @@
 
 ``Correction()`` with no arguments is plain REINFORCE/GRPO on the sampler's tokens. The fields compose:
 
-* ``weights`` picks ``f`` in ``w = sg(f(r))`` (SPEC section 2): ``none`` (1), ``tis`` (``min(r, C)``, or
+* ``weights`` picks ``f`` in ``w = sg(f(r))`` (docs/spec.md#weights): ``none`` (1), ``tis`` (``min(r, C)``, or
   ``clamp(r, c, C)`` two-sided), ``mis`` (``r * 1[L <= r <= U]``), or ``reject`` (``1[L <= r <= U]``, pure
   rejection sampling: the kept tokens get weight 1).
 * ``level`` picks ``r``: the token ratio, the sequence product ``exp(sum_t log r_t)`` or the geometric mean
-  ``exp(mean_t log r_t)`` (SPEC section 5). ``level="geometric", weights="reject"`` keeps a sequence iff its
-  geometric ratio lies in ``[L, U]``.
-* ``score_centering`` subtracts the sampler-expected weighted score at each position (SPEC section 3). It is
-  defined for token-level weights only.
+  ``exp(mean_t log r_t)`` (docs/spec.md#sequence-level). ``level="geometric", weights="reject"`` keeps a
+  sequence iff its geometric ratio lies in ``[L, U]``.
+* ``score_centering`` subtracts the sampler-expected weighted score at each position
+  (docs/spec.md#score-centering). It is defined for token-level weights only.
 * Rejections zero whole tokens or sequences: ``veto``, ``kl_rejection``, ``opsm_delta``. A token-level KL
-  rejection is a bound on ``r`` and is folded into ``f`` (so score centering sees it exactly, like MIS masking);
-  sequence-level rejections drop the sequence's whole contribution.
+  rejection is a bound on ``r`` and is folded into ``f`` (so score centering sees it exactly, like MIS masking; at
+  the sequence levels it zeros the rejected tokens' weights); sequence-level rejections drop the sequence's whole
+  contribution.
 * ``batch_normalize`` divides weights (and the centering coefficients, so drift stays zero) by their batch mean.
 * ``ppo_clip=(eps_lo, eps_hi)``: decoupled PPO; the weight becomes ``f(pi_prox / q)`` and multiplies the clipped
   surrogate of ``u = p / pi_prox`` (needs ``proximal_logprobs``).
+
+Every mode, level, estimator, rule and surrogate named here is an entry of :mod:`offpolicy.corrections.registry`;
+this class only checks that the fields name entries and combine.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
-WeightMode = Literal["none", "tis", "mis", "reject"]
-Level = Literal["token", "sequence", "geometric"]
-Estimator = Literal["k1", "k2", "k3"]
-KLLevel = Literal["token", "seq_sum", "seq_mean", "seq_max"]
-
-WEIGHT_MODES = ("none", "tis", "mis", "reject")
-LEVELS = ("token", "sequence", "geometric")
-ESTIMATORS = ("k1", "k2", "k3")
-KL_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
-
-#: Defaults of SPEC section 2: TIS truncates at C = 2; MIS keeps [0.5, 5] (the seed's runs).
-DEFAULT_BOUNDS = {"tis": (0.0, 2.0), "mis": (0.5, 5.0), "reject": (0.5, 5.0)}
+from offpolicy.corrections import registry as reg
 
 
 @dataclass(frozen=True)
@@ -48,17 +40,17 @@ class KLRejection:
     """
 
     threshold: float
-    estimator: Estimator = "k3"
-    level: KLLevel = "token"
+    estimator: str = "k3"
+    level: str = "token"
 
     def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"KLRejection.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
-        if self.level not in KL_LEVELS:
-            raise ValueError(f"KLRejection.level must be one of {KL_LEVELS}, got {self.level!r}")
+        if self.estimator not in reg.ESTIMATORS:
+            raise ValueError(f"KLRejection.estimator must be one of {tuple(reg.ESTIMATORS)}, got {self.estimator!r}")
+        if self.level not in reg.KL_LEVELS:
+            raise ValueError(f"KLRejection.level must be one of {tuple(reg.KL_LEVELS)}, got {self.level!r}")
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)):
             raise ValueError(f"KLRejection.threshold must be a finite number, got {self.threshold!r}")
-        if self.estimator != "k1" and self.threshold < 0:
+        if not reg.ESTIMATORS[self.estimator].signed and self.threshold < 0:
             raise ValueError(f"KLRejection.threshold must be >= 0 for {self.estimator}, got {self.threshold}")
 
 
@@ -81,9 +73,9 @@ class Correction:
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation.
     """
 
-    weights: WeightMode = "none"
+    weights: str = "none"
     bounds: tuple[float, float] | float | None = None
-    level: Level = "token"
+    level: str = "token"
     score_centering: bool = False
     veto: float | None = None
     kl_rejection: KLRejection | None = None
@@ -94,23 +86,24 @@ class Correction:
     _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.weights not in WEIGHT_MODES:
-            raise ValueError(f"Correction.weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
-        if self.level not in LEVELS:
-            raise ValueError(f"Correction.level must be one of {LEVELS}, got {self.level!r}")
+        if self.weights not in reg.WEIGHT_MODES:
+            raise ValueError(f"Correction.weights must be one of {tuple(reg.WEIGHT_MODES)}, got {self.weights!r}")
+        if self.level not in reg.LEVELS:
+            raise ValueError(f"Correction.level must be one of {tuple(reg.LEVELS)}, got {self.level!r}")
         object.__setattr__(self, "_bounds", self._resolve_bounds())
-        if self.level != "token" and self.weights == "none":
-            raise ValueError(f"Correction(level={self.level!r}) needs weights='tis', 'mis' or 'reject'")
-        if self.score_centering and self.level != "token":
+        if reg.LEVELS[self.level].per_sequence and not reg.WEIGHT_MODES[self.weights].bounded:
+            bounded = tuple(m.name for m in reg.WEIGHT_MODES.values() if m.bounded)
+            raise ValueError(f"Correction(level={self.level!r}) needs weights={' | '.join(map(repr, bounded))}")
+        if self.score_centering and reg.LEVELS[self.level].per_sequence:
             raise ValueError(
                 f"score_centering=True is defined for token-level weights only, got level={self.level!r}: "
                 "sequence and geometric weights depend on later tokens and break the per-prefix centering "
-                "(SPEC section 3)"
+                "(docs/spec.md#score-centering)"
             )
-        if self.score_centering and self.ppo_clip is not None:
+        if self.score_centering and not self.surrogate.centerable:
             raise ValueError(
-                "score_centering=True cannot be combined with ppo_clip: the clipped surrogate is not of the "
-                "form w * log p that centering corrects"
+                f"score_centering=True cannot be combined with ppo_clip (the {self.surrogate.name!r} surrogate): "
+                "the clipped surrogate is not of the form w * log p that centering corrects"
             )
         if self.veto is not None and not (0.0 < self.veto < 1.0):
             raise ValueError(f"Correction.veto must be in (0, 1), got {self.veto!r}")
@@ -126,13 +119,14 @@ class Correction:
             raise ValueError(f"Correction.max_log_ratio must be finite and > 0, got {self.max_log_ratio}")
 
     def _resolve_bounds(self) -> tuple[float, float]:
-        if self.weights == "none":
+        mode = reg.WEIGHT_MODES[self.weights]
+        if not mode.bounded:
             if self.bounds is not None:
-                raise ValueError("Correction.bounds is meaningless with weights='none'")
+                raise ValueError(f"Correction.bounds is meaningless with weights={self.weights!r}")
             return (0.0, math.inf)
-        bounds = DEFAULT_BOUNDS[self.weights] if self.bounds is None else self.bounds
+        bounds = mode.default_bounds if self.bounds is None else self.bounds
         if isinstance(bounds, (int, float)):
-            if self.weights != "tis":
+            if not mode.scalar_bound:
                 raise ValueError(f"Correction.bounds for weights={self.weights!r} must be a pair (L, U)")
             bounds = (0.0, float(bounds))
         lo, hi = (float(b) for b in bounds)
@@ -152,10 +146,20 @@ class Correction:
 
     @property
     def sequence_level(self) -> bool:
-        return self.level != "token"
+        """Whether the weight acts on a per-sequence ratio."""
+        return reg.LEVELS[self.level].per_sequence
+
+    @property
+    def sequence_rules(self) -> tuple[str, ...]:
+        """Names of the sequence rejection rules the correction switches on."""
+        return tuple(rule.name for rule in reg.SEQUENCE_RULES.values() if rule.applies(self))
+
+    @property
+    def surrogate(self) -> reg.Surrogate:
+        """The registry's surrogate this correction selects."""
+        return reg.surrogate_of(self)
 
     @property
     def needs_sequences(self) -> bool:
         """Whether ``seq_ids`` are required."""
-        kl_seq = self.kl_rejection is not None and self.kl_rejection.level != "token"
-        return self.sequence_level or self.veto is not None or kl_seq or self.opsm_delta is not None
+        return self.sequence_level or bool(self.sequence_rules)

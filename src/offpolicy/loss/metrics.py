@@ -1,4 +1,4 @@
-"""Detached diagnostics of the sampler-trainer mismatch and of the correction (SPEC section 6).
+"""Detached diagnostics of the sampler-trainer mismatch and of the correction (docs/spec.md#metrics).
 
 Keys (all scalar tensors, means over trained tokens unless named otherwise):
 

@@ -1,6 +1,6 @@
 """The sampler's candidate record: which tokens it considered at each position and with what log-probability.
 
-Two kinds (SPEC section 1):
+Two kinds (docs/spec.md#records):
 
 * ``"head"``: sampling was unfiltered; ``ids`` are the sampler's top-``K`` tokens. The unrecorded tail of the
   sampler's distribution is modelled by score centering (``q_hat = rho * p`` outside the head).
