@@ -82,6 +82,38 @@ def reference_policy_loss(
     """Literal float64 policy loss. Returns ``(loss, token_loss [N], weight [N])``; ``loss`` is differentiable
     with respect to ``logits`` (pass float64 logits with ``requires_grad`` for gradients)."""
     corr = correction
+    st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
+                proximal_logprobs)
+    n, lp, logp_y, adv, mask, keep, w = st["n"], st["lp"], st["logp_y"], st["adv"], st["mask"], st["keep"], st["w"]
+    surrogate = corr.surrogate
+    if corr.score_centering and candidates is None:
+        raise ValueError("score centering needs candidates")
+    token_loss = torch.zeros(n, dtype=torch.float64)
+    for t in range(n):
+        if not (mask[t] and keep[t]) or adv[t] == 0:
+            continue
+        if surrogate.reference is not None:
+            token_loss[t] = -w[t] * surrogate.reference(logp_y[t], proximal_logprobs[t].double(), adv[t], corr)
+            continue
+        term = w[t] * logp_y[t] if w[t] != 0 else torch.zeros((), dtype=torch.float64)
+        if corr.score_centering:
+            c, ids = _centering(lp[t], candidates, t, st["is_support"], corr)
+            for cv, v in zip(c, ids):
+                # A candidate the trainer gives probability 0 contributes exactly 0 (its score is undefined).
+                if cv != 0 and lp[t, v] > -math.inf:
+                    term = term - st["scale"] * cv * lp[t, v]
+        token_loss[t] = -adv[t] * term
+    loss = _aggregate(token_loss, mask, aggregation, st["seqs"], num_loss_tokens, num_sequences, constant_normalizer)
+    # Keep the loss attached to the logits even when every token is masked (its gradient is then zero).
+    x = logits.double()
+    loss = loss + torch.where(torch.isfinite(x), x, torch.zeros_like(x)).sum() * 0
+    return loss, token_loss.detach(), w.detach()
+
+
+def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
+           proximal_logprobs) -> dict:
+    """Everything before the surrogate, token by token and sequence by sequence: log-probabilities, ratios, the
+    ratio the bounds act on, weights, kept sequences, the normalisation scale."""
     n, vocab = logits.shape
     mask = torch.ones(n, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
     is_support = candidates is not None and candidates.kind == "support"
@@ -90,27 +122,32 @@ def reference_policy_loss(
     lq = sampler_logprobs.double()
     adv = advantages.double()
 
+    # r: the ratio the weights act on (pi_prox / q under decoupled PPO, else p / q); r_p: always p / q.
     base = proximal_logprobs.double() if proximal_logprobs is not None else logp_y.detach()
-    r = torch.exp(base - lq)
-    r = torch.where(mask, r, torch.ones_like(r))
+    r = torch.where(mask, torch.exp(base - lq), torch.ones_like(lq))
+    r_p = torch.where(mask, torch.exp(logp_y.detach() - lq), torch.ones_like(lq))
     seqs = _sequences(seq_ids, mask) if seq_ids is not None else []
 
     # Importance weight w_t at the correction's level (a token-level KL rejection masks the token's own ratio).
     level = reg.LEVELS[corr.level]
+    bounded = r.clone()
     if not level.per_sequence:
         w = f(r, corr)
     else:
         w = torch.zeros(n, dtype=torch.float64)
         for idx in seqs:
-            w[idx] = f(torch.exp(level.reference(torch.log(r[idx])))[None], corr, token_rejection=False)[0]
+            bounded[idx] = torch.exp(level.reference(torch.log(r[idx])))
+            w[idx] = f(bounded[idx][:1], corr, token_rejection=False)[0]
         rej = corr.kl_rejection
         if rej is not None and not reg.KL_LEVELS[rej.level].per_sequence:
             rc = r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
             w = w * (kl(rc, rej.estimator) <= rej.threshold)
+    # A sampled token the trainer gives probability 0 gets weight exactly 0 (its loss w log p would be infinite).
+    impossible = mask & (logp_y.detach() == -math.inf)
+    w = torch.where(impossible, torch.zeros_like(w), w)
 
     # Sequence-level rejections: a sequence is dropped when any rule that applies says so.
     rules = [rule for rule in reg.SEQUENCE_RULES.values() if rule.applies(corr)]
-    r_p = torch.where(mask, torch.exp(logp_y.detach() - lq), torch.ones_like(lq))
     keep = torch.ones(n, dtype=torch.bool)
     for idx in seqs:
         if any(rule.reference(r[idx], r_p[idx], adv[idx], corr) for rule in rules):
@@ -122,31 +159,18 @@ def reference_policy_loss(
         mean_w = norm.reference(w, mask & keep, seqs)
         scale = 1.0 / mean_w if mean_w > 0 else 1.0
         w = w * scale
-    surrogate = corr.surrogate
-
-    token_loss = torch.zeros(n, dtype=torch.float64)
-    for t in range(n):
-        if not (mask[t] and keep[t]) or adv[t] == 0:
-            continue
-        if surrogate.reference is not None:
-            token_loss[t] = -w[t] * surrogate.reference(logp_y[t], proximal_logprobs[t].double(), adv[t], corr)
-            continue
-        term = w[t] * logp_y[t] if w[t] != 0 else torch.zeros((), dtype=torch.float64)
-        if corr.score_centering and candidates is not None:
-            c, ids = _centering(lp[t], candidates, t, is_support, corr)
-            for cv, v in zip(c, ids):
-                if cv != 0:
-                    term = term - scale * cv * lp[t, v]
-        token_loss[t] = -adv[t] * term
-    loss = _aggregate(token_loss, mask, aggregation, seqs, num_loss_tokens, num_sequences, constant_normalizer)
-    # Keep the loss attached to the logits even when every token is masked (its gradient is then zero).
-    x = logits.double()
-    loss = loss + torch.where(torch.isfinite(x), x, torch.zeros_like(x)).sum() * 0
-    return loss, token_loss.detach(), w.detach()
+    return dict(n=n, lp=lp, logp_y=logp_y, lq=lq, adv=adv, mask=mask, keep=keep, w=w, scale=scale, seqs=seqs,
+                r_p=r_p, bounded=bounded, impossible=impossible, is_support=is_support)
 
 
 def _centering(lp_row: Tensor, cands: Candidates, t: int, is_support: bool, corr: Correction):
     """docs/spec.md#score-centering for one row: ``c(v) = q f(p/q) - alpha p`` over the recorded ids."""
+    c, ids, _ = _centering_row(lp_row, cands, t, is_support, corr)
+    return c, ids
+
+
+def _centering_row(lp_row: Tensor, cands: Candidates, t: int, is_support: bool, corr: Correction):
+    """``(c(v) list, ids list, (P_H, Q_H, rho))`` for row ``t``."""
     valid = cands.ids[t] >= 0
     ids = cands.ids[t][valid].long()
     p = torch.exp(lp_row.detach()[ids])
@@ -154,11 +178,12 @@ def _centering(lp_row: Tensor, cands: Candidates, t: int, is_support: bool, corr
     with torch.no_grad():
         m = torch.where(q > 0, q * f(p / torch.where(q > 0, q, torch.ones_like(q)), corr), torch.zeros_like(q))
         if is_support:
+            rho = 1.0
             alpha = f(torch.ones(1, dtype=torch.float64), corr)[0]
         else:
             rho = max(1 - float(q.sum()), TAIL_EPS) / max(1 - float(p.sum()), TAIL_EPS)
             alpha = rho * f(torch.tensor([1 / rho], dtype=torch.float64), corr)[0]
-    return (m - alpha * p).tolist(), ids.tolist()
+    return (m - alpha * p).tolist(), ids.tolist(), (float(p.sum()), float(q.sum()), rho)
 
 
 def _sequences(seq_ids: Tensor, mask: Tensor) -> list[Tensor]:
@@ -183,21 +208,100 @@ def _aggregate(token_loss, mask, aggregation, seqs, num_loss_tokens, num_sequenc
 
 
 def reference_metrics(
-    logp_y: Tensor, sampler_logprobs: Tensor, weight: Tensor, loss_mask: Tensor, corr: Correction
+    logits: Tensor,
+    tokens: Tensor,
+    sampler_logprobs: Tensor,
+    advantages: Tensor,
+    candidates: Candidates | None = None,
+    loss_mask: Tensor | None = None,
+    temperature: float | Tensor = 1.0,
+    correction: Correction = Correction(),
+    seq_ids: Tensor | None = None,
+    *,
+    proximal_logprobs: Tensor | None = None,
+    groups: Tensor | None = None,
+    versions: Tensor | None = None,
+    current_version: int | None = None,
 ) -> dict[str, float]:
-    """docs/spec.md#metrics mismatch and weight metrics over the trained tokens, literally."""
-    sel = loss_mask.bool()
-    log_r = (logp_y.double() - sampler_logprobs.double())[sel].clamp(-corr.max_log_ratio, corr.max_log_ratio)
-    r = torch.exp(log_r)
-    w = weight.double()[sel]
-    n = max(int(sel.sum()), 1)
+    """Every key of docs/spec.md#metrics (those of ``policy_loss``'s ``out.metrics``, entropy included), literally,
+    token by token in float64; same arguments as :func:`reference_policy_loss` plus the metric-only ones."""
+    corr = correction
+    st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
+                proximal_logprobs)
+    mask, n = st["mask"], st["n"]
+    lp = st["lp"].detach()
+    ent = -torch.where(lp > -math.inf, lp.exp() * lp, torch.zeros_like(lp)).sum(1)
+    seq_of = seq_ids if seq_ids is not None else None
+    out = _token_metrics(st, mask, corr)
+    out["entropy"] = _mean([float(ent[t]) for t in range(n) if mask[t]])
+    out["rejected_frac"] = _mean([float(not st["keep"][t]) for t in range(n) if mask[t]])
+    if candidates is not None:
+        valid = candidates.ids >= 0
+        out["support_size"] = _mean([float(valid[t].sum()) for t in range(n) if mask[t]])
+    if corr.score_centering:
+        rows = [(_centering_row(lp[t], candidates, t, st["is_support"], corr)) for t in range(n) if mask[t]]
+        out["sc_p_head"] = _mean([d[0] for _, _, d in rows])
+        out["sc_q_head"] = _mean([d[1] for _, _, d in rows])
+        out["sc_rho"] = _mean([d[2] for _, _, d in rows])
+        out["sc_abs_coef_sum"] = _mean([sum(abs(x) for x in c) for c, _, _ in rows])
+    splits = []
+    if groups is not None:
+        splits.append(("group", groups))
+    if versions is not None and bool(mask.any()):
+        now = int(versions[mask].max()) if current_version is None else current_version
+        splits.append(("staleness", now - versions))
+    for name, key in splits:
+        n_active = max(int(mask.sum()), 1)
+        extreme = [t for t in range(n) if mask[t] and _is_extreme(st, t, corr)]
+        seqs_all = {int(seq_of[t]) for t in range(n) if mask[t]} if seq_of is not None else set()
+        for value in sorted({int(key[t]) for t in range(n) if mask[t]}):
+            sel = mask & (key == value)
+            stats = _token_metrics(st, sel, corr)
+            stats["share_tokens"] = int(sel.sum()) / n_active
+            stats["share_extreme"] = (sum(1 for t in extreme if sel[t]) / len(extreme)) if extreme else 0.0
+            if seq_of is not None:
+                stats["share_samples"] = len({int(seq_of[t]) for t in range(n) if sel[t]}) / max(len(seqs_all), 1)
+            else:
+                stats["share_samples"] = stats["share_tokens"]
+            out.update({f"{name}/{value}/{k}": v for k, v in stats.items()})
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _clamped_log_ratio(st: dict, t: int, corr: Correction) -> float:
+    lr = float(st["logp_y"][t].detach() - st["lq"][t])
+    return min(max(lr, -corr.max_log_ratio), corr.max_log_ratio)
+
+
+def _is_extreme(st: dict, t: int, corr: Correction) -> bool:
+    r = math.exp(_clamped_log_ratio(st, t, corr))
+    return r < EXTREME[0] or r > EXTREME[1]
+
+
+def _token_metrics(st: dict, sel: Tensor, corr: Correction) -> dict[str, float]:
+    """The mismatch and weight keys over the tokens of ``sel``."""
+    rows = [t for t in range(st["n"]) if sel[t]]
+    lr = [_clamped_log_ratio(st, t, corr) for t in rows]
+    w = [float(st["w"][t]) for t in rows]
+    b = [float(st["bounded"][t]) for t in rows]
+    sq = sum(x * x for x in w)
     return {
-        "kl_k1": float((-log_r).sum() / n),
-        "kl_k2": float((0.5 * log_r**2).sum() / n),
-        "kl_k3": float((r - 1 - log_r).sum() / n),
-        "abs_log_ratio_mean": float(log_r.abs().sum() / n),
-        "abs_log_ratio_max": float(log_r.abs().max()) if log_r.numel() else 0.0,
-        "extreme_ratio_frac": float(((r < EXTREME[0]) | (r > EXTREME[1])).double().sum() / n),
-        "weight_mean": float(w.sum() / n),
-        "ess": float(w.sum() ** 2 / (n * (w**2).sum())) if float((w**2).sum()) > 0 else 0.0,
+        "kl_k1": _mean([-x for x in lr]),
+        "kl_k2": _mean([0.5 * x * x for x in lr]),
+        "kl_k3": _mean([math.exp(x) - 1 - x for x in lr]),
+        "abs_log_ratio_mean": _mean([abs(x) for x in lr]),
+        "abs_log_ratio_max": max([abs(x) for x in lr], default=0.0),
+        "extreme_ratio_frac": _mean([float(_is_extreme(st, t, corr)) for t in rows]),
+        "weight_mean": _mean(w),
+        "weight_min": min(w, default=0.0),
+        "weight_max": max(w, default=0.0),
+        # The ratio the bounds act on: the token's, its sequence's (sequence / geometric levels), pi_prox / q.
+        "ratio_below_lower_frac": _mean([float(x < corr.lower) for x in b]),
+        "ratio_above_upper_frac": _mean([float(x > corr.upper) for x in b]),
+        "ess": sum(w) ** 2 / (len(w) * sq) if sq > 0 else 0.0,
+        "num_tokens": float(len(rows)),
+        "zero_prob_frac": _mean([float(st["impossible"][t]) for t in rows]),
     }

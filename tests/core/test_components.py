@@ -55,10 +55,11 @@ def test_advantages():
 def test_metrics_match_reference(corr):
     z, y, lq, cands = make_batch(40, 30, 4, "head", seed=7, mismatch=1.5)
     mask = torch.rand(40, generator=torch.Generator().manual_seed(0)) > 0.3
-    out = op.policy_loss(z, y, lq, torch.randn(40), cands, mask, correction=corr)
-    _, _, w = reference_policy_loss(z, y, lq, torch.randn(40), cands, mask, correction=corr)
-    logp_y = log_probs(z)[torch.arange(40), y]
-    ref = reference_metrics(logp_y, lq, w, mask, corr)
+    adv = torch.randn(40, generator=torch.Generator().manual_seed(1))
+    out = op.policy_loss(z, y, lq, adv, cands, mask, correction=corr)
+    _, _, w = reference_policy_loss(z, y, lq, adv, cands, mask, correction=corr)
+    ref = reference_metrics(z, y, lq, adv, cands, mask, correction=corr)
+    assert set(ref) == set(out.metrics)
     for key, val in ref.items():
         assert math.isclose(float(out.metrics[key]), val, rel_tol=1e-9, abs_tol=1e-12), key
     assert float(out.metrics["num_tokens"]) == int(mask.sum())

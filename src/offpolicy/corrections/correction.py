@@ -67,7 +67,7 @@ class Correction:
         veto: drop a sequence if any of its trained tokens has ``r < veto`` (e.g. ``1e-4``).
         kl_rejection: a :class:`KLRejection`, or None.
         opsm_delta: off-policy sequence masking: drop sequence ``i`` iff ``A_i < 0`` and
-            ``mean_t (lq - log p) > opsm_delta``.
+            ``mean_t (lq - log p) > opsm_delta``, with the current policy ``p`` (also under ``ppo_clip``).
         batch_normalize: divide the weights by their mean over the batch's trained tokens.
         ppo_clip: ``(eps_lo, eps_hi)`` for decoupled PPO, or None.
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation.

@@ -265,9 +265,10 @@ SEQUENCE_RULES: dict[str, SequenceRule] = {
         SequenceRule(
             "opsm",
             applies=lambda corr: corr.opsm_delta is not None,
-            # Negative advantage and mean k1 = mean_t (lq - log p) > delta.
-            fast=lambda lr, lr_p, adv, seg, corr: (seg.mean(adv) < 0) & (seg.mean(-lr) > corr.opsm_delta),
-            reference=lambda r, r_p, adv, corr: bool(adv.mean() < 0 and (-torch.log(r)).mean() > corr.opsm_delta),
+            # Negative advantage and mean k1 of the *current* policy, mean_t (lq - log p) > delta (also under
+            # decoupled PPO, where the weights act on pi_prox / q: drift during the PPO epochs must be caught).
+            fast=lambda lr, lr_p, adv, seg, corr: (seg.mean(adv) < 0) & (seg.mean(-lr_p) > corr.opsm_delta),
+            reference=lambda r, r_p, adv, corr: bool(adv.mean() < 0 and (-torch.log(r_p)).mean() > corr.opsm_delta),
             source="DeepSeek-V3.2 arXiv 2512.02556 (off-policy sequence masking)",
         ),
     )

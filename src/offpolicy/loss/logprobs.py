@@ -30,7 +30,7 @@ from offpolicy.loss.segments import Segments
 from offpolicy.loss.inputs import Aggregation, TokenData
 from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_vector
 from offpolicy.corrections.registry import normalisation_of
-from offpolicy.corrections.weights import sequence_keep, token_weight
+from offpolicy.corrections.weights import bounded_log_ratio, sequence_keep, token_weight
 
 
 @dataclass
@@ -135,8 +135,11 @@ def loss_from_logprobs(
     log_r = torch.where(active, logp_y.detach() - lq, zero)
     prox = data.proximal_logprobs.to(dtype).detach() if data.proximal_logprobs is not None else None
     log_w = log_r if prox is None else torch.where(active, prox - lq, zero)
-    # 2. Weights w = f(r) at the correction's level.
+    # 2. Weights w = f(r) at the correction's level. A sampled token the trainer gives probability 0 gets weight
+    # exactly 0 in every mode: its score is undefined and w log p(y) would be infinite (counted in zero_prob_frac).
     w = token_weight(log_w, seg, corr)
+    impossible = active & (logp_y.detach() == float("-inf"))
+    w = torch.where(impossible, zero, w)
     # 3. Rejections: sequences dropped by veto / sequence KL / OPSM.
     kept = sequence_keep(log_w, log_r, adv, seg, corr)
     sel = active if kept is None else active & kept
@@ -152,7 +155,8 @@ def loss_from_logprobs(
                      agg.constant_normalizer, cp_group)
     # 7. Metrics.
     metrics = policy_metrics(
-        log_ratio=log_r, weight=w, active=active, entropy=zero if entropy is None else entropy, corr=corr,
+        log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, corr), impossible=impossible,
+        weight=w, active=active, entropy=zero if entropy is None else entropy, corr=corr,
         kept=kept, centering=centering, cand_valid=(candidates.ids >= 0) if candidates is not None else None,
         seg=seg.local() if seg is not None else None, groups=data.groups,
         versions=data.versions, current_version=data.current_version,
@@ -179,6 +183,9 @@ def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | Non
                cand_lp: Tensor | None, corr: Correction) -> tuple[Tensor, Centering | None]:
     """``[N]`` token loss ``-w_t s_t`` of the correction's surrogate; for the score-function surrogate
     ``-A_t (w_t log p(y_t) - sum_v sg(c_t(v)) log p(v))`` with the centering sum under score centering."""
+    if corr.score_centering and candidates is None:
+        raise ValueError("score_centering=True needs candidates (the sampler's Candidates record, head or support): "
+                         "centering sums over the recorded candidates; got candidates=None")
     sur = corr.surrogate
     if sur.fast is not None:
         return -w * sur.fast(logp_y, prox, adv, corr), None
@@ -186,12 +193,14 @@ def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | Non
     # w * log p(y) with w = 0 where the token's own weight is masked (0 * -inf must not make a NaN).
     policy_term = torch.where(w != 0, w * logp_y, zero)
     centering = None
-    if corr.score_centering and candidates is not None:
+    if corr.score_centering:
         valid = candidates.ids >= 0
         centering = centering_coefficients(cand_lp.detach(), candidates.logprobs.detach(), valid,
                                            candidates.kind == "support", corr)
         coef = centering.coef * scale
-        policy_term = policy_term - torch.where(coef != 0, coef * cand_lp, torch.zeros_like(coef)).sum(1)
+        # A candidate the trainer gives probability 0 (log p = -inf) contributes exactly 0.
+        live = (coef != 0) & (cand_lp.detach() > float("-inf"))
+        policy_term = policy_term - torch.where(live, coef * cand_lp, torch.zeros_like(coef)).sum(1)
     return -adv * policy_term, centering
 
 

@@ -5,8 +5,10 @@ Keys (all scalar tensors, means over trained tokens unless named otherwise):
 * mismatch: ``kl_k1``, ``kl_k2``, ``kl_k3`` (estimators of KL(q||p) on sampled tokens), ``abs_log_ratio_mean``,
   ``abs_log_ratio_max``, ``extreme_ratio_frac`` (share of tokens with ``r`` outside ``[0.2, 5]``);
 * weights: ``weight_mean``, ``weight_min``, ``weight_max``, ``ratio_below_lower_frac``,
-  ``ratio_above_upper_frac`` (tokens masked low / high by MIS, or clipped by TIS), ``ess`` (effective sample
-  size ``(sum w)^2 / (n sum w^2)``), ``rejected_frac`` (dropped by veto / KL rejection / OPSM);
+  ``ratio_above_upper_frac`` (tokens whose *bounded* ratio, the one the bounds act on, lies below / above the
+  bounds: the token's ``p / q``, its sequence's product or geometric mean at those levels, ``pi_prox / q`` under
+  decoupled PPO), ``ess`` (effective sample size ``(sum w)^2 / (n sum w^2)``), ``rejected_frac`` (dropped by
+  veto / KL rejection / OPSM), ``zero_prob_frac`` (sampled tokens the trainer gives probability 0: weight 0);
 * policy: ``entropy`` (of ``p``, or of ``p^S`` under mask replay), ``num_tokens``;
 * records: ``support_size``; with score centering ``sc_p_head``, ``sc_q_head``, ``sc_rho``, ``sc_abs_coef_sum``;
 * per sampler group ``g``: ``group/{g}/<name>`` with ``share_samples`` (of sequences when ``seq_ids`` are given,
@@ -50,10 +52,12 @@ def _min(x: Tensor, sel: Tensor) -> Tensor:
     return torch.where(torch.isfinite(low), low, torch.zeros_like(low))
 
 
-def token_stats(lr: Tensor, w: Tensor, sel: Tensor, corr: Correction) -> dict[str, Tensor]:
+def token_stats(lr: Tensor, lb: Tensor, impossible: Tensor, w: Tensor, sel: Tensor,
+                corr: Correction) -> dict[str, Tensor]:
     """Mismatch and weight statistics over the tokens selected by ``sel [N]`` (bool): ``lr [N]`` clamped
-    log-ratios, ``w [N]`` final weights. Keys: the mismatch and weight keys of the module docstring, ``ess`` and
-    ``num_tokens``."""
+    log-ratios ``log p - lq``, ``lb [N]`` the log of the ratio the bounds act on (unclamped), ``impossible [N]``
+    bool sampled tokens with trainer probability 0, ``w [N]`` final weights. Keys: the mismatch and weight keys of
+    the module docstring, ``ess`` and ``num_tokens``."""
     n = sel.sum()
     out = {
         "kl_k1": _mean(kl_estimate(lr, "k1"), sel),
@@ -65,8 +69,9 @@ def token_stats(lr: Tensor, w: Tensor, sel: Tensor, corr: Correction) -> dict[st
         "weight_mean": _mean(w, sel),
         "weight_min": _min(w, sel),
         "weight_max": _max(w, sel),
-        "ratio_below_lower_frac": _mean((lr < log_bound(corr.lower)).to(lr.dtype), sel),
-        "ratio_above_upper_frac": _mean((lr > log_bound(corr.upper)).to(lr.dtype), sel),
+        "ratio_below_lower_frac": _mean((lb < log_bound(corr.lower)).to(lr.dtype), sel),
+        "ratio_above_upper_frac": _mean((lb > log_bound(corr.upper)).to(lr.dtype), sel),
+        "zero_prob_frac": _mean(impossible.to(lr.dtype), sel),
     }
     ws = torch.where(sel, w, torch.zeros_like(w))
     sq = (ws * ws).sum()
@@ -82,6 +87,8 @@ def _extreme(lr: Tensor) -> Tensor:
 def policy_metrics(
     *,
     log_ratio: Tensor,
+    bounded_log_ratio: Tensor,
+    impossible: Tensor,
     weight: Tensor,
     active: Tensor,
     entropy: Tensor,
@@ -98,6 +105,9 @@ def policy_metrics(
 
     Args:
         log_ratio: ``[N]`` ``log p(y) - lq`` (detached; may hold ``+-inf``, clamped here to ``+-max_log_ratio``).
+        bounded_log_ratio: ``[N]`` log of the ratio the bounds act on (token, sequence or geometric; ``pi_prox /
+            q`` under decoupled PPO).
+        impossible: ``[N]`` bool, sampled tokens the trainer gives probability 0.
         weight: ``[N]`` final token weights (after rejection and batch normalisation).
         active: ``[N]`` bool trained tokens.
         entropy: ``[N]`` entropy of the trainer's (full or support) distribution.
@@ -109,8 +119,9 @@ def policy_metrics(
         current_version: the trainer's version for staleness; default ``versions.max()``.
     """
     lr = log_ratio.detach().clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    lb = bounded_log_ratio.detach()
     w = weight.detach()
-    out = token_stats(lr, w, active, corr)
+    out = token_stats(lr, lb, impossible, w, active, corr)
     out["entropy"] = _mean(entropy.detach().to(lr.dtype), active)
     out["rejected_frac"] = (
         _mean((~kept).to(lr.dtype), active) if kept is not None else lr.new_zeros(())
@@ -123,16 +134,17 @@ def policy_metrics(
         out["sc_rho"] = _mean(centering.rho, active)
         out["sc_abs_coef_sum"] = _mean(centering.coef.abs().sum(dim=1), active)
     if groups is not None:
-        out.update(_split(lr, w, active, corr, groups, "group", seg))
+        out.update(_split(lr, lb, impossible, w, active, corr, groups, "group", seg))
     if versions is not None:
         now = int(versions[active].max()) if current_version is None and bool(active.any()) else current_version
         if now is not None:
-            out.update(_split(lr, w, active, corr, now - versions, "staleness", seg))
+            out.update(_split(lr, lb, impossible, w, active, corr, now - versions, "staleness", seg))
     return out
 
 
 def _split(
-    lr: Tensor, w: Tensor, active: Tensor, corr: Correction, key: Tensor, name: str, seg: Segments | None
+    lr: Tensor, lb: Tensor, impossible: Tensor, w: Tensor, active: Tensor, corr: Correction, key: Tensor, name: str,
+    seg: Segments | None,
 ) -> dict[str, Tensor]:
     """Per-value statistics of ``key [N]`` over the active tokens, with each value's shares."""
     out: dict[str, Tensor] = {}
@@ -142,7 +154,7 @@ def _split(
     seq_total = seg.has_active().sum().clamp_min(1).to(lr.dtype) if seg is not None else None
     for value in torch.unique(key[active]).tolist():
         sel = active & (key == value)
-        stats = token_stats(lr, w, sel, corr)
+        stats = token_stats(lr, lb, impossible, w, sel, corr)
         stats["share_tokens"] = sel.sum().to(lr.dtype) / n_total
         stats["share_extreme"] = torch.where(
             n_extreme > 0, (extreme & sel).sum().to(lr.dtype) / n_extreme.clamp_min(1), n_extreme * 0

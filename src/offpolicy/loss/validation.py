@@ -87,7 +87,7 @@ def check_candidates(candidates, vocab: int | None, n: int, device, active: Tens
         raise TypeError(f"candidates must be an offpolicy.Candidates, got {type(candidates).__name__}")
     if candidates.ids.device != device:
         raise ValueError(f"candidates are on {candidates.ids.device}, expected {device}")
-    candidates.validate(vocab, n, tokens)
+    candidates.validate(vocab, n, tokens, active)
     if candidates.kind == "support":
         empty = active & ~(candidates.ids >= 0).any(dim=1)
         if bool(empty.any()):
