@@ -117,3 +117,12 @@ def test_one_entry_adds_a_weight_mode(monkeypatch):
     assert abs(out.loss.item() - ref.item()) <= 1e-10 * max(1.0, abs(ref.item()))
     torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-9, atol=1e-11)
     assert "sqrt_clip" in {c.weights for c in every_config()}
+
+
+def test_batch_normalize_names_a_registry_entry():
+    """``batch_normalize`` takes a bool or a normalisation's name; anything else (a string that merely looks
+    truthy) is an error, not a silent switch."""
+    assert op.Correction(weights="tis", batch_normalize="tokens").batch_normalize == "tokens"
+    for bad in ("no", "yes", 1):
+        with pytest.raises(ValueError, match="batch_normalize must be a bool or one of"):
+            op.Correction(weights="tis", batch_normalize=bad)

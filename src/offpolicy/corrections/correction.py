@@ -68,7 +68,8 @@ class Correction:
         kl_rejection: a :class:`KLRejection`, or None.
         opsm_delta: off-policy sequence masking: drop sequence ``i`` iff ``A_i < 0`` and
             ``mean_t (lq - log p) > opsm_delta``, with the current policy ``p`` (also under ``ppo_clip``).
-        batch_normalize: divide the weights by their mean over the batch's trained tokens.
+        batch_normalize: ``True`` or a name of :data:`~offpolicy.corrections.registry.NORMALISATIONS`
+            (``"tokens"``: the same as ``True``): divide the weights by that batch mean.
         ppo_clip: ``(eps_lo, eps_hi)`` for decoupled PPO, or None.
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation.
     """
@@ -80,7 +81,7 @@ class Correction:
     veto: float | None = None
     kl_rejection: KLRejection | None = None
     opsm_delta: float | None = None
-    batch_normalize: bool = False
+    batch_normalize: bool | str = False
     ppo_clip: tuple[float, float] | None = None
     max_log_ratio: float = 20.0
     _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
@@ -94,6 +95,10 @@ class Correction:
         if reg.LEVELS[self.level].per_sequence and not reg.WEIGHT_MODES[self.weights].bounded:
             bounded = tuple(m.name for m in reg.WEIGHT_MODES.values() if m.bounded)
             raise ValueError(f"Correction(level={self.level!r}) needs weights={' | '.join(map(repr, bounded))}")
+        if not (self.batch_normalize is False or self.batch_normalize is True
+                or (isinstance(self.batch_normalize, str) and self.batch_normalize in reg.NORMALISATIONS)):
+            raise ValueError(f"Correction.batch_normalize must be a bool or one of {tuple(reg.NORMALISATIONS)}, "
+                             f"got {self.batch_normalize!r}")
         if self.score_centering and reg.LEVELS[self.level].per_sequence:
             raise ValueError(
                 f"score_centering=True is defined for token-level weights only, got level={self.level!r}: "

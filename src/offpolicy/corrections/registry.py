@@ -364,7 +364,7 @@ NORMALISATIONS: dict[str, Normalisation] = {
     for n in (
         Normalisation(
             "tokens",
-            applies=lambda corr: corr.batch_normalize,
+            applies=lambda corr: corr.batch_normalize in (True, "tokens"),
             fast=lambda w, sel, seg: (torch.where(sel, w, torch.zeros_like(w)).sum(), sel.sum().to(w.dtype)),
             reference=lambda w, sel, seqs: w[sel].mean() if bool(sel.any()) else torch.zeros((), dtype=w.dtype),
             source="the mean weight over the batch's kept trained tokens",
