@@ -186,7 +186,9 @@ def test_gradient_check_has_teeth(monkeypatch):
     op.Correction(weights="mis", batch_normalize=True, veto=0.5),
     op.Correction(weights="tis", batch_normalize=True, kl_rejection=op.KLRejection(0.3, "k2", "seq_mean")),
     op.Correction(weights="reject", batch_normalize=True, opsm_delta=0.0, score_centering=True),
-], ids=["veto", "seq_kl", "opsm_sc"])
+    op.Correction(weights="tis", batch_normalize="sequences", veto=0.5, score_centering=True),
+    op.Correction(weights="mis", level="geometric", batch_normalize="sequences", opsm_delta=0.0),
+], ids=["veto", "seq_kl", "opsm_sc", "seq_mean_veto_sc", "seq_mean_geometric_opsm"])
 def test_batch_normalize_with_live_sequence_rejection(corr):
     """Batch normalisation averages the weights over the kept tokens only: a rejection that drops some but not all
     sequences, against the reference (loss, per-token loss, weights, gradient)."""

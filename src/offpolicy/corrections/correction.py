@@ -167,4 +167,5 @@ class Correction:
     @property
     def needs_sequences(self) -> bool:
         """Whether ``seq_ids`` are required."""
-        return self.sequence_level or bool(self.sequence_rules)
+        norm = reg.normalisation_of(self)
+        return self.sequence_level or bool(self.sequence_rules) or (norm is not None and norm.needs_sequences)

@@ -350,13 +350,31 @@ class Normalisation:
             by; the pipeline all-reduces both over the context-parallel group.
         reference: ``(w, sel, sequences) -> mean`` in float64 (``sequences``: index tensors of the trained
             tokens of each sequence).
+        needs_sequences: needs ``seq_ids``.
     """
 
     name: str
     applies: Callable
     fast: Callable
     reference: Callable
+    needs_sequences: bool = False
     source: str = ""
+
+
+def _sequence_mean_fast(w: Tensor, sel: Tensor, seg) -> tuple[Tensor, Tensor]:
+    # Per-sequence mean of the kept weights, then (sum over sequences with a kept token, their count). Under a
+    # context-parallel group the per-sequence sums are already global; the pipeline's extra sum over the group
+    # scales numerator and denominator alike.
+    kept_w = seg.sum(torch.where(sel, w, torch.zeros_like(w)))
+    count = seg.sum(sel.to(w.dtype))
+    has = count > 0
+    means = torch.where(has, kept_w / count.clamp_min(1), torch.zeros_like(kept_w))
+    return means.sum(), has.sum().to(w.dtype)
+
+
+def _sequence_mean_reference(w: Tensor, sel: Tensor, seqs: list) -> Tensor:
+    means = [w[idx][sel[idx]].mean() for idx in seqs if bool(sel[idx].any())]
+    return torch.stack(means).mean() if means else torch.zeros((), dtype=w.dtype)
 
 
 NORMALISATIONS: dict[str, Normalisation] = {
@@ -368,6 +386,15 @@ NORMALISATIONS: dict[str, Normalisation] = {
             fast=lambda w, sel, seg: (torch.where(sel, w, torch.zeros_like(w)).sum(), sel.sum().to(w.dtype)),
             reference=lambda w, sel, seqs: w[sel].mean() if bool(sel.any()) else torch.zeros((), dtype=w.dtype),
             source="the mean weight over the batch's kept trained tokens",
+        ),
+        Normalisation(
+            "sequences",
+            applies=lambda corr: corr.batch_normalize == "sequences",
+            fast=_sequence_mean_fast,
+            reference=_sequence_mean_reference,
+            needs_sequences=True,
+            source="the mean over sequences of each sequence's mean kept weight (verl's sequence-level batch "
+                   "normalisation; one weight per sequence at the sequence levels)",
         ),
     )
 }
