@@ -88,12 +88,16 @@ def reference_policy_loss(
     surrogate = corr.surrogate
     if corr.score_centering and candidates is None:
         raise ValueError("score centering needs candidates")
+    s = None
+    if surrogate.reference is not None:
+        s = surrogate.reference(logp_y, proximal_logprobs.double(), adv, st["seqs"], corr)
     token_loss = torch.zeros(n, dtype=torch.float64)
     for t in range(n):
         if not (mask[t] and keep[t]) or adv[t] == 0:
             continue
-        if surrogate.reference is not None:
-            token_loss[t] = -w[t] * surrogate.reference(logp_y[t], proximal_logprobs[t].double(), adv[t], corr)
+        if s is not None:
+            if w[t] != 0:
+                token_loss[t] = -w[t] * s[t]
             continue
         term = w[t] * logp_y[t] if w[t] != 0 else torch.zeros((), dtype=torch.float64)
         if corr.score_centering:
@@ -103,7 +107,16 @@ def reference_policy_loss(
                 if cv != 0 and lp[t, v] > -math.inf:
                     term = term - st["scale"] * cv * lp[t, v]
         token_loss[t] = -adv[t] * term
-    loss = _aggregate(token_loss, mask, aggregation, st["seqs"], num_loss_tokens, num_sequences, constant_normalizer)
+    counted, seqs = mask, st["seqs"]
+    if not corr.rejected_in_normalizer:
+        # Rejected tokens (sequence rules, token-level KL rejection) leave the normaliser.
+        counted = mask & keep & ~st["token_rejected"]
+        if reg.WEIGHT_MODES[corr.weights].rejects:
+            # A ratio outside the band is a rejection for this mode: the token leaves the normaliser too.
+            b = st["bounded"]
+            counted = counted & (b >= corr.lower) & (b <= corr.upper)
+        seqs = [idx[counted[idx]] for idx in seqs if bool(counted[idx].any())]
+    loss = _aggregate(token_loss, counted, aggregation, seqs, num_loss_tokens, num_sequences, constant_normalizer)
     # Keep the loss attached to the logits even when every token is masked (its gradient is then zero).
     x = logits.double()
     loss = loss + torch.where(torch.isfinite(x), x, torch.zeros_like(x)).sum() * 0
@@ -142,6 +155,11 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
         if rej is not None and not reg.KL_LEVELS[rej.level].per_sequence:
             rc = r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
             w = w * (kl(rc, rej.estimator) <= rej.threshold)
+    rej = corr.kl_rejection
+    token_rejected = torch.zeros(n, dtype=torch.bool)
+    if rej is not None and not reg.KL_LEVELS[rej.level].per_sequence:
+        rc = r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
+        token_rejected = mask & ~(kl(rc, rej.estimator) <= rej.threshold)
     # A sampled token the trainer gives probability 0 gets weight exactly 0 (its loss w log p would be infinite).
     impossible = mask & (logp_y.detach() == -math.inf)
     w = torch.where(impossible, torch.zeros_like(w), w)
@@ -149,9 +167,12 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
     # Sequence-level rejections: a sequence is dropped when any rule that applies says so.
     rules = [rule for rule in reg.SEQUENCE_RULES.values() if rule.applies(corr)]
     keep = torch.ones(n, dtype=torch.bool)
+    dropped_by = {rule.name: torch.zeros(n, dtype=torch.bool) for rule in rules}
     for idx in seqs:
-        if any(rule.reference(r[idx], r_p[idx], adv[idx], corr) for rule in rules):
-            keep[idx] = False
+        for rule in rules:
+            if rule.reference(r[idx], r_p[idx], adv[idx], corr):
+                dropped_by[rule.name][idx] = True
+                keep[idx] = False
     w = w * (mask & keep)
     scale = 1.0
     norm = reg.normalisation_of(corr)
@@ -160,7 +181,8 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
         scale = 1.0 / mean_w if mean_w > 0 else 1.0
         w = w * scale
     return dict(n=n, lp=lp, logp_y=logp_y, lq=lq, adv=adv, mask=mask, keep=keep, w=w, scale=scale, seqs=seqs,
-                r_p=r_p, bounded=bounded, impossible=impossible, is_support=is_support)
+                r_p=r_p, r=r, bounded=bounded, impossible=impossible, is_support=is_support,
+                token_rejected=token_rejected, dropped_by=dropped_by)
 
 
 def _centering(lp_row: Tensor, cands: Candidates, t: int, is_support: bool, corr: Correction):
@@ -235,6 +257,10 @@ def reference_metrics(
     out = _token_metrics(st, mask, corr)
     out["entropy"] = _mean([float(ent[t]) for t in range(n) if mask[t]])
     out["rejected_frac"] = _mean([float(not st["keep"][t]) for t in range(n) if mask[t]])
+    if seq_ids is not None:
+        out.update(_sequence_metrics(st, corr))
+        for name, dropped in st["dropped_by"].items():
+            out[f"rejected_frac/{name}"] = _mean([float(dropped[t]) for t in range(n) if mask[t]])
     if candidates is not None:
         valid = candidates.ids >= 0
         out["support_size"] = _mean([float(valid[t].sum()) for t in range(n) if mask[t]])
@@ -281,6 +307,26 @@ def _is_extreme(st: dict, t: int, corr: Correction) -> bool:
     return r < EXTREME[0] or r > EXTREME[1]
 
 
+def _sequence_metrics(st: dict, corr: Correction) -> dict[str, float]:
+    """The ``seq_*`` keys: one value per sequence with a trained token, from its clamped token log-ratios."""
+    rho, d = [], []
+    for idx in st["seqs"]:
+        lr = [_clamped_log_ratio(st, t, corr) for t in idx.tolist()]
+        rho.append(math.exp(min(max(sum(lr), -corr.max_log_ratio), corr.max_log_ratio)))
+        d.append(-sum(lr) / len(lr))
+    return {
+        "seq_chi2": _mean([x * x for x in rho]) - 1 if rho else 0.0,
+        "seq_ratio_mean": _mean(rho),
+        "seq_ratio_max": max(rho, default=0.0),
+        "seq_ratio_min": min(rho, default=0.0),
+        "seq_log_ppl_diff_mean": _mean(d),
+        "seq_log_ppl_diff_abs_mean": _mean([abs(x) for x in d]),
+        "seq_log_ppl_diff_max": max(d, default=0.0),
+        "seq_log_ppl_diff_min": min(d, default=0.0),
+        "seq_ppl_ratio_mean": _mean([math.exp(x) for x in d]),
+    }
+
+
 def _token_metrics(st: dict, sel: Tensor, corr: Correction) -> dict[str, float]:
     """The mismatch and weight keys over the tokens of ``sel``."""
     rows = [t for t in range(st["n"]) if sel[t]]
@@ -288,7 +334,26 @@ def _token_metrics(st: dict, sel: Tensor, corr: Correction) -> dict[str, float]:
     w = [float(st["w"][t]) for t in rows]
     b = [float(st["bounded"][t]) for t in rows]
     sq = sum(x * x for x in w)
-    return {
+    r = [math.exp(x) for x in lr]
+    possible = [t for t in rows if not st["impossible"][t]]
+    neg_logp = _mean([-float(st["logp_y"][t]) for t in possible])
+    neg_lq = _mean([-float(st["lq"][t]) for t in possible])
+    mean_w = _mean(w)
+    extra = {
+        "chi2_token": _mean([x * x for x in r]) - 1 if r else 0.0,
+        "ratio_mean": _mean(r),
+        "ratio_max": max(r, default=0.0),
+        "ratio_min": min(r, default=0.0),
+        "weight_std": math.sqrt(_mean([(x - mean_w) ** 2 for x in w])),
+        "weight_before_bound_mean": _mean([min(max(x, math.exp(-corr.max_log_ratio)), math.exp(corr.max_log_ratio))
+                                           for x in b]),
+        "ppl_trainer": math.exp(neg_logp),
+        "ppl_sampler": math.exp(neg_lq),
+        "ppl_ratio": math.exp(neg_logp) / math.exp(neg_lq),
+    }
+    if corr.veto is not None:
+        extra["veto_catastrophic_frac"] = _mean([float(float(st["r"][t]) < corr.veto) for t in rows])
+    return extra | {
         "kl_k1": _mean([-x for x in lr]),
         "kl_k2": _mean([0.5 * x * x for x in lr]),
         "kl_k3": _mean([math.exp(x) - 1 - x for x in lr]),

@@ -203,3 +203,54 @@ def test_batch_normalize_with_live_sequence_rejection(corr):
     torch.testing.assert_close(out.token_loss, ref_tl, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out.token_weight.double(), ref_w, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g, ref_g, rtol=1e-9, atol=1e-11)
+
+
+SEQ = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4])
+
+
+def _prox(z, y, seed=2, scale=0.4):
+    gen = torch.Generator().manual_seed(seed)
+    lp = torch.log_softmax(z + scale * torch.randn(z.shape, generator=gen, dtype=torch.float64), 1)
+    return lp.gather(1, y[:, None])[:, 0]
+
+
+PEER_CASES = [
+    op.Correction(weights="tis", ppo_clip=(0.2, 0.28), ppo_delta=1.5),
+    op.Correction(weights="mis", ppo_clip=(0.2, 0.2), dual_clip=3.0),
+    op.Correction(ppo_clip=(0.2, 0.3), dual_clip=2.0, ppo_delta=1.4),
+    op.Correction(ppo_clip=(3e-4, 4e-4), ppo_ratio="gspo_token"),
+    op.Correction(weights="tis", ppo_clip=(0.1, 0.1), ppo_ratio="gspo_token", dual_clip=3.0),
+    op.Correction(cispo=(0.0, 1.2)),
+    op.Correction(weights="mis", cispo=(0.8, 1.2), veto=0.05),
+    op.Correction(weights="tis", batch_normalize="sequences"),
+    op.Correction(weights="mis", level="sequence", bounds=(0.1, 10.0), batch_normalize="sequences"),
+    op.Correction(weights="mis", opsm_delta=0.0, rejected_in_normalizer=False),
+    op.Correction(weights="tis", kl_rejection=op.KLRejection(0.1, "k3", "token"), rejected_in_normalizer=False),
+    op.Correction(weights="reject", bounds=(0.7, 1.4), rejected_in_normalizer=False, veto=0.1),
+    op.Correction(weights="reject", level="geometric", bounds=(0.9, 1.1), rejected_in_normalizer=False),
+]
+
+
+@pytest.mark.parametrize("agg", AGGS[:3])
+@pytest.mark.parametrize("corr", PEER_CASES, ids=lambda c: repr(c)[11:80])
+def test_peer_family_matches_reference(corr, agg):
+    z, y, lq, _ = make_batch(N, 30, 5, "head", seed=8, mismatch=0.7)
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.rand(N, generator=gen) > 0.15
+    adv = torch.randn(N, generator=gen, dtype=torch.float64)
+    needs_prox = corr.surrogate.needs_proximal
+    prox = _prox(z, y) if needs_prox else None
+    z1 = z.clone().requires_grad_()
+    z2 = z.clone().requires_grad_()
+    out = op.policy_loss(z1, y, lq, adv, None, mask, 1.0, corr, seq_ids=SEQ, aggregation=agg,
+                         proximal_logprobs=prox)
+    ref, ref_tl, ref_w = reference_policy_loss(z2, y, lq, adv, None, mask, 1.0, corr, seq_ids=SEQ,
+                                               aggregation=agg, proximal_logprobs=prox)
+    out.loss.backward()
+    ref.backward()
+    assert abs(out.loss.item() - ref.item()) <= 1e-10 * max(1.0, abs(ref.item()))
+    torch.testing.assert_close(out.token_loss, ref_tl, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.token_weight, ref_w, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-9, atol=1e-11)
+
+

@@ -116,6 +116,9 @@ METRIC_CASES = [
     (op.Correction(weights="tis", veto=0.2, kl_rejection=op.KLRejection(0.5, "k3", "seq_mean")), "head"),
     (op.Correction(weights="mis", opsm_delta=0.05, batch_normalize=True, score_centering=True), "head"),
     (op.Correction(weights="mis", ppo_clip=(0.2, 0.3)), None),
+    (op.Correction(weights="tis", ppo_clip=(0.2, 0.3), ppo_ratio="gspo_token", dual_clip=3.0, veto=0.3), None),
+    (op.Correction(weights="mis", cispo=(0.0, 2.0), batch_normalize="sequences", opsm_delta=0.1,
+                   rejected_in_normalizer=False), "head"),
 ]
 
 
@@ -133,7 +136,7 @@ def test_every_metric_key_matches_the_reference(corr, kind):
     groups = torch.arange(n) % 3
     versions = torch.tensor([4, 3, 4, 2] * 4)
     prox = None
-    if corr.ppo_clip is not None:
+    if corr.surrogate.needs_proximal:
         prox = torch.log_softmax(z + 0.2 * torch.randn(z.shape, generator=gen, dtype=torch.float64), 1)
         prox = prox.gather(1, y[:, None])[:, 0]
     out = op.policy_loss(z, y, lq, adv, cands, mask, 1.0, corr, seq_ids=seq, groups=groups, versions=versions,

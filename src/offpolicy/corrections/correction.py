@@ -16,7 +16,13 @@
   contribution.
 * ``batch_normalize`` divides weights (and the centering coefficients, so drift stays zero) by their batch mean.
 * ``ppo_clip=(eps_lo, eps_hi)``: decoupled PPO; the weight becomes ``f(pi_prox / q)`` and multiplies the clipped
-  surrogate of ``u = p / pi_prox`` (needs ``proximal_logprobs``).
+  surrogate of ``u = p / pi_prox`` (needs ``proximal_logprobs``). ``dual_clip=c`` bounds it below by ``c A``
+  where ``A < 0``; ``ppo_delta`` caps ``u`` in the unclipped branch (TRL's ``delta``); ``ppo_ratio="gspo_token"``
+  clips GSPO's sequence ratio with a token-level gradient. ``cispo=(lo, hi)`` instead multiplies ``A log p`` by
+  the stop-gradient ``clamp(u, lo, hi)``.
+* ``rejected_in_normalizer=False`` removes rejected tokens (sequence rules, token-level KL rejection, and for a
+  weight mode that rejects, such as ``reject``, ratios outside its band) from the aggregation's normaliser (verl's
+  convention); by default they stay in it like masked weights.
 
 Every mode, level, estimator, rule and surrogate named here is an entry of :mod:`offpolicy.corrections.registry`;
 this class only checks that the fields name entries and combine.
@@ -71,6 +77,12 @@ class Correction:
         batch_normalize: ``True`` or a name of :data:`~offpolicy.corrections.registry.NORMALISATIONS`
             (``"tokens"``: the same as ``True``): divide the weights by that batch mean.
         ppo_clip: ``(eps_lo, eps_hi)`` for decoupled PPO, or None.
+        dual_clip: ``c > 1``: with ``A < 0`` the clipped surrogate is bounded below by ``c A`` (needs ``ppo_clip``).
+        ppo_delta: ``delta > 1``: the unclipped branch uses ``min(u, delta)`` (needs ``ppo_clip``).
+        ppo_ratio: ``"token"`` (``u = p / pi_prox``) or ``"gspo_token"`` (needs ``ppo_clip`` and ``seq_ids``).
+        cispo: ``(lo, hi)`` absolute bounds of CISPO's stop-gradient coefficient ``clamp(u, lo, hi)`` (TRL:
+            ``(0, epsilon_high)``; slime: ``(1 - eps_clip, 1 + eps_clip_high)``); excludes ``ppo_clip``.
+        rejected_in_normalizer: keep rejected tokens in the aggregation's normaliser (default) or remove them.
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation.
     """
 
@@ -83,7 +95,13 @@ class Correction:
     opsm_delta: float | None = None
     batch_normalize: bool | str = False
     ppo_clip: tuple[float, float] | None = None
+    ppo_clip: tuple[float, float] | None = None
     max_log_ratio: float = 20.0
+    dual_clip: float | None = None
+    ppo_delta: float | None = None
+    ppo_ratio: str = "token"
+    cispo: tuple[float, float] | None = None
+    rejected_in_normalizer: bool = True
     _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +117,9 @@ class Correction:
                 or (isinstance(self.batch_normalize, str) and self.batch_normalize in reg.NORMALISATIONS)):
             raise ValueError(f"Correction.batch_normalize must be a bool or one of {tuple(reg.NORMALISATIONS)}, "
                              f"got {self.batch_normalize!r}")
+        self._check_surrogate_options()
+        if not isinstance(self.rejected_in_normalizer, bool):
+            raise TypeError(f"Correction.rejected_in_normalizer must be a bool, got {self.rejected_in_normalizer!r}")
         if self.score_centering and reg.LEVELS[self.level].per_sequence:
             raise ValueError(
                 f"score_centering=True is defined for token-level weights only, got level={self.level!r}: "
@@ -107,7 +128,8 @@ class Correction:
             )
         if self.score_centering and not self.surrogate.centerable:
             raise ValueError(
-                f"score_centering=True cannot be combined with ppo_clip (the {self.surrogate.name!r} surrogate): "
+                f"score_centering=True cannot be combined with ppo_clip or cispo (the {self.surrogate.name!r} "
+                "surrogate): "
                 "the clipped surrogate is not of the form w * log p that centering corrects"
             )
         if self.veto is not None and not (0.0 < self.veto < 1.0):
@@ -122,6 +144,25 @@ class Correction:
                 raise ValueError(f"Correction.ppo_clip must be (eps_lo in [0, 1), eps_hi >= 0), got {self.ppo_clip}")
         if not (self.max_log_ratio > 0 and math.isfinite(self.max_log_ratio)):
             raise ValueError(f"Correction.max_log_ratio must be finite and > 0, got {self.max_log_ratio}")
+
+    def _check_surrogate_options(self) -> None:
+        if self.ppo_ratio not in ("token", "gspo_token"):
+            raise ValueError(f"Correction.ppo_ratio must be 'token' or 'gspo_token', got {self.ppo_ratio!r}")
+        needs_clip = {"dual_clip": self.dual_clip, "ppo_delta": self.ppo_delta,
+                      "ppo_ratio='gspo_token'": None if self.ppo_ratio == "token" else self.ppo_ratio}
+        for name, val in needs_clip.items():
+            if val is not None and self.ppo_clip is None:
+                raise ValueError(f"Correction.{name} needs ppo_clip (it modifies the clipped PPO surrogate)")
+        if self.dual_clip is not None and not (math.isfinite(self.dual_clip) and self.dual_clip > 1):
+            raise ValueError(f"Correction.dual_clip must be a finite number > 1, got {self.dual_clip!r}")
+        if self.ppo_delta is not None and not (math.isfinite(self.ppo_delta) and self.ppo_delta > 1):
+            raise ValueError(f"Correction.ppo_delta must be a finite number > 1, got {self.ppo_delta!r}")
+        if self.cispo is not None:
+            if self.ppo_clip is not None:
+                raise ValueError("Correction.cispo and ppo_clip exclude each other (two different surrogates)")
+            lo, hi = self.cispo
+            if not (0.0 <= lo < hi and math.isfinite(hi)):
+                raise ValueError(f"Correction.cispo must be (lo, hi) with 0 <= lo < hi < inf, got {self.cispo}")
 
     def _resolve_bounds(self) -> tuple[float, float]:
         mode = reg.WEIGHT_MODES[self.weights]
@@ -168,4 +209,5 @@ class Correction:
     def needs_sequences(self) -> bool:
         """Whether ``seq_ids`` are required."""
         norm = reg.normalisation_of(self)
-        return self.sequence_level or bool(self.sequence_rules) or (norm is not None and norm.needs_sequences)
+        return (self.sequence_level or bool(self.sequence_rules) or (norm is not None and norm.needs_sequences)
+                or self.surrogate.needs_sequences)

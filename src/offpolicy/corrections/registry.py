@@ -45,6 +45,8 @@ class WeightMode:
         masks_outside: ``f`` is discontinuous at the bounds (a bound on ``r`` that masks): rounding near a bound
             may flip the weight, so the test kit keeps examples off them.
         ratio_inside: ``f(r) = r`` somewhere inside the bounds (the weighted score is then unbiased there).
+        rejects: a ratio outside the bounds is a rejection (the token leaves the normaliser under
+            ``rejected_in_normalizer=False``), not merely a weight of 0.
         source: the published source.
     """
 
@@ -55,6 +57,7 @@ class WeightMode:
     scalar_bound: bool = False
     masks_outside: bool = False
     ratio_inside: bool = False
+    rejects: bool = False
     source: str = ""
 
     @property
@@ -97,7 +100,7 @@ WEIGHT_MODES: dict[str, WeightMode] = {
             "reject",
             fast=lambda lr, inside, lo, hi: inside.to(lr.dtype),
             reference=lambda r, inside, lo, hi: inside.double(),
-            default_bounds=(0.5, 5.0), masks_outside=True,
+            default_bounds=(0.5, 5.0), masks_outside=True, rejects=True,
             source="rejection sampling on the ratio (kept tokens weigh 1)",
         ),
     )
@@ -286,12 +289,15 @@ class Surrogate:
 
     Attributes:
         applies: ``corr -> bool``.
-        fast: ``(logp_y [N] differentiable, prox [N], adv [N], corr) -> [N]`` the surrogate ``s_t`` whose
-            ``-w_t s_t`` is the token loss. None for the score-function term ``A_t log p(y_t)``, which the
-            pipeline forms itself (it guards ``w = 0`` against ``log p = -inf`` and adds score centering).
-        reference: the same for one float64 token (scalars); None for the score-function term.
+        fast: ``(logp_y [N] differentiable, prox [N] detached, adv [N], seg, corr) -> [N]`` the surrogate ``s_t``
+            whose ``-w_t s_t`` is the token loss (``seg``: the sequences, None without ``seq_ids``). None for the
+            score-function term ``A_t log p(y_t)``, which the pipeline forms itself (it adds score centering).
+        reference: ``(logp_y [N] float64 differentiable, prox [N], adv [N], sequences, corr) -> [N]``, written
+            token by token (``sequences``: index tensors of each sequence's trained tokens); None for the
+            score-function term.
         centerable: score centering may be combined with it (it is of the form ``w log p``).
         needs_proximal: needs ``proximal_logprobs``.
+        needs_sequences: needs ``seq_ids``.
     """
 
     name: str
@@ -300,29 +306,111 @@ class Surrogate:
     reference: Callable | None
     centerable: bool
     needs_proximal: bool
+    needs_sequences: bool = False
     source: str = ""
 
 
-def _ppo_fast(logp_y, prox, adv, corr):
+def _clip_fast(ratio: Tensor, adv: Tensor, corr) -> Tensor:
+    """``min(min(ratio, delta) A, clip(ratio, 1 - eps_lo, 1 + eps_hi) A)``, and with a dual clip ``c`` the result
+    is bounded below by ``c A`` where ``A < 0``."""
     eps_lo, eps_hi = corr.ppo_clip
-    u = torch.exp((logp_y - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio))
-    return torch.minimum(u * adv, u.clamp(1.0 - eps_lo, 1.0 + eps_hi) * adv)
+    unclipped = ratio if corr.ppo_delta is None else ratio.clamp(max=corr.ppo_delta)
+    s = torch.minimum(unclipped * adv, ratio.clamp(1.0 - eps_lo, 1.0 + eps_hi) * adv)
+    if corr.dual_clip is not None:
+        s = torch.where(adv < 0, torch.maximum(s, corr.dual_clip * adv), s)
+    return s
 
 
-def _ppo_reference(logp_y, prox, adv, corr):
-    u = torch.exp((logp_y - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio))
+def _clip_reference(ratio: Tensor, a: Tensor, corr) -> Tensor:
+    """One token of :func:`_clip_fast`, spelled out."""
     lo, hi = corr.ppo_clip
-    return torch.minimum(u * adv, u.clamp(1 - lo, 1 + hi) * adv)
+    first = (torch.minimum(ratio, torch.tensor(corr.ppo_delta, dtype=ratio.dtype)) if corr.ppo_delta is not None
+             else ratio) * a
+    second = ratio.clamp(1 - lo, 1 + hi) * a
+    s = torch.minimum(first, second)
+    if corr.dual_clip is not None and a < 0:
+        s = torch.maximum(s, corr.dual_clip * a)
+    return s
+
+
+def _ppo_fast(logp_y, prox, adv, seg, corr):
+    u = torch.exp((logp_y - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio))
+    return _clip_fast(u, adv, corr)
+
+
+def _ppo_reference(logp_y, prox, adv, seqs, corr):
+    out = torch.zeros_like(logp_y)
+    for t in range(logp_y.shape[0]):
+        u = torch.exp((logp_y[t] - prox[t]).clamp(-corr.max_log_ratio, corr.max_log_ratio))
+        out[t] = _clip_reference(u, adv[t], corr)
+    return out
+
+
+def _gspo_token_fast(logp_y, prox, adv, seg, corr):
+    # s_{i,t} = sg(s_i) p_t / sg(p_t): the value of GSPO's sequence ratio s_i = exp(mean_t log(p_t / pi_prox_t)),
+    # the gradient of token t's own log-probability. Untrained tokens are zeroed first (they may hold -inf).
+    zero = torch.zeros_like(logp_y)
+    lp = torch.where(seg.active, logp_y, zero)
+    log_s = seg.broadcast(seg.mean(torch.where(seg.active, lp.detach() - prox, zero)))
+    ratio = torch.exp((log_s + lp - lp.detach()).clamp(-corr.max_log_ratio, corr.max_log_ratio))
+    return _clip_fast(ratio, adv, corr)
+
+
+def _gspo_token_reference(logp_y, prox, adv, seqs, corr):
+    out = torch.zeros_like(logp_y)
+    for idx in seqs:
+        log_s = (logp_y[idx].detach() - prox[idx]).mean()
+        for t in idx.tolist():
+            log_ratio = (log_s + logp_y[t] - logp_y[t].detach()).clamp(-corr.max_log_ratio, corr.max_log_ratio)
+            out[t] = _clip_reference(torch.exp(log_ratio), adv[t], corr)
+    return out
+
+
+def _cispo_fast(logp_y, prox, adv, seg, corr):
+    # sg(clamp(u, lo, hi)) A log p(y): the clipped ratio is a stop-gradient coefficient on REINFORCE.
+    lo, hi = corr.cispo
+    coef = torch.exp((logp_y.detach() - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio)).clamp(lo, hi)
+    return torch.where(coef != 0, coef * adv * logp_y, torch.zeros_like(logp_y))
+
+
+def _cispo_reference(logp_y, prox, adv, seqs, corr):
+    lo, hi = corr.cispo
+    out = torch.zeros_like(logp_y)
+    for t in range(logp_y.shape[0]):
+        u = torch.exp((logp_y[t].detach() - prox[t]).clamp(-corr.max_log_ratio, corr.max_log_ratio))
+        coef = min(max(float(u), lo), hi)
+        out[t] = coef * adv[t] * logp_y[t] if coef != 0 else 0.0
+    return out
+
+
+def _clipped_ratio(corr) -> bool:
+    return corr.ppo_clip is not None
 
 
 SURROGATES: dict[str, Surrogate] = {
     s.name: s
     for s in (
-        Surrogate("score_function", applies=lambda corr: corr.ppo_clip is None, fast=None, reference=None,
-                  centerable=True, needs_proximal=False, source="REINFORCE: A_t log p(y_t)"),
-        Surrogate("ppo", applies=lambda corr: corr.ppo_clip is not None, fast=_ppo_fast, reference=_ppo_reference,
-                  centerable=False, needs_proximal=True,
-                  source="decoupled PPO: min(u A, clip(u, 1 - eps_lo, 1 + eps_hi) A), u = p / pi_prox"),
+        Surrogate("score_function", applies=lambda corr: corr.ppo_clip is None and corr.cispo is None, fast=None,
+                  reference=None, centerable=True, needs_proximal=False, source="REINFORCE: A_t log p(y_t)"),
+        Surrogate("ppo", applies=lambda corr: _clipped_ratio(corr) and corr.dual_clip is None
+                  and corr.ppo_ratio == "token",
+                  fast=_ppo_fast, reference=_ppo_reference, centerable=False, needs_proximal=True,
+                  source="decoupled PPO: min(u A, clip(u, 1 - eps_lo, 1 + eps_hi) A), u = p / pi_prox; ppo_delta "
+                         "caps u in the unclipped branch (TRL's two-sided clipping)"),
+        Surrogate("ppo_dual_clip", applies=lambda corr: _clipped_ratio(corr) and corr.dual_clip is not None
+                  and corr.ppo_ratio == "token",
+                  fast=_ppo_fast, reference=_ppo_reference, centerable=False, needs_proximal=True,
+                  source="dual-clip PPO (Ye et al. 2020, verl clip_ratio_c, slime eps_clip_c): A < 0 bounds the "
+                         "surrogate below by c A"),
+        Surrogate("gspo_token", applies=lambda corr: _clipped_ratio(corr) and corr.ppo_ratio == "gspo_token",
+                  fast=_gspo_token_fast, reference=_gspo_token_reference, centerable=False, needs_proximal=True,
+                  needs_sequences=True,
+                  source="GSPO-token (Zheng et al. 2025): sequence ratio exp(mean_t log(p / pi_prox)) in value, "
+                         "token-level gradient, clipped like PPO"),
+        Surrogate("cispo", applies=lambda corr: corr.cispo is not None, fast=_cispo_fast,
+                  reference=_cispo_reference, centerable=False, needs_proximal=True,
+                  source="CISPO (MiniMax-M1 arXiv 2506.13585; TRL loss_type='cispo', slime): "
+                         "sg(clamp(u, lo, hi)) A log p"),
     )
 }
 

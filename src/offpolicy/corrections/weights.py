@@ -63,20 +63,32 @@ def token_weight(log_r: Tensor, seg: Segments | None, corr: Correction) -> Tenso
     return w
 
 
-def sequence_keep(
-    log_r: Tensor, log_p_ratio: Tensor, advantages: Tensor, seg: Segments | None, corr: Correction
-) -> Tensor | None:
-    """``[N]`` bool: False on tokens of sequences dropped by a rule of
-    :data:`~offpolicy.corrections.registry.SEQUENCE_RULES` (veto, sequence KL rejection, OPSM).
+def token_rejected(log_r: Tensor, corr: Correction) -> Tensor | None:
+    """``[N]`` bool: tokens a token-level KL rejection rejects (their weight is 0), or None without one."""
+    rej = corr.kl_rejection
+    if rej is None or KL_LEVELS[rej.level].per_sequence:
+        return None
+    return ~(ESTIMATORS[rej.estimator].fast(log_r.clamp(-corr.max_log_ratio, corr.max_log_ratio)) <= rej.threshold)
 
-    ``log_r``: the ratio the weights act on; ``log_p_ratio``: the current policy's ``log p - lq``. Returns None
-    when the correction switches no rule on.
+
+def sequence_drops(
+    log_r: Tensor, log_p_ratio: Tensor, advantages: Tensor, seg: Segments | None, corr: Correction
+) -> dict[str, Tensor]:
+    """``{rule name: [N] bool}``: the tokens of sequences each rule of
+    :data:`~offpolicy.corrections.registry.SEQUENCE_RULES` the correction switches on drops (veto, sequence KL
+    rejection, OPSM).
+
+    ``log_r``: the ratio the weights act on; ``log_p_ratio``: the current policy's ``log p - lq``.
     """
     rules = [rule for rule in SEQUENCE_RULES.values() if rule.applies(corr)]
-    if not rules:
+    return {rule.name: seg.broadcast(rule.fast(log_r, log_p_ratio, advantages, seg, corr)) for rule in rules}
+
+
+def sequence_keep(drops: dict[str, Tensor]) -> Tensor | None:
+    """``[N]`` bool: False on tokens any rule of ``drops`` drops; None when no rule is on."""
+    if not drops:
         return None
-    assert seg is not None
-    drop = torch.zeros(seg.num, dtype=torch.bool, device=log_r.device)
-    for rule in rules:
-        drop |= rule.fast(log_r, log_p_ratio, advantages, seg, corr)
-    return ~seg.broadcast(drop)
+    dropped = torch.zeros_like(next(iter(drops.values())))
+    for d in drops.values():
+        dropped = dropped | d
+    return ~dropped

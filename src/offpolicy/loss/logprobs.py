@@ -16,7 +16,7 @@ centering. Decoupled PPO replaces the first term by the clipped surrogate of ``u
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -29,8 +29,9 @@ from offpolicy.loss.metrics import policy_metrics
 from offpolicy.loss.segments import Segments
 from offpolicy.loss.inputs import Aggregation, TokenData
 from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_vector
-from offpolicy.corrections.registry import normalisation_of
-from offpolicy.corrections.weights import bounded_log_ratio, sequence_keep, token_weight
+from offpolicy.corrections.registry import WEIGHT_MODES, normalisation_of
+from offpolicy.corrections.weights import (bounded_log_ratio, inside_bounds, sequence_drops, sequence_keep,
+                                           token_rejected, token_weight)
 
 
 @dataclass
@@ -141,21 +142,30 @@ def loss_from_logprobs(
     impossible = active & (logp_y.detach() == float("-inf"))
     w = torch.where(impossible, zero, w)
     # 3. Rejections: sequences dropped by veto / sequence KL / OPSM.
-    kept = sequence_keep(log_w, log_r, adv, seg, corr)
+    drops = sequence_drops(log_w, log_r, adv, seg, corr)
+    kept = sequence_keep(drops)
     sel = active if kept is None else active & kept
     trained = sel & (adv != 0)
     w = torch.where(sel, w, zero)
     # 4. Normalisation: a batch constant on the weights and the centering coefficients alike (drift stays zero).
     w, scale = _normalise(w, sel, seg, corr, cp_group)
     # 5. Surrogate (and score centering).
-    token_loss, centering = _surrogate(logp_y, w, scale, adv, prox, candidates, candidate_logprobs, corr)
+    token_loss, centering = _surrogate(logp_y, w, scale, adv, prox, seg, candidates, candidate_logprobs, corr)
     token_loss = torch.where(trained, token_loss, zero)
-    # 6. Aggregation.
-    loss = aggregate(token_loss, active, agg.name, seg, agg.num_loss_tokens, agg.num_sequences,
+    # 6. Aggregation (without the rejected tokens in the normaliser when the correction says so).
+    counted, seg_counted = active, seg
+    if not corr.rejected_in_normalizer:
+        tok_rej = token_rejected(log_w, corr)
+        counted = sel if tok_rej is None else sel & ~tok_rej
+        if WEIGHT_MODES[corr.weights].rejects:
+            counted = counted & inside_bounds(bounded_log_ratio(log_w, seg, corr), corr)
+        seg_counted = replace(seg, active=counted) if seg is not None else None
+    loss = aggregate(token_loss, counted, agg.name, seg_counted, agg.num_loss_tokens, agg.num_sequences,
                      agg.constant_normalizer, cp_group)
     # 7. Metrics.
     metrics = policy_metrics(
         log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, corr), impossible=impossible,
+        weight_ratio=log_w, logprobs=logp_y.detach(), sampler_logprobs=lq, drops=drops,
         weight=w, active=active, entropy=zero if entropy is None else entropy, corr=corr,
         kept=kept, centering=centering, cand_valid=(candidates.ids >= 0) if candidates is not None else None,
         seg=seg.local() if seg is not None else None, groups=data.groups,
@@ -179,17 +189,19 @@ def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, corr: Correction,
     return w * scale, scale
 
 
-def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | None, candidates: Candidates | None,
-               cand_lp: Tensor | None, corr: Correction) -> tuple[Tensor, Centering | None]:
+def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | None, seg: Segments | None,
+               candidates: Candidates | None, cand_lp: Tensor | None,
+               corr: Correction) -> tuple[Tensor, Centering | None]:
     """``[N]`` token loss ``-w_t s_t`` of the correction's surrogate; for the score-function surrogate
     ``-A_t (w_t log p(y_t) - sum_v sg(c_t(v)) log p(v))`` with the centering sum under score centering."""
     if corr.score_centering and candidates is None:
         raise ValueError("score_centering=True needs candidates (the sampler's Candidates record, head or support): "
                          "centering sums over the recorded candidates; got candidates=None")
     sur = corr.surrogate
-    if sur.fast is not None:
-        return -w * sur.fast(logp_y, prox, adv, corr), None
     zero = torch.zeros_like(logp_y)
+    if sur.fast is not None:
+        # w = 0 (masked, rejected, impossible) contributes exactly 0 whatever the surrogate holds there.
+        return torch.where(w != 0, -w * sur.fast(logp_y, prox, adv, seg, corr), zero), None
     # w * log p(y) with w = 0 where the token's own weight is masked (0 * -inf must not make a NaN).
     policy_term = torch.where(w != 0, w * logp_y, zero)
     centering = None
