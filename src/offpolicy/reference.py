@@ -41,8 +41,8 @@ def support_mask(candidates: Candidates, vocab: int) -> Tensor:
 
 
 def f(r: Tensor, corr: Correction, token_rejection: bool = True) -> Tensor:
-    """The weight function (docs/spec.md#weights) at ratio ``r`` (float64), a token-level KL rejection included
-    unless ``token_rejection=False``.
+    """The weight function (docs/spec.md#weights) at ratio ``r`` (float64), the token-level rejection rules
+    included unless ``token_rejection=False``.
 
     ``r`` is clamped to ``exp(+-max_log_ratio)`` before use (the spec's "clamp in log space first"); bounds are
     tested on the unclamped ratio.
@@ -51,10 +51,17 @@ def f(r: Tensor, corr: Correction, token_rejection: bool = True) -> Tensor:
     rc = r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
     inside = (r >= corr.lower) & (r <= corr.upper)
     out = reg.WEIGHT_MODES[corr.weights].reference(rc, inside, corr.lower, corr.upper)
-    rej = corr.kl_rejection
-    if token_rejection and rej is not None and not reg.KL_LEVELS[rej.level].per_sequence:
-        out = out * (kl(rc, rej.estimator) <= rej.threshold)
+    if token_rejection:
+        out = out * _token_keep(r, corr)
     return out
+
+
+def _token_keep(r: Tensor, corr: Correction) -> Tensor:
+    """``[N]`` bool: tokens every token-level rejection rule keeps (unclamped float64 ratios)."""
+    keep = torch.ones_like(r, dtype=torch.bool)
+    for rule in corr.token_rejection_rules():
+        keep = keep & reg.REJECTION_KINDS[rule.kind].token_keep_reference(r, rule, corr)
+    return keep
 
 
 def kl(r: Tensor, estimator: str) -> Tensor:
@@ -151,27 +158,25 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
         for idx in seqs:
             bounded[idx] = torch.exp(level.reference(torch.log(r[idx])))
             w[idx] = f(bounded[idx][:1], corr, token_rejection=False)[0]
-        rej = corr.kl_rejection
-        if rej is not None and not reg.KL_LEVELS[rej.level].per_sequence:
-            rc = r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
-            w = w * (kl(rc, rej.estimator) <= rej.threshold)
-    rej = corr.kl_rejection
-    token_rejected = torch.zeros(n, dtype=torch.bool)
-    if rej is not None and not reg.KL_LEVELS[rej.level].per_sequence:
-        rc = r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
-        token_rejected = mask & ~(kl(rc, rej.estimator) <= rej.threshold)
+        w = w * _token_keep(r, corr)
+    token_rejected = mask & ~_token_keep(r, corr)
     # A sampled token the trainer gives probability 0 gets weight exactly 0 (its loss w log p would be infinite).
     impossible = mask & (logp_y.detach() == -math.inf)
     w = torch.where(impossible, torch.zeros_like(w), w)
 
     # Sequence-level rejections: a sequence is dropped when any rule that applies says so.
-    rules = [rule for rule in reg.SEQUENCE_RULES.values() if rule.applies(corr)]
+    rules = {rule.name: (lambda idx, rule=rule: rule.reference(r[idx], r_p[idx], adv[idx], corr))
+             for rule in reg.SEQUENCE_RULES.values() if rule.applies(corr)}
+    for name, item in corr.rejection_rules:
+        kind = reg.REJECTION_KINDS[item.kind]
+        if kind.per_sequence(item):
+            rules[name] = lambda idx, kind=kind, item=item: kind.sequence_drop_reference(r[idx], item, corr)
     keep = torch.ones(n, dtype=torch.bool)
-    dropped_by = {rule.name: torch.zeros(n, dtype=torch.bool) for rule in rules}
+    dropped_by = {name: torch.zeros(n, dtype=torch.bool) for name in rules}
     for idx in seqs:
-        for rule in rules:
-            if rule.reference(r[idx], r_p[idx], adv[idx], corr):
-                dropped_by[rule.name][idx] = True
+        for name, drops in rules.items():
+            if drops(idx):
+                dropped_by[name][idx] = True
                 keep[idx] = False
     w = w * (mask & keep)
     scale = 1.0

@@ -105,3 +105,29 @@ def test_rejected_tokens_leave_the_normaliser_on_request():
 def test_bad_family_options(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         op.Correction(**kwargs)
+
+
+def test_chained_rules_each_with_its_own_threshold_and_level():
+    """verl-style chain: a token-level k1 band and a sequence-level k2 max. Sequence 0 holds a token with
+    log r = -0.7 (k1 = 0.7 > 0.5: that token alone is rejected, its k2 = 0.245 passes); sequence 1 a token with log r = 0.8 (k2 = 0.32 > 0.3:
+    the whole sequence is dropped); each rule's fraction is reported under its own key."""
+    lq = torch.full((6,), -1.5, dtype=torch.float64)
+    logp = lq + torch.tensor([-0.7, 0.1, 0.0, 0.8, 0.0, 0.2], dtype=torch.float64)
+    corr = op.Correction(rejections=(op.KLRejection((-0.5, 0.5), "k1", "token"),
+                                     op.KLRejection(0.3, "k2", "seq_max")))
+    out = op.policy_loss_from_logprobs(logp, lq, torch.ones(6, dtype=torch.float64), correction=corr,
+                                       seq_ids=torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert out.token_weight.tolist() == [0.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    assert float(out.metrics["rejected_frac/rule1"]) == pytest.approx(2 / 6)
+    assert "rejected_frac/rule0" not in out.metrics  # token-level rules are bounds folded into f
+
+
+def test_ratio_rejection_and_two_sided_k1_errors():
+    with pytest.raises(ValueError, match="RatioRejection needs"):
+        op.RatioRejection(2.0, 1.0)
+    with pytest.raises(ValueError, match="level must be one of"):
+        op.RatioRejection(0.5, 2.0, "seq_max")
+    with pytest.raises(ValueError, match=r"\(lo, hi\) with lo <= hi"):
+        op.KLRejection((0.3, -0.3), "k1")
+    with pytest.raises(TypeError, match="tuple of KLRejection / RatioRejection"):
+        op.Correction(rejections=(0.5,))

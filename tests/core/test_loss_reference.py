@@ -92,6 +92,9 @@ FAMILY = [
     # A token-level KL rejection under a sequence-level weight zeros the rejected tokens' own weights.
     op.Correction(weights="tis", level="sequence", bounds=3.0, kl_rejection=op.KLRejection(0.3, "k3", "token")),
     op.Correction(weights="mis", level="geometric", kl_rejection=op.KLRejection(0.2, "k1", "token")),
+    # Token-level rules fold into f, so score centering sees them exactly.
+    op.Correction(weights="mis", score_centering=True, rejections=(op.RatioRejection(0.7, 1.5),
+                                                                   op.KLRejection((-0.3, 0.3), "k1"))),
 ]
 
 
@@ -228,6 +231,16 @@ PEER_CASES = [
     op.Correction(weights="tis", kl_rejection=op.KLRejection(0.1, "k3", "token"), rejected_in_normalizer=False),
     op.Correction(weights="reject", bounds=(0.7, 1.4), rejected_in_normalizer=False, veto=0.1),
     op.Correction(weights="reject", level="geometric", bounds=(0.9, 1.1), rejected_in_normalizer=False),
+    # Importance weights and a rejection band at another level; chained rules with their own thresholds and levels;
+    # two-sided k1 bands.
+    op.Correction(weights="tis", bounds=2.0, rejections=(op.RatioRejection(0.8, 1.25, "geometric"),),
+                  rejected_in_normalizer=False),
+    op.Correction(rejections=(op.KLRejection(0.3, "k1", "token"), op.KLRejection(0.05, "k2", "seq_max")),
+                  rejected_in_normalizer=False),
+    op.Correction(weights="mis", level="sequence", bounds=(0.2, 5.0),
+                  rejections=(op.KLRejection((-0.2, 0.3), "k1", "token"), op.RatioRejection(0.5, 2.0, "sequence"))),
+    op.Correction(weights="tis", kl_rejection=op.KLRejection((-0.1, 0.1), "k1", "seq_mean"),
+                  rejections=(op.RatioRejection(0.6, 1.6),)),
 ]
 
 

@@ -145,6 +145,26 @@ def test_verl_rollout_rs(level):
     _check(out, _theirs(theirs, logp, "token-mean", mask))
 
 
+def test_verl_rollout_is_with_rollout_rs():
+    """rollout_is=token (threshold C) together with rollout_rs=geometric [L, U]: the IS weight min(rho, C) and the
+    rejection mask are separate (verl's separation of IS weights and rejection sampling); rejected sequences leave
+    the loss mask, numerator and denominator."""
+    logp, old, roll, mask, adv = _batch(12)
+    c_is, lo, hi = 1.5, 0.9, 1.1
+
+    def theirs(lp):
+        log_rho = old - roll
+        geo = torch.exp(_seq_sum(log_rho, mask) / mask.sum(1, keepdim=True)).expand(B, T)
+        w = torch.exp(log_rho).clamp(max=c_is)
+        return w * _ppo(torch.exp(lp - old), adv, 0.2, 0.2), (geo >= lo) & (geo <= hi)
+
+    corr = op.Correction(weights="tis", bounds=c_is, ppo_clip=(0.2, 0.2),
+                         rejections=(op.RatioRejection(lo, hi, "geometric"),), rejected_in_normalizer=False)
+    out = _ours(logp, old, roll, mask, adv, corr)
+    assert 0 < float(out[0].metrics["rejected_frac/rule0"]) < 1
+    _check(out, _theirs(theirs, logp, "token-mean", mask))
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_verl_bypass_ppo_and_loss_agg_mode(agg):
     """bypass_mode=True (pi_old := pi_rollout, no IS weight) with each loss_agg_mode."""

@@ -90,7 +90,7 @@ def test_correction_enumerates_the_registry():
         op.Correction(level="nope")
     assert {c.weights for c in every_config()} == set(reg.WEIGHT_MODES)
     corr = op.Correction(weights="mis", veto=0.1, opsm_delta=0.2, kl_rejection=op.KLRejection(1.0, "k2", "seq_max"))
-    assert corr.sequence_rules == ("veto", "kl", "opsm") and corr.needs_sequences
+    assert corr.sequence_rules == ("veto", "opsm", "kl") and corr.needs_sequences
     assert op.Correction(ppo_clip=(0.2, 0.2)).surrogate.name == "ppo"
 
 

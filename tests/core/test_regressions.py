@@ -119,6 +119,9 @@ METRIC_CASES = [
     (op.Correction(weights="tis", ppo_clip=(0.2, 0.3), ppo_ratio="gspo_token", dual_clip=3.0, veto=0.3), None),
     (op.Correction(weights="mis", cispo=(0.0, 2.0), batch_normalize="sequences", opsm_delta=0.1,
                    rejected_in_normalizer=False), "head"),
+    (op.Correction(weights="tis", rejections=(op.RatioRejection(0.5, 2.0, "geometric"),
+                                              op.KLRejection(0.3, "k2", "seq_max"), op.KLRejection(0.4, "k1"))),
+     "support"),
 ]
 
 

@@ -38,26 +38,58 @@ from offpolicy.corrections import registry as reg
 
 @dataclass(frozen=True)
 class KLRejection:
-    """Reject tokens or sequences whose KL estimate exceeds ``threshold``.
+    """Reject tokens or sequences whose KL estimate exceeds ``threshold`` (or, with ``threshold=(lo, hi)``, lies
+    outside ``[lo, hi]``: two-sided, meaningful for the signed ``k1``).
 
     ``estimator``: ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r`` (Schulman's estimators of
     KL(q||p) on tokens drawn from q). ``level``: per token, or the sum / mean / max over each sequence's trained
     tokens.
     """
 
-    threshold: float
+    threshold: float | tuple[float, float]
     estimator: str = "k3"
     level: str = "token"
+    kind = "kl"
 
     def __post_init__(self) -> None:
         if self.estimator not in reg.ESTIMATORS:
             raise ValueError(f"KLRejection.estimator must be one of {tuple(reg.ESTIMATORS)}, got {self.estimator!r}")
         if self.level not in reg.KL_LEVELS:
             raise ValueError(f"KLRejection.level must be one of {tuple(reg.KL_LEVELS)}, got {self.level!r}")
-        if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)):
+        if isinstance(self.threshold, list):
+            object.__setattr__(self, "threshold", tuple(self.threshold))
+        if isinstance(self.threshold, tuple):
+            if not (len(self.threshold) == 2 and all(_finite_number(t) for t in self.threshold)
+                    and self.threshold[0] <= self.threshold[1]):
+                raise ValueError(f"KLRejection.threshold must be a finite number or (lo, hi) with lo <= hi, got "
+                                 f"{self.threshold!r}")
+            return
+        if not _finite_number(self.threshold):
             raise ValueError(f"KLRejection.threshold must be a finite number, got {self.threshold!r}")
         if not reg.ESTIMATORS[self.estimator].signed and self.threshold < 0:
             raise ValueError(f"KLRejection.threshold must be >= 0 for {self.estimator}, got {self.threshold}")
+
+
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class RatioRejection:
+    """Reject tokens (``level="token"``) or whole sequences (``"sequence"``: ``prod_t r_t``; ``"geometric"``:
+    ``exp(mean_t log r_t)``) whose ratio lies outside ``[lower, upper]`` (inclusive), independently of the weight
+    mode's own bounds: importance weights and a rejection band at different bounds or levels at once."""
+
+    lower: float
+    upper: float
+    level: str = "token"
+    kind = "ratio"
+
+    def __post_init__(self) -> None:
+        if self.level not in reg.LEVELS:
+            raise ValueError(f"RatioRejection.level must be one of {tuple(reg.LEVELS)}, got {self.level!r}")
+        if not (_finite_number(self.lower) and _finite_number(self.upper) and 0 <= self.lower <= self.upper):
+            raise ValueError(f"RatioRejection needs 0 <= lower <= upper < inf, got ({self.lower!r}, {self.upper!r})")
 
 
 @dataclass(frozen=True)
@@ -83,6 +115,8 @@ class Correction:
         cispo: ``(lo, hi)`` absolute bounds of CISPO's stop-gradient coefficient ``clamp(u, lo, hi)`` (TRL:
             ``(0, epsilon_high)``; slime: ``(1 - eps_clip, 1 + eps_clip_high)``); excludes ``ppo_clip``.
         rejected_in_normalizer: keep rejected tokens in the aggregation's normaliser (default) or remove them.
+        rejections: more rejection rules, each a :class:`KLRejection` or :class:`RatioRejection` with its own
+            threshold and level, chained (a token or sequence is dropped if any rule drops it).
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation.
     """
 
@@ -102,6 +136,7 @@ class Correction:
     ppo_ratio: str = "token"
     cispo: tuple[float, float] | None = None
     rejected_in_normalizer: bool = True
+    rejections: tuple[KLRejection | RatioRejection, ...] = ()
     _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +171,12 @@ class Correction:
             raise ValueError(f"Correction.veto must be in (0, 1), got {self.veto!r}")
         if self.kl_rejection is not None and not isinstance(self.kl_rejection, KLRejection):
             raise TypeError("Correction.kl_rejection must be a KLRejection")
+        if isinstance(self.rejections, list):
+            object.__setattr__(self, "rejections", tuple(self.rejections))
+        if not (isinstance(self.rejections, tuple)
+                and all(isinstance(r, (KLRejection, RatioRejection)) for r in self.rejections)):
+            raise TypeError("Correction.rejections must be a tuple of KLRejection / RatioRejection items, got "
+                            f"{self.rejections!r}")
         if self.opsm_delta is not None and not (math.isfinite(self.opsm_delta) and self.opsm_delta >= 0):
             raise ValueError(f"Correction.opsm_delta must be a finite number >= 0, got {self.opsm_delta!r}")
         if self.ppo_clip is not None:
@@ -196,9 +237,22 @@ class Correction:
         return reg.LEVELS[self.level].per_sequence
 
     @property
+    def rejection_rules(self) -> tuple[tuple[str, KLRejection | RatioRejection], ...]:
+        """``(name, rule)`` of every KL / ratio rejection: ``"kl"`` for ``kl_rejection``, ``"rule{i}"`` for
+        ``rejections[i]``."""
+        head = (("kl", self.kl_rejection),) if self.kl_rejection is not None else ()
+        return head + tuple((f"rule{i}", r) for i, r in enumerate(self.rejections))
+
+    def token_rejection_rules(self) -> tuple[KLRejection | RatioRejection, ...]:
+        """The rejection rules that act on each token's own ratio (folded into ``f``)."""
+        return tuple(r for _, r in self.rejection_rules if not reg.REJECTION_KINDS[r.kind].per_sequence(r))
+
+    @property
     def sequence_rules(self) -> tuple[str, ...]:
-        """Names of the sequence rejection rules the correction switches on."""
-        return tuple(rule.name for rule in reg.SEQUENCE_RULES.values() if rule.applies(self))
+        """Names of the sequence rejection rules the correction switches on (registry rules, then the
+        sequence-level KL / ratio rejections)."""
+        own = tuple(rule.name for rule in reg.SEQUENCE_RULES.values() if rule.applies(self))
+        return own + tuple(n for n, r in self.rejection_rules if reg.REJECTION_KINDS[r.kind].per_sequence(r))
 
     @property
     def surrogate(self) -> reg.Surrogate:

@@ -236,18 +236,6 @@ class SequenceRule:
     source: str = ""
 
 
-def _seq_kl_fast(lr, lr_p, adv, seg, corr):
-    rej = corr.kl_rejection
-    k = ESTIMATORS[rej.estimator].fast(lr.clamp(-corr.max_log_ratio, corr.max_log_ratio))
-    return KL_LEVELS[rej.level].fast(k, seg) > rej.threshold
-
-
-def _seq_kl_reference(r, r_p, adv, corr):
-    rej = corr.kl_rejection
-    rc = r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
-    return bool(KL_LEVELS[rej.level].reference(ESTIMATORS[rej.estimator].reference(rc)) > rej.threshold)
-
-
 SEQUENCE_RULES: dict[str, SequenceRule] = {
     rule.name: rule
     for rule in (
@@ -259,13 +247,6 @@ SEQUENCE_RULES: dict[str, SequenceRule] = {
             source="Liu & Li, 'When speed kills stability' (catastrophic-token veto)",
         ),
         SequenceRule(
-            "kl",
-            applies=lambda corr: corr.kl_rejection is not None and KL_LEVELS[corr.kl_rejection.level].per_sequence,
-            fast=_seq_kl_fast,
-            reference=_seq_kl_reference,
-            source="Schulman's KL estimators k1/k2/k3 as a sequence filter",
-        ),
-        SequenceRule(
             "opsm",
             applies=lambda corr: corr.opsm_delta is not None,
             # Negative advantage and mean k1 of the *current* policy, mean_t (lq - log p) > delta (also under
@@ -273,6 +254,80 @@ SEQUENCE_RULES: dict[str, SequenceRule] = {
             fast=lambda lr, lr_p, adv, seg, corr: (seg.mean(adv) < 0) & (seg.mean(-lr_p) > corr.opsm_delta),
             reference=lambda r, r_p, adv, corr: bool(adv.mean() < 0 and (-torch.log(r_p)).mean() > corr.opsm_delta),
             source="DeepSeek-V3.2 arXiv 2512.02556 (off-policy sequence masking)",
+        ),
+    )
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rejection rules with their own band and level: KLRejection and RatioRejection items, docs/spec.md#kl-rejection
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RejectionKind:
+    """How one kind of user rejection rule (a ``KLRejection`` or ``RatioRejection`` item) acts.
+
+    A token-level rule is a bound on each token's ratio, folded into ``f`` (score centering sees it exactly); a
+    sequence-level rule drops whole sequences. ``band(rule) = (lo, hi)``: the statistic is kept iff it lies in it.
+
+    Attributes:
+        per_sequence: ``rule -> bool``.
+        token_keep: ``(log_r [N] unclamped, rule, corr) -> [N] bool``.
+        token_keep_reference: ``(r [N] float64 unclamped, rule, corr) -> [N] bool``.
+        sequence_drop: ``(log_r [N] unclamped, seg, rule, corr) -> [num] bool``.
+        sequence_drop_reference: ``(r of one sequence's trained tokens, rule, corr) -> bool``.
+    """
+
+    name: str
+    per_sequence: Callable
+    token_keep: Callable
+    token_keep_reference: Callable
+    sequence_drop: Callable
+    sequence_drop_reference: Callable
+
+
+def _kl_band(rule) -> tuple[float, float]:
+    return tuple(rule.threshold) if isinstance(rule.threshold, tuple) else (-math.inf, rule.threshold)
+
+
+def _in_band(x, band) -> Tensor:
+    return (x >= band[0]) & (x <= band[1])
+
+
+def _clamped(lr: Tensor, corr) -> Tensor:
+    return lr.clamp(-corr.max_log_ratio, corr.max_log_ratio)
+
+
+def _clamped_ratio(r: Tensor, corr) -> Tensor:
+    return r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
+
+
+REJECTION_KINDS: dict[str, RejectionKind] = {
+    k.name: k
+    for k in (
+        RejectionKind(
+            "kl",
+            per_sequence=lambda rule: KL_LEVELS[rule.level].per_sequence,
+            token_keep=lambda lr, rule, corr: _in_band(ESTIMATORS[rule.estimator].fast(_clamped(lr, corr)),
+                                                       _kl_band(rule)),
+            token_keep_reference=lambda r, rule, corr: _in_band(
+                ESTIMATORS[rule.estimator].reference(_clamped_ratio(r, corr)), _kl_band(rule)),
+            sequence_drop=lambda lr, seg, rule, corr: ~_in_band(
+                KL_LEVELS[rule.level].fast(ESTIMATORS[rule.estimator].fast(_clamped(lr, corr)), seg), _kl_band(rule)),
+            sequence_drop_reference=lambda r, rule, corr: not bool(_in_band(
+                KL_LEVELS[rule.level].reference(ESTIMATORS[rule.estimator].reference(_clamped_ratio(r, corr))),
+                _kl_band(rule))),
+        ),
+        RejectionKind(
+            "ratio",
+            per_sequence=lambda rule: LEVELS[rule.level].per_sequence,
+            token_keep=lambda lr, rule, corr: _in_band(lr, (log_bound(rule.lower), log_bound(rule.upper))),
+            token_keep_reference=lambda r, rule, corr: _in_band(r, (rule.lower, rule.upper)),
+            sequence_drop=lambda lr, seg, rule, corr: ~_in_band(LEVELS[rule.level].fast(lr, seg),
+                                                                (log_bound(rule.lower), log_bound(rule.upper))),
+            sequence_drop_reference=lambda r, rule, corr: not bool(_in_band(
+                torch.exp(LEVELS[rule.level].reference(torch.log(r))), (rule.lower, rule.upper))),
         ),
     )
 }

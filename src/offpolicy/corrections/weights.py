@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from offpolicy.corrections.correction import Correction
-from offpolicy.corrections.registry import ESTIMATORS, KL_LEVELS, LEVELS, SEQUENCE_RULES, WEIGHT_MODES, log_bound
+from offpolicy.corrections.registry import (ESTIMATORS, LEVELS, REJECTION_KINDS, SEQUENCE_RULES, WEIGHT_MODES,
+                                            log_bound)
 from offpolicy.loss.segments import Segments
 
 
@@ -28,17 +29,27 @@ def inside_bounds(log_r: Tensor, corr: Correction) -> Tensor:
 
 
 def weight_function(log_r: Tensor, corr: Correction, token_rejection: bool = True) -> Tensor:
-    """``f(r)`` of the correction's weight mode at ``r = exp(log_r)``, with a token-level KL rejection folded in
-    (unless ``token_rejection=False``).
+    """``f(r)`` of the correction's weight mode at ``r = exp(log_r)``, with the token-level rejection rules
+    (``kl_rejection``, ``rejections``) folded in (unless ``token_rejection=False``).
 
     ``log_r`` may hold ``+-inf`` (a ratio of 0 or infinity); the result is finite. Same dtype as ``log_r``.
     """
     lr = log_r.clamp(-corr.max_log_ratio, corr.max_log_ratio)
     f = WEIGHT_MODES[corr.weights].fast(lr, inside_bounds(log_r, corr), corr.lower, corr.upper)
-    rej = corr.kl_rejection
-    if token_rejection and rej is not None and not KL_LEVELS[rej.level].per_sequence:
-        f = torch.where(ESTIMATORS[rej.estimator].fast(lr) <= rej.threshold, f, torch.zeros_like(f))
+    if token_rejection:
+        keep = _token_keep(log_r, corr)
+        if keep is not None:
+            f = torch.where(keep, f, torch.zeros_like(f))
     return f
+
+
+def _token_keep(log_r: Tensor, corr: Correction) -> Tensor | None:
+    """``[N]`` bool: tokens every token-level rejection rule keeps, or None without such rules."""
+    keep = None
+    for rule in corr.token_rejection_rules():
+        k = REJECTION_KINDS[rule.kind].token_keep(log_r, rule, corr)
+        keep = k if keep is None else keep & k
+    return keep
 
 
 def bounded_log_ratio(log_r: Tensor, seg: Segments | None, corr: Correction) -> Tensor:
@@ -49,26 +60,21 @@ def bounded_log_ratio(log_r: Tensor, seg: Segments | None, corr: Correction) -> 
 
 
 def token_weight(log_r: Tensor, seg: Segments | None, corr: Correction) -> Tensor:
-    """``[N]`` ``w = f(r)`` at the ratio of the correction's level. A token-level KL rejection folds into ``f``
-    at the token level; at the sequence levels it zeros the rejected tokens' weights (it is a bound on each token's
-    own ratio, not on the sequence's)."""
+    """``[N]`` ``w = f(r)`` at the ratio of the correction's level. Token-level rejection rules fold into ``f``
+    at the token level; at the sequence levels they zero the rejected tokens' weights (they bound each token's
+    own ratio, not the sequence's)."""
     level = LEVELS[corr.level]
     if not level.per_sequence:
         return weight_function(log_r, corr)
     w = seg.broadcast(weight_function(level.fast(log_r, seg), corr, token_rejection=False))
-    rej = corr.kl_rejection
-    if rej is not None and not KL_LEVELS[rej.level].per_sequence:
-        k = ESTIMATORS[rej.estimator].fast(log_r.clamp(-corr.max_log_ratio, corr.max_log_ratio))
-        w = torch.where(k <= rej.threshold, w, torch.zeros_like(w))
-    return w
+    keep = _token_keep(log_r, corr)
+    return w if keep is None else torch.where(keep, w, torch.zeros_like(w))
 
 
 def token_rejected(log_r: Tensor, corr: Correction) -> Tensor | None:
-    """``[N]`` bool: tokens a token-level KL rejection rejects (their weight is 0), or None without one."""
-    rej = corr.kl_rejection
-    if rej is None or KL_LEVELS[rej.level].per_sequence:
-        return None
-    return ~(ESTIMATORS[rej.estimator].fast(log_r.clamp(-corr.max_log_ratio, corr.max_log_ratio)) <= rej.threshold)
+    """``[N]`` bool: tokens a token-level rejection rule rejects (their weight is 0), or None without one."""
+    keep = _token_keep(log_r, corr)
+    return None if keep is None else ~keep
 
 
 def sequence_drops(
@@ -81,7 +87,12 @@ def sequence_drops(
     ``log_r``: the ratio the weights act on; ``log_p_ratio``: the current policy's ``log p - lq``.
     """
     rules = [rule for rule in SEQUENCE_RULES.values() if rule.applies(corr)]
-    return {rule.name: seg.broadcast(rule.fast(log_r, log_p_ratio, advantages, seg, corr)) for rule in rules}
+    drops = {rule.name: seg.broadcast(rule.fast(log_r, log_p_ratio, advantages, seg, corr)) for rule in rules}
+    for name, rule in corr.rejection_rules:
+        kind = REJECTION_KINDS[rule.kind]
+        if kind.per_sequence(rule):
+            drops[name] = seg.broadcast(kind.sequence_drop(log_r, seg, rule, corr))
+    return drops
 
 
 def sequence_keep(drops: dict[str, Tensor]) -> Tensor | None:

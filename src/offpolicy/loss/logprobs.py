@@ -25,7 +25,7 @@ from offpolicy.loss.aggregation import aggregate
 from offpolicy.records.candidates import Candidates
 from offpolicy.loss.centering import Centering, centering_coefficients
 from offpolicy.corrections.correction import Correction
-from offpolicy.loss.metrics import policy_metrics
+from offpolicy.loss.metrics import TokenView, policy_metrics, token_view
 from offpolicy.loss.segments import Segments
 from offpolicy.loss.inputs import Aggregation, TokenData
 from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_vector
@@ -45,6 +45,9 @@ class PolicyLossOutput:
         token_weight: ``[N]`` detached importance weight ``w_t`` of each sampled token.
         log_ratio: ``[N]`` detached ``log p(y_t) - lq_t``.
         logprobs: ``[N]`` detached trainer log-probability ``log p(y_t)`` (support-normalised under replay).
+        token_view: the detached per-token inputs of the metrics (:class:`~offpolicy.loss.metrics.TokenView`:
+            clamped log-ratios, the ratio the bounds act on, weights, ...), for callers that reduce the metrics
+            over their own buckets with :func:`~offpolicy.loss.metrics.token_stats`.
     """
 
     loss: Tensor
@@ -53,6 +56,7 @@ class PolicyLossOutput:
     token_weight: Tensor | None = None
     log_ratio: Tensor | None = None
     logprobs: Tensor | None = None
+    token_view: TokenView | None = None
 
 
 def policy_loss_from_logprobs(
@@ -163,17 +167,17 @@ def loss_from_logprobs(
     loss = aggregate(token_loss, counted, agg.name, seg_counted, agg.num_loss_tokens, agg.num_sequences,
                      agg.constant_normalizer, cp_group)
     # 7. Metrics.
+    view = token_view(log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, corr), impossible=impossible,
+                      weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, corr=corr)
     metrics = policy_metrics(
-        log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, corr), impossible=impossible,
-        weight_ratio=log_w, logprobs=logp_y.detach(), sampler_logprobs=lq, drops=drops,
-        weight=w, active=active, entropy=zero if entropy is None else entropy, corr=corr,
+        view=view, drops=drops, active=active, entropy=zero if entropy is None else entropy, corr=corr,
         kept=kept, centering=centering, cand_valid=(candidates.ids >= 0) if candidates is not None else None,
         seg=seg.local() if seg is not None else None, groups=data.groups,
         versions=data.versions, current_version=data.current_version,
     )
     if entropy is None:
         del metrics["entropy"]
-    return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach())
+    return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach(), view)
 
 
 def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, corr: Correction,

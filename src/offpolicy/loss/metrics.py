@@ -134,16 +134,28 @@ def _extreme(lr: Tensor) -> Tensor:
     return (lr < math.log(EXTREME_RATIO[0])) | (lr > math.log(EXTREME_RATIO[1]))
 
 
+def token_view(*, log_ratio: Tensor, bounded_log_ratio: Tensor, impossible: Tensor, weight_ratio: Tensor,
+               logprobs: Tensor, sampler_logprobs: Tensor, weight: Tensor, corr: Correction) -> TokenView:
+    """The :class:`TokenView` of a batch, detached.
+
+    Args:
+        log_ratio: ``[N]`` ``log p(y) - lq`` (may hold ``+-inf``, clamped here to ``+-max_log_ratio``).
+        bounded_log_ratio: ``[N]`` log of the ratio the bounds act on (token, sequence or geometric; ``pi_prox /
+            q`` under decoupled PPO).
+        impossible: ``[N]`` bool, sampled tokens the trainer gives probability 0.
+        weight_ratio: ``[N]`` unclamped log of the token ratio the weights act on.
+        logprobs, sampler_logprobs: ``[N]`` ``log p(y)`` and ``lq``.
+        weight: ``[N]`` final token weights (after rejection and batch normalisation).
+    """
+    lr = log_ratio.detach().clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    return TokenView(lr, weight_ratio.detach(), bounded_log_ratio.detach(), impossible, weight.detach(),
+                     logprobs.detach(), sampler_logprobs.detach().to(lr.dtype))
+
+
 def policy_metrics(
     *,
-    log_ratio: Tensor,
-    bounded_log_ratio: Tensor,
-    impossible: Tensor,
-    weight_ratio: Tensor,
-    logprobs: Tensor,
-    sampler_logprobs: Tensor,
+    view: TokenView,
     drops: dict[str, Tensor],
-    weight: Tensor,
     active: Tensor,
     entropy: Tensor,
     corr: Correction,
@@ -158,14 +170,8 @@ def policy_metrics(
     """All metrics of the module docstring.
 
     Args:
-        log_ratio: ``[N]`` ``log p(y) - lq`` (detached; may hold ``+-inf``, clamped here to ``+-max_log_ratio``).
-        bounded_log_ratio: ``[N]`` log of the ratio the bounds act on (token, sequence or geometric; ``pi_prox /
-            q`` under decoupled PPO).
-        impossible: ``[N]`` bool, sampled tokens the trainer gives probability 0.
-        weight_ratio: ``[N]`` unclamped log of the token ratio the weights act on.
-        logprobs, sampler_logprobs: ``[N]`` ``log p(y)`` and ``lq``.
+        view: the batch's :class:`TokenView` (see :func:`token_view`).
         drops: ``{rule: [N] bool}`` tokens each sequence rule drops.
-        weight: ``[N]`` final token weights (after rejection and batch normalisation).
         active: ``[N]`` bool trained tokens.
         entropy: ``[N]`` entropy of the trainer's (full or support) distribution.
         kept: ``[N]`` bool, tokens not dropped by a sequence-level rejection (None: all kept).
@@ -175,10 +181,7 @@ def policy_metrics(
         groups, versions: ``[N]`` int sampler group and policy version of each token, or None.
         current_version: the trainer's version for staleness; default ``versions.max()``.
     """
-    lr = log_ratio.detach().clamp(-corr.max_log_ratio, corr.max_log_ratio)
-    view = TokenView(lr, weight_ratio.detach(), bounded_log_ratio.detach(), impossible, weight.detach(),
-                     logprobs.detach(), sampler_logprobs.detach().to(lr.dtype))
-    w = view.w
+    lr, w = view.lr, view.w
     out = token_stats(view, active, corr)
     if seg is not None:
         out.update(_sequence_stats(lr, seg, corr))
