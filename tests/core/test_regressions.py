@@ -79,6 +79,11 @@ def test_sampled_token_with_trainer_probability_zero(corr, sc, kind):
     assert abs(out.loss.item() - ref.item()) <= 1e-10 * max(1.0, abs(ref.item()))
     torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-9, atol=1e-11)
     assert math.isclose(float(out.metrics["zero_prob_frac"]), 1 / 6)
+    ref_m = reference_metrics(z, y, lq, adv, cands, correction=corr)
+    assert set(ref_m) == set(out.metrics)
+    for key, val in ref_m.items():  # perplexities leave the impossible token out; every value stays finite
+        assert math.isfinite(float(out.metrics[key])), key
+        assert math.isclose(float(out.metrics[key]), val, rel_tol=1e-10, abs_tol=1e-12), key
 
 
 def test_score_centering_without_candidates_names_them():
