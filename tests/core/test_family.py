@@ -109,8 +109,8 @@ def test_bad_family_options(kwargs, match):
 
 def test_chained_rules_each_with_its_own_threshold_and_level():
     """verl-style chain: a token-level k1 band and a sequence-level k2 max. Sequence 0 holds a token with
-    log r = -0.7 (k1 = 0.7 > 0.5: that token alone is rejected, its k2 = 0.245 passes); sequence 1 a token with log r = 0.8 (k2 = 0.32 > 0.3:
-    the whole sequence is dropped); each rule's fraction is reported under its own key."""
+    log r = -0.7 (k1 = 0.7 > 0.5: that token alone is rejected, its k2 = 0.245 passes); sequence 1 a token with
+    log r = 0.8 (k2 = 0.32 > 0.3: the whole sequence is dropped); each rule's fraction has its own key."""
     lq = torch.full((6,), -1.5, dtype=torch.float64)
     logp = lq + torch.tensor([-0.7, 0.1, 0.0, 0.8, 0.0, 0.2], dtype=torch.float64)
     corr = op.Correction(rejections=(op.KLRejection((-0.5, 0.5), "k1", "token"),

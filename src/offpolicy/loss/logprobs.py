@@ -2,9 +2,9 @@
 
 Everything of docs/spec.md (#weights to #metrics) that follows the log-softmax, in ``O(N K)`` plain torch:
 importance weights (token, sequence, geometric), rejections, batch normalisation, decoupled PPO, score centering,
-aggregation and metrics. :func:`offpolicy.policy_loss` computes the log-probabilities from logits (or hidden states) with the
-sparse log-softmax primitive and lands here; trainers that already compute per-token log-probabilities with
-their own kernels (verl, TRL, OpenRLHF style) call this entry point directly.
+aggregation and metrics. :func:`offpolicy.policy_loss` computes the log-probabilities from logits (or hidden
+states) with the sparse log-softmax primitive and lands here; trainers that already compute per-token
+log-probabilities with their own kernels (verl, TRL, OpenRLHF style) call this entry point directly.
 
 Per-token loss (docs/spec.md#score-centering), ``sg`` = stop-gradient:
 
