@@ -5,7 +5,7 @@
 The loss below is written the way RL frameworks write theirs (slime / verl style): it never sees logits, only
 per-token log-probabilities ``[B, T]`` the trainer computed, the rollout engine's log-probabilities, advantages
 and, for score centering, the rollout's top-p support with its log-probabilities ``[B, T, K]``; it returns
-per-token losses that the framework aggregates elsewhere. It implements the seed's recipe, MIS + score centering
+per-token losses that the framework aggregates elsewhere. It implements the mixed-fleet study's recipe (docs/spec.md#sources), MIS + score centering
 + top-p mask replay, and has a switch for a classic mistake: centering with the sampler's probabilities ``q(v)``
 instead of ``q(v) f(p(v) / q(v))`` (the "unweighted" variant, which drifts as soon as MIS masks anything).
 

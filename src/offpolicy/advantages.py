@@ -1,4 +1,4 @@
-"""Advantage estimators over groups of samples of the same prompt (SPEC section 5).
+"""Advantage estimators over groups of samples of the same prompt (docs/spec.md#family).
 
 All take ``rewards [B]`` and ``group_ids [B]`` (the prompt each sample answers; any integers) and return
 ``[B]`` fp32 advantages. :func:`per_token` broadcasts them onto a flat token batch.

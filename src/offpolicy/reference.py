@@ -1,8 +1,10 @@
-"""The float64 oracle: SPEC sections 2-6 written literally, for reading and for tests.
+"""The float64 oracle: docs/spec.md (#weights to #metrics) written literally, for reading and for tests.
 
 Nothing here is fast, chunked or fused, and nothing here imports the fast path: it materialises the full
-``[N, V]`` log-softmax in float64, loops over sequences in Python and spells each formula as the SPEC does.
-Gradients come from autograd through it. Use it on small inputs.
+``[N, V]`` log-softmax in float64, loops over sequences and tokens in Python and spells each formula as the spec
+does. Each correction's own formula is the ``reference`` function of its entry in
+:mod:`offpolicy.corrections.registry` (the fast path uses the same entry's ``fast`` function); this module
+enumerates those entries. Gradients come from autograd through it. Use it on small inputs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.records.candidates import Candidates
+from offpolicy.corrections import registry as reg
 from offpolicy.corrections.correction import Correction
 
 TAIL_EPS = 1e-6
@@ -37,41 +40,33 @@ def support_mask(candidates: Candidates, vocab: int) -> Tensor:
     return mask.scatter(1, ids, True)[:, :vocab]
 
 
-def f(r: Tensor, corr: Correction) -> Tensor:
-    """The weight function of SPEC section 2 at ratio ``r`` (float64), token-level KL rejection included.
+def f(r: Tensor, corr: Correction, token_rejection: bool = True) -> Tensor:
+    """The weight function (docs/spec.md#weights) at ratio ``r`` (float64), the token-level rejection rules
+    included unless ``token_rejection=False``.
 
-    ``r`` is clamped to ``exp(+-max_log_ratio)`` before use (the SPEC's "clamp in log space first"); bounds are
+    ``r`` is clamped to ``exp(+-max_log_ratio)`` before use (the spec's "clamp in log space first"); bounds are
     tested on the unclamped ratio.
     """
     r = r.double()
-    lo_r, hi_r = math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio)
-    rc = r.clamp(lo_r, hi_r)
+    rc = r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
     inside = (r >= corr.lower) & (r <= corr.upper)
-    if corr.weights == "none":
-        out = torch.ones_like(r)
-    elif corr.weights == "tis":
-        out = torch.minimum(torch.maximum(rc, torch.full_like(rc, corr.lower)), torch.full_like(rc, corr.upper))
-    elif corr.weights == "mis":
-        out = rc * inside
-    else:
-        out = inside.double()
-    rej = corr.kl_rejection
-    if rej is not None and rej.level == "token":
-        out = out * (kl(rc, rej.estimator) <= rej.threshold)
+    out = reg.WEIGHT_MODES[corr.weights].reference(rc, inside, corr.lower, corr.upper)
+    if token_rejection:
+        out = out * _token_keep(r, corr)
     return out
+
+
+def _token_keep(r: Tensor, corr: Correction) -> Tensor:
+    """``[N]`` bool: tokens every token-level rejection rule keeps (unclamped float64 ratios)."""
+    keep = torch.ones_like(r, dtype=torch.bool)
+    for rule in corr.token_rejection_rules():
+        keep = keep & reg.REJECTION_KINDS[rule.kind].token_keep_reference(r, rule, corr)
+    return keep
 
 
 def kl(r: Tensor, estimator: str) -> Tensor:
     """Schulman's k1 / k2 / k3 of KL(q||p) at ratio ``r = p / q``."""
-    if estimator == "k1":
-        return -torch.log(r)
-    if estimator == "k2":
-        return 0.5 * torch.log(r) ** 2
-    return r - 1 - torch.log(r)
-
-
-def token_ratio(logp_y: Tensor, lq: Tensor) -> Tensor:
-    return torch.exp(logp_y.detach() - lq.double())
+    return reg.ESTIMATORS[estimator].reference(r)
 
 
 def reference_policy_loss(
@@ -94,6 +89,51 @@ def reference_policy_loss(
     """Literal float64 policy loss. Returns ``(loss, token_loss [N], weight [N])``; ``loss`` is differentiable
     with respect to ``logits`` (pass float64 logits with ``requires_grad`` for gradients)."""
     corr = correction
+    st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
+                proximal_logprobs)
+    n, lp, logp_y, adv, mask, keep, w = st["n"], st["lp"], st["logp_y"], st["adv"], st["mask"], st["keep"], st["w"]
+    surrogate = corr.surrogate
+    if corr.score_centering and candidates is None:
+        raise ValueError("score centering needs candidates")
+    s = None
+    if surrogate.reference is not None:
+        s = surrogate.reference(logp_y, proximal_logprobs.double(), adv, st["seqs"], corr)
+    token_loss = torch.zeros(n, dtype=torch.float64)
+    for t in range(n):
+        if not (mask[t] and keep[t]) or adv[t] == 0:
+            continue
+        if s is not None:
+            if w[t] != 0:
+                token_loss[t] = -w[t] * s[t]
+            continue
+        term = w[t] * logp_y[t] if w[t] != 0 else torch.zeros((), dtype=torch.float64)
+        if corr.score_centering:
+            c, ids = _centering(lp[t], candidates, t, st["is_support"], corr)
+            for cv, v in zip(c, ids):
+                # A candidate the trainer gives probability 0 contributes exactly 0 (its score is undefined).
+                if cv != 0 and lp[t, v] > -math.inf:
+                    term = term - st["scale"] * cv * lp[t, v]
+        token_loss[t] = -adv[t] * term
+    counted, seqs = mask, st["seqs"]
+    if not corr.rejected_in_normalizer:
+        # Rejected tokens (sequence rules, token-level KL rejection) leave the normaliser.
+        counted = mask & keep & ~st["token_rejected"]
+        if reg.WEIGHT_MODES[corr.weights].rejects:
+            # A ratio outside the band is a rejection for this mode: the token leaves the normaliser too.
+            b = st["bounded"]
+            counted = counted & (b >= corr.lower) & (b <= corr.upper)
+        seqs = [idx[counted[idx]] for idx in seqs if bool(counted[idx].any())]
+    loss = _aggregate(token_loss, counted, aggregation, seqs, num_loss_tokens, num_sequences, constant_normalizer)
+    # Keep the loss attached to the logits even when every token is masked (its gradient is then zero).
+    x = logits.double()
+    loss = loss + torch.where(torch.isfinite(x), x, torch.zeros_like(x)).sum() * 0
+    return loss, token_loss.detach(), w.detach()
+
+
+def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
+           proximal_logprobs) -> dict:
+    """Everything before the surrogate, token by token and sequence by sequence: log-probabilities, ratios, the
+    ratio the bounds act on, weights, kept sequences, the normalisation scale."""
     n, vocab = logits.shape
     mask = torch.ones(n, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
     is_support = candidates is not None and candidates.kind == "support"
@@ -102,71 +142,62 @@ def reference_policy_loss(
     lq = sampler_logprobs.double()
     adv = advantages.double()
 
+    # r: the ratio the weights act on (pi_prox / q under decoupled PPO, else p / q); r_p: always p / q.
     base = proximal_logprobs.double() if proximal_logprobs is not None else logp_y.detach()
-    r = torch.exp(base - lq)
-    r = torch.where(mask, r, torch.ones_like(r))
+    r = torch.where(mask, torch.exp(base - lq), torch.ones_like(lq))
+    r_p = torch.where(mask, torch.exp(logp_y.detach() - lq), torch.ones_like(lq))
     seqs = _sequences(seq_ids, mask) if seq_ids is not None else []
 
-    # Importance weight w_t.
-    if corr.level == "token":
+    # Importance weight w_t at the correction's level (a token-level KL rejection masks the token's own ratio).
+    level = reg.LEVELS[corr.level]
+    bounded = r.clone()
+    if not level.per_sequence:
         w = f(r, corr)
     else:
         w = torch.zeros(n, dtype=torch.float64)
-        token_only = _drop_token_rejection(corr)
         for idx in seqs:
-            log_rho = torch.log(r[idx]).sum() if corr.level == "sequence" else torch.log(r[idx]).mean()
-            w[idx] = f(torch.exp(log_rho)[None], token_only)[0]
+            bounded[idx] = torch.exp(level.reference(torch.log(r[idx])))
+            w[idx] = f(bounded[idx][:1], corr, token_rejection=False)[0]
+        w = w * _token_keep(r, corr)
+    token_rejected = mask & ~_token_keep(r, corr)
+    # A sampled token the trainer gives probability 0 gets weight exactly 0 (its loss w log p would be infinite).
+    impossible = mask & (logp_y.detach() == -math.inf)
+    w = torch.where(impossible, torch.zeros_like(w), w)
 
-    # Sequence-level rejections.
+    # Sequence-level rejections: a sequence is dropped when any rule that applies says so.
+    rules = {rule.name: (lambda idx, rule=rule: rule.reference(r[idx], r_p[idx], adv[idx], corr))
+             for rule in reg.SEQUENCE_RULES.values() if rule.applies(corr)}
+    for name, item in corr.rejection_rules:
+        kind = reg.REJECTION_KINDS[item.kind]
+        if kind.per_sequence(item):
+            rules[name] = lambda idx, kind=kind, item=item: kind.sequence_drop_reference(r[idx], item, corr)
     keep = torch.ones(n, dtype=torch.bool)
+    dropped_by = {name: torch.zeros(n, dtype=torch.bool) for name in rules}
     for idx in seqs:
-        drop = False
-        rr = r[idx].clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
-        if corr.veto is not None and bool((r[idx] < corr.veto).any()):
-            drop = True
-        rej = corr.kl_rejection
-        if rej is not None and rej.level != "token":
-            k = kl(rr, rej.estimator)
-            stat = {"seq_sum": k.sum(), "seq_mean": k.mean(), "seq_max": k.max()}[rej.level]
-            drop = drop or bool(stat > rej.threshold)
-        if corr.opsm_delta is not None:
-            drop = drop or bool(adv[idx].mean() < 0 and (-torch.log(r[idx])).mean() > corr.opsm_delta)
-        if drop:
-            keep[idx] = False
+        for name, drops in rules.items():
+            if drops(idx):
+                dropped_by[name][idx] = True
+                keep[idx] = False
     w = w * (mask & keep)
     scale = 1.0
-    if corr.batch_normalize:
-        sel = mask & keep
-        mean_w = w[sel].mean() if bool(sel.any()) else torch.tensor(0.0, dtype=torch.float64)
+    norm = reg.normalisation_of(corr)
+    if norm is not None:
+        mean_w = norm.reference(w, mask & keep, seqs)
         scale = 1.0 / mean_w if mean_w > 0 else 1.0
         w = w * scale
-
-    token_loss = torch.zeros(n, dtype=torch.float64)
-    for t in range(n):
-        if not (mask[t] and keep[t]) or adv[t] == 0:
-            continue
-        if corr.ppo_clip is not None:
-            u = torch.exp((logp_y[t] - proximal_logprobs[t].double()).clamp(-corr.max_log_ratio, corr.max_log_ratio))
-            lo, hi = corr.ppo_clip
-            surrogate = torch.minimum(u * adv[t], u.clamp(1 - lo, 1 + hi) * adv[t])
-            token_loss[t] = -w[t] * surrogate
-            continue
-        term = w[t] * logp_y[t] if w[t] != 0 else torch.zeros((), dtype=torch.float64)
-        if corr.score_centering and candidates is not None:
-            c, ids = _centering(lp[t], candidates, t, is_support, corr)
-            for cv, v in zip(c, ids):
-                if cv != 0:
-                    term = term - scale * cv * lp[t, v]
-        token_loss[t] = -adv[t] * term
-    loss = _aggregate(token_loss, mask, aggregation, seqs, num_loss_tokens, num_sequences, constant_normalizer)
-    # Keep the loss attached to the logits even when every token is masked (its gradient is then zero).
-    x = logits.double()
-    loss = loss + torch.where(torch.isfinite(x), x, torch.zeros_like(x)).sum() * 0
-    return loss, token_loss.detach(), w.detach()
+    return dict(n=n, lp=lp, logp_y=logp_y, lq=lq, adv=adv, mask=mask, keep=keep, w=w, scale=scale, seqs=seqs,
+                r_p=r_p, r=r, bounded=bounded, impossible=impossible, is_support=is_support,
+                token_rejected=token_rejected, dropped_by=dropped_by)
 
 
 def _centering(lp_row: Tensor, cands: Candidates, t: int, is_support: bool, corr: Correction):
-    """SPEC section 3 for one row: ``c(v) = q f(p/q) - alpha p`` over the recorded ids."""
+    """docs/spec.md#score-centering for one row: ``c(v) = q f(p/q) - alpha p`` over the recorded ids."""
+    c, ids, _ = _centering_row(lp_row, cands, t, is_support, corr)
+    return c, ids
+
+
+def _centering_row(lp_row: Tensor, cands: Candidates, t: int, is_support: bool, corr: Correction):
+    """``(c(v) list, ids list, (P_H, Q_H, rho))`` for row ``t``."""
     valid = cands.ids[t] >= 0
     ids = cands.ids[t][valid].long()
     p = torch.exp(lp_row.detach()[ids])
@@ -174,19 +205,12 @@ def _centering(lp_row: Tensor, cands: Candidates, t: int, is_support: bool, corr
     with torch.no_grad():
         m = torch.where(q > 0, q * f(p / torch.where(q > 0, q, torch.ones_like(q)), corr), torch.zeros_like(q))
         if is_support:
+            rho = 1.0
             alpha = f(torch.ones(1, dtype=torch.float64), corr)[0]
         else:
             rho = max(1 - float(q.sum()), TAIL_EPS) / max(1 - float(p.sum()), TAIL_EPS)
             alpha = rho * f(torch.tensor([1 / rho], dtype=torch.float64), corr)[0]
-    return (m - alpha * p).tolist(), ids.tolist()
-
-
-def _drop_token_rejection(corr: Correction) -> Correction:
-    from dataclasses import replace
-
-    if corr.kl_rejection is not None and corr.kl_rejection.level == "token":
-        return replace(corr, kl_rejection=None)
-    return corr
+    return (m - alpha * p).tolist(), ids.tolist(), (float(p.sum()), float(q.sum()), rho)
 
 
 def _sequences(seq_ids: Tensor, mask: Tensor) -> list[Tensor]:
@@ -211,21 +235,143 @@ def _aggregate(token_loss, mask, aggregation, seqs, num_loss_tokens, num_sequenc
 
 
 def reference_metrics(
-    logp_y: Tensor, sampler_logprobs: Tensor, weight: Tensor, loss_mask: Tensor, corr: Correction
+    logits: Tensor,
+    tokens: Tensor,
+    sampler_logprobs: Tensor,
+    advantages: Tensor,
+    candidates: Candidates | None = None,
+    loss_mask: Tensor | None = None,
+    temperature: float | Tensor = 1.0,
+    correction: Correction = Correction(),
+    seq_ids: Tensor | None = None,
+    *,
+    proximal_logprobs: Tensor | None = None,
+    groups: Tensor | None = None,
+    versions: Tensor | None = None,
+    current_version: int | None = None,
 ) -> dict[str, float]:
-    """SPEC section 6 mismatch and weight metrics over the trained tokens, literally."""
-    sel = loss_mask.bool()
-    log_r = (logp_y.double() - sampler_logprobs.double())[sel].clamp(-corr.max_log_ratio, corr.max_log_ratio)
-    r = torch.exp(log_r)
-    w = weight.double()[sel]
-    n = max(int(sel.sum()), 1)
+    """Every key of docs/spec.md#metrics (those of ``policy_loss``'s ``out.metrics``, entropy included), literally,
+    token by token in float64; same arguments as :func:`reference_policy_loss` plus the metric-only ones."""
+    corr = correction
+    st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
+                proximal_logprobs)
+    mask, n = st["mask"], st["n"]
+    lp = st["lp"].detach()
+    ent = -torch.where(lp > -math.inf, lp.exp() * lp, torch.zeros_like(lp)).sum(1)
+    seq_of = seq_ids if seq_ids is not None else None
+    out = _token_metrics(st, mask, corr)
+    out["entropy"] = _mean([float(ent[t]) for t in range(n) if mask[t]])
+    out["rejected_frac"] = _mean([float(not st["keep"][t]) for t in range(n) if mask[t]])
+    if seq_ids is not None:
+        out.update(_sequence_metrics(st, corr))
+        for name, dropped in st["dropped_by"].items():
+            out[f"rejected_frac/{name}"] = _mean([float(dropped[t]) for t in range(n) if mask[t]])
+    if candidates is not None:
+        valid = candidates.ids >= 0
+        out["support_size"] = _mean([float(valid[t].sum()) for t in range(n) if mask[t]])
+    if corr.score_centering:
+        rows = [(_centering_row(lp[t], candidates, t, st["is_support"], corr)) for t in range(n) if mask[t]]
+        out["sc_p_head"] = _mean([d[0] for _, _, d in rows])
+        out["sc_q_head"] = _mean([d[1] for _, _, d in rows])
+        out["sc_rho"] = _mean([d[2] for _, _, d in rows])
+        out["sc_abs_coef_sum"] = _mean([sum(abs(x) for x in c) for c, _, _ in rows])
+    splits = []
+    if groups is not None:
+        splits.append(("group", groups))
+    if versions is not None and bool(mask.any()):
+        now = int(versions[mask].max()) if current_version is None else current_version
+        splits.append(("staleness", now - versions))
+    for name, key in splits:
+        n_active = max(int(mask.sum()), 1)
+        extreme = [t for t in range(n) if mask[t] and _is_extreme(st, t, corr)]
+        seqs_all = {int(seq_of[t]) for t in range(n) if mask[t]} if seq_of is not None else set()
+        for value in sorted({int(key[t]) for t in range(n) if mask[t]}):
+            sel = mask & (key == value)
+            stats = _token_metrics(st, sel, corr)
+            stats["share_tokens"] = int(sel.sum()) / n_active
+            stats["share_extreme"] = (sum(1 for t in extreme if sel[t]) / len(extreme)) if extreme else 0.0
+            if seq_of is not None:
+                stats["share_samples"] = len({int(seq_of[t]) for t in range(n) if sel[t]}) / max(len(seqs_all), 1)
+            else:
+                stats["share_samples"] = stats["share_tokens"]
+            out.update({f"{name}/{value}/{k}": v for k, v in stats.items()})
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _clamped_log_ratio(st: dict, t: int, corr: Correction) -> float:
+    lr = float(st["logp_y"][t].detach() - st["lq"][t])
+    return min(max(lr, -corr.max_log_ratio), corr.max_log_ratio)
+
+
+def _is_extreme(st: dict, t: int, corr: Correction) -> bool:
+    r = math.exp(_clamped_log_ratio(st, t, corr))
+    return r < EXTREME[0] or r > EXTREME[1]
+
+
+def _sequence_metrics(st: dict, corr: Correction) -> dict[str, float]:
+    """The ``seq_*`` keys: one value per sequence with a trained token, from its clamped token log-ratios."""
+    rho, d = [], []
+    for idx in st["seqs"]:
+        lr = [_clamped_log_ratio(st, t, corr) for t in idx.tolist()]
+        rho.append(math.exp(min(max(sum(lr), -corr.max_log_ratio), corr.max_log_ratio)))
+        d.append(-sum(lr) / len(lr))
     return {
-        "kl_k1": float((-log_r).sum() / n),
-        "kl_k2": float((0.5 * log_r**2).sum() / n),
-        "kl_k3": float((r - 1 - log_r).sum() / n),
-        "abs_log_ratio_mean": float(log_r.abs().sum() / n),
-        "abs_log_ratio_max": float(log_r.abs().max()) if log_r.numel() else 0.0,
-        "extreme_ratio_frac": float(((r < EXTREME[0]) | (r > EXTREME[1])).double().sum() / n),
-        "weight_mean": float(w.sum() / n),
-        "ess": float(w.sum() ** 2 / (n * (w**2).sum())) if float((w**2).sum()) > 0 else 0.0,
+        "seq_chi2": _mean([x * x for x in rho]) - 1 if rho else 0.0,
+        "seq_ratio_mean": _mean(rho),
+        "seq_ratio_max": max(rho, default=0.0),
+        "seq_ratio_min": min(rho, default=0.0),
+        "seq_log_ppl_diff_mean": _mean(d),
+        "seq_log_ppl_diff_abs_mean": _mean([abs(x) for x in d]),
+        "seq_log_ppl_diff_max": max(d, default=0.0),
+        "seq_log_ppl_diff_min": min(d, default=0.0),
+        "seq_ppl_ratio_mean": _mean([math.exp(x) for x in d]),
+    }
+
+
+def _token_metrics(st: dict, sel: Tensor, corr: Correction) -> dict[str, float]:
+    """The mismatch and weight keys over the tokens of ``sel``."""
+    rows = [t for t in range(st["n"]) if sel[t]]
+    lr = [_clamped_log_ratio(st, t, corr) for t in rows]
+    w = [float(st["w"][t]) for t in rows]
+    b = [float(st["bounded"][t]) for t in rows]
+    sq = sum(x * x for x in w)
+    r = [math.exp(x) for x in lr]
+    possible = [t for t in rows if not st["impossible"][t]]
+    neg_logp = _mean([-float(st["logp_y"][t]) for t in possible])
+    neg_lq = _mean([-float(st["lq"][t]) for t in possible])
+    mean_w = _mean(w)
+    extra = {
+        "chi2_token": _mean([x * x for x in r]) - 1 if r else 0.0,
+        "ratio_mean": _mean(r),
+        "ratio_max": max(r, default=0.0),
+        "ratio_min": min(r, default=0.0),
+        "weight_std": math.sqrt(_mean([(x - mean_w) ** 2 for x in w])),
+        "weight_before_bound_mean": _mean([min(max(x, math.exp(-corr.max_log_ratio)), math.exp(corr.max_log_ratio))
+                                           for x in b]),
+        "ppl_trainer": math.exp(neg_logp),
+        "ppl_sampler": math.exp(neg_lq),
+        "ppl_ratio": math.exp(neg_logp) / math.exp(neg_lq),
+    }
+    if corr.veto is not None:
+        extra["veto_catastrophic_frac"] = _mean([float(float(st["r"][t]) < corr.veto) for t in rows])
+    return extra | {
+        "kl_k1": _mean([-x for x in lr]),
+        "kl_k2": _mean([0.5 * x * x for x in lr]),
+        "kl_k3": _mean([math.exp(x) - 1 - x for x in lr]),
+        "abs_log_ratio_mean": _mean([abs(x) for x in lr]),
+        "abs_log_ratio_max": max([abs(x) for x in lr], default=0.0),
+        "extreme_ratio_frac": _mean([float(_is_extreme(st, t, corr)) for t in rows]),
+        "weight_mean": _mean(w),
+        "weight_min": min(w, default=0.0),
+        "weight_max": max(w, default=0.0),
+        # The ratio the bounds act on: the token's, its sequence's (sequence / geometric levels), pi_prox / q.
+        "ratio_below_lower_frac": _mean([float(x < corr.lower) for x in b]),
+        "ratio_above_upper_frac": _mean([float(x > corr.upper) for x in b]),
+        "ess": sum(w) ** 2 / (len(w) * sq) if sq > 0 else 0.0,
+        "num_tokens": float(len(rows)),
+        "zero_prob_frac": _mean([float(st["impossible"][t]) for t in rows]),
     }

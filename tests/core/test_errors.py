@@ -77,6 +77,8 @@ def test_nan_logits_on_trained_token(batch):
     "ids,lp,kind,match",
     [
         ([[0, 1], [2, 2]], [[-1.0, -2.0], [-1.0, -2.0]], "head", "duplicate id within row 1"),
+        ([[0, 0], [2, 3]], [[-1.0, -2.0], [-1.0, -2.0]], "head", "duplicate id within row 0"),
+        ([[3, 0, 0], [2, 3, -1]], [[-1.0, -2.0, -3.0], [-1.0, -2.0, float("-inf")]], "head", "duplicate id within row 0"),
         ([[0, 25], [2, 3]], [[-1.0, -2.0], [-1.0, -2.0]], "head", "id 25 is out of range"),
         ([[0, -3], [2, 3]], [[-1.0, -2.0], [-1.0, -2.0]], "head", "padding must be -1"),
         ([[0, -1], [2, 3]], [[-1.0, -2.0], [-1.0, -2.0]], "head", "padding entries .* must hold -inf"),

@@ -1,4 +1,4 @@
-"""SPEC 7.8: hostile numerics give finite results that match the float64 reference."""
+"""docs/spec.md#inv-hostile: hostile numerics give finite results that match the float64 reference."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ CORRS = [
 
 
 def _both(z, y, lq, adv, cands, tau, corr, mask=None, dtype=torch.float64):
-    z1 = z.to(dtype).requires_grad_()
+    z1 = z.to(dtype).clone().detach().requires_grad_()
     out = op.policy_loss(z1, y, lq, adv, cands, mask, tau, corr)
     out.loss.backward()
-    z2 = z.to(dtype).double().requires_grad_()
+    z2 = z.to(dtype).double().clone().detach().requires_grad_()  # its own leaf, never z1
     ref, _, _ = reference_policy_loss(z2, y, lq, adv, cands, mask, tau, corr)
     ref.backward()
     return out, z1.grad, ref, z2.grad

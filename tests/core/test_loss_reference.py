@@ -33,8 +33,10 @@ AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"]
 
 
 def _run(z, y, lq, cands, corr, tau, agg, mask, adv, seq, dtype=torch.float64, **kw):
-    z1 = z.to(dtype).requires_grad_()
-    z2 = z.to(dtype).double().requires_grad_()
+    # Each side gets its own fresh leaf: z.to(float64) returns z itself when z is float64, and two backward
+    # passes into one leaf would make the gradient comparison compare a tensor with itself.
+    z1 = z.to(dtype).clone().detach().requires_grad_()
+    z2 = z.to(dtype).double().clone().detach().requires_grad_()
     extra = {"constant_normalizer": 7.0} if agg == "constant" else {}
     out = op.policy_loss(z1, y, lq, adv, cands, mask, tau, corr, seq_ids=seq, aggregation=agg, **extra, **kw)
     ref, ref_tl, ref_w = reference_policy_loss(
@@ -62,6 +64,11 @@ def test_matches_reference_float64(kind, corr, sc, per_token_tau, agg):
     mask = torch.rand(N, generator=gen) > 0.2
     adv = torch.randn(N, generator=gen)
     seq = torch.arange(N) // 3
+    if sc and kind is None:
+        # Score centering sums over the sampler's record: without one, both sides refuse.
+        with pytest.raises(ValueError, match="needs candidates"):
+            _run(z, y, lq, cands, corr, tau, agg, mask, adv, seq)
+        return
     out, g, ref, ref_tl, ref_w, ref_g = _run(z, y, lq, cands, corr, tau, agg, mask, adv, seq)
     assert abs(out.loss.item() - ref.item()) <= 1e-10 * max(1.0, abs(ref.item()))
     torch.testing.assert_close(out.token_loss, ref_tl, rtol=1e-10, atol=1e-10)
@@ -82,6 +89,12 @@ FAMILY = [
     op.Correction(weights="mis", opsm_delta=0.1, score_centering=True),
     op.Correction(weights="mis", batch_normalize=True, score_centering=True),
     op.Correction(weights="tis", batch_normalize=True),
+    # A token-level KL rejection under a sequence-level weight zeros the rejected tokens' own weights.
+    op.Correction(weights="tis", level="sequence", bounds=3.0, kl_rejection=op.KLRejection(0.3, "k3", "token")),
+    op.Correction(weights="mis", level="geometric", kl_rejection=op.KLRejection(0.2, "k1", "token")),
+    # Token-level rules fold into f, so score centering sees them exactly.
+    op.Correction(weights="mis", score_centering=True, rejections=(op.RatioRejection(0.7, 1.5),
+                                                                   op.KLRejection((-0.3, 0.3), "k1"))),
 ]
 
 
@@ -140,3 +153,117 @@ def test_num_loss_tokens_splits_exactly():
         sub = op.Candidates(cands.ids[sl], cands.logprobs[sl], "head")
         op.policy_loss(parts[sl], y[sl], lq[sl], adv[sl], sub, correction=corr, num_loss_tokens=N).loss.backward()
     torch.testing.assert_close(parts.grad, whole.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_gradient_check_has_teeth(monkeypatch):
+    """The gradient comparison above compares two independent leaves: it passes on the real loss and fails on a
+    perturbed gradient and on a loss whose value is right but whose gradient is scaled by 1.001."""
+    z, y, lq, cands = make_batch(N, V, K, "head", seed=21)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(6))
+    corr = op.Correction(weights="mis", score_centering=True)
+    out, g, ref, _, _, ref_g = _run(z, y, lq, cands, corr, 1.0, "token_mean", None, adv, None)
+    assert g is not ref_g and g.data_ptr() != ref_g.data_ptr()
+    torch.testing.assert_close(g, ref_g, rtol=1e-9, atol=1e-11)
+    bad = ref_g.clone()
+    bad[3, 5] += 1e-7
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(g, bad, rtol=1e-9, atol=1e-11)
+
+    import offpolicy.loss.logprobs as lp_mod
+
+    real = lp_mod.aggregate
+
+    def wrong_gradient(token_loss, *args):
+        # Same value, gradient scaled by 1.001: only a check on the gradient itself can see it.
+        loss = real(token_loss, *args)
+        return loss + 1e-3 * (loss - loss.detach())
+
+    monkeypatch.setattr(lp_mod, "aggregate", wrong_gradient)
+    out2, g2, ref2, _, _, ref_g2 = _run(z, y, lq, cands, corr, 1.0, "token_mean", None, adv, None)
+    assert abs(out2.loss.item() - ref2.item()) <= 1e-10 * max(1.0, abs(ref2.item()))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(g2, ref_g2, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("corr", [
+    op.Correction(weights="mis", batch_normalize=True, veto=0.5),
+    op.Correction(weights="tis", batch_normalize=True, kl_rejection=op.KLRejection(0.3, "k2", "seq_mean")),
+    op.Correction(weights="reject", batch_normalize=True, opsm_delta=0.0, score_centering=True),
+    op.Correction(weights="tis", batch_normalize="sequences", veto=0.5, score_centering=True),
+    op.Correction(weights="mis", level="geometric", batch_normalize="sequences", opsm_delta=0.0),
+], ids=["veto", "seq_kl", "opsm_sc", "seq_mean_veto_sc", "seq_mean_geometric_opsm"])
+def test_batch_normalize_with_live_sequence_rejection(corr):
+    """Batch normalisation averages the weights over the kept tokens only: a rejection that drops some but not all
+    sequences, against the reference (loss, per-token loss, weights, gradient)."""
+    z, y, lq, cands = make_batch(N, V, K, "head", seed=5, mismatch=0.8)
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.rand(N, generator=gen) > 0.15
+    adv = torch.randn(N, generator=gen)
+    seq = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4])
+    out, g, ref, ref_tl, ref_w, ref_g = _run(z, y, lq, cands, corr, 1.0, "token_mean", mask, adv, seq)
+    assert 0.0 < float(out.metrics["rejected_frac"]) < 1.0  # the rejection is live
+    assert abs(out.loss.item() - ref.item()) <= 1e-10 * max(1.0, abs(ref.item()))
+    torch.testing.assert_close(out.token_loss, ref_tl, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.token_weight.double(), ref_w, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g, ref_g, rtol=1e-9, atol=1e-11)
+
+
+SEQ = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4])
+
+
+def _prox(z, y, seed=2, scale=0.4):
+    gen = torch.Generator().manual_seed(seed)
+    lp = torch.log_softmax(z + scale * torch.randn(z.shape, generator=gen, dtype=torch.float64), 1)
+    return lp.gather(1, y[:, None])[:, 0]
+
+
+PEER_CASES = [
+    op.Correction(weights="tis", ppo_clip=(0.2, 0.28), ppo_delta=1.5),
+    op.Correction(weights="mis", ppo_clip=(0.2, 0.2), dual_clip=3.0),
+    op.Correction(ppo_clip=(0.2, 0.3), dual_clip=2.0, ppo_delta=1.4),
+    op.Correction(ppo_clip=(3e-4, 4e-4), ppo_ratio="gspo_token"),
+    op.Correction(weights="tis", ppo_clip=(0.1, 0.1), ppo_ratio="gspo_token", dual_clip=3.0),
+    op.Correction(cispo=(0.0, 1.2)),
+    op.Correction(weights="mis", cispo=(0.8, 1.2), veto=0.05),
+    op.Correction(weights="tis", batch_normalize="sequences"),
+    op.Correction(weights="mis", level="sequence", bounds=(0.1, 10.0), batch_normalize="sequences"),
+    op.Correction(weights="mis", opsm_delta=0.0, rejected_in_normalizer=False),
+    op.Correction(weights="tis", kl_rejection=op.KLRejection(0.1, "k3", "token"), rejected_in_normalizer=False),
+    op.Correction(weights="reject", bounds=(0.7, 1.4), rejected_in_normalizer=False, veto=0.1),
+    op.Correction(weights="reject", level="geometric", bounds=(0.9, 1.1), rejected_in_normalizer=False),
+    # Importance weights and a rejection band at another level; chained rules with their own thresholds and levels;
+    # two-sided k1 bands.
+    op.Correction(weights="tis", bounds=2.0, rejections=(op.RatioRejection(0.8, 1.25, "geometric"),),
+                  rejected_in_normalizer=False),
+    op.Correction(rejections=(op.KLRejection(0.3, "k1", "token"), op.KLRejection(0.05, "k2", "seq_max")),
+                  rejected_in_normalizer=False),
+    op.Correction(weights="mis", level="sequence", bounds=(0.2, 5.0),
+                  rejections=(op.KLRejection((-0.2, 0.3), "k1", "token"), op.RatioRejection(0.5, 2.0, "sequence"))),
+    op.Correction(weights="tis", kl_rejection=op.KLRejection((-0.1, 0.1), "k1", "seq_mean"),
+                  rejections=(op.RatioRejection(0.6, 1.6),)),
+]
+
+
+@pytest.mark.parametrize("agg", AGGS[:3])
+@pytest.mark.parametrize("corr", PEER_CASES, ids=lambda c: repr(c)[11:80])
+def test_peer_family_matches_reference(corr, agg):
+    z, y, lq, _ = make_batch(N, 30, 5, "head", seed=8, mismatch=0.7)
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.rand(N, generator=gen) > 0.15
+    adv = torch.randn(N, generator=gen, dtype=torch.float64)
+    needs_prox = corr.surrogate.needs_proximal
+    prox = _prox(z, y) if needs_prox else None
+    z1 = z.clone().requires_grad_()
+    z2 = z.clone().requires_grad_()
+    out = op.policy_loss(z1, y, lq, adv, None, mask, 1.0, corr, seq_ids=SEQ, aggregation=agg,
+                         proximal_logprobs=prox)
+    ref, ref_tl, ref_w = reference_policy_loss(z2, y, lq, adv, None, mask, 1.0, corr, seq_ids=SEQ,
+                                               aggregation=agg, proximal_logprobs=prox)
+    out.loss.backward()
+    ref.backward()
+    assert abs(out.loss.item() - ref.item()) <= 1e-10 * max(1.0, abs(ref.item()))
+    torch.testing.assert_close(out.token_loss, ref_tl, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.token_weight, ref_w, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-9, atol=1e-11)
+
+

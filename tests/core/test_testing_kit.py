@@ -1,8 +1,8 @@
 """offpolicy.testing: its strategies, its checkers on the project's own loss and on the float64 oracle, and its
 entry points (check_all, pytest_suite, ``pytest --pyargs offpolicy.testing``).
 
-The project's ``policy_loss`` runs through every weight mode x score centering x record kind: this is where SPEC
-section 7 invariants 1-4 and 8 are checked on the library itself.
+The project's ``policy_loss`` runs through every weight mode x score centering x record kind: this is where the
+invariants docs/spec.md#inv-zero-drift to #inv-support and #inv-hostile are checked on the library itself.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def test_positions_describe_the_sampler_exactly(data, record, complete):
     prob = pos.expand(1.0)
     assert prob.num_tokens == int((q > 0).sum())
     if pos.kind == "head" and pos.cand_ids.shape[0] < pos.logits.shape[0]:
-        # The true tail is rho * p outside the head (SPEC 7.2's exactness condition).
+        # The true tail is rho * p outside the head (docs/spec.md#inv-head-exact's exactness condition).
         p = torch.softmax(pos.logits / pos.temperature, 0)
         tail = torch.ones_like(q, dtype=torch.bool)
         tail[pos.cand_ids] = False
@@ -229,7 +229,7 @@ def test_positions_with_ratio_bounds_keep_every_ratio_inside(data, bounds, recor
     LossConfig(weights="tis", bounds=(0.5, 2.0), record="head"),
 ], ids=lambda c: c.describe())
 def test_hostile_problems_have_a_finite_oracle_and_valid_records(cfg):
-    """Hostile examples are hostile but legal: valid records, and the SPEC's own loss is finite on them. Checked on
+    """Hostile examples are hostile but legal: valid records, and the spec's own loss is finite on them. Checked on
     fresh draws, and on a fixed example sequence that must also cover every hostile feature (coverage of random
     draws would make the test flaky: a -inf logit is rare where f(0) != 0 keeps it off recorded tokens)."""
     seen = set()

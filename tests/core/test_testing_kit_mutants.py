@@ -81,13 +81,13 @@ def test_correct_dense_loss_passes(cfg):
 
 
 def test_shrunk_report_is_readable():
-    """A shrunk failure names the invariant, the SPEC clause, the configuration and a minimal example."""
+    """A shrunk failure names the invariant, the spec anchor, the configuration and a minimal example."""
     cfg = MIS_HEAD_SC
     with pytest.raises(InvariantViolation) as info:
         check_all(dense_loss(cfg, "sc_unweighted"), cfg, invariants=["zero_drift"], max_examples=40)
     text = str(info.value)
     assert "FAIL  zero_drift" in text
-    assert "invariant 'zero_drift' violated (SPEC 7.1, 7.2" in text
+    assert "invariant 'zero_drift' violated (docs/spec.md#inv-zero-drift, docs/spec.md#inv-head-exact" in text
     assert "configuration: LossConfig(weights='mis', bounds=(0.5, 5), score_centering=True, record='head'" in text
     assert "function:      support.mutants.dense_loss[sc_unweighted]" in text
     assert "what failed:   sum_y q(y) d loss(y) / d logits (the drift) differs" in text

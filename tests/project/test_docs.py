@@ -34,7 +34,7 @@ def test_import_and_cpu_loss_without_triton():
         "import torch, offpolicy as op\n"
         "z = torch.randn(4, 10, requires_grad=True)\n"
         "out = op.policy_loss(z, torch.tensor([1, 2, 3, 4]), torch.full((4,), -2.0), torch.randn(4),\n"
-        "                     correction=op.Correction(weights='mis', score_centering=True))\n"
+        "                     correction=op.Correction(weights='mis'))\n"
         "out.loss.backward(); assert z.grad is not None and torch.isfinite(out.loss)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)

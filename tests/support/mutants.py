@@ -1,6 +1,6 @@
 """Deliberately wrong policy losses, for showing that ``offpolicy.testing`` catches each mistake.
 
-:func:`dense_loss` is an independent, dense (``[N, V]`` log-softmax) implementation of the SPEC's per-token loss,
+:func:`dense_loss` is an independent, dense (``[N, V]`` log-softmax) implementation of the spec's per-token loss,
 written in the style of a framework's loss function and reached through the kit's adapter signature. With
 ``bug=None`` it is correct (the kit must pass it); each entry of :data:`BUGS` injects one mistake people make.
 """

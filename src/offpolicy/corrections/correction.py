@@ -2,64 +2,94 @@
 
 ``Correction()`` with no arguments is plain REINFORCE/GRPO on the sampler's tokens. The fields compose:
 
-* ``weights`` picks ``f`` in ``w = sg(f(r))`` (SPEC section 2): ``none`` (1), ``tis`` (``min(r, C)``, or
+* ``weights`` picks ``f`` in ``w = sg(f(r))`` (docs/spec.md#weights): ``none`` (1), ``tis`` (``min(r, C)``, or
   ``clamp(r, c, C)`` two-sided), ``mis`` (``r * 1[L <= r <= U]``), or ``reject`` (``1[L <= r <= U]``, pure
   rejection sampling: the kept tokens get weight 1).
 * ``level`` picks ``r``: the token ratio, the sequence product ``exp(sum_t log r_t)`` or the geometric mean
-  ``exp(mean_t log r_t)`` (SPEC section 5). ``level="geometric", weights="reject"`` keeps a sequence iff its
-  geometric ratio lies in ``[L, U]``.
-* ``score_centering`` subtracts the sampler-expected weighted score at each position (SPEC section 3). It is
-  defined for token-level weights only.
+  ``exp(mean_t log r_t)`` (docs/spec.md#sequence-level). ``level="geometric", weights="reject"`` keeps a
+  sequence iff its geometric ratio lies in ``[L, U]``.
+* ``score_centering`` subtracts the sampler-expected weighted score at each position
+  (docs/spec.md#score-centering). It is defined for token-level weights only.
 * Rejections zero whole tokens or sequences: ``veto``, ``kl_rejection``, ``opsm_delta``. A token-level KL
-  rejection is a bound on ``r`` and is folded into ``f`` (so score centering sees it exactly, like MIS masking);
-  sequence-level rejections drop the sequence's whole contribution.
+  rejection is a bound on ``r`` and is folded into ``f`` (so score centering sees it exactly, like MIS masking; at
+  the sequence levels it zeros the rejected tokens' weights); sequence-level rejections drop the sequence's whole
+  contribution.
 * ``batch_normalize`` divides weights (and the centering coefficients, so drift stays zero) by their batch mean.
 * ``ppo_clip=(eps_lo, eps_hi)``: decoupled PPO; the weight becomes ``f(pi_prox / q)`` and multiplies the clipped
-  surrogate of ``u = p / pi_prox`` (needs ``proximal_logprobs``).
+  surrogate of ``u = p / pi_prox`` (needs ``proximal_logprobs``). ``dual_clip=c`` bounds it below by ``c A``
+  where ``A < 0``; ``ppo_delta`` caps ``u`` in the unclipped branch (TRL's ``delta``); ``ppo_ratio="gspo_token"``
+  clips GSPO's sequence ratio with a token-level gradient. ``cispo=(lo, hi)`` instead multiplies ``A log p`` by
+  the stop-gradient ``clamp(u, lo, hi)``.
+* ``rejected_in_normalizer=False`` removes rejected tokens (sequence rules, token-level KL rejection, and for a
+  weight mode that rejects, such as ``reject``, ratios outside its band) from the aggregation's normaliser (verl's
+  convention); by default they stay in it like masked weights.
+
+Every mode, level, estimator, rule and surrogate named here is an entry of :mod:`offpolicy.corrections.registry`;
+this class only checks that the fields name entries and combine.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
-WeightMode = Literal["none", "tis", "mis", "reject"]
-Level = Literal["token", "sequence", "geometric"]
-Estimator = Literal["k1", "k2", "k3"]
-KLLevel = Literal["token", "seq_sum", "seq_mean", "seq_max"]
-
-WEIGHT_MODES = ("none", "tis", "mis", "reject")
-LEVELS = ("token", "sequence", "geometric")
-ESTIMATORS = ("k1", "k2", "k3")
-KL_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
-
-#: Defaults of SPEC section 2: TIS truncates at C = 2; MIS keeps [0.5, 5] (the seed's runs).
-DEFAULT_BOUNDS = {"tis": (0.0, 2.0), "mis": (0.5, 5.0), "reject": (0.5, 5.0)}
+from offpolicy.corrections import registry as reg
 
 
 @dataclass(frozen=True)
 class KLRejection:
-    """Reject tokens or sequences whose KL estimate exceeds ``threshold``.
+    """Reject tokens or sequences whose KL estimate exceeds ``threshold`` (or, with ``threshold=(lo, hi)``, lies
+    outside ``[lo, hi]``: two-sided, meaningful for the signed ``k1``).
 
     ``estimator``: ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r`` (Schulman's estimators of
     KL(q||p) on tokens drawn from q). ``level``: per token, or the sum / mean / max over each sequence's trained
     tokens.
     """
 
-    threshold: float
-    estimator: Estimator = "k3"
-    level: KLLevel = "token"
+    threshold: float | tuple[float, float]
+    estimator: str = "k3"
+    level: str = "token"
+    kind = "kl"
 
     def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"KLRejection.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
-        if self.level not in KL_LEVELS:
-            raise ValueError(f"KLRejection.level must be one of {KL_LEVELS}, got {self.level!r}")
-        if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)):
+        if self.estimator not in reg.ESTIMATORS:
+            raise ValueError(f"KLRejection.estimator must be one of {tuple(reg.ESTIMATORS)}, got {self.estimator!r}")
+        if self.level not in reg.KL_LEVELS:
+            raise ValueError(f"KLRejection.level must be one of {tuple(reg.KL_LEVELS)}, got {self.level!r}")
+        if isinstance(self.threshold, list):
+            object.__setattr__(self, "threshold", tuple(self.threshold))
+        if isinstance(self.threshold, tuple):
+            if not (len(self.threshold) == 2 and all(_finite_number(t) for t in self.threshold)
+                    and self.threshold[0] <= self.threshold[1]):
+                raise ValueError(f"KLRejection.threshold must be a finite number or (lo, hi) with lo <= hi, got "
+                                 f"{self.threshold!r}")
+            return
+        if not _finite_number(self.threshold):
             raise ValueError(f"KLRejection.threshold must be a finite number, got {self.threshold!r}")
-        if self.estimator != "k1" and self.threshold < 0:
+        if not reg.ESTIMATORS[self.estimator].signed and self.threshold < 0:
             raise ValueError(f"KLRejection.threshold must be >= 0 for {self.estimator}, got {self.threshold}")
+
+
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class RatioRejection:
+    """Reject tokens (``level="token"``) or whole sequences (``"sequence"``: ``prod_t r_t``; ``"geometric"``:
+    ``exp(mean_t log r_t)``) whose ratio lies outside ``[lower, upper]`` (inclusive), independently of the weight
+    mode's own bounds: importance weights and a rejection band at different bounds or levels at once."""
+
+    lower: float
+    upper: float
+    level: str = "token"
+    kind = "ratio"
+
+    def __post_init__(self) -> None:
+        if self.level not in reg.LEVELS:
+            raise ValueError(f"RatioRejection.level must be one of {tuple(reg.LEVELS)}, got {self.level!r}")
+        if not (_finite_number(self.lower) and _finite_number(self.upper) and 0 <= self.lower <= self.upper):
+            raise ValueError(f"RatioRejection needs 0 <= lower <= upper < inf, got ({self.lower!r}, {self.upper!r})")
 
 
 @dataclass(frozen=True)
@@ -75,47 +105,78 @@ class Correction:
         veto: drop a sequence if any of its trained tokens has ``r < veto`` (e.g. ``1e-4``).
         kl_rejection: a :class:`KLRejection`, or None.
         opsm_delta: off-policy sequence masking: drop sequence ``i`` iff ``A_i < 0`` and
-            ``mean_t (lq - log p) > opsm_delta``.
-        batch_normalize: divide the weights by their mean over the batch's trained tokens.
+            ``mean_t (lq - log p) > opsm_delta``, with the current policy ``p`` (also under ``ppo_clip``).
+        batch_normalize: ``True`` or a name of :data:`~offpolicy.corrections.registry.NORMALISATIONS`
+            (``"tokens"``: the same as ``True``): divide the weights by that batch mean.
         ppo_clip: ``(eps_lo, eps_hi)`` for decoupled PPO, or None.
+        dual_clip: ``c > 1``: with ``A < 0`` the clipped surrogate is bounded below by ``c A`` (needs ``ppo_clip``).
+        ppo_delta: ``delta > 1``: the unclipped branch uses ``min(u, delta)`` (needs ``ppo_clip``).
+        ppo_ratio: ``"token"`` (``u = p / pi_prox``) or ``"gspo_token"`` (needs ``ppo_clip`` and ``seq_ids``).
+        cispo: ``(lo, hi)`` absolute bounds of CISPO's stop-gradient coefficient ``clamp(u, lo, hi)`` (TRL:
+            ``(0, epsilon_high)``; slime: ``(1 - eps_clip, 1 + eps_clip_high)``); excludes ``ppo_clip``.
+        rejected_in_normalizer: keep rejected tokens in the aggregation's normaliser (default) or remove them.
+        rejections: more rejection rules, each a :class:`KLRejection` or :class:`RatioRejection` with its own
+            threshold and level, chained (a token or sequence is dropped if any rule drops it).
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation.
     """
 
-    weights: WeightMode = "none"
+    weights: str = "none"
     bounds: tuple[float, float] | float | None = None
-    level: Level = "token"
+    level: str = "token"
     score_centering: bool = False
     veto: float | None = None
     kl_rejection: KLRejection | None = None
     opsm_delta: float | None = None
-    batch_normalize: bool = False
+    batch_normalize: bool | str = False
+    ppo_clip: tuple[float, float] | None = None
     ppo_clip: tuple[float, float] | None = None
     max_log_ratio: float = 20.0
+    dual_clip: float | None = None
+    ppo_delta: float | None = None
+    ppo_ratio: str = "token"
+    cispo: tuple[float, float] | None = None
+    rejected_in_normalizer: bool = True
+    rejections: tuple[KLRejection | RatioRejection, ...] = ()
     _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.weights not in WEIGHT_MODES:
-            raise ValueError(f"Correction.weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
-        if self.level not in LEVELS:
-            raise ValueError(f"Correction.level must be one of {LEVELS}, got {self.level!r}")
+        if self.weights not in reg.WEIGHT_MODES:
+            raise ValueError(f"Correction.weights must be one of {tuple(reg.WEIGHT_MODES)}, got {self.weights!r}")
+        if self.level not in reg.LEVELS:
+            raise ValueError(f"Correction.level must be one of {tuple(reg.LEVELS)}, got {self.level!r}")
         object.__setattr__(self, "_bounds", self._resolve_bounds())
-        if self.level != "token" and self.weights == "none":
-            raise ValueError(f"Correction(level={self.level!r}) needs weights='tis', 'mis' or 'reject'")
-        if self.score_centering and self.level != "token":
+        if reg.LEVELS[self.level].per_sequence and not reg.WEIGHT_MODES[self.weights].bounded:
+            bounded = tuple(m.name for m in reg.WEIGHT_MODES.values() if m.bounded)
+            raise ValueError(f"Correction(level={self.level!r}) needs weights={' | '.join(map(repr, bounded))}")
+        if not (self.batch_normalize is False or self.batch_normalize is True
+                or (isinstance(self.batch_normalize, str) and self.batch_normalize in reg.NORMALISATIONS)):
+            raise ValueError(f"Correction.batch_normalize must be a bool or one of {tuple(reg.NORMALISATIONS)}, "
+                             f"got {self.batch_normalize!r}")
+        self._check_surrogate_options()
+        if not isinstance(self.rejected_in_normalizer, bool):
+            raise TypeError(f"Correction.rejected_in_normalizer must be a bool, got {self.rejected_in_normalizer!r}")
+        if self.score_centering and reg.LEVELS[self.level].per_sequence:
             raise ValueError(
                 f"score_centering=True is defined for token-level weights only, got level={self.level!r}: "
                 "sequence and geometric weights depend on later tokens and break the per-prefix centering "
-                "(SPEC section 3)"
+                "(docs/spec.md#score-centering)"
             )
-        if self.score_centering and self.ppo_clip is not None:
+        if self.score_centering and not self.surrogate.centerable:
             raise ValueError(
-                "score_centering=True cannot be combined with ppo_clip: the clipped surrogate is not of the "
-                "form w * log p that centering corrects"
+                f"score_centering=True cannot be combined with ppo_clip or cispo (the {self.surrogate.name!r} "
+                "surrogate): "
+                "the clipped surrogate is not of the form w * log p that centering corrects"
             )
         if self.veto is not None and not (0.0 < self.veto < 1.0):
             raise ValueError(f"Correction.veto must be in (0, 1), got {self.veto!r}")
         if self.kl_rejection is not None and not isinstance(self.kl_rejection, KLRejection):
             raise TypeError("Correction.kl_rejection must be a KLRejection")
+        if isinstance(self.rejections, list):
+            object.__setattr__(self, "rejections", tuple(self.rejections))
+        if not (isinstance(self.rejections, tuple)
+                and all(isinstance(r, (KLRejection, RatioRejection)) for r in self.rejections)):
+            raise TypeError("Correction.rejections must be a tuple of KLRejection / RatioRejection items, got "
+                            f"{self.rejections!r}")
         if self.opsm_delta is not None and not (math.isfinite(self.opsm_delta) and self.opsm_delta >= 0):
             raise ValueError(f"Correction.opsm_delta must be a finite number >= 0, got {self.opsm_delta!r}")
         if self.ppo_clip is not None:
@@ -125,14 +186,34 @@ class Correction:
         if not (self.max_log_ratio > 0 and math.isfinite(self.max_log_ratio)):
             raise ValueError(f"Correction.max_log_ratio must be finite and > 0, got {self.max_log_ratio}")
 
+    def _check_surrogate_options(self) -> None:
+        if self.ppo_ratio not in ("token", "gspo_token"):
+            raise ValueError(f"Correction.ppo_ratio must be 'token' or 'gspo_token', got {self.ppo_ratio!r}")
+        needs_clip = {"dual_clip": self.dual_clip, "ppo_delta": self.ppo_delta,
+                      "ppo_ratio='gspo_token'": None if self.ppo_ratio == "token" else self.ppo_ratio}
+        for name, val in needs_clip.items():
+            if val is not None and self.ppo_clip is None:
+                raise ValueError(f"Correction.{name} needs ppo_clip (it modifies the clipped PPO surrogate)")
+        if self.dual_clip is not None and not (math.isfinite(self.dual_clip) and self.dual_clip > 1):
+            raise ValueError(f"Correction.dual_clip must be a finite number > 1, got {self.dual_clip!r}")
+        if self.ppo_delta is not None and not (math.isfinite(self.ppo_delta) and self.ppo_delta > 1):
+            raise ValueError(f"Correction.ppo_delta must be a finite number > 1, got {self.ppo_delta!r}")
+        if self.cispo is not None:
+            if self.ppo_clip is not None:
+                raise ValueError("Correction.cispo and ppo_clip exclude each other (two different surrogates)")
+            lo, hi = self.cispo
+            if not (0.0 <= lo < hi and math.isfinite(hi)):
+                raise ValueError(f"Correction.cispo must be (lo, hi) with 0 <= lo < hi < inf, got {self.cispo}")
+
     def _resolve_bounds(self) -> tuple[float, float]:
-        if self.weights == "none":
+        mode = reg.WEIGHT_MODES[self.weights]
+        if not mode.bounded:
             if self.bounds is not None:
-                raise ValueError("Correction.bounds is meaningless with weights='none'")
+                raise ValueError(f"Correction.bounds is meaningless with weights={self.weights!r}")
             return (0.0, math.inf)
-        bounds = DEFAULT_BOUNDS[self.weights] if self.bounds is None else self.bounds
+        bounds = mode.default_bounds if self.bounds is None else self.bounds
         if isinstance(bounds, (int, float)):
-            if self.weights != "tis":
+            if not mode.scalar_bound:
                 raise ValueError(f"Correction.bounds for weights={self.weights!r} must be a pair (L, U)")
             bounds = (0.0, float(bounds))
         lo, hi = (float(b) for b in bounds)
@@ -152,10 +233,35 @@ class Correction:
 
     @property
     def sequence_level(self) -> bool:
-        return self.level != "token"
+        """Whether the weight acts on a per-sequence ratio."""
+        return reg.LEVELS[self.level].per_sequence
+
+    @property
+    def rejection_rules(self) -> tuple[tuple[str, KLRejection | RatioRejection], ...]:
+        """``(name, rule)`` of every KL / ratio rejection: ``"kl"`` for ``kl_rejection``, ``"rule{i}"`` for
+        ``rejections[i]``."""
+        head = (("kl", self.kl_rejection),) if self.kl_rejection is not None else ()
+        return head + tuple((f"rule{i}", r) for i, r in enumerate(self.rejections))
+
+    def token_rejection_rules(self) -> tuple[KLRejection | RatioRejection, ...]:
+        """The rejection rules that act on each token's own ratio (folded into ``f``)."""
+        return tuple(r for _, r in self.rejection_rules if not reg.REJECTION_KINDS[r.kind].per_sequence(r))
+
+    @property
+    def sequence_rules(self) -> tuple[str, ...]:
+        """Names of the sequence rejection rules the correction switches on (registry rules, then the
+        sequence-level KL / ratio rejections)."""
+        own = tuple(rule.name for rule in reg.SEQUENCE_RULES.values() if rule.applies(self))
+        return own + tuple(n for n, r in self.rejection_rules if reg.REJECTION_KINDS[r.kind].per_sequence(r))
+
+    @property
+    def surrogate(self) -> reg.Surrogate:
+        """The registry's surrogate this correction selects."""
+        return reg.surrogate_of(self)
 
     @property
     def needs_sequences(self) -> bool:
         """Whether ``seq_ids`` are required."""
-        kl_seq = self.kl_rejection is not None and self.kl_rejection.level != "token"
-        return self.sequence_level or self.veto is not None or kl_seq or self.opsm_delta is not None
+        norm = reg.normalisation_of(self)
+        return (self.sequence_level or bool(self.sequence_rules) or (norm is not None and norm.needs_sequences)
+                or self.surrogate.needs_sequences)

@@ -1,4 +1,4 @@
-"""Reducing per-token losses to the scalar that is differentiated (SPEC section 5, aggregation).
+"""Reducing per-token losses to the scalar that is differentiated (docs/spec.md#aggregation).
 
 ``token_mean``          sum_t l_t / T            T = trained tokens (or ``num_loss_tokens``, a global count)
 ``seq_mean_token_mean`` mean_i (sum_{t in i} l_t / |i|)     over sequences (or ``num_sequences``)

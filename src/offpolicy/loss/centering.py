@@ -1,4 +1,4 @@
-"""Score-centering coefficients (SPEC section 3).
+"""Score-centering coefficients (docs/spec.md#score-centering).
 
 At each position the update subtracts the sampler-expected *weighted* score,
 ``sum_v q(v) f(p(v)/q(v)) grad log p(v)``, so that a constant advantage produces no expected update. Over the

@@ -1,4 +1,4 @@
-"""``policy_loss``: the public entry point (SPEC section 9).
+"""``policy_loss``: the public entry point (docs/spec.md#api).
 
 The path is short: validate at the boundary -> one sparse log-softmax (logits, or hidden x weight) -> the
 ``O(N K)`` loss math of :func:`offpolicy.policy_loss_from_logprobs` (weights, rejections, score centering,
@@ -7,13 +7,16 @@ aggregation, metrics; the formula is in :mod:`offpolicy.loss.logprobs`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from offpolicy.records.candidates import Candidates
 from offpolicy.corrections.correction import Correction
 from offpolicy.parallel.dtensor import vocab_shard_of
-from offpolicy.loss.logprobs import PolicyLossOutput, policy_loss_from_logprobs
+from offpolicy.loss.inputs import Aggregation, Parallelism, TokenData
+from offpolicy.loss.logprobs import PolicyLossOutput, loss_from_logprobs
 from offpolicy.ops import SparseLogSoftmax, VocabShard, sparse_log_softmax
 from offpolicy.loss.validation import check_batch, check_candidates, check_vector
 
@@ -89,15 +92,15 @@ def policy_loss(
     Returns:
         :class:`PolicyLossOutput`.
     """
-    corr = correction
     check = validate and not torch.compiler.is_compiling()
     logits, tp_group, vocab_start = vocab_shard_of(logits, tp_group, vocab_start)
+    model = ModelInputs(logits, hidden, weight, bias)
+    data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
+                     current_version)
+    agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
+    par = Parallelism(tp_group, vocab_start, cp_group)
     if check:
-        _validate(
-            logits, hidden, weight, bias, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature,
-            corr, seq_ids, aggregation, num_loss_tokens, num_sequences, constant_normalizer, groups, versions,
-            proximal_logprobs, tp_group, vocab_start,
-        )
+        _validate(model, tokens, temperature, candidates, data, agg, par, correction)
     n = tokens.shape[0]
     device = tokens.device
     active = torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.to(torch.bool)
@@ -105,18 +108,12 @@ def policy_loss(
     cand_ids = candidates.ids if candidates is not None else None
     shard = VocabShard(tp_group, vocab_start) if tp_group is not None else None
 
-    lp = _log_probs(logits, hidden, weight, bias, tokens, cand_ids, temperature, support, ~active, shard,
-                    inplace_grad, backend)
+    lp = _log_probs(model, tokens, cand_ids, temperature, support, ~active, shard, inplace_grad, backend)
     if check and bool(torch.isnan(lp.target[active]).any()):
         row = int((torch.isnan(lp.target) & active).nonzero()[0])
         raise ValueError(f"logits: NaN in row {row}, a trained token (loss_mask is True there)")
 
-    return policy_loss_from_logprobs(
-        lp.target, sampler_logprobs, advantages, candidates, lp.candidates, loss_mask, corr, seq_ids, aggregation,
-        num_loss_tokens, groups, versions, entropy=lp.entropy, proximal_logprobs=proximal_logprobs,
-        num_sequences=num_sequences, constant_normalizer=constant_normalizer, cp_group=cp_group,
-        current_version=current_version, validate=False,
-    )
+    return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data, agg, correction, cp_group)
 
 
 def _global_vocab(group, vocab_start: int, v_local: int, n: int, device) -> int:
@@ -145,20 +142,31 @@ def _global_vocab(group, vocab_start: int, v_local: int, n: int, device) -> int:
     return end
 
 
-def _log_probs(logits, hidden, weight, bias, tokens, cand_ids, temperature, support, skip, shard, inplace_grad,
+@dataclass(frozen=True)
+class ModelInputs:
+    """What the log-softmax reads: ``logits [N, V]``, or ``hidden [N, D]`` x ``weight [V, D]`` (+ ``bias [V]``)."""
+
+    logits: Tensor | None
+    hidden: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+
+
+def _log_probs(model: ModelInputs, tokens, cand_ids, temperature, support, skip, shard, inplace_grad,
                backend) -> SparseLogSoftmax:
-    if logits is not None:
-        return sparse_log_softmax(logits, tokens, cand_ids, temperature, support=support, skip=skip, shard=shard,
+    if model.logits is not None:
+        return sparse_log_softmax(model.logits, tokens, cand_ids, temperature, support=support, skip=skip, shard=shard,
                                   inplace_grad=inplace_grad, backend=backend)
     from offpolicy.ops.linear_log_softmax import linear_sparse_log_softmax
 
-    return linear_sparse_log_softmax(hidden, weight, tokens, cand_ids, temperature, bias=bias, support=support,
+    return linear_sparse_log_softmax(model.hidden, model.weight, tokens, cand_ids, temperature, bias=model.bias,
+                                     support=support,
                                      skip=skip, shard=shard, backend=backend)
 
 
-def _validate(logits, hidden, weight, bias, tokens, lq, adv, candidates, loss_mask, temperature, corr, seq_ids,
-              aggregation, num_loss_tokens, num_sequences, constant_normalizer, groups, versions, proximal,
-              tp_group, vocab_start) -> None:
+def _validate(model: ModelInputs, tokens, temperature, candidates, data: TokenData, agg: Aggregation,
+              par: Parallelism, corr: Correction) -> None:
+    logits, hidden, weight, bias = model.logits, model.hidden, model.weight, model.bias
     if logits is not None and (hidden is not None or weight is not None):
         raise ValueError("pass either logits, or hidden and weight, not both")
     if logits is None:
@@ -185,13 +193,12 @@ def _validate(logits, hidden, weight, bias, tokens, lq, adv, candidates, loss_ma
     if tokens is None:
         raise ValueError("tokens, sampler_logprobs and advantages are required")
     check_vector("tokens", tokens, n, device, "int")
-    vocab = v if tp_group is None else _global_vocab(tp_group, vocab_start, v, n, device)
+    vocab = v if par.tp_group is None else _global_vocab(par.tp_group, par.vocab_start, v, n, device)
     if n and bool((tokens < 0).any()):
         raise ValueError(f"tokens: id {int(tokens.min())} is negative")
     if n and vocab is not None and bool((tokens >= vocab).any()):
         raise ValueError(f"tokens: id {int(tokens.max())} is out of range for vocabulary size {vocab}")
-    active = check_batch(n, device, lq, adv, loss_mask, corr, seq_ids, aggregation, num_loss_tokens, num_sequences,
-                         constant_normalizer, groups, versions, proximal)
+    active = check_batch(n, device, data, agg, corr)
     if isinstance(temperature, Tensor):
         if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != n):
             raise ValueError(f"temperature must be a float or a [N] = [{n}] tensor, got {tuple(temperature.shape)}")

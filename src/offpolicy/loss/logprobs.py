@@ -1,12 +1,12 @@
 """The loss math on per-token log-probabilities: ``policy_loss_from_logprobs``.
 
-Everything of SPEC sections 2-6 that follows the log-softmax, in ``O(N K)`` plain torch: importance weights
-(token, sequence, geometric), rejections, batch normalisation, decoupled PPO, score centering, aggregation and
-metrics. :func:`offpolicy.policy_loss` computes the log-probabilities from logits (or hidden states) with the
-sparse log-softmax primitive and lands here; trainers that already compute per-token log-probabilities with
-their own kernels (verl, TRL, OpenRLHF style) call this entry point directly.
+Everything of docs/spec.md (#weights to #metrics) that follows the log-softmax, in ``O(N K)`` plain torch:
+importance weights (token, sequence, geometric), rejections, batch normalisation, decoupled PPO, score centering,
+aggregation and metrics. :func:`offpolicy.policy_loss` computes the log-probabilities from logits (or hidden
+states) with the sparse log-softmax primitive and lands here; trainers that already compute per-token
+log-probabilities with their own kernels (verl, TRL, OpenRLHF style) call this entry point directly.
 
-Per-token loss (SPEC section 3), ``sg`` = stop-gradient:
+Per-token loss (docs/spec.md#score-centering), ``sg`` = stop-gradient:
 
     loss_t = -A_t * ( w_t log p(y_t) - sum_{v in H_t} sg(c_t(v)) log p(v) )
 
@@ -16,7 +16,7 @@ centering. Decoupled PPO replaces the first term by the clipped surrogate of ``u
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -25,10 +25,13 @@ from offpolicy.loss.aggregation import aggregate
 from offpolicy.records.candidates import Candidates
 from offpolicy.loss.centering import Centering, centering_coefficients
 from offpolicy.corrections.correction import Correction
-from offpolicy.loss.metrics import policy_metrics
+from offpolicy.loss.metrics import TokenView, policy_metrics, token_view
 from offpolicy.loss.segments import Segments
+from offpolicy.loss.inputs import Aggregation, TokenData
 from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_vector
-from offpolicy.corrections.weights import sequence_keep, sequence_weight, weight_function
+from offpolicy.corrections.registry import WEIGHT_MODES, normalisation_of
+from offpolicy.corrections.weights import (bounded_log_ratio, inside_bounds, sequence_drops, sequence_keep,
+                                           token_rejected, token_weight)
 
 
 @dataclass
@@ -42,6 +45,9 @@ class PolicyLossOutput:
         token_weight: ``[N]`` detached importance weight ``w_t`` of each sampled token.
         log_ratio: ``[N]`` detached ``log p(y_t) - lq_t``.
         logprobs: ``[N]`` detached trainer log-probability ``log p(y_t)`` (support-normalised under replay).
+        token_view: the detached per-token inputs of the metrics (:class:`~offpolicy.loss.metrics.TokenView`:
+            clamped log-ratios, the ratio the bounds act on, weights, ...), for callers that reduce the metrics
+            over their own buckets with :func:`~offpolicy.loss.metrics.token_stats`.
     """
 
     loss: Tensor
@@ -50,6 +56,7 @@ class PolicyLossOutput:
     token_weight: Tensor | None = None
     log_ratio: Tensor | None = None
     logprobs: Tensor | None = None
+    token_view: TokenView | None = None
 
 
 def policy_loss_from_logprobs(
@@ -97,71 +104,120 @@ def policy_loss_from_logprobs(
         :class:`PolicyLossOutput`; ``loss`` is differentiable with respect to ``logprobs`` and
         ``candidate_logprobs``.
     """
-    corr = correction
+    data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
+                     current_version)
+    agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
     if validate and not torch.compiler.is_compiling():
-        _validate(logprobs, sampler_logprobs, advantages, candidates, candidate_logprobs, loss_mask, corr, seq_ids,
-                  aggregation, num_loss_tokens, num_sequences, constant_normalizer, groups, versions,
-                  proximal_logprobs, entropy)
+        _validate(logprobs, candidates, candidate_logprobs, entropy, data, agg, correction)
+    return loss_from_logprobs(logprobs, candidates, candidate_logprobs, entropy, data, agg, correction, cp_group)
+
+
+def loss_from_logprobs(
+    logprobs: Tensor,
+    candidates: Candidates | None,
+    candidate_logprobs: Tensor | None,
+    entropy: Tensor | None,
+    data: TokenData,
+    agg: Aggregation,
+    corr: Correction,
+    cp_group=None,
+) -> PolicyLossOutput:
+    """The pipeline behind both entry points, on validated records: ratios -> weights -> rejections ->
+    normalisation -> surrogate (+ score centering) -> aggregation -> metrics, each stage reading the entries of
+    :mod:`offpolicy.corrections.registry` the correction selects."""
     n = logprobs.shape[0]
-    active = (torch.ones(n, dtype=torch.bool, device=logprobs.device) if loss_mask is None
-              else loss_mask.to(torch.bool))
-    support = candidates is not None and candidates.kind == "support"
+    active = (torch.ones(n, dtype=torch.bool, device=logprobs.device) if data.loss_mask is None
+              else data.loss_mask.to(torch.bool))
     logp_y = logprobs
     dtype = logp_y.dtype
     # Sampler-side inputs are data, never differentiated (w = sg(f(r)), c = sg(c)), even if a caller's are attached.
-    lq = sampler_logprobs.to(dtype).detach()
-    adv = advantages.to(dtype).detach()
+    lq = data.sampler_logprobs.to(dtype).detach()
+    adv = data.advantages.to(dtype).detach()
     zero = torch.zeros_like(logp_y)
+    seg = Segments.from_ids(data.seq_ids, active, cp_group) if data.seq_ids is not None else None
+
+    # 1. Ratios: log r = log p - lq, and the ratio the weights act on (pi_prox / q under decoupled PPO).
     log_r = torch.where(active, logp_y.detach() - lq, zero)
-    seg = Segments.from_ids(seq_ids, active, cp_group) if seq_ids is not None else None
-
-    # The ratio that importance-weights the sampled token: p/q, or pi_prox/q under decoupled PPO.
-    log_w = log_r if proximal_logprobs is None else torch.where(active, proximal_logprobs.to(dtype) - lq, zero)
-    w = sequence_weight(log_w, seg, corr) if corr.sequence_level else weight_function(log_w, corr)
-    kept = sequence_keep(log_w, adv, seg, corr)
-    trained = active & (adv != 0) if kept is None else active & (adv != 0) & kept
-    w = torch.where(active if kept is None else active & kept, w, zero)
-    scale = 1.0
-    if corr.batch_normalize:
-        # A batch constant, applied to the weights and the centering coefficients alike: drift stays zero.
-        sel = active if kept is None else active & kept
-        w_sum, n_sel = _group_sum(torch.stack([w.sum(), sel.sum().to(dtype)]), cp_group)
-        mean_w = w_sum / n_sel.clamp_min(1)
-        scale = torch.where(mean_w > 0, 1.0 / mean_w.clamp_min(torch.finfo(dtype).tiny), torch.ones_like(mean_w))
-        w = w * scale
-
-    centering: Centering | None = None
-    if corr.ppo_clip is not None:
-        eps_lo, eps_hi = corr.ppo_clip
-        log_u = (logp_y - proximal_logprobs.to(dtype)).clamp(-corr.max_log_ratio, corr.max_log_ratio)
-        u = torch.exp(log_u)
-        surrogate = torch.minimum(u * adv, u.clamp(1.0 - eps_lo, 1.0 + eps_hi) * adv)
-        token_loss = -w * surrogate
-    else:
-        # w * log p(y) with w = 0 where the token's own weight is masked (0 * -inf must not make a NaN).
-        policy_term = torch.where(w != 0, w * logp_y, zero)
-        if corr.score_centering and candidates is not None:
-            valid = candidates.ids >= 0
-            centering = centering_coefficients(candidate_logprobs.detach(), candidates.logprobs.detach(), valid,
-                                               support, corr)
-            coef = centering.coef * scale
-            policy_term = policy_term - torch.where(coef != 0, coef * candidate_logprobs,
-                                                    torch.zeros_like(coef)).sum(1)
-        token_loss = -adv * policy_term
+    prox = data.proximal_logprobs.to(dtype).detach() if data.proximal_logprobs is not None else None
+    log_w = log_r if prox is None else torch.where(active, prox - lq, zero)
+    # 2. Weights w = f(r) at the correction's level. A sampled token the trainer gives probability 0 gets weight
+    # exactly 0 in every mode: its score is undefined and w log p(y) would be infinite (counted in zero_prob_frac).
+    w = token_weight(log_w, seg, corr)
+    impossible = active & (logp_y.detach() == float("-inf"))
+    w = torch.where(impossible, zero, w)
+    # 3. Rejections: sequences dropped by veto / sequence KL / OPSM.
+    drops = sequence_drops(log_w, log_r, adv, seg, corr)
+    kept = sequence_keep(drops)
+    sel = active if kept is None else active & kept
+    trained = sel & (adv != 0)
+    w = torch.where(sel, w, zero)
+    # 4. Normalisation: a batch constant on the weights and the centering coefficients alike (drift stays zero).
+    w, scale = _normalise(w, sel, seg, corr, cp_group)
+    # 5. Surrogate (and score centering).
+    token_loss, centering = _surrogate(logp_y, w, scale, adv, prox, seg, candidates, candidate_logprobs, corr)
     token_loss = torch.where(trained, token_loss, zero)
-    loss = aggregate(
-        token_loss, active, aggregation, seg, num_loss_tokens, num_sequences, constant_normalizer, cp_group
-    )
-
+    # 6. Aggregation (without the rejected tokens in the normaliser when the correction says so).
+    counted, seg_counted = active, seg
+    if not corr.rejected_in_normalizer:
+        tok_rej = token_rejected(log_w, corr)
+        counted = sel if tok_rej is None else sel & ~tok_rej
+        if WEIGHT_MODES[corr.weights].rejects:
+            counted = counted & inside_bounds(bounded_log_ratio(log_w, seg, corr), corr)
+        seg_counted = replace(seg, active=counted) if seg is not None else None
+    loss = aggregate(token_loss, counted, agg.name, seg_counted, agg.num_loss_tokens, agg.num_sequences,
+                     agg.constant_normalizer, cp_group)
+    # 7. Metrics.
+    view = token_view(log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, corr), impossible=impossible,
+                      weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, corr=corr)
     metrics = policy_metrics(
-        log_ratio=log_r, weight=w, active=active, entropy=zero if entropy is None else entropy, corr=corr,
+        view=view, drops=drops, active=active, entropy=zero if entropy is None else entropy, corr=corr,
         kept=kept, centering=centering, cand_valid=(candidates.ids >= 0) if candidates is not None else None,
-        seg=seg.local() if seg is not None else None, groups=groups,
-        versions=versions, current_version=current_version,
+        seg=seg.local() if seg is not None else None, groups=data.groups,
+        versions=data.versions, current_version=data.current_version,
     )
     if entropy is None:
         del metrics["entropy"]
-    return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach())
+    return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach(), view)
+
+
+def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, corr: Correction,
+               cp_group) -> tuple[Tensor, Tensor | float]:
+    """``(w / mean, 1 / mean)`` under the correction's normalisation (mean over ``cp_group`` too), else
+    ``(w, 1.0)``. A batch whose kept weights are all 0 keeps them (scale 1)."""
+    norm = normalisation_of(corr)
+    if norm is None:
+        return w, 1.0
+    num, den = _group_sum(torch.stack(norm.fast(w, sel, seg)), cp_group)
+    mean_w = num / den.clamp_min(1)
+    scale = torch.where(mean_w > 0, 1.0 / mean_w.clamp_min(torch.finfo(w.dtype).tiny), torch.ones_like(mean_w))
+    return w * scale, scale
+
+
+def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | None, seg: Segments | None,
+               candidates: Candidates | None, cand_lp: Tensor | None,
+               corr: Correction) -> tuple[Tensor, Centering | None]:
+    """``[N]`` token loss ``-w_t s_t`` of the correction's surrogate; for the score-function surrogate
+    ``-A_t (w_t log p(y_t) - sum_v sg(c_t(v)) log p(v))`` with the centering sum under score centering."""
+    if corr.score_centering and candidates is None:
+        raise ValueError("score_centering=True needs candidates (the sampler's Candidates record, head or support): "
+                         "centering sums over the recorded candidates; got candidates=None")
+    sur = corr.surrogate
+    zero = torch.zeros_like(logp_y)
+    if sur.fast is not None:
+        # w = 0 (masked, rejected, impossible) contributes exactly 0 whatever the surrogate holds there.
+        return torch.where(w != 0, -w * sur.fast(logp_y, prox, adv, seg, corr), zero), None
+    # w * log p(y) with w = 0 where the token's own weight is masked (0 * -inf must not make a NaN).
+    policy_term = torch.where(w != 0, w * logp_y, zero)
+    centering = None
+    if corr.score_centering:
+        valid = candidates.ids >= 0
+        centering = centering_coefficients(cand_lp.detach(), candidates.logprobs.detach(), valid,
+                                           candidates.kind == "support", corr)
+        coef = centering.coef * scale
+        # A candidate the trainer gives probability 0 (log p = -inf) contributes exactly 0.
+        live = (coef != 0) & (cand_lp.detach() > float("-inf"))
+        policy_term = policy_term - torch.where(live, coef * cand_lp, torch.zeros_like(coef)).sum(1)
+    return -adv * policy_term, centering
 
 
 def _group_sum(x: Tensor, group) -> Tensor:
@@ -175,15 +231,13 @@ def _group_sum(x: Tensor, group) -> Tensor:
     return x
 
 
-def _validate(logprobs, lq, adv, candidates, cand_lp, loss_mask, corr, seq_ids, aggregation, num_loss_tokens,
-              num_sequences, constant_normalizer, groups, versions, proximal, entropy) -> None:
+def _validate(logprobs, candidates, cand_lp, entropy, data: TokenData, agg: Aggregation, corr: Correction) -> None:
     if not isinstance(logprobs, Tensor) or logprobs.dim() != 1:
         raise ValueError(f"logprobs must be a [N] tensor, got {getattr(logprobs, 'shape', type(logprobs))}")
     if not logprobs.is_floating_point():
         raise TypeError(f"logprobs must be a floating-point tensor, got {logprobs.dtype}")
     n, device = logprobs.shape[0], logprobs.device
-    active = check_batch(n, device, lq, adv, loss_mask, corr, seq_ids, aggregation, num_loss_tokens, num_sequences,
-                         constant_normalizer, groups, versions, proximal)
+    active = check_batch(n, device, data, agg, corr)
     lp_a = logprobs.detach()[active]
     if bool(torch.isnan(lp_a).any()):
         raise ValueError(f"logprobs: NaN on trained token {int((torch.isnan(logprobs) & active).nonzero()[0])}")

@@ -1,12 +1,25 @@
-"""Detached diagnostics of the sampler-trainer mismatch and of the correction (SPEC section 6).
+"""Detached diagnostics of the sampler-trainer mismatch and of the correction (docs/spec.md#metrics).
 
 Keys (all scalar tensors, means over trained tokens unless named otherwise):
 
 * mismatch: ``kl_k1``, ``kl_k2``, ``kl_k3`` (estimators of KL(q||p) on sampled tokens), ``abs_log_ratio_mean``,
   ``abs_log_ratio_max``, ``extreme_ratio_frac`` (share of tokens with ``r`` outside ``[0.2, 5]``);
 * weights: ``weight_mean``, ``weight_min``, ``weight_max``, ``ratio_below_lower_frac``,
-  ``ratio_above_upper_frac`` (tokens masked low / high by MIS, or clipped by TIS), ``ess`` (effective sample
-  size ``(sum w)^2 / (n sum w^2)``), ``rejected_frac`` (dropped by veto / KL rejection / OPSM);
+  ``ratio_above_upper_frac`` (tokens whose *bounded* ratio, the one the bounds act on, lies below / above the
+  bounds: the token's ``p / q``, its sequence's product or geometric mean at those levels, ``pi_prox / q`` under
+  decoupled PPO), ``ess`` (effective sample size ``(sum w)^2 / (n sum w^2)``), ``rejected_frac`` (dropped by
+  veto / KL rejection / OPSM), ``zero_prob_frac`` (sampled tokens the trainer gives probability 0: weight 0);
+* spread: ``chi2_token`` (``mean r^2 - 1``), ``ratio_mean``, ``ratio_max``, ``ratio_min`` (the untruncated token
+  ratio ``p / q``, clamped only at ``exp(+-max_log_ratio)``), ``weight_std`` (population std of the final weights),
+  ``weight_before_bound_mean`` (mean of the ratio the bounds act on, before ``f``);
+* perplexities over the trained tokens the trainer can produce (``zero_prob_frac`` counts the others):
+  ``ppl_trainer = exp(mean -log p)``, ``ppl_sampler = exp(mean -lq)``, ``ppl_ratio`` (their ratio);
+* with ``veto``: ``veto_catastrophic_frac`` (tokens whose ratio is below the veto threshold);
+* with ``seq_ids`` (overall only, over this rank's sequences with a trained token): ``seq_chi2``
+  (``mean rho^2 - 1``, ``rho = exp(sum_t log r_t)``), ``seq_ratio_mean/max/min`` (``rho``),
+  ``seq_log_ppl_diff_mean/abs_mean/max/min`` (``d = mean_t (lq - log p)``, the log of the trainer-to-sampler
+  perplexity ratio; clamped log-ratios), ``seq_ppl_ratio_mean`` (``mean exp(d)``), and per sequence rule ``R``
+  switched on ``rejected_frac/R`` (share of trained tokens in sequences ``R`` drops);
 * policy: ``entropy`` (of ``p``, or of ``p^S`` under mask replay), ``num_tokens``;
 * records: ``support_size``; with score centering ``sc_p_head``, ``sc_q_head``, ``sc_rho``, ``sc_abs_coef_sum``;
 * per sampler group ``g``: ``group/{g}/<name>`` with ``share_samples`` (of sequences when ``seq_ids`` are given,
@@ -18,6 +31,7 @@ Keys (all scalar tensors, means over trained tokens unless named otherwise):
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -50,11 +64,39 @@ def _min(x: Tensor, sel: Tensor) -> Tensor:
     return torch.where(torch.isfinite(low), low, torch.zeros_like(low))
 
 
-def token_stats(lr: Tensor, w: Tensor, sel: Tensor, corr: Correction) -> dict[str, Tensor]:
-    """Mismatch and weight statistics over the tokens selected by ``sel [N]`` (bool): ``lr [N]`` clamped
-    log-ratios, ``w [N]`` final weights. Keys: the mismatch and weight keys of the module docstring, ``ess`` and
-    ``num_tokens``."""
+class TokenView(NamedTuple):
+    """Per-token detached inputs of the statistics, all ``[N]``.
+
+    Attributes:
+        lr: clamped ``log p - lq``.
+        lw: unclamped log of the token ratio the weights act on (``pi_prox / q`` under decoupled PPO).
+        lb: unclamped log of the ratio the bounds act on (token, sequence or geometric).
+        impossible: bool, sampled tokens with trainer probability 0.
+        w: final weights.
+        logp: ``log p(y)``.
+        lq: ``log q(y)``.
+    """
+
+    lr: Tensor
+    lw: Tensor
+    lb: Tensor
+    impossible: Tensor
+    w: Tensor
+    logp: Tensor
+    lq: Tensor
+
+
+def token_stats(v: TokenView, sel: Tensor, corr: Correction) -> dict[str, Tensor]:
+    """Mismatch and weight statistics over the tokens selected by ``sel [N]`` (bool). Keys: the token-level keys
+    of the module docstring, ``ess`` and ``num_tokens``."""
+    lr, lb, impossible, w = v.lr, v.lb, v.impossible, v.w
     n = sel.sum()
+    r = torch.exp(lr)
+    possible = sel & ~impossible
+    zero = torch.zeros_like(lr)
+    neg_logp = _mean(torch.where(possible, -v.logp, zero), possible)
+    neg_lq = _mean(torch.where(possible, -v.lq, zero), possible)
+    mean_w = _mean(w, sel)
     out = {
         "kl_k1": _mean(kl_estimate(lr, "k1"), sel),
         "kl_k2": _mean(kl_estimate(lr, "k2"), sel),
@@ -65,9 +107,22 @@ def token_stats(lr: Tensor, w: Tensor, sel: Tensor, corr: Correction) -> dict[st
         "weight_mean": _mean(w, sel),
         "weight_min": _min(w, sel),
         "weight_max": _max(w, sel),
-        "ratio_below_lower_frac": _mean((lr < log_bound(corr.lower)).to(lr.dtype), sel),
-        "ratio_above_upper_frac": _mean((lr > log_bound(corr.upper)).to(lr.dtype), sel),
+        "ratio_below_lower_frac": _mean((lb < log_bound(corr.lower)).to(lr.dtype), sel),
+        "ratio_above_upper_frac": _mean((lb > log_bound(corr.upper)).to(lr.dtype), sel),
+        "zero_prob_frac": _mean(impossible.to(lr.dtype), sel),
+        "chi2_token": torch.where(n > 0, _mean(r * r, sel) - 1, zero.sum() * 0),
+        "ratio_mean": _mean(r, sel),
+        "ratio_max": _max(r, sel),
+        "ratio_min": _min(r, sel),
+        # Two passes (mean, then the mean squared deviation): E[w^2] - E[w]^2 cancels to noise for equal weights.
+        "weight_std": _mean((w - mean_w).square(), sel).sqrt(),
+        "weight_before_bound_mean": _mean(torch.exp(lb.clamp(-corr.max_log_ratio, corr.max_log_ratio)), sel),
+        "ppl_trainer": torch.exp(neg_logp),
+        "ppl_sampler": torch.exp(neg_lq),
+        "ppl_ratio": torch.exp(neg_logp - neg_lq),
     }
+    if corr.veto is not None:
+        out["veto_catastrophic_frac"] = _mean((v.lw < math.log(corr.veto)).to(lr.dtype), sel)
     ws = torch.where(sel, w, torch.zeros_like(w))
     sq = (ws * ws).sum()
     out["ess"] = torch.where(sq > 0, ws.sum() ** 2 / (n.clamp_min(1) * sq), torch.zeros_like(sq))
@@ -79,10 +134,28 @@ def _extreme(lr: Tensor) -> Tensor:
     return (lr < math.log(EXTREME_RATIO[0])) | (lr > math.log(EXTREME_RATIO[1]))
 
 
+def token_view(*, log_ratio: Tensor, bounded_log_ratio: Tensor, impossible: Tensor, weight_ratio: Tensor,
+               logprobs: Tensor, sampler_logprobs: Tensor, weight: Tensor, corr: Correction) -> TokenView:
+    """The :class:`TokenView` of a batch, detached.
+
+    Args:
+        log_ratio: ``[N]`` ``log p(y) - lq`` (may hold ``+-inf``, clamped here to ``+-max_log_ratio``).
+        bounded_log_ratio: ``[N]`` log of the ratio the bounds act on (token, sequence or geometric; ``pi_prox /
+            q`` under decoupled PPO).
+        impossible: ``[N]`` bool, sampled tokens the trainer gives probability 0.
+        weight_ratio: ``[N]`` unclamped log of the token ratio the weights act on.
+        logprobs, sampler_logprobs: ``[N]`` ``log p(y)`` and ``lq``.
+        weight: ``[N]`` final token weights (after rejection and batch normalisation).
+    """
+    lr = log_ratio.detach().clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    return TokenView(lr, weight_ratio.detach(), bounded_log_ratio.detach(), impossible, weight.detach(),
+                     logprobs.detach(), sampler_logprobs.detach().to(lr.dtype))
+
+
 def policy_metrics(
     *,
-    log_ratio: Tensor,
-    weight: Tensor,
+    view: TokenView,
+    drops: dict[str, Tensor],
     active: Tensor,
     entropy: Tensor,
     corr: Correction,
@@ -97,8 +170,8 @@ def policy_metrics(
     """All metrics of the module docstring.
 
     Args:
-        log_ratio: ``[N]`` ``log p(y) - lq`` (detached; may hold ``+-inf``, clamped here to ``+-max_log_ratio``).
-        weight: ``[N]`` final token weights (after rejection and batch normalisation).
+        view: the batch's :class:`TokenView` (see :func:`token_view`).
+        drops: ``{rule: [N] bool}`` tokens each sequence rule drops.
         active: ``[N]`` bool trained tokens.
         entropy: ``[N]`` entropy of the trainer's (full or support) distribution.
         kept: ``[N]`` bool, tokens not dropped by a sequence-level rejection (None: all kept).
@@ -108,9 +181,12 @@ def policy_metrics(
         groups, versions: ``[N]`` int sampler group and policy version of each token, or None.
         current_version: the trainer's version for staleness; default ``versions.max()``.
     """
-    lr = log_ratio.detach().clamp(-corr.max_log_ratio, corr.max_log_ratio)
-    w = weight.detach()
-    out = token_stats(lr, w, active, corr)
+    lr, w = view.lr, view.w
+    out = token_stats(view, active, corr)
+    if seg is not None:
+        out.update(_sequence_stats(lr, seg, corr))
+        for name, dropped in drops.items():
+            out[f"rejected_frac/{name}"] = _mean(dropped.to(lr.dtype), active)
     out["entropy"] = _mean(entropy.detach().to(lr.dtype), active)
     out["rejected_frac"] = (
         _mean((~kept).to(lr.dtype), active) if kept is not None else lr.new_zeros(())
@@ -123,18 +199,41 @@ def policy_metrics(
         out["sc_rho"] = _mean(centering.rho, active)
         out["sc_abs_coef_sum"] = _mean(centering.coef.abs().sum(dim=1), active)
     if groups is not None:
-        out.update(_split(lr, w, active, corr, groups, "group", seg))
+        out.update(_split(view, active, corr, groups, "group", seg))
     if versions is not None:
         now = int(versions[active].max()) if current_version is None and bool(active.any()) else current_version
         if now is not None:
-            out.update(_split(lr, w, active, corr, now - versions, "staleness", seg))
+            out.update(_split(view, active, corr, now - versions, "staleness", seg))
     return out
 
 
+def _sequence_stats(lr: Tensor, seg: Segments, corr: Correction) -> dict[str, Tensor]:
+    """The ``seq_*`` keys over the sequences of ``seg`` with a trained token (``lr``: clamped log-ratios)."""
+    has = seg.has_active()
+    log_rho = seg.sum(lr).clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    rho = torch.exp(log_rho)
+    d = -seg.mean(lr)
+    n = has.sum()
+    zero = torch.zeros((), dtype=lr.dtype, device=lr.device)
+    return {
+        "seq_chi2": torch.where(n > 0, _mean(rho * rho, has) - 1, zero),
+        "seq_ratio_mean": _mean(rho, has),
+        "seq_ratio_max": _max(rho, has),
+        "seq_ratio_min": _min(rho, has),
+        "seq_log_ppl_diff_mean": _mean(d, has),
+        "seq_log_ppl_diff_abs_mean": _mean(d.abs(), has),
+        "seq_log_ppl_diff_max": torch.where(n > 0, torch.where(has, d, torch.full_like(d, -math.inf)).amax()
+                                            if d.numel() else zero, zero),
+        "seq_log_ppl_diff_min": _min(d, has),
+        "seq_ppl_ratio_mean": _mean(torch.exp(d), has),
+    }
+
+
 def _split(
-    lr: Tensor, w: Tensor, active: Tensor, corr: Correction, key: Tensor, name: str, seg: Segments | None
+    view: TokenView, active: Tensor, corr: Correction, key: Tensor, name: str, seg: Segments | None,
 ) -> dict[str, Tensor]:
     """Per-value statistics of ``key [N]`` over the active tokens, with each value's shares."""
+    lr = view.lr
     out: dict[str, Tensor] = {}
     n_total = active.sum().clamp_min(1).to(lr.dtype)
     extreme = _extreme(lr) & active
@@ -142,7 +241,7 @@ def _split(
     seq_total = seg.has_active().sum().clamp_min(1).to(lr.dtype) if seg is not None else None
     for value in torch.unique(key[active]).tolist():
         sel = active & (key == value)
-        stats = token_stats(lr, w, sel, corr)
+        stats = token_stats(view, sel, corr)
         stats["share_tokens"] = sel.sum().to(lr.dtype) / n_total
         stats["share_extreme"] = torch.where(
             n_extreme > 0, (extreme & sel).sum().to(lr.dtype) / n_extreme.clamp_min(1), n_extreme * 0

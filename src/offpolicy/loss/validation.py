@@ -9,6 +9,7 @@ from torch import Tensor
 from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
 from offpolicy.records.candidates import Candidates
 from offpolicy.corrections.correction import Correction
+from offpolicy.loss.inputs import Aggregation, TokenData
 
 #: Log-probabilities may exceed 0 by rounding; beyond this they are not log-probabilities.
 LOGPROB_SLACK = 1e-4
@@ -28,11 +29,11 @@ def check_vector(name: str, x, n: int, device, kind: str) -> None:
         raise ValueError(f"{name} is on {x.device}, expected {device} like the other inputs")
 
 
-def check_batch(n: int, device, lq, adv, loss_mask, corr, seq_ids, aggregation, num_loss_tokens, num_sequences,
-                constant_normalizer, groups, versions, proximal) -> Tensor:
+def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correction) -> Tensor:
     """The per-token data and options common to every entry point; returns ``active [N]`` (bool)."""
     if not isinstance(corr, Correction):
         raise TypeError(f"correction must be an offpolicy.Correction, got {type(corr).__name__}")
+    lq, adv, loss_mask, proximal = data.sampler_logprobs, data.advantages, data.loss_mask, data.proximal_logprobs
     if lq is None or adv is None:
         raise ValueError("sampler_logprobs and advantages are required")
     check_vector("sampler_logprobs", lq, n, device, "float")
@@ -53,24 +54,25 @@ def check_batch(n: int, device, lq, adv, loss_mask, corr, seq_ids, aggregation, 
         raise ValueError(f"sampler_logprobs: value {float(lq_a.max()):.4g} > 0 on a trained token")
     if not bool(torch.isfinite(adv[active]).all()):
         raise ValueError("advantages: NaN or inf on a trained token")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    if aggregation in SEQUENCE_AGGREGATIONS and seq_ids is None:
-        raise ValueError(f"aggregation={aggregation!r} needs seq_ids")
-    if aggregation == "constant" and not (constant_normalizer is not None and constant_normalizer > 0):
+    seq_ids = data.seq_ids
+    if agg.name not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {agg.name!r}")
+    if agg.name in SEQUENCE_AGGREGATIONS and seq_ids is None:
+        raise ValueError(f"aggregation={agg.name!r} needs seq_ids")
+    if agg.name == "constant" and not (agg.constant_normalizer is not None and agg.constant_normalizer > 0):
         raise ValueError("aggregation='constant' needs constant_normalizer > 0")
     if corr.needs_sequences and seq_ids is None:
         raise ValueError("this correction (sequence-level weights or a sequence rejection) needs seq_ids")
-    for name, val in (("num_loss_tokens", num_loss_tokens), ("num_sequences", num_sequences)):
+    for name, val in (("num_loss_tokens", agg.num_loss_tokens), ("num_sequences", agg.num_sequences)):
         if val is not None and not float(val) > 0:
             raise ValueError(f"{name} must be > 0, got {val}")
-    if (corr.ppo_clip is None) != (proximal is None):
+    if corr.surrogate.needs_proximal != (proximal is not None):
         raise ValueError("correction.ppo_clip and proximal_logprobs go together (decoupled PPO)")
     if proximal is not None:
         check_vector("proximal_logprobs", proximal, n, device, "float")
         if not bool(torch.isfinite(proximal[active]).all()):
             raise ValueError("proximal_logprobs: NaN or inf on a trained token")
-    for name, val in (("seq_ids", seq_ids), ("groups", groups), ("versions", versions)):
+    for name, val in (("seq_ids", seq_ids), ("groups", data.groups), ("versions", data.versions)):
         if val is not None:
             check_vector(name, val, n, device, "int")
     return active
@@ -85,7 +87,7 @@ def check_candidates(candidates, vocab: int | None, n: int, device, active: Tens
         raise TypeError(f"candidates must be an offpolicy.Candidates, got {type(candidates).__name__}")
     if candidates.ids.device != device:
         raise ValueError(f"candidates are on {candidates.ids.device}, expected {device}")
-    candidates.validate(vocab, n, tokens)
+    candidates.validate(vocab, n, tokens, active)
     if candidates.kind == "support":
         empty = active & ~(candidates.ids >= 0).any(dim=1)
         if bool(empty.any()):

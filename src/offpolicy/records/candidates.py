@@ -1,6 +1,6 @@
 """The sampler's candidate record: which tokens it considered at each position and with what log-probability.
 
-Two kinds (SPEC section 1):
+Two kinds (docs/spec.md#records):
 
 * ``"head"``: sampling was unfiltered; ``ids`` are the sampler's top-``K`` tokens. The unrecorded tail of the
   sampler's distribution is modelled by score centering (``q_hat = rho * p`` outside the head).
@@ -121,12 +121,15 @@ class Candidates:
         padded_lp[row, col] = logprobs
         return cls(padded_ids, padded_lp, kind)
 
-    def validate(self, vocab_size: int | None, num_rows: int, tokens: Tensor | None = None) -> None:
+    def validate(self, vocab_size: int | None, num_rows: int, tokens: Tensor | None = None,
+                 loss_mask: Tensor | None = None) -> None:
         """Check the record against the batch; raise ``ValueError`` naming what is wrong.
 
-        Checks: row count, ids in ``[-1, vocab_size)``, no duplicate id within a row, no NaN or ``+inf``
-        log-probability on a valid entry, ``-inf`` at padding, and for ``kind="support"`` that each non-empty
-        row sums to one within :data:`SUPPORT_SUM_TOL` and contains the sampled token.
+        Checks on every row (the loss reads every row's entries): row count, ids in ``[-1, vocab_size)``, no
+        duplicate id within a row, no NaN or ``+inf`` log-probability, ``-inf`` at padding. Checks on trained rows
+        only (``loss_mask [N]`` bool, None: all; untrained rows such as post-EOS padding may hold placeholders):
+        a log-probability above 0, for ``kind="support"`` that each non-empty row sums to one within
+        :data:`SUPPORT_SUM_TOL` and contains the sampled token, for ``kind="head"`` that a row's mass is at most 1.
         """
         ids, lp = self.ids, self.logprobs
         if ids.shape[0] != num_rows:
@@ -134,6 +137,8 @@ class Candidates:
         if ids.numel() == 0:
             return
         valid = ids >= 0
+        trained = (torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device) if loss_mask is None
+                   else loss_mask.to(device=ids.device, dtype=torch.bool))
         if bool((ids < -1).any()):
             raise ValueError("candidates.ids: padding must be -1; found ids below -1")
         if vocab_size is not None and bool((ids >= vocab_size).any()):
@@ -143,7 +148,7 @@ class Candidates:
             raise ValueError("candidates.logprobs: NaN found")
         if bool((lp == float("inf")).any()):
             raise ValueError("candidates.logprobs: +inf found (log-probabilities are <= 0)")
-        if bool((lp[valid] > 1e-4).any()):
+        if bool((lp[valid & trained[:, None]] > 1e-4).any()):
             raise ValueError("candidates.logprobs: a log-probability above 0 found (probabilities are <= 1)")
         if bool(((~valid) & (lp != float("-inf"))).any()):
             raise ValueError("candidates.logprobs: padding entries (ids == -1) must hold -inf")
@@ -154,7 +159,7 @@ class Candidates:
                 row = int(dup.any(dim=1).nonzero()[0])
                 raise ValueError(f"candidates.ids: duplicate id within row {row}")
         if self.kind == "support":
-            nonempty = valid.any(dim=1)
+            nonempty = valid.any(dim=1) & trained
             sums = torch.exp(lp.double()).sum(dim=1)
             off = nonempty & ((sums - 1.0).abs() > SUPPORT_SUM_TOL)
             if bool(off.any()):
@@ -174,7 +179,7 @@ class Candidates:
                     )
         else:
             mass = torch.exp(lp.double()).sum(dim=1)
-            over = mass > 1.0 + SUPPORT_SUM_TOL
+            over = (mass > 1.0 + SUPPORT_SUM_TOL) & trained
             if bool(over.any()):
                 row = int(over.nonzero()[0])
                 raise ValueError(

@@ -1,4 +1,4 @@
-"""Property checkers: run a user's loss function against the SPEC's invariants, with hypothesis shrinking.
+"""Property checkers: run a user's loss function against the spec's invariants, with hypothesis shrinking.
 
 The function is reached through one adapter signature (:data:`LossFn`)::
 
@@ -26,14 +26,17 @@ and reported with the invariant's name, the configuration and the example.
 
 Invariants (see docs/testing_kit.md for one paragraph each):
 
-``agreement``          loss (per token, or aggregated) and logit gradient equal offpolicy.reference's (SPEC 7.2, 7.5)
-``zero_drift``         constant advantage: sum_y q(y) grad loss(y) = 0 (SPEC 7.1), when centering is claimed
-``plain_is_unbiased``  f(r) = r: E_q[grad loss] = E_p[grad of -A log p] (SPEC 7.3), for tis / mis
-``support_replay``     support records: no gradient outside S, no dependence on logits outside S (SPEC 7.4)
-``shift_invariance``   adding a constant to a row's logits changes nothing (SPEC 7.4)
+``agreement``          loss (per token, or aggregated) and logit gradient equal offpolicy.reference's
+                       (docs/spec.md#inv-head-exact, docs/spec.md#inv-autograd)
+``zero_drift``         constant advantage: sum_y q(y) grad loss(y) = 0 (docs/spec.md#inv-zero-drift), when centering
+                       is claimed
+``plain_is_unbiased``  f(r) = r: E_q[grad loss] = E_p[grad of -A log p] (docs/spec.md#inv-plain-is), for tis / mis
+``support_replay``     support records: no gradient outside S, no dependence on logits outside S
+                       (docs/spec.md#inv-support)
+``shift_invariance``   adding a constant to a row's logits changes nothing (docs/spec.md#inv-support)
 ``sampler_no_grad``    no gradient reaches sampler log-probabilities, candidate log-probabilities or advantages
-``hostile_finite``     finite loss and gradient on hostile numerics (SPEC 7.8)
-``masking``            untrained tokens contribute nothing, fully masked batches give zeros (SPEC 7.6)
+``hostile_finite``     finite loss and gradient on hostile numerics (docs/spec.md#inv-hostile)
+``masking``            untrained tokens contribute nothing, fully masked batches give zeros (docs/spec.md#inv-masking)
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from offpolicy.corrections.registry import LEVELS, WEIGHT_MODES
 from offpolicy.records.candidates import Candidates
 from offpolicy.reference import TAIL_EPS, log_probs, reference_policy_loss, support_mask
 from offpolicy.testing.config import LossConfig
@@ -192,7 +196,7 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     """Whether a ratio the weight function sees lies within the margin of one of its jumps (MIS / rejection
     bounds, applied to the sampled token, to each candidate under centering, and to the head's tail ratio)."""
     corr = cfg.correction
-    if corr.weights not in ("mis", "reject") or fed.tokens.shape[0] == 0:
+    if not WEIGHT_MODES[corr.weights].masks_outside or fed.tokens.shape[0] == 0:
         return False
     jumps = [math.log(b) for b in (corr.lower, corr.upper) if b > 0]
     support = fed.cands is not None and fed.cands.kind == "support"
@@ -202,14 +206,15 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     trained = fed.trained()
     token_log_r = torch.where(trained, lp[torch.arange(n), fed.tokens] - fed.lq.detach().double(), 0.0)
     log_r = [token_log_r[trained]]
-    if fed.seq_ids is not None and cfg.level != "token":
-        # Sequence levels: the weight function sees the sum (or mean) of each sequence's trained log-ratios.
+    level = LEVELS[cfg.level]
+    if fed.seq_ids is not None and level.per_sequence:
+        # Sequence levels: the weight function sees the level's reduction (sum, mean) of each sequence's trained
+        # log-ratios.
         log_r = []
         for sid in torch.unique(fed.seq_ids).tolist():
             rows = (fed.seq_ids == sid) & trained
             if bool(rows.any()):
-                total = token_log_r[rows].sum()
-                log_r.append((total if cfg.level == "sequence" else total / int(rows.sum())).reshape(1))
+                log_r.append(level.reference(token_log_r[rows]).reshape(1))
         log_r.append(torch.zeros(0, dtype=torch.float64))
     if cfg.score_centering and fed.cands is not None:
         valid = fed.cands.ids >= 0
@@ -247,7 +252,8 @@ def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
     finite = z[torch.isfinite(z)]
     x_max = max(1.0, float(finite.abs().max()) / fed.tau if finite.numel() else 0.0)
     unit = torch.finfo(cfg.dtype).eps / 2
-    cap = max(1.0, corr.upper if (cfg.weights in ("tis", "mis") and math.isfinite(corr.upper)) else 1.0)
+    ratio_inside = WEIGHT_MODES[cfg.weights].ratio_inside
+    cap = max(1.0, corr.upper if (ratio_inside and math.isfinite(corr.upper)) else 1.0)
     coef = torch.full((n,), cap, dtype=torch.float64)
     tail = torch.zeros(n, dtype=torch.float64)
     if cfg.score_centering and fed.cands is not None:
@@ -268,7 +274,7 @@ def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
             tail = alpha * rel_rho * (1 + 2 * x_max)
         coef = coef + 2 * cap + alpha
     per_token = fed.adv.detach().double().abs() * (16 * unit * x_max * coef + tail)
-    if fed.seq_ids is not None and cfg.level != "token":
+    if fed.seq_ids is not None and LEVELS[cfg.level].per_sequence:
         # A sequence weight exp(sum_s log r_s) carries the log-probability errors of all L tokens of its sequence
         # (relative error L * 16 u x_max), and the loss multiplies it by |log p(y_t)|.
         lp = log_probs(z, fed.tau)
@@ -573,17 +579,19 @@ def _needs_centering(cfg: LossConfig) -> str | None:
 
 
 def _needs_token_level(cfg: LossConfig) -> str | None:
-    if cfg.level != "token":
+    if LEVELS[cfg.level].per_sequence:
         return f"not applicable: level={cfg.level!r} (the per-position expectation is a token-level property)"
     return None
 
 
 def _needs_identity_weight(cfg: LossConfig) -> str | None:
     corr = cfg.correction
-    if cfg.level != "token":
+    if LEVELS[cfg.level].per_sequence:
         return _needs_token_level(cfg)
-    if cfg.weights not in ("tis", "mis"):
-        return f"not applicable: weights={cfg.weights!r} is not f(r) = r anywhere (only tis and mis are)"
+    if not WEIGHT_MODES[cfg.weights].ratio_inside:
+        modes = [m.name for m in WEIGHT_MODES.values() if m.ratio_inside]
+        names = " and ".join([", ".join(modes[:-1]), modes[-1]] if len(modes) > 1 else modes)
+        return f"not applicable: weights={cfg.weights!r} is not f(r) = r anywhere (only {names} are)"
     if not corr.lower < 1.0 < corr.upper:
         return f"not applicable: the bounds ({corr.lower:g}, {corr.upper:g}) leave no room around r = 1"
     return None
@@ -599,7 +607,7 @@ class Invariant:
 
     Attributes:
         name: short identifier (``"zero_drift"``).
-        spec: where the SPEC states it.
+        spec: where docs/spec.md states it.
         summary: one line, for reports.
         applies: ``config -> None`` when applicable, else the reason it is not.
         strategy: ``config -> SearchStrategy`` of cases.
@@ -631,12 +639,12 @@ INVARIANTS: dict[str, Invariant] = {
     inv.name: inv
     for inv in [
         Invariant(
-            "agreement", "SPEC 7.2, 7.5",
+            "agreement", "docs/spec.md#inv-head-exact, docs/spec.md#inv-autograd",
             "loss (per token or aggregated) and logit gradient equal offpolicy.reference for the declared config",
             _always, _batches, _prop_agreement,
         ),
         Invariant(
-            "zero_drift", "SPEC 7.1, 7.2",
+            "zero_drift", "docs/spec.md#inv-zero-drift, docs/spec.md#inv-head-exact",
             "under a constant advantage the sampler-expected gradient sum_y q(y) grad loss(y) is zero",
             _needs_centering,
             lambda cfg: st.tuples(positions(cfg.record, temperature=_generic_temperatures(cfg)),
@@ -644,7 +652,7 @@ INVARIANTS: dict[str, Invariant] = {
             _prop_zero_drift,
         ),
         Invariant(
-            "plain_is_unbiased", "SPEC 7.3",
+            "plain_is_unbiased", "docs/spec.md#inv-plain-is",
             "where f(r) = r: E_q[grad loss] = E_p[grad of -A log p]",
             _needs_identity_weight,
             lambda cfg: st.tuples(
@@ -655,27 +663,27 @@ INVARIANTS: dict[str, Invariant] = {
             _prop_plain_is,
         ),
         Invariant(
-            "support_replay", "SPEC 7.4",
+            "support_replay", "docs/spec.md#inv-support",
             "support records: zero gradient outside S and no dependence on logits outside S",
             _needs_support, _replay_cases, _prop_support_replay,
         ),
         Invariant(
-            "shift_invariance", "SPEC 7.4",
+            "shift_invariance", "docs/spec.md#inv-support",
             "adding a constant to a row's logits changes neither the loss nor its gradient",
             _always, _shift_cases, _prop_shift,
         ),
         Invariant(
-            "sampler_no_grad", "SPEC 2, 3 (sg)",
+            "sampler_no_grad", "docs/spec.md#weights, docs/spec.md#score-centering (sg)",
             "no gradient reaches sampler log-probabilities, candidate log-probabilities or advantages",
             _always, _batches, _prop_sampler_no_grad,
         ),
         Invariant(
-            "hostile_finite", "SPEC 7.8",
+            "hostile_finite", "docs/spec.md#inv-hostile",
             "finite loss and gradient on hostile numerics (-inf logits, +-1e4, underflow, empty rows, N = 0)",
             _always, _hostile_cases, _prop_hostile,
         ),
         Invariant(
-            "masking", "SPEC 7.6",
+            "masking", "docs/spec.md#inv-masking",
             "tokens with loss_mask False carry no loss and no gradient, and do not enter sequence statistics",
             _always, _masking_cases, _prop_masking, needs=("loss_mask",),
         ),

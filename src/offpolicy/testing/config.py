@@ -13,6 +13,7 @@ import torch
 
 from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
 from offpolicy.corrections.correction import Correction
+from offpolicy.corrections.registry import LEVELS, WEIGHT_MODES
 from offpolicy.testing.strategies import RECORDS, Record
 
 #: Default comparison tolerances ``(rtol, atol)`` by the dtype the kit feeds: a difference passes when
@@ -40,20 +41,20 @@ class LossConfig:
     """The correction a loss function claims to implement, and how the kit should feed it.
 
     Attributes:
-        weights: ``"none" | "tis" | "mis" | "reject"`` (SPEC section 2).
+        weights: ``"none" | "tis" | "mis" | "reject"`` (docs/spec.md#weights).
         bounds: the ratio bounds, as in :class:`~offpolicy.Correction` (``tis``: ``C`` or ``(c, C)``; ``mis`` /
             ``reject``: ``(L, U)``); None takes the defaults ((0, 2) for tis, (0.5, 5) otherwise).
-        score_centering: the function subtracts the sampler-expected weighted score (SPEC section 3).
+        score_centering: the function subtracts the sampler-expected weighted score (docs/spec.md#score-centering).
         record: the candidate record the function consumes: ``"head"``, ``"support"`` or None (no record; the
             function then receives ``candidates=None``).
-        level: ``"token"``, or ``"sequence"`` / ``"geometric"`` ratios (SPEC section 5). Sequence levels need a
+        level: ``"token"``, or ``"sequence"`` / ``"geometric"`` ratios (docs/spec.md#family). Sequence levels need a
             function that takes a ``seq_ids`` keyword: the kit packs each batch into random sequences.
         aggregation: None: the function returns the per-token loss ``[N]``. Otherwise the function returns the
             aggregated scalar and this names how it aggregates (``"token_mean"``, ``"seq_mean_token_mean"``,
             ``"seq_mean_token_sum"`` (these two need a ``seq_ids`` keyword) or ``"constant"``, dividing the sum by
             ``constant_normalizer``).
         constant_normalizer: the divisor of ``aggregation="constant"``.
-        max_log_ratio: log-ratios are clamped to ``[-max, max]`` before exponentiating (SPEC section 2).
+        max_log_ratio: log-ratios are clamped to ``[-max, max]`` before exponentiating (docs/spec.md#weights).
         dtype: the dtype of every float tensor the kit passes (logits, log-probabilities, advantages).
         rtol, atol: comparison tolerances; None takes :data:`DEFAULT_TOLERANCES` for ``dtype``.
     """
@@ -99,7 +100,7 @@ class LossConfig:
     @property
     def needs_sequences(self) -> bool:
         """Whether batches are packed into sequences (``seq_ids``): sequence-level weights or aggregations."""
-        return self.level != "token" or self.aggregation in SEQUENCE_AGGREGATIONS
+        return LEVELS[self.level].per_sequence or self.aggregation in SEQUENCE_AGGREGATIONS
 
     @property
     def tolerances(self) -> tuple[float, float]:
@@ -121,7 +122,8 @@ class LossConfig:
 
     def describe(self) -> str:
         corr = self.correction
-        bounds = "" if self.weights == "none" else f", bounds=({corr.lower:g}, {corr.upper:g})"
+        bounded = WEIGHT_MODES[self.weights].bounded
+        bounds = f", bounds=({corr.lower:g}, {corr.upper:g})" if bounded else ""
         rtol, atol = self.tolerances
         tol = "" if self.rtol is None and self.atol is None else f", rtol={rtol:g}, atol={atol:g}"
         mlr = "" if self.max_log_ratio == 20.0 else f", max_log_ratio={self.max_log_ratio:g}"
@@ -163,11 +165,11 @@ class LossConfig:
 
 
 def every_config(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
-    """Every weight mode x score centering x record kind (head / support), default bounds: the matrix the kit
-    runs the project's own loss over."""
+    """Every registered weight mode (:data:`offpolicy.corrections.registry.WEIGHT_MODES`) x score centering x
+    record kind (head / support), default bounds: the matrix the kit runs the project's own loss over."""
     return [
         LossConfig(weights=w, score_centering=sc, record=rec, dtype=dtype)
-        for w in ("none", "tis", "mis", "reject")
+        for w in WEIGHT_MODES
         for sc in (False, True)
         for rec in ("head", "support")
     ]

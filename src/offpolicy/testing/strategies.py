@@ -17,9 +17,10 @@ Composite strategies (what the checkers in :mod:`offpolicy.testing.checks` draw 
 * :func:`problems`: a batch (:class:`Problem`) for a given record kind, tokens drawn from the sampler's support;
   :func:`with_sequences` packs a batch into sequences.
 * :func:`positions`: one position with a *complete* sampler model (:class:`Position`): a support record, a head
-  record covering the vocabulary, or a partial head whose true tail is exactly ``rho * p`` (SPEC 7.2). A
-  position expands into one row per possible token, for exact expectations over ``y ~ q``.
-* :func:`hostile_problems`: the numerics of SPEC 7.8 (``-inf`` logits, logits of +-1e4, underflowing and
+  record covering the vocabulary, or a partial head whose true tail is exactly ``rho * p``
+  (docs/spec.md#inv-head-exact). A position expands into one row per possible token, for exact expectations over
+  ``y ~ q``.
+* :func:`hostile_problems`: the numerics of docs/spec.md#inv-hostile (``-inf`` logits, logits of +-1e4, underflowing and
   ``-inf`` candidate log-probabilities, empty candidate rows, extreme ratios and temperatures, ``N = 0``).
 """
 
@@ -41,7 +42,7 @@ RECORDS = ("head", "support", None)
 PROFILES = ("flat", "generic", "peaked", "near_degenerate", "heavy_tailed")
 
 _NEG_INF = -math.inf
-#: Positions whose exact sampler tail is modelled need both tail masses well above the SPEC's eps = 1e-6 floor,
+#: Positions whose exact sampler tail is modelled need both tail masses well above the spec's eps = 1e-6 floor,
 #: so that ``1 - P_H`` and ``1 - Q_H`` (computed by subtraction) carry a relative error far below the checks'
 #: tolerances: at 0.05 the float32 error of ``1 - P_H`` is about 2**-24 / 0.05 ~ 1e-6.
 MIN_TAIL_MASS = 0.05
@@ -67,7 +68,8 @@ def temperatures(min_value: float = 0.05, max_value: float = 10.0) -> st.SearchS
 
 def advantages(n: int, constant: float | None = None, scale: float = 3.0) -> st.SearchStrategy[Tensor]:
     """``[n]`` float64 advantages in ``[-scale, scale]``, zeros included (tokens with ``A = 0`` are skipped by
-    the SPEC's loss). With ``constant`` every entry equals it (the zero-drift setting of SPEC 7.1)."""
+    the spec's loss). With ``constant`` every entry equals it (the zero-drift setting of
+    docs/spec.md#inv-zero-drift)."""
     if constant is not None:
         return st.just(torch.full((n,), float(constant), dtype=torch.float64))
     one = st.one_of(st.sampled_from([1.0, -1.0, 0.5, 0.0]), st.floats(-scale, scale, allow_nan=False))
@@ -505,8 +507,8 @@ def positions(
     * ``record="support"``: the realised SGLang support and ``q_S`` over it (the tail is empty).
     * ``record="head"``: with ``complete=True`` the record covers the vocabulary (``K = V``); with
       ``complete=False`` it holds the sampler's top-``K`` (``K < V``) and the sampler's true tail is
-      ``q(v) = rho p(v)`` outside it, ``rho = (1 - Q_H) / (1 - P_H)``, the model under which SPEC 7.2 says the
-      head formula is exact. ``complete=None`` draws either.
+      ``q(v) = rho p(v)`` outside it, ``rho = (1 - Q_H) / (1 - P_H)``, the model under which
+      docs/spec.md#inv-head-exact says the head formula is exact. ``complete=None`` draws either.
     * ``record=None``: no record; the sampler is the full ``softmax(s / tau)``.
 
     ``ratio_bounds=(L, U)`` shrinks the mismatch until every possible token's ratio lies inside ``[L, U]`` (with
@@ -567,13 +569,13 @@ def positions(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Hostile numerics (SPEC 7.8)
+# Hostile numerics (docs/spec.md#inv-hostile)
 # ----------------------------------------------------------------------------------------------------------------
 
 
 @st.composite
 def hostile_problems(draw: st.DrawFn, record: Record = None, zero_weight_at_zero_ratio: bool = False) -> Problem:
-    """Batches with the numerics of SPEC 7.8 on which a correct loss is finite.
+    """Batches with the numerics of docs/spec.md#inv-hostile on which a correct loss is finite.
 
     Features (each drawn on or off per example): logits of +-1e4 (probabilities underflowing to exactly 0);
     ``-inf`` logits; a degenerate sampler (one token holds all the mass, the others' ``q`` underflows); ``-inf``
@@ -583,7 +585,7 @@ def hostile_problems(draw: st.DrawFn, record: Record = None, zero_weight_at_zero
 
     A ``-inf`` logit is placed on a recorded candidate or on the sampled token only when
     ``zero_weight_at_zero_ratio`` (the weight function gives ``f(0) = 0``: MIS, TIS with lower bound 0,
-    rejection with ``L > 0``); otherwise the SPEC's loss is itself infinite there (``-A w log 0``).
+    rejection with ``L > 0``); otherwise the spec's loss is itself infinite there (``-A w log 0``).
     """
     n = draw(st.integers(0, 4))
     v = draw(st.integers(2, 8))

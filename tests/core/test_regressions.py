@@ -1,0 +1,156 @@
+"""Regression tests for the five bugs of the family comparison with verl, slime and TRL (each failed on the code
+before its fix), and the metric keys checked one by one against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import offpolicy as op
+from offpolicy.reference import reference_metrics, reference_policy_loss
+
+from support.batches import make_batch
+
+
+def test_opsm_under_ppo_tests_the_current_policy():
+    """log p = log(.2, .2), lq = prox = log(.5, .5), A = -1: mean(lq - log p) = log 2.5 > 0.5, so the sequence is
+    dropped whether or not decoupled PPO is on (before the fix, PPO tested pi_prox and kept it)."""
+    logp = torch.log(torch.tensor([0.2, 0.2], dtype=torch.float64)).requires_grad_()
+    lq = torch.log(torch.tensor([0.5, 0.5], dtype=torch.float64))
+    adv = torch.tensor([-1.0, -1.0], dtype=torch.float64)
+    seq = torch.tensor([0, 0])
+    for extra in ({}, {"ppo_clip": (0.2, 0.2)}):
+        corr = op.Correction(opsm_delta=0.5, **extra)
+        prox = lq.clone() if extra else None
+        out = op.policy_loss_from_logprobs(logp, lq, adv, correction=corr, seq_ids=seq, proximal_logprobs=prox)
+        assert float(out.metrics["rejected_frac"]) == 1.0
+        assert out.token_loss.tolist() == [0.0, 0.0] and float(out.loss.detach()) == 0.0
+
+
+def test_ratio_fracs_count_the_bounded_ratio():
+    """Two tokens with r = 1.8 under sequence-level MIS (0.5, 2): the sequence ratio 3.24 is above U, both tokens
+    are masked and ratio_above_upper_frac = 1 (it was 0: it counted the token ratio)."""
+    lq = torch.log(torch.tensor([0.5, 0.5], dtype=torch.float64))
+    logp = lq + math.log(1.8)
+    corr = op.Correction(weights="mis", bounds=(0.5, 2.0), level="sequence")
+    out = op.policy_loss_from_logprobs(logp, lq, torch.ones(2, dtype=torch.float64), correction=corr,
+                                       seq_ids=torch.tensor([0, 0]))
+    assert out.token_weight.tolist() == [0.0, 0.0]
+    assert float(out.metrics["ratio_above_upper_frac"]) == 1.0
+    assert float(out.metrics["ratio_below_lower_frac"]) == 0.0
+    # Under decoupled PPO the bounds act on pi_prox / q.
+    corr = op.Correction(weights="mis", bounds=(0.5, 2.0), ppo_clip=(0.2, 0.2))
+    out = op.policy_loss_from_logprobs(logp, lq, torch.ones(2, dtype=torch.float64), correction=corr,
+                                       proximal_logprobs=lq - 1.0)
+    assert float(out.metrics["ratio_below_lower_frac"]) == 1.0 and float(out.metrics["ratio_above_upper_frac"]) == 0.0
+
+
+CORRS_AT_ZERO = [
+    op.Correction(),
+    op.Correction(weights="tis"),
+    op.Correction(weights="tis", bounds=(0.5, 2.0)),
+    op.Correction(weights="mis"),
+    op.Correction(weights="reject", bounds=(0.0, 3.0)),
+    op.Correction(kl_rejection=op.KLRejection(5.0, "k2", "token")),
+]
+
+
+@pytest.mark.parametrize("sc", [False, True])
+@pytest.mark.parametrize("corr", CORRS_AT_ZERO, ids=lambda c: repr(c)[11:60])
+@pytest.mark.parametrize("kind", ["head", "support"])
+def test_sampled_token_with_trainer_probability_zero(corr, sc, kind):
+    """A -inf logit at the sampled token (and at a recorded candidate): weight exactly 0, finite loss and
+    gradient, counted in zero_prob_frac, equal to the reference (before the fix: TIS loss inf)."""
+    corr = op.Correction(weights=corr.weights, bounds=corr.bounds, kl_rejection=corr.kl_rejection,
+                         score_centering=sc)
+    z, y, lq, cands = make_batch(6, 20, 4, kind, seed=4, mismatch=0.5)
+    z[1, y[1]] = -math.inf  # the trainer (p, or p^S over a support) gives row 1's sampled token probability 0
+    adv = torch.tensor([1.0, -2.0, 0.5, 1.5, -1.0, 0.3], dtype=torch.float64)
+    z1 = z.clone().requires_grad_()
+    z2 = z.clone().requires_grad_()
+    out = op.policy_loss(z1, y, lq, adv, cands, correction=corr)
+    ref, ref_tl, ref_w = reference_policy_loss(z2, y, lq, adv, cands, correction=corr)
+    out.loss.backward()
+    ref.backward()
+    assert float(out.token_weight[1]) == 0.0 and float(ref_w[1]) == 0.0
+    assert math.isfinite(out.loss.item()) and bool(torch.isfinite(z1.grad).all())
+    assert abs(out.loss.item() - ref.item()) <= 1e-10 * max(1.0, abs(ref.item()))
+    torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-9, atol=1e-11)
+    assert math.isclose(float(out.metrics["zero_prob_frac"]), 1 / 6)
+    ref_m = reference_metrics(z, y, lq, adv, cands, correction=corr)
+    assert set(ref_m) == set(out.metrics)
+    for key, val in ref_m.items():  # perplexities leave the impossible token out; every value stays finite
+        assert math.isfinite(float(out.metrics[key])), key
+        assert math.isclose(float(out.metrics[key]), val, rel_tol=1e-10, abs_tol=1e-12), key
+
+
+def test_score_centering_without_candidates_names_them():
+    z, y, lq, _ = make_batch(4, 10, 3, "head", seed=1)
+    corr = op.Correction(weights="mis", score_centering=True)
+    with pytest.raises(ValueError, match="needs candidates"):
+        op.policy_loss(z, y, lq, torch.ones(4), None, correction=corr)
+    with pytest.raises(ValueError, match="needs candidates"):
+        op.policy_loss_from_logprobs(torch.full((4,), -1.0), lq, torch.ones(4), correction=corr)
+
+
+def test_untrained_rows_may_hold_placeholder_records():
+    """A padded batch: the post-EOS rows (loss_mask False) hold a placeholder support that neither sums to 1 nor
+    contains the token. Only trained rows are checked (before the fix this raised)."""
+    z, y, lq, cands = make_batch(6, 20, 4, "support", seed=2)
+    ids, lp = cands.ids.clone(), cands.logprobs.clone()
+    ids[4:] = torch.tensor([0, 1, -1, -1])
+    lp[4:] = torch.tensor([-3.0, -3.0, -math.inf, -math.inf])
+    y = y.clone()
+    y[4:] = 7
+    placeholder = op.Candidates(ids, lp, "support")
+    mask = torch.tensor([True, True, True, True, False, False])
+    out = op.policy_loss(z, y, lq, torch.ones(6), placeholder, mask, correction=op.Correction(weights="mis"))
+    assert math.isfinite(out.loss.item())
+    with pytest.raises(ValueError, match="row 4"):
+        op.policy_loss(z, y, lq, torch.ones(6), placeholder, correction=op.Correction(weights="mis"))
+
+
+METRIC_CASES = [
+    (op.Correction(), "head"),
+    (op.Correction(weights="tis", score_centering=True), "head"),
+    (op.Correction(weights="mis", score_centering=True), "support"),
+    (op.Correction(weights="mis", level="sequence", bounds=(0.3, 3.0)), "head"),
+    (op.Correction(weights="reject", level="geometric", bounds=(0.8, 1.2)), None),
+    (op.Correction(weights="tis", veto=0.2, kl_rejection=op.KLRejection(0.5, "k3", "seq_mean")), "head"),
+    (op.Correction(weights="mis", opsm_delta=0.05, batch_normalize=True, score_centering=True), "head"),
+    (op.Correction(weights="mis", ppo_clip=(0.2, 0.3)), None),
+    (op.Correction(weights="tis", ppo_clip=(0.2, 0.3), ppo_ratio="gspo_token", dual_clip=3.0, veto=0.3), None),
+    (op.Correction(weights="mis", cispo=(0.0, 2.0), batch_normalize="sequences", opsm_delta=0.1,
+                   rejected_in_normalizer=False), "head"),
+    (op.Correction(weights="tis", rejections=(op.RatioRejection(0.5, 2.0, "geometric"),
+                                              op.KLRejection(0.3, "k2", "seq_max"), op.KLRejection(0.4, "k1"))),
+     "support"),
+]
+
+
+@pytest.mark.parametrize("corr,kind", METRIC_CASES, ids=lambda c: repr(c)[11:60] if isinstance(c, op.Correction)
+                         else str(c))
+def test_every_metric_key_matches_the_reference(corr, kind):
+    """The same key set as the reference, and every value (overall, per group, per staleness) equal to 1e-10."""
+    n = 16
+    z, y, lq, cands = make_batch(n, 24, 5, kind or "head", seed=7, mismatch=0.9)
+    cands = cands if kind else None
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(n, generator=gen) > 0.2
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    seq = torch.arange(n) // 4
+    groups = torch.arange(n) % 3
+    versions = torch.tensor([4, 3, 4, 2] * 4)
+    prox = None
+    if corr.surrogate.needs_proximal:
+        prox = torch.log_softmax(z + 0.2 * torch.randn(z.shape, generator=gen, dtype=torch.float64), 1)
+        prox = prox.gather(1, y[:, None])[:, 0]
+    out = op.policy_loss(z, y, lq, adv, cands, mask, 1.0, corr, seq_ids=seq, groups=groups, versions=versions,
+                         proximal_logprobs=prox)
+    ref = reference_metrics(z, y, lq, adv, cands, mask, 1.0, corr, seq, proximal_logprobs=prox, groups=groups,
+                            versions=versions)
+    assert set(out.metrics) == set(ref)
+    for key, val in ref.items():
+        assert math.isclose(float(out.metrics[key]), val, rel_tol=1e-10, abs_tol=1e-12), key
