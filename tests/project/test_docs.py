@@ -58,7 +58,8 @@ def test_the_library_needs_only_its_declared_dependencies():
         "x = torch.randn(4, 32)\n"
         "assert dequantize(quantize(x, 'nvfp4')).shape == x.shape\n"
         "z = torch.randn(4, 10, requires_grad=True)\n"
-        "out = op.policy_loss(z, torch.tensor([1, 2, 3, 4]), torch.full((4,), -2.0), torch.randn(4),\n"
+        "head = op.Candidates(torch.tensor([[1], [2], [3], [4]]), torch.full((4, 1), -2.0), 'head')\n"
+        "out = op.policy_loss(z, torch.tensor([1, 2, 3, 4]), torch.full((4,), -2.0), torch.randn(4), head,\n"
         "                     correction=op.Correction(weights='mis', score_centering=True))\n"
         "out.loss.backward(); assert z.grad is not None and torch.isfinite(out.loss)\n"
     )
