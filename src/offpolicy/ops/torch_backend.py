@@ -3,7 +3,7 @@
 Rows are processed in chunks whose fp32 working set stays near ``CHUNK_BYTES`` (cache-sized), so the only
 ``[N, V]`` allocation is the gradient itself; bf16/fp16 logits are upcast one chunk at a time.
 
-Both functions follow the backend contract of :mod:`offpolicy.ops.backends`.
+Both functions follow the logits contract of :mod:`offpolicy.ops.registry`.
 """
 
 from __future__ import annotations
