@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from offpolicy.ops import library, online_softmax
+from offpolicy.ops import library, online_softmax, workspace
 from offpolicy.ops.online_softmax import INF
 from offpolicy.ops.registry import Backend
 from offpolicy.ops.vocab_parallel import VocabShard, combine_shards, gather_local, localise, sum_shards
@@ -56,7 +56,7 @@ class SparseLogSoftmaxFunction(torch.autograd.Function):
             # lives outside autograd's saved tensors.
             if (plan.backend.caches_probs and ctx.needs_input_grad[0] and not plan.inplace_grad
                     and logits.dtype == inv_temp.dtype and not torch.compiler.is_compiling()):
-                probs = torch.empty_like(logits, memory_format=torch.contiguous_format)
+                probs = workspace.gradient_buffer(logits)
                 m, s, t = plan.backend.logits().full_stats(logits, inv_temp, skip, probs)
                 m_local = m
             else:
@@ -93,11 +93,15 @@ class SparseLogSoftmaxFunction(torch.autograd.Function):
             dz = _support_grad(logits, local, inv_temp, lse, x, g, grad_sum, out)
         elif probs is not None:
             dz = plan.backend.logits().grad_from_probs(probs, local, inv_temp, m_local, lse, g, grad_sum)
-        elif out is not None:
-            library.full_grad_inplace_(logits, local, inv_temp, lse, g, grad_sum, plan.backend.name)
-            dz = logits
-        else:
-            dz = library.full_grad(logits, local, inv_temp, lse, g, grad_sum, plan.backend.name)
+        elif torch.compiler.is_compiling():
+            if out is not None:
+                library.full_grad_inplace_(logits, local, inv_temp, lse, g, grad_sum, plan.backend.name)
+                dz = logits
+            else:
+                dz = library.full_grad(logits, local, inv_temp, lse, g, grad_sum, plan.backend.name)
+        else:  # eager: the backend directly, into the logits or a reused buffer
+            out = workspace.gradient_buffer(logits) if out is None else out
+            dz = plan.backend.logits().full_grad(logits, local, inv_temp, lse, g, grad_sum, out)
         return dz, None, None, None, None
 
 
@@ -117,7 +121,7 @@ def _support_grad(logits: Tensor, local: Tensor, inv_temp: Tensor, lse: Tensor, 
     target_val = torch.where(same.any(dim=1), torch.zeros_like(g[:, 0]), g[:, 0])
     vals = torch.cat([target_val[:, None], vals], dim=1) * inv_temp[:, None]
     owned = local >= 0
-    dz = logits.zero_() if out is not None else torch.zeros_like(logits, memory_format=torch.contiguous_format)
+    dz = (logits if out is not None else workspace.gradient_buffer(logits)).zero_()
     rows = torch.arange(local.shape[0], device=local.device)[:, None].expand_as(local)
     dz.index_put_((rows[owned], local[owned]), vals[owned].to(dz.dtype), accumulate=True)
     return dz

@@ -1,0 +1,59 @@
+"""Row-parallel loops for the CPU backend: each worker thread takes a contiguous share of the row chunks and runs
+its PyTorch ops with one intra-op thread.
+
+Why not PyTorch's own intra-op threads: every op on a cache-sized chunk is a parallel region, and each region
+waits for all its threads; on a machine whose cores are shared (2 cores, other jobs) one descheduled thread stalls
+every op, and a pass over a chunk that takes 0.1 ms alone can take 10-30 ms. Independent workers only meet once,
+at the end of the loop. The number of workers is ``torch.get_num_threads()`` of the calling thread (at most the
+number of chunks); the ops release the GIL, so the workers run in parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    if _POOL is None or _POOL_SIZE < workers:
+        _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offpolicy-rows",
+                                   initializer=torch.set_num_threads, initargs=(1,))
+        _POOL_SIZE = workers
+    return _POOL
+
+
+def for_chunks(total: int, step: int, body: Callable[[int, int], None]) -> None:
+    """Call ``body(lo, hi)`` for every chunk ``[lo, hi)`` of ``range(total)`` in steps of ``step``.
+
+    Chunks are split into contiguous shares, one per worker; ``body`` must only write outputs of its own rows.
+    """
+    starts = list(range(0, total, step))
+    workers = min(len(starts), max(1, torch.get_num_threads()))
+    if workers <= 1 or torch.compiler.is_compiling():
+        for lo in starts:
+            body(lo, min(total, lo + step))
+        return
+
+    grad_enabled = torch.is_grad_enabled()  # thread-local: the workers take the caller's mode
+
+    def share(first: int, last: int) -> None:
+        with torch.set_grad_enabled(grad_enabled):
+            for lo in starts[first:last]:
+                body(lo, min(total, lo + step))
+
+    bounds = [len(starts) * w // workers for w in range(workers + 1)]
+    futures = [_pool(workers).submit(share, bounds[w], bounds[w + 1]) for w in range(1, workers)]
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the calling thread works too, with one intra-op thread like the others
+    try:
+        share(bounds[0], bounds[1])
+    finally:
+        torch.set_num_threads(torch_threads)
+    for f in futures:
+        f.result()
