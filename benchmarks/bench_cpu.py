@@ -196,7 +196,8 @@ def main() -> None:
             dense = next((r for r in case if r["method"] == "dense"), None)
             if ours and dense:
                 ours["speedup_vs_dense"] = dense["time_s"]["median"] / ours["time_s"]["median"]
-                print(f"{dtype:9s} {kind:8s} speed-up over dense (medians): {ours['speedup_vs_dense']:.2f}x", flush=True)
+                print(f"{dtype:9s} {kind:8s} speed-up over dense (medians): {ours['speedup_vs_dense']:.2f}x",
+                      flush=True)
     import torch
 
     meta = {

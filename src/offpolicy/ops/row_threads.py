@@ -5,18 +5,42 @@ Why not PyTorch's own intra-op threads: every op on a cache-sized chunk is a par
 waits for all its threads; on a machine whose cores are shared (2 cores, other jobs) one descheduled thread stalls
 every op, and a pass over a chunk that takes 0.1 ms alone can take 10-30 ms. Independent workers only meet once,
 at the end of the loop. The number of workers is ``torch.get_num_threads()`` of the calling thread (at most the
-number of chunks); the ops release the GIL, so the workers run in parallel.
+number of chunks); the ops release the GIL, so the workers run in parallel. Around the loops the logits
+primitive runs its small ops with one intra-op thread too (:func:`single_intra_op`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
+_LOCAL = threading.local()
+
+
+@contextmanager
+def single_intra_op() -> Iterator[None]:
+    """Run the calling thread's ops with one intra-op thread, keeping its thread count for :func:`for_chunks`.
+
+    The ``O(N K)`` ops around the vocabulary passes are small parallel regions; on a shared machine each can wait
+    milliseconds for a descheduled thread. Inside this context only :func:`for_chunks` runs in parallel.
+    """
+    if getattr(_LOCAL, "workers", None) is not None or torch.compiler.is_compiling():
+        yield
+        return
+    threads = torch.get_num_threads()
+    _LOCAL.workers = threads
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _LOCAL.workers = None
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
@@ -34,8 +58,10 @@ def for_chunks(total: int, step: int, body: Callable[[int, int], None]) -> None:
     Chunks are split into contiguous shares, one per worker; ``body`` must only write outputs of its own rows.
     """
     starts = list(range(0, total, step))
-    workers = min(len(starts), max(1, torch.get_num_threads()))
-    if workers <= 1 or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    threads = 1 if compiling else getattr(_LOCAL, "workers", None) or torch.get_num_threads()
+    workers = min(len(starts), max(1, threads))
+    if workers <= 1:
         for lo in starts:
             body(lo, min(total, lo + step))
         return
@@ -49,11 +75,7 @@ def for_chunks(total: int, step: int, body: Callable[[int, int], None]) -> None:
 
     bounds = [len(starts) * w // workers for w in range(workers + 1)]
     futures = [_pool(workers).submit(share, bounds[w], bounds[w + 1]) for w in range(1, workers)]
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the calling thread works too, with one intra-op thread like the others
-    try:
+    with single_intra_op():  # the calling thread works too, with one intra-op thread like the others
         share(bounds[0], bounds[1])
-    finally:
-        torch.set_num_threads(torch_threads)
     for f in futures:
         f.result()
