@@ -13,15 +13,15 @@ import torch
 
 import offpolicy as op
 import offpolicy.ops as ops
-from offpolicy.ops import library, registry
+from offpolicy.ops import backend_registry, library
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-BACKENDS = sorted(registry.BACKENDS)
+BACKENDS = sorted(backend_registry.BACKENDS)
 
 
 def _compiler(backend: str) -> str:
-    return "aot_eager" if registry.get(backend).needs_kernels and not CUDA else "inductor"
+    return "aot_eager" if backend_registry.get(backend).needs_kernels and not CUDA else "inductor"
 
 
 def _rows(gen, n, v, k):

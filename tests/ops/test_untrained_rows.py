@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offpolicy.ops import linear_sparse_log_softmax, registry, sparse_log_softmax
+from offpolicy.ops import backend_registry, linear_sparse_log_softmax, sparse_log_softmax
 
 N, D, V, K = 6, 8, 40, 4
 GARBAGE = {"nan": float("nan"), "+inf": float("inf"), "-inf": -float("inf")}
@@ -36,7 +36,7 @@ def _poison(x: torch.Tensor, value: float) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("backend", sorted(registry.BACKENDS))
+@pytest.mark.parametrize("backend", sorted(backend_registry.BACKENDS))
 @pytest.mark.parametrize("support", [False, True])
 @pytest.mark.parametrize("garbage", sorted(GARBAGE))
 def test_logits_dead_rows_get_zero_gradient(backend, support, garbage):
@@ -57,7 +57,7 @@ def test_logits_dead_rows_get_zero_gradient(backend, support, garbage):
     torch.testing.assert_close(dirty[live], clean[live], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend", sorted(registry.BACKENDS))
+@pytest.mark.parametrize("backend", sorted(backend_registry.BACKENDS))
 @pytest.mark.parametrize("support", [False, True])
 @pytest.mark.parametrize("garbage", sorted(GARBAGE))
 def test_linear_dead_rows_get_zero_gradient(backend, support, garbage):

@@ -1,5 +1,5 @@
 """The two vocabulary-sized primitives (no RL here): the sparse log-softmax on logits and its fused-linear twin on
-hidden states x weight, with their backends (:mod:`offpolicy.ops.registry`)."""
+hidden states x weight, with their backends (:mod:`offpolicy.ops.backend_registry`)."""
 
 from offpolicy.ops.linear_log_softmax import linear_sparse_log_softmax
 from offpolicy.ops.sparse_log_softmax import SparseLogSoftmax, sparse_log_softmax

@@ -1,7 +1,8 @@
 """Both primitives' backend functions as ``torch.library`` custom ops, so that ``torch.compile(fullgraph=True)``
 traces them as opaque ops with shape-only fake (meta) implementations. At run time each op calls the backend
-named by its ``backend`` argument (:mod:`offpolicy.ops.registry`). They are called inside the autograd functions
-(:mod:`offpolicy.ops.logits_function`, :mod:`offpolicy.ops.linear_function`), so they carry no autograd formula.
+named by its ``backend`` argument (:mod:`offpolicy.ops.backend_registry`). They are called inside the autograd
+functions (:mod:`offpolicy.ops.logits_function`, :mod:`offpolicy.ops.linear_function`), so they carry no autograd
+formula.
 
 Logits op:
 
@@ -23,13 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offpolicy.ops import registry
+from offpolicy.ops import backend_registry
 
 
 @torch.library.custom_op("offpolicy::full_stats", mutates_args=())
 def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """``(m, s, t)`` per row of ``logits * inv_temp`` (the logits contract's ``full_stats``)."""
-    return registry.get(backend).logits().full_stats(logits, inv_temp, skip)
+    return backend_registry.get(backend).logits().full_stats(logits, inv_temp, skip)
 
 
 @full_stats.register_fake
@@ -43,7 +44,7 @@ def full_grad(
 ) -> Tensor:
     """A new contiguous ``[N, V]`` gradient in the logits' dtype (the logits contract's ``full_grad``)."""
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    return registry.get(backend).logits().full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
+    return backend_registry.get(backend).logits().full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
 
 
 @full_grad.register_fake
@@ -56,7 +57,7 @@ def full_grad_inplace_(
     logits: Tensor, ids: Tensor, inv_temp: Tensor, lse: Tensor, grad: Tensor, grad_sum: Tensor, backend: str
 ) -> None:
     """Overwrite ``logits`` with their gradient (the logits contract's ``full_grad`` with ``out = logits``)."""
-    registry.get(backend).logits().full_grad(logits, ids, inv_temp, lse, grad, grad_sum, logits)
+    backend_registry.get(backend).logits().full_grad(logits, ids, inv_temp, lse, grad, grad_sum, logits)
 
 
 @full_grad_inplace_.register_fake
@@ -68,7 +69,7 @@ def _full_grad_inplace_fake(logits, ids, inv_temp, lse, grad, grad_sum, backend)
 def linear_gathered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, chunk_bytes: int,
                            backend: str) -> Tensor:
     """``[N, M]`` logits at the ids, 0 where ``ids < 0`` (the fused-linear contract's ``gathered_logits``)."""
-    return registry.get(backend).linear().gathered_logits(hidden, weight, bias, ids, chunk_bytes)
+    return backend_registry.get(backend).linear().gathered_logits(hidden, weight, bias, ids, chunk_bytes)
 
 
 @linear_gathered_logits.register_fake
@@ -80,7 +81,7 @@ def _linear_gathered_logits_fake(hidden, weight, bias, ids, chunk_bytes, backend
 def linear_full_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
                       chunk_bytes: int, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(m, s, t) [N]`` over the whole (local) vocabulary and ``x [N, M]`` at the ids (fused-linear contract)."""
-    return registry.get(backend).linear().full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes)
+    return backend_registry.get(backend).linear().full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes)
 
 
 @linear_full_stats.register_fake
@@ -95,7 +96,7 @@ def linear_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Te
                     need_h: bool, need_w: bool, need_b: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """``(dh [N, D] in the accumulation dtype, dW [V, D] in the weight's, db [V] in the bias's)``; empty when not
     needed (the fused-linear contract's ``backward``)."""
-    dh, dw, db, _ = registry.get(backend).linear().backward(
+    dh, dw, db, _ = backend_registry.get(backend).linear().backward(
         hidden, weight, bias, ids, dz_ids, inv_temp, lse, coef, chunk_bytes=chunk_bytes, grad_filter=grad_filter,
         needs=(need_h, need_w, need_b))
     empty = hidden.new_empty(0)

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from offpolicy.ops import library, online_softmax
 from offpolicy.ops.online_softmax import INF
-from offpolicy.ops.registry import Backend
+from offpolicy.ops.backend_registry import Backend
 from offpolicy.ops.vocab_parallel import VocabShard, combine_shards, localise, sum_shards
 
 

@@ -4,7 +4,7 @@
 returns (the same :class:`~offpolicy.ops.sparse_log_softmax.SparseLogSoftmax`, the same padding, skip,
 temperature and NaN semantics), differentiable with respect to ``hidden``, ``weight`` and ``bias``, without the
 ``[N, V]`` logits or their gradient. The autograd function is :mod:`offpolicy.ops.linear_function`; backends come
-from the same registry as the logits primitive's (:mod:`offpolicy.ops.registry`): ``torch``
+from the same registry as the logits primitive's (:mod:`offpolicy.ops.backend_registry`): ``torch``
 (:mod:`offpolicy.ops.linear_torch_backend`, chunked, the CPU default) and ``triton``
 (:mod:`offpolicy.ops.linear_triton_backend`, the CUDA default).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offpolicy.ops import input_checks, linear_torch_backend, registry
+from offpolicy.ops import backend_registry, input_checks, linear_torch_backend
 from offpolicy.ops.input_checks import FLOATS, describe
 from offpolicy.ops.linear_function import LinearPlan, LinearSparseLogSoftmaxFunction
 from offpolicy.ops.sparse_log_softmax import SparseLogSoftmax, row_inputs
@@ -72,7 +72,7 @@ def linear_sparse_log_softmax(
             no vocabulary work). Rows that are skipped, or get no upstream gradient, contribute exactly zero to
             every gradient whatever their hidden state holds.
         shard: vocabulary-parallel shard (``VocabShard(group, start)``), or None.
-        backend: a name in :data:`offpolicy.ops.registry.BACKENDS`; default by device.
+        backend: a name in :data:`offpolicy.ops.backend_registry.BACKENDS`; default by device.
         chunk_bytes: working-set budget of the chunked torch backend (default
             :data:`offpolicy.ops.linear_torch_backend.CHUNK_BYTES`); peak extra memory is about this plus
             ``O(N (K + D))``.
@@ -100,7 +100,7 @@ def linear_sparse_log_softmax(
     # fp32 statistics for 16/32-bit inputs; float64 inputs keep float64 throughout (gradcheck, references).
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, dev)
-    plan = LinearPlan(support, shard, registry.choose(backend, dev, hidden.dtype), budget,
+    plan = LinearPlan(support, shard, backend_registry.choose(backend, dev, hidden.dtype), budget,
                       None if grad_filter is None else float(grad_filter))
     logp, lse, entropy = LinearSparseLogSoftmaxFunction.apply(hidden, weight, bias, ids, inv_temp, skip, plan)
     return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy)

@@ -5,8 +5,9 @@ chunks (inner loop), computes one ``[rows, cols]`` block of ``z`` with a matmul,
 online-softmax statistics and drops it. The working set is a few such blocks plus one weight tile, sized from
 ``chunk_bytes``; nothing ``[N, V]`` is ever allocated.
 
-Functions (the fused-linear contract of :mod:`offpolicy.ops.registry`, used by :mod:`offpolicy.ops.linear_function`;
-``ids [N, M]`` are local vocabulary rows, ``-1`` for padding or rows owned by another shard):
+Functions (the fused-linear contract of :mod:`offpolicy.ops.backend_registry`, used by
+:mod:`offpolicy.ops.linear_function`; ``ids [N, M]`` are local vocabulary rows, ``-1`` for padding or rows owned
+by another shard):
 
 * :func:`gathered_logits`: ``z`` at the ids only, ``O(N M D)``.
 * :func:`full_stats`: online-softmax statistics over the whole (local) vocabulary and ``x`` at the ids.

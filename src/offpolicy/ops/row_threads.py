@@ -46,6 +46,8 @@ def single_intra_op() -> Iterator[None]:
 def _pool(workers: int) -> ThreadPoolExecutor:
     global _POOL, _POOL_SIZE
     if _POOL is None or _POOL_SIZE < workers:
+        if _POOL is not None:
+            _POOL.shutdown(wait=False)
         _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offpolicy-rows",
                                    initializer=torch.set_num_threads, initargs=(1,))
         _POOL_SIZE = workers

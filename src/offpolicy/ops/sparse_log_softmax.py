@@ -3,7 +3,7 @@
 Given logits ``z [N, V]``, per-row ids (the sampled token and ``K`` candidates), a temperature and a
 normalisation (the full vocabulary, or the row's candidate support), it returns the gathered log-probabilities
 of ``x = z / tau``, the normaliser ``lse`` and the entropy (:class:`SparseLogSoftmax`). Only the full-vocabulary
-statistics and the backward touch ``[N, V]`` data; they run in a backend (:mod:`offpolicy.ops.registry`). The
+statistics and the backward touch ``[N, V]`` data; they run in a backend (:mod:`offpolicy.ops.backend_registry`). The
 autograd function is :mod:`offpolicy.ops.logits_function`; its fused-linear twin is
 :func:`offpolicy.ops.linear_sparse_log_softmax`.
 """
@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from offpolicy.ops import input_checks, registry
+from offpolicy.ops import backend_registry, input_checks
 from offpolicy.ops.logits_function import LogitsPlan, SparseLogSoftmaxFunction
 from offpolicy.ops.vocab_parallel import VocabShard
 
@@ -82,7 +82,8 @@ def sparse_log_softmax(
         inplace_grad: write the gradient into ``logits`` in the backward. Saves one ``[N, V]`` buffer, but
             overwrites the logits and bypasses autograd's version check: use it only when nothing else needs
             the logits after the backward.
-        backend: a name in :data:`offpolicy.ops.registry.BACKENDS` (``"torch"``, ``"triton"``); default by device.
+        backend: a name in :data:`offpolicy.ops.backend_registry.BACKENDS` (``"torch"``, ``"triton"``); default
+            by device.
         validate: check the ids' range and the temperatures' values (a host sync on GPUs; skipped while
             ``torch.compile`` traces). Shapes, dtypes and options are always checked. Pass False only when the
             caller has checked them.
@@ -101,6 +102,6 @@ def sparse_log_softmax(
     # fp32 statistics for 16/32-bit logits; float64 logits keep float64 throughout (gradcheck, references).
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, logits.device)
-    plan = LogitsPlan(support, shard, bool(inplace_grad), registry.choose(backend, logits.device, logits.dtype))
+    plan = LogitsPlan(support, shard, bool(inplace_grad), backend_registry.choose(backend, logits.device, logits.dtype))
     logp, lse, entropy = SparseLogSoftmaxFunction.apply(logits, ids, inv_temp, skip, plan)
     return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy)

@@ -4,7 +4,7 @@ Rows are processed in chunks whose fp32 working set stays near ``CHUNK_BYTES`` (
 ``[N, V]`` allocation is the gradient itself; bf16/fp16 logits are upcast one chunk at a time. The chunks are shared
 out to worker threads with one intra-op thread each (:mod:`offpolicy.ops.row_threads`).
 
-Both functions follow the logits contract of :mod:`offpolicy.ops.registry`.
+Both functions follow the logits contract of :mod:`offpolicy.ops.backend_registry`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Triton backend for the vocabulary pass: the GPU path (and, under ``TRITON_INTERPRET=1``, the same kernels on CPU).
 
-Both functions follow the logits contract of :mod:`offpolicy.ops.registry` by launching the kernels of
+Both functions follow the logits contract of :mod:`offpolicy.ops.backend_registry` by launching the kernels of
 :mod:`offpolicy.kernels.logsoftmax`: the forward reads the logits once, the backward reads them once and writes
 the gradient once, every row in its own program of a 1-D grid; all arithmetic is fp32.
 
