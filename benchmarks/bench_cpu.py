@@ -1,18 +1,26 @@
-"""CPU benchmark: op.policy_loss (chunked torch path) against the dense PyTorch way, side by side.
+"""CPU benchmark: ``op.policy_loss`` on logits (chunked torch backend) against the machine's floor and the dense
+PyTorch way, forward + backward of an MIS + score-centering loss with a ``K``-candidate record.
 
-The dense way is what a user writes without this library: ``log_softmax`` of the full ``[N, V]`` logits in fp32,
-``gather`` of the sampled token and the candidates, the same ``O(N K)`` loss, autograd backward. Both compute
-forward + backward of an MIS + score-centering loss with a ``K``-candidate record.
+* floor: allocate a logits-sized buffer and copy the logits into it: one read of the logits, one write of a fresh
+  gradient-sized buffer (its page faults included), the least any forward + backward must move;
+* ours: ``op.policy_loss(logits, ...)`` then ``loss.backward()``, the gradient released between calls
+  (``logits.grad = None``), as a training step does;
+* dense: what a user writes without this library: ``log_softmax`` of the full ``[N, V]`` logits in fp32,
+  ``gather`` of the sampled token and the candidates, the same ``O(N K)`` loss
+  (``op.policy_loss_from_logprobs``), autograd backward.
 
-Each case runs in a fresh subprocess so that peak resident memory (``ru_maxrss``) is its own. We report
-time (best of ``--repeat``), peak memory above the inputs, and peak memory above the inputs *and* the gradient
-(the SPEC section 8 target: at most 5% of the logits' size), and bytes moved per SPEC section 8's floor
-(``3 V b`` per token: one read forward, one read and one write backward).
+Each (dtype, record) case runs in fresh subprocesses: one for ours (first one call whose peak resident memory
+above the inputs is the memory figure, then ``--calls`` calls, each preceded by a floor measurement), one for
+dense (``--dense-calls`` calls, each preceded by a floor measurement). Ratios to the floor are per call (ours_i /
+floor_i, measured back to back) and reported as median with min and max; times as median, best and spread
+(max - min). The memory bound of ``docs/spec.md#performance``: peak above the inputs *and* the gradient at most 5% of
+the logits' size.
 
-    python benchmarks/bench_cpu.py                  # N=4096, V=151936, fp32 and bf16 (a few minutes)
-    python benchmarks/bench_cpu.py --n 256 --v 32768 --repeat 1   # quick
+    python benchmarks/bench_cpu.py --note "machine shared with other jobs"      # N=4096, V=151936, 4 cases
+    python benchmarks/bench_cpu.py --n 256 --v 32768 --calls 2 --dense-calls 1  # quick
 
-Results go to benchmarks/results/cpu_<host>_<date>.json and .csv.
+Results go to benchmarks/results/cpu_<host>_<date><tag>.json and .csv (with the command line, the load average
+before and after, and the note).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import os
 import platform
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +41,7 @@ from pathlib import Path
 from results_io import write_results  # beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CORRECTION = dict(weights="mis", score_centering=True)
 
 
 def _peak_rss_bytes() -> int:
@@ -64,65 +74,89 @@ def _inputs(n: int, v: int, k: int, dtype: str, kind: str):
     return logits, tokens, lq, adv, cands
 
 
-def _dense_loss(logits, tokens, lq, adv, cands, tau):
-    """The dense way: full fp32 log-softmax, gathers, the same MIS + SC loss, autograd."""
+def _dense_loss(logits, tokens, lq, adv, cands):
+    """The dense way: full fp32 log-softmax, gathers, the same MIS + SC loss from the log-probabilities."""
     import torch
 
     import offpolicy as op
-    from offpolicy.loss.centering import centering_coefficients
-    from offpolicy.corrections.weights import weight_function
 
-    corr = op.Correction(weights="mis", score_centering=True)
-    x = logits.float() / tau
+    x = logits.float()
     if cands.kind == "support":
         keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, cands.ids, True)
         x = x.masked_fill(~keep, float("-inf"))
     lp = torch.log_softmax(x, dim=-1)
-    logp_y = lp.gather(1, tokens[:, None])[:, 0]
-    logp_c = lp.gather(1, cands.ids)
-    w = weight_function(logp_y.detach() - lq, corr)
-    c = centering_coefficients(logp_c.detach(), cands.logprobs, cands.ids >= 0, cands.kind == "support", corr).coef
-    return -(adv * (w * logp_y - (c * logp_c).sum(1))).mean()
+    return op.policy_loss_from_logprobs(lp.gather(1, tokens[:, None])[:, 0], lq, adv, candidates=cands,
+                                        candidate_logprobs=lp.gather(1, cands.ids),
+                                        correction=op.Correction(**CORRECTION)).loss
 
 
-def run_case(method: str, n: int, v: int, k: int, dtype: str, kind: str, repeat: int) -> dict:
-    """Runs in the child process."""
-    import torch
-
+def _ours_loss(logits, tokens, lq, adv, cands):
     import offpolicy as op
 
-    torch.manual_seed(0)
-    # Warm the process (lazy imports, op registration, allocator) on a tiny batch before the baseline.
-    warm = _inputs(8, 64, 4, dtype, kind)
+    return op.policy_loss(logits, tokens, lq, adv, cands, correction=op.Correction(**CORRECTION)).loss
+
+
+def _floor_s(logits) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    buf = torch.empty_like(logits)
+    buf.copy_(logits)
+    elapsed = time.perf_counter() - t0
+    del buf
+    return elapsed
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "best": min(xs), "spread": max(xs) - min(xs), "all": xs}
+
+
+def run_case(method: str, n: int, v: int, k: int, dtype: str, kind: str, calls: int) -> dict:
+    """Runs in the child process: the memory call (ours only), then ``calls`` pairs (floor, method)."""
+    import torch
+
+    loss_fn = _dense_loss if method == "dense" else _ours_loss
+    warm = _inputs(8, 64, 4, dtype, kind)  # lazy imports, op registration, allocator
     warm[0].requires_grad_()
-    (_dense_loss(*warm, 1.0) if method == "dense" else op.policy_loss(*warm).loss).backward()
+    loss_fn(*warm).backward()
     logits, tokens, lq, adv, cands = _inputs(n, v, k, dtype, kind)
     logits.requires_grad_()
-    base = _peak_rss_bytes()
-    times = []
-    for _ in range(repeat):
-        logits.grad = None
-        t0 = time.perf_counter()
-        if method == "dense":
-            loss = _dense_loss(logits, tokens, lq, adv, cands, 1.0)
-        else:
-            loss = op.policy_loss(logits, tokens, lq, adv, cands,
-                                  correction=op.Correction(weights="mis", score_centering=True)).loss
-        loss.backward()
-        times.append(time.perf_counter() - t0)
-    peak = _peak_rss_bytes()
     logits_bytes = logits.numel() * logits.element_size()
-    extra = max(0, peak - base)
-    floor_bytes = 3 * v * logits.element_size() * n
-    best = min(times)
-    return {
-        "method": method, "n": n, "v": v, "k": k, "dtype": dtype, "kind": kind, "threads": torch.get_num_threads(),
-        "time_s": best, "times_s": times, "logits_bytes": logits_bytes,
-        "peak_above_inputs_bytes": extra,
-        "peak_above_inputs_and_grad_bytes": max(0, extra - logits_bytes),
-        "peak_above_inputs_and_grad_frac_of_logits": max(0, extra - logits_bytes) / logits_bytes,
-        "floor_bytes": floor_bytes, "effective_GBps": floor_bytes / best / 1e9, "loss": float(loss),
-    }
+    row = {"method": method, "n": n, "v": v, "k": k, "dtype": dtype, "kind": kind,
+           "threads": torch.get_num_threads(), "logits_bytes": logits_bytes}
+    if method != "dense":
+        base = _peak_rss_bytes()
+        loss_fn(logits, tokens, lq, adv, cands).backward()
+        extra = max(0, _peak_rss_bytes() - base)
+        row.update(peak_above_inputs_bytes=extra, peak_above_inputs_and_grad_bytes=max(0, extra - logits_bytes),
+                   peak_above_inputs_and_grad_frac_of_logits=max(0, extra - logits_bytes) / logits_bytes)
+    floors, totals, fwds, bwds = [], [], [], []
+    for _ in range(calls):
+        logits.grad = None
+        floors.append(_floor_s(logits))
+        t0 = time.perf_counter()
+        loss = loss_fn(logits, tokens, lq, adv, cands)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        totals.append(t2 - t0)
+        fwds.append(t1 - t0)
+        bwds.append(t2 - t1)
+    ratios = [t / f for t, f in zip(totals, floors)]
+    row.update(floor_s=_summary(floors), time_s=_summary(totals), forward_s=_summary(fwds),
+               backward_s=_summary(bwds), x_floor=_summary(ratios), loss=float(loss))
+    return row
+
+
+def _line(row: dict) -> str:
+    t, f, r = row["time_s"], row["floor_s"], row["x_floor"]
+    mem = ""
+    if "peak_above_inputs_and_grad_frac_of_logits" in row:
+        mem = (f"  extra above logits+grad {row['peak_above_inputs_and_grad_bytes'] / 2**20:.0f} MiB "
+               f"({100 * row['peak_above_inputs_and_grad_frac_of_logits']:.1f}% of logits)")
+    return (f"{row['dtype']:9s} {row['kind']:8s} {row['method']:9s} time {t['median']:.3f} s (best {t['best']:.3f}, "
+            f"spread {t['spread']:.3f})  floor {f['median']:.3f} s  x floor {r['median']:.2f} "
+            f"[{min(r['all']):.2f}, {max(r['all']):.2f}]{mem}")
 
 
 def main() -> None:
@@ -132,41 +166,56 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--kinds", default="head,support")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--methods", default="offpolicy,dense")
+    ap.add_argument("--calls", type=int, default=5, help="timed calls of ours, each after a floor measurement")
+    ap.add_argument("--dense-calls", type=int, default=2, help="timed calls of the dense way")
+    ap.add_argument("--note", default="", help="saved with the results (e.g. whether the machine was shared)")
+    ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         method, dtype, kind = args.child.split(",")
-        reps = 1 if method == "dense" else args.repeat
-        print(json.dumps(run_case(method, args.n, args.v, args.k, dtype, kind, reps)))
+        calls = args.dense_calls if method == "dense" else args.calls
+        print(json.dumps(run_case(method, args.n, args.v, args.k, dtype, kind, calls)))
         return
+    load_start = os.getloadavg()
     rows = []
     for dtype in args.dtypes.split(","):
         for kind in args.kinds.split(","):
-            for method in ("offpolicy", "dense"):
+            for method in args.methods.split(","):
                 cmd = [sys.executable, __file__, "--child", f"{method},{dtype},{kind}", "--n", str(args.n),
-                       "--v", str(args.v), "--k", str(args.k), "--repeat", str(args.repeat)]
+                       "--v", str(args.v), "--k", str(args.k), "--calls", str(args.calls),
+                       "--dense-calls", str(args.dense_calls)]
                 res = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 row = json.loads(res.stdout.strip().splitlines()[-1])
                 rows.append(row)
-                print(f"{dtype:9s} {kind:8s} {method:10s} {row['time_s']:8.3f} s  "
-                      f"extra above logits+grad {row['peak_above_inputs_and_grad_bytes'] / 2**20:9.1f} MiB "
-                      f"({100 * row['peak_above_inputs_and_grad_frac_of_logits']:.1f}% of logits)  "
-                      f"{row['effective_GBps']:.2f} GB/s of the 3Vb floor", flush=True)
-    for dtype in args.dtypes.split(","):
-        for kind in args.kinds.split(","):
-            ours = next(r for r in rows if r["method"] == "offpolicy" and r["dtype"] == dtype and r["kind"] == kind)
-            dense = next(r for r in rows if r["method"] == "dense" and r["dtype"] == dtype and r["kind"] == kind)
-            ours["speedup_vs_dense"] = dense["time_s"] / ours["time_s"]
-            print(f"{dtype:9s} {kind:8s} speed-up over dense: {ours['speedup_vs_dense']:.1f}x")
+                print(_line(row), flush=True)
+            case = [r for r in rows if r["dtype"] == dtype and r["kind"] == kind]
+            ours = next((r for r in case if r["method"] == "offpolicy"), None)
+            dense = next((r for r in case if r["method"] == "dense"), None)
+            if ours and dense:
+                ours["speedup_vs_dense"] = dense["time_s"]["median"] / ours["time_s"]["median"]
+                print(f"{dtype:9s} {kind:8s} speed-up over dense (medians): {ours['speedup_vs_dense']:.2f}x",
+                      flush=True)
+    import torch
+
     meta = {
         "host": socket.gethostname(), "machine": platform.machine(), "processor": platform.processor(),
-        "cpus": os.cpu_count(), "python": platform.python_version(), "date": dt.datetime.now().isoformat(),
-        "torch": __import__("torch").__version__,
+        "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python benchmarks/bench_cpu.py " + " ".join(sys.argv[1:]),
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "note": args.note,
     }
-    stem = args.out / f"cpu_{meta['host']}_{dt.date.today().isoformat()}"
-    write_results(stem, {"meta": meta, "results": rows}, rows, drop=("times_s",))
+    flat = []
+    for r in rows:
+        f = {key: val for key, val in r.items() if not isinstance(val, dict)}
+        for key in ("time_s", "floor_s", "forward_s", "backward_s", "x_floor"):
+            for stat in ("median", "best", "spread"):
+                f[f"{key}_{stat}"] = r[key][stat]
+        flat.append(f)
+    stem = args.out / f"cpu_{meta['host']}_{dt.date.today().isoformat()}{args.tag}"
+    write_results(stem, {"meta": meta, "results": rows}, flat)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ One run (under 5 minutes on an H100/H200):
    the same dense function, and Liger-Kernel's Triton GRPO loss (target only) when it imports;
 3. a sweep of the kernels' tile width and warp count at the smaller ``N``.
 
-Every timing is reported in GB/s under SPEC section 8's byte count, ``3 V b`` bytes per token (one read forward,
-one read and one write backward; ``b`` = bytes per logit), and as a fraction of the measured copy bandwidth;
+Every timing is the median over ``--reps`` calls with the best and the spread (max - min) beside it, and the
+ratio ``x_floor`` to the floor measured in the same run: one read of the logits and one write of their gradient
+(``2 V b`` bytes per token, ``b`` = bytes per logit) at the measured copy bandwidth. It is also reported in GB/s
+under the byte count of ``docs/spec.md#performance``, ``3 V b`` bytes per token (one read forward, one read and one
+write backward), and as a fraction of the copy bandwidth;
 peak memory is ``torch.cuda.max_memory_allocated`` above what was allocated before the call (the inputs).
 Results go to ``benchmarks/results/gpu_bench_<device>_<date>.{json,csv}``.
 
@@ -92,8 +95,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_ms(device: torch.device, fn: Callable[[], object], warmup: int, reps: int) -> float:
-    """Median wall time of ``fn`` in milliseconds (CUDA events on a GPU)."""
+def time_stats_ms(device: torch.device, fn: Callable[[], object], warmup: int, reps: int) -> dict:
+    """Wall times of ``fn`` in milliseconds over ``reps`` calls (CUDA events on a GPU): median, best, spread."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -110,7 +113,12 @@ def time_ms(device: torch.device, fn: Callable[[], object], warmup: int, reps: i
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return {"median": statistics.median(times), "best": min(times), "spread": max(times) - min(times)}
+
+
+def time_ms(device: torch.device, fn: Callable[[], object], warmup: int, reps: int) -> float:
+    """Median wall time of ``fn`` in milliseconds."""
+    return time_stats_ms(device, fn, warmup, reps)["median"]
 
 
 def copy_bandwidth_gbps(cfg: Config) -> float:
@@ -228,7 +236,8 @@ def measure(cfg: Config, name: str, mode: str, n: int, make: Callable, copy_gbps
     """Time forward + backward of one method; ``reference`` ``[N, 1 + K]`` log-probabilities check its values."""
     v, b = cfg.vocab, torch.finfo(cfg.dtype).bits // 8
     row = {"method": name, "mode": mode, "n": n, "v": v, "k": cfg.k, "dtype": str(cfg.dtype).split(".")[-1],
-           "status": "ok", "ms": None, "gbps": None, "frac_copy": None, "peak_extra_gib": None,
+           "status": "ok", "ms": None, "ms_best": None, "ms_spread": None, "floor_ms": None, "x_floor": None,
+           "gbps": None, "frac_copy": None, "peak_extra_gib": None,
            "peak_extra_over_logits": None, "max_err_logp": None}  # fmt: skip
     if cfg.out_of_time():
         row["status"] = "skipped: time budget"
@@ -245,7 +254,11 @@ def measure(cfg: Config, name: str, mode: str, n: int, make: Callable, copy_gbps
         if cfg.device.type == "cuda":
             base = torch.cuda.memory_allocated()  # inputs (and Liger's relaid copy of them)
             torch.cuda.reset_peak_memory_stats()
-        row["ms"] = time_ms(cfg.device, lambda: fn(p), cfg.warmup, cfg.reps)
+        stats = time_stats_ms(cfg.device, lambda: fn(p), cfg.warmup, cfg.reps)
+        row["ms"], row["ms_best"], row["ms_spread"] = stats["median"], stats["best"], stats["spread"]
+        # The floor: one read of the logits and one write of their gradient at the measured copy bandwidth.
+        row["floor_ms"] = 2 * n * v * b / (copy_gbps * 1e9) * 1e3
+        row["x_floor"] = row["ms"] / row["floor_ms"]
         if cfg.device.type == "cuda":
             extra = torch.cuda.max_memory_allocated() - base
             row["peak_extra_gib"] = extra / 2**30

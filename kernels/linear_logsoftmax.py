@@ -98,7 +98,9 @@ def _linear_row_stats_kernel(
         ref = tl.where(new_m == neg_inf, 0.0, new_m)
         a = tl.exp(m - ref)
         shift = tl.where(m == neg_inf, 0.0, m - ref)
-        d = tl.maximum(x - ref[:, None], _FP32_LOWEST)  # e * d = 0 (not NaN) where x = -inf
+        # e * d = 0 (not NaN) where x = -inf; a NaN logit (a NaN weight row or bias entry) stays NaN and makes
+        # the row's s NaN, as NaN logits do on the logits path.
+        d = tl.maximum(x - ref[:, None], _FP32_LOWEST, propagate_nan=tl.PropagateNan.ALL)
         e = tl.exp(d)
         t = a * (t + s * shift) + tl.sum(e * d, 1)
         s = a * s + tl.sum(e, 1)

@@ -36,9 +36,13 @@ def test_matches_dense_reference_fp32(support, chunk_bytes, per_token_temp):
 @pytest.mark.parametrize("support", [False, True])
 def test_candidates_none_and_no_bias(support):
     h, w, _, y, _, tau = make_inputs(n=9, v=131, bias=False)
-    out = check_against_reference(h, w, None, y, None, tau, support=support, chunk_bytes=1 << 14)
+    # support mode needs candidate ids (None is an input error); K = 0 ids give every row an empty support
+    c = torch.empty(9, 0, dtype=torch.int64) if support else None
+    out = check_against_reference(h, w, None, y, c, tau, support=support, chunk_bytes=1 << 14)
     assert out.candidates.shape == (9, 0)
     if support:  # an empty support has no mass: lse = +inf, every log-probability -inf
+        with pytest.raises(ValueError, match="candidate_ids is required"):
+            linear_sparse_log_softmax(h, w, y, None, tau, support=True)
         assert bool((out.lse == float("inf")).all()) and bool((out.target == -float("inf")).all())
 
 
@@ -90,7 +94,7 @@ def test_low_precision_inputs(dtype, support):
 )
 def test_property_random_shapes(n, d, v, k, support, seed, budget):
     h, w, b, y, c, tau = make_inputs(n=n, d=d, v=v, k=k, seed=seed, pad_frac=0.3)
-    check_against_reference(h, w, b, y, c if k else None, tau, support=support, chunk_bytes=budget)
+    check_against_reference(h, w, b, y, c if k or support else None, tau, support=support, chunk_bytes=budget)
 
 
 @pytest.mark.parametrize("support", [False, True])
@@ -258,7 +262,7 @@ def test_vocab_shards_in_process(monkeypatch, support):
         (dict(skip=torch.zeros(3)), "skip"),
         (dict(chunk_bytes=0), "chunk_bytes"),
         (dict(grad_filter=1.5), "grad_filter"),
-        (dict(targets=torch.tensor([0, 11, 1])), "ids must be < V"),
+        (dict(targets=torch.tensor([0, 11, 1])), "out of range for V=11"),
         (dict(backend="cuda"), "backend"),
     ],
 )

@@ -1,15 +1,22 @@
-"""The backend functions as ``torch.library`` custom ops, so that ``torch.compile(fullgraph=True)`` traces them.
+"""Both primitives' backend functions as ``torch.library`` custom ops, so that ``torch.compile(fullgraph=True)``
+traces them as opaque ops with shape-only fake (meta) implementations. At run time each op calls the backend
+named by its ``backend`` argument (:mod:`offpolicy.ops.backend_registry`). They are called inside the autograd
+functions (:mod:`offpolicy.ops.logits_function`, :mod:`offpolicy.ops.linear_function`), so they carry no autograd
+formula.
 
-Compiled graphs see three opaque ops with shape-only fake implementations; at run time each one calls the
-backend named by its ``backend`` argument (:mod:`offpolicy.ops.backends`):
+Logits op:
 
 * ``offpolicy::full_stats(logits, inv_temp, skip, backend) -> (m, s, t)``
 * ``offpolicy::full_grad(logits, ids, inv_temp, lse, grad, grad_sum, backend) -> dz`` (a new ``[N, V]`` tensor)
 * ``offpolicy::full_grad_inplace_(logits, ids, inv_temp, lse, grad, grad_sum, backend)``: writes ``dz`` into
   ``logits``. Under ``torch.compile`` functionalization may replace the mutation of a graph input by a copy.
 
-They are called inside :class:`~offpolicy.ops.sparse_log_softmax` 's autograd function, so they carry no
-autograd formula of their own.
+Fused-linear op:
+
+* ``offpolicy::linear_gathered_logits(hidden, weight, bias, ids, chunk_bytes, backend) -> z [N, M]``
+* ``offpolicy::linear_full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes, backend) -> (m, s, t, x)``
+* ``offpolicy::linear_backward(hidden, weight, bias, ids, dz_ids, inv_temp, lse, coef, chunk_bytes, grad_filter,
+  need_h, need_w, need_b, backend) -> (dh, dw, db)``; a gradient that is not needed comes back as an empty tensor.
 """
 
 from __future__ import annotations
@@ -17,13 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offpolicy.ops import backends
+from offpolicy.ops import backend_registry
 
 
 @torch.library.custom_op("offpolicy::full_stats", mutates_args=())
 def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``(m, s, t)`` per row of ``logits * inv_temp`` (the backend contract's ``full_stats``)."""
-    return backends.load(backend).full_stats(logits, inv_temp, skip)
+    """``(m, s, t)`` per row of ``logits * inv_temp`` (the logits contract's ``full_stats``)."""
+    return backend_registry.get(backend).logits().full_stats(logits, inv_temp, skip)
 
 
 @full_stats.register_fake
@@ -35,9 +42,9 @@ def _full_stats_fake(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, back
 def full_grad(
     logits: Tensor, ids: Tensor, inv_temp: Tensor, lse: Tensor, grad: Tensor, grad_sum: Tensor, backend: str
 ) -> Tensor:
-    """A new contiguous ``[N, V]`` gradient in the logits' dtype (the backend contract's ``full_grad``)."""
+    """A new contiguous ``[N, V]`` gradient in the logits' dtype (the logits contract's ``full_grad``)."""
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    return backends.load(backend).full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
+    return backend_registry.get(backend).logits().full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
 
 
 @full_grad.register_fake
@@ -49,10 +56,61 @@ def _full_grad_fake(logits, ids, inv_temp, lse, grad, grad_sum, backend):
 def full_grad_inplace_(
     logits: Tensor, ids: Tensor, inv_temp: Tensor, lse: Tensor, grad: Tensor, grad_sum: Tensor, backend: str
 ) -> None:
-    """Overwrite ``logits`` with their gradient (the backend contract's ``full_grad`` with ``out = logits``)."""
-    backends.load(backend).full_grad(logits, ids, inv_temp, lse, grad, grad_sum, logits)
+    """Overwrite ``logits`` with their gradient (the logits contract's ``full_grad`` with ``out = logits``)."""
+    backend_registry.get(backend).logits().full_grad(logits, ids, inv_temp, lse, grad, grad_sum, logits)
 
 
 @full_grad_inplace_.register_fake
 def _full_grad_inplace_fake(logits, ids, inv_temp, lse, grad, grad_sum, backend) -> None:
     return None
+
+
+@torch.library.custom_op("offpolicy::linear_gathered_logits", mutates_args=())
+def linear_gathered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, chunk_bytes: int,
+                           backend: str) -> Tensor:
+    """``[N, M]`` logits at the ids, 0 where ``ids < 0`` (the fused-linear contract's ``gathered_logits``)."""
+    return backend_registry.get(backend).linear().gathered_logits(hidden, weight, bias, ids, chunk_bytes)
+
+
+@linear_gathered_logits.register_fake
+def _linear_gathered_logits_fake(hidden, weight, bias, ids, chunk_bytes, backend):
+    return hidden.new_empty(ids.shape, dtype=_acc(hidden))
+
+
+@torch.library.custom_op("offpolicy::linear_full_stats", mutates_args=())
+def linear_full_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
+                      chunk_bytes: int, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(m, s, t) [N]`` over the whole (local) vocabulary and ``x [N, M]`` at the ids (fused-linear contract)."""
+    return backend_registry.get(backend).linear().full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes)
+
+
+@linear_full_stats.register_fake
+def _linear_full_stats_fake(hidden, weight, bias, ids, inv_temp, chunk_bytes, backend):
+    n = hidden.shape[0]
+    return (inv_temp.new_empty(n), inv_temp.new_empty(n), inv_temp.new_empty(n), inv_temp.new_empty(ids.shape))
+
+
+@torch.library.custom_op("offpolicy::linear_backward", mutates_args=())
+def linear_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, dz_ids: Tensor,
+                    inv_temp: Tensor, lse: Tensor, coef: Tensor | None, chunk_bytes: int, grad_filter: float | None,
+                    need_h: bool, need_w: bool, need_b: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dh [N, D] in the accumulation dtype, dW [V, D] in the weight's, db [V] in the bias's)``; empty when not
+    needed (the fused-linear contract's ``backward``)."""
+    dh, dw, db, _ = backend_registry.get(backend).linear().backward(
+        hidden, weight, bias, ids, dz_ids, inv_temp, lse, coef, chunk_bytes=chunk_bytes, grad_filter=grad_filter,
+        needs=(need_h, need_w, need_b))
+    empty = hidden.new_empty(0)
+    return (empty if dh is None else dh, empty.clone() if dw is None else dw, empty.clone() if db is None else db)
+
+
+@linear_backward.register_fake
+def _linear_backward_fake(hidden, weight, bias, ids, dz_ids, inv_temp, lse, coef, chunk_bytes, grad_filter,
+                          need_h, need_w, need_b, backend):
+    dh = hidden.new_empty(hidden.shape, dtype=_acc(hidden)) if need_h else hidden.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_w else hidden.new_empty(0)
+    db = bias.new_empty(bias.shape) if need_b and bias is not None else hidden.new_empty(0)
+    return dh, dw, db
+
+
+def _acc(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32

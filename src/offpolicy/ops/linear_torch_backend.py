@@ -5,8 +5,9 @@ chunks (inner loop), computes one ``[rows, cols]`` block of ``z`` with a matmul,
 online-softmax statistics and drops it. The working set is a few such blocks plus one weight tile, sized from
 ``chunk_bytes``; nothing ``[N, V]`` is ever allocated.
 
-Functions (the backend contract used by :mod:`offpolicy.ops.linear_full` and :mod:`offpolicy.ops.linear_support`;
-``ids [N, M]`` are local vocabulary rows, ``-1`` for padding or rows owned by another shard):
+Functions (the fused-linear contract of :mod:`offpolicy.ops.backend_registry`, used by
+:mod:`offpolicy.ops.linear_function`; ``ids [N, M]`` are local vocabulary rows, ``-1`` for padding or rows owned
+by another shard):
 
 * :func:`gathered_logits`: ``z`` at the ids only, ``O(N M D)``.
 * :func:`full_stats`: online-softmax statistics over the whole (local) vocabulary and ``x`` at the ids.
@@ -29,6 +30,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from offpolicy.ops import online_softmax
+
 #: Default working-set budget in bytes (blocks of logits, one weight tile, the fp32 dW tile accumulator).
 CHUNK_BYTES = 128 << 20
 #: Widest vocabulary tile and most token rows per block on CPU: a [256, 4096] fp32 block (4 MiB) keeps the
@@ -36,7 +39,6 @@ CHUNK_BYTES = 128 << 20
 #: the block (large blocks keep cuBLAS busy).
 MAX_COLS = {"cpu": 4096, "other": 1 << 16}
 MAX_ROWS = {"cpu": 512, "other": 1 << 14}
-_INF = float("inf")
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -142,26 +144,6 @@ def gathered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Te
     return out
 
 
-def _merge(m: Tensor, s: Tensor, t: Tensor, m2: Tensor, s2: Tensor, t2: Tensor) -> None:
-    """Fold block statistics ``(m2, s2, t2)`` into the running ``(m, s, t)`` in place.
-
-    ``s = sum exp(x - m)``, ``t = sum exp(x - m) (x - m)``. With ``M = max(m, m2)`` and ``a = exp(m - M)``:
-    ``s' = a s + a2 s2`` and ``t' = a (t + s (m - M)) + a2 (t2 + s2 (m2 - M))``. Rows without mass (``s = 0``)
-    count as ``m = -inf``.
-    """
-    m1e = torch.where(s > 0, m, -_INF)
-    m2e = torch.where(s2 > 0, m2, -_INF)
-    big = torch.maximum(m1e, m2e)
-    big = torch.where(torch.isfinite(big), big, torch.zeros_like(big))
-    a1 = torch.exp(m1e - big)
-    a2 = torch.exp(m2e - big)
-    d1 = torch.where(s > 0, m - big, torch.zeros_like(m))
-    d2 = torch.where(s2 > 0, m2 - big, torch.zeros_like(m2))
-    t.copy_(a1 * (t + s * d1) + a2 * (t2 + s2 * d2))
-    s.copy_(a1 * s + a2 * s2)
-    m.copy_(big)
-
-
 class _Tiles:
     """Matmul blocks ``z = h[rows] W[v0:v1]^T + b[v0:v1]`` in fp32, with reusable buffers."""
 
@@ -243,7 +225,9 @@ def full_stats(
             x.sub_(mx[:, None])  # x - m <= 0, or -inf
             e = torch.exp(x, out=ebuf[: hi - lo, : v1 - v0])
             x.clamp_(min=torch.finfo(x.dtype).min)  # -inf * 0 would be NaN in the entropy dot product
-            _merge(m[lo:hi], s[lo:hi], t[lo:hi], mx, e.sum(dim=1), torch.linalg.vecdot(e, x))
+            folded = online_softmax.merge(m[lo:hi], s[lo:hi], t[lo:hi], mx, e.sum(dim=1), torch.linalg.vecdot(e, x))
+            for running, new in zip((m[lo:hi], s[lo:hi], t[lo:hi]), folded):
+                running.copy_(new)
     return m, s, t, x_ids
 
 

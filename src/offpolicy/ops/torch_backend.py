@@ -1,15 +1,20 @@
 """Chunked PyTorch backend for the vocabulary pass: the CPU path, and the fallback wherever Triton is absent.
 
 Rows are processed in chunks whose fp32 working set stays near ``CHUNK_BYTES`` (cache-sized), so the only
-``[N, V]`` allocation is the gradient itself; bf16/fp16 logits are upcast one chunk at a time.
+``[N, V]`` allocation is the gradient itself; bf16/fp16 logits are upcast one chunk at a time. The chunks are shared
+out to worker threads with one intra-op thread each (:mod:`offpolicy.ops.row_threads`).
 
-Both functions follow the backend contract of :mod:`offpolicy.ops.backends`.
+Both functions follow the logits contract of :mod:`offpolicy.ops.backend_registry`.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
+
+from offpolicy.ops import row_threads
 
 #: Bytes of one chunk's working buffer (fp32, or float64 for float64 logits); two live at once in the forward.
 CHUNK_BYTES = 8 << 20
@@ -41,10 +46,16 @@ def full_stats(
     if rows.numel() == 0 or v == 0:
         return m, s, t
     step = _chunk_rows(v, acc)
-    x_buf = torch.empty(min(step, rows.numel()), v, dtype=acc, device=logits.device)
-    e_buf = torch.empty_like(x_buf) if probs is None or not all_rows else None
-    for lo in range(0, rows.numel(), step):
-        idx = rows[lo : lo + step]
+    unit = bool((inv_temp == 1).all())
+    scratch: dict[int, tuple[Tensor, Tensor | None]] = {}
+
+    def body(lo: int, hi: int) -> None:
+        key = threading.get_ident()
+        if key not in scratch:  # per worker: x, and exp(x - m) when it is not written into probs
+            x_w = torch.empty(step, v, dtype=acc, device=logits.device)
+            scratch[key] = (x_w, torch.empty_like(x_w) if probs is None or not all_rows else None)
+        x_buf, e_buf = scratch[key]
+        idx = rows[lo:hi]
         sl = slice(int(idx[0]), int(idx[-1]) + 1)
         z = logits[sl] if all_rows else logits[idx]
         x = x_buf[: idx.numel()]
@@ -54,12 +65,15 @@ def full_stats(
         # of nearby values and one rounding: more accurate than z / tau - max(z / tau) when |z / tau| is large.
         mz = z.amax(dim=1).to(acc)
         mz = torch.where(torch.isfinite(mz), mz, torch.zeros_like(mz))
-        torch.sub(z, mz[:, None], out=x)
-        if not bool((it == 1).all()):
+        if z.dtype == acc:
+            torch.sub(z, mz[:, None], out=x)
+        else:  # a same-dtype subtraction after a vectorised upcast (a mixed-dtype one is far slower on CPU)
+            x.copy_(z).sub_(mz[:, None])
+        if not unit:
             x.mul_(it[:, None])
         torch.exp(x, out=e)
         s_c = e.sum(dim=1)
-        t_c = x.mul_(e).sum(dim=1)  # sum e (x - m); x is not needed afterwards
+        t_c = x.mul_(e).sum(dim=1)  # sum e (x - m), in cache; x is not needed afterwards
         bad = torch.isnan(t_c)
         if bool(bad.any()):  # rows holding -inf logits: exp gave 0 but 0 * -inf is NaN; drop those terms
             xb = (z[bad].to(acc) - mz[bad, None]) * it[bad, None]
@@ -67,6 +81,8 @@ def full_stats(
         if probs is not None and e_buf is not None:
             probs[idx] = e
         m[idx], s[idx], t[idx] = mz * it, s_c, t_c
+
+    row_threads.for_chunks(rows.numel(), step, body)
     return m, s, t
 
 
@@ -119,24 +135,36 @@ def full_grad(
     unit = bool((inv_temp == 1).all())
     step = _chunk_rows(v, acc)
     direct = out.dtype == acc and all_live
-    buf = None if direct else torch.empty(min(step, rows.numel()), v, dtype=acc, device=logits.device)
-    for lo in range(0, rows.numel(), step):
-        idx = rows[lo : lo + step]
+    scratch: dict[int, Tensor] = {}
+
+    def body(lo: int, hi: int) -> None:
+        idx = rows[lo:hi]
         sl = slice(int(idx[0]), int(idx[-1]) + 1)
         z = logits[sl] if all_live else logits[idx]
-        x = out[sl] if direct else buf[: idx.numel()]
-        torch.sub(z, shift[idx, None], out=x)
+        if direct:
+            x = out[sl]
+        else:  # per worker: one fp32 chunk, so that each element of a 16-bit output is rounded once
+            key = threading.get_ident()
+            if key not in scratch:
+                scratch[key] = torch.empty(step, v, dtype=acc, device=logits.device)
+            x = scratch[key][: idx.numel()]
+        if z.dtype == acc:
+            torch.sub(z, shift[idx, None], out=x)
+        else:
+            x.copy_(z).sub_(shift[idx, None])
         if not unit:
             x.mul_(inv_temp[idx, None])
         x.exp_()  # p
         x.mul_(coef[idx, None])  # -G p / tau
         x.scatter_add_(1, cols[idx], g_scaled[idx])
         if direct:
-            continue
+            return
         if all_live:
             out[sl].copy_(x)
         else:
             out[idx] = x.to(out.dtype)
+
+    row_threads.for_chunks(rows.numel(), step, body)
     return out
 
 
@@ -165,9 +193,11 @@ def grad_from_probs(
         probs[~live] = 0
     g_scaled = torch.where(ids >= 0, grad * inv_temp[:, None], torch.zeros_like(grad))
     cols = ids.clamp_min(0)
-    step = _chunk_rows(v, probs.dtype)
-    for lo in range(0, n, step):
-        chunk = probs[lo : lo + step]
-        chunk.mul_(row_scale[lo : lo + step, None])
-        chunk.scatter_add_(1, cols[lo : lo + step], g_scaled[lo : lo + step])
+
+    def body(lo: int, hi: int) -> None:
+        chunk = probs[lo:hi]
+        chunk.mul_(row_scale[lo:hi, None])
+        chunk.scatter_add_(1, cols[lo:hi], g_scaled[lo:hi])
+
+    row_threads.for_chunks(n, _chunk_rows(v, probs.dtype), body)
     return probs

@@ -1,27 +1,25 @@
 """Triton backend for the vocabulary pass: the GPU path (and, under ``TRITON_INTERPRET=1``, the same kernels on CPU).
 
-Both functions follow the backend contract of :mod:`offpolicy.ops.backends` by launching the kernels of
+Both functions follow the logits contract of :mod:`offpolicy.ops.backend_registry` by launching the kernels of
 :mod:`offpolicy.kernels.logsoftmax`: the forward reads the logits once, the backward reads them once and writes
 the gradient once, every row in its own program of a 1-D grid; all arithmetic is fp32.
 
-float64 logits (gradient checks, references) are outside the kernels' remit and go to the chunked torch
-backend, which keeps float64 throughout.
+float64 logits (gradient checks, references) are outside the kernels' remit: the backend declares
+``float64=False`` and the registry sends them to the torch backend.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from offpolicy.kernels import logsoftmax as kernels
-from offpolicy.ops import torch_backend
 
 
 def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` over the whole (local) vocabulary.
 
     Args:
-        logits: ``[N, V]`` bf16/fp16/fp32 (float64 goes to the torch backend), unit stride along ``V``.
+        logits: ``[N, V]`` bf16/fp16/fp32, unit stride along ``V``.
         inv_temp: ``[N]`` fp32, ``1 / tau``.
         skip: ``[N]`` bool or None; skipped rows are not read and report ``m = s = t = 0``.
 
@@ -29,8 +27,6 @@ def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[T
         ``m [N]`` (row max, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
         ``t [N] = sum exp(x - m) * (x - m)``, all fp32.
     """
-    if logits.dtype == torch.float64:
-        return torch_backend.full_stats(logits, inv_temp, skip)
     return kernels.row_stats(logits, inv_temp, skip)
 
 
@@ -56,6 +52,4 @@ def full_grad(
         out: ``[N, V]`` output in the logits' dtype, unit stride along ``V``; may be ``logits`` itself
             (in-place: the logits are overwritten, outside autograd's version check).
     """
-    if logits.dtype == torch.float64:
-        return torch_backend.full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
     return kernels.row_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)

@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 
 import offpolicy.ops as ops
 from offpolicy.kernels import logsoftmax as kernels
-from offpolicy.ops import triton_backend
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -406,96 +405,12 @@ def test_dispatch_env_var_routes_to_kernels(monkeypatch):
 
 
 def test_float64_logits_use_the_torch_path():
+    """The Triton backend declares no float64: the registry runs float64 logits on the torch backend."""
     z = torch.randn(3, 40, dtype=torch.float64, device=DEVICE)
-    inv = torch.ones(3, dtype=torch.float64, device=DEVICE)
-    m, s, t = triton_backend.full_stats(z, inv, None)
-    assert m.dtype == torch.float64
-    torch.testing.assert_close(m + torch.log(s), torch.logsumexp(z, 1))
-
-
-# ---------------------------------------------------------------- torch.compile
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_custom_ops_opcheck(backend):
-    """``torch.library.opcheck``: schemas (the in-place op declares its mutation), fake kernels, AOT dispatch."""
-    from offpolicy.ops import library
-
-    gen = torch.Generator().manual_seed(9)
-    z = torch.randn(4, 50, generator=gen).to(DEVICE)
-    inv = torch.full((4,), 1.2, device=DEVICE)
-    skip = torch.tensor([False, True, False, False], device=DEVICE)
-    ids = torch.tensor([[1, 1, -1], [2, 3, 4], [0, 49, 7], [5, 5, 5]], device=DEVICE)
-    g = torch.where(ids >= 0, torch.randn(4, 3, generator=gen).to(DEVICE), 0.0)
-    lse = torch.logsumexp(z * inv[:, None], 1)
-    for op, args in [
-        (library.full_stats, (z, inv, skip, backend)),
-        (library.full_grad, (z, ids, inv, lse, g, g.sum(1), backend)),
-        (library.full_grad_inplace_, (z.clone(), ids, inv, lse, g, g.sum(1), backend)),
-    ]:
-        result = torch.library.opcheck(op, args)
-        assert set(result.values()) == {"SUCCESS"}, result
-
-
-def _primitive(z, y, c, tau, support, backend):
-    out = ops.sparse_log_softmax(z, y, c, tau, support=support, backend=backend)
-    return out.target.sum() + torch.where(c >= 0, out.candidates, 0.0).sum(), out.entropy
-
-
-@pytest.mark.parametrize(
-    "backend,compiler",
-    [("torch", "inductor"), ("triton", "inductor" if CUDA else "aot_eager")],
-    ids=["torch_backend", "triton_backend"],
-)
-def test_compile_fullgraph_sparse_log_softmax(backend, compiler):
-    """``torch.compile(fullgraph=True)``: the backend functions are custom ops, traced without graph breaks.
-    (On CPU the Triton backend is compiled with aot_eager: inductor would only wrap the same opaque op.)"""
-    torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(7)
-    z = torch.randn(6, 300, generator=gen).to(DEVICE)
-    y = torch.randint(0, 300, (6,), generator=gen).to(DEVICE)
-    c = torch.where(torch.rand(6, 4, generator=gen) < 0.3, -1, torch.randint(0, 300, (6, 4), generator=gen))
-    c = c.to(DEVICE)
-    tau = torch.linspace(0.5, 2.0, 6, device=DEVICE)
-    fn = torch.compile(_primitive, fullgraph=True, backend=compiler)
-    for support in (False, True):
-        got_z, want_z = z.clone().requires_grad_(), z.clone().requires_grad_()
-        loss, ent = fn(got_z, y, c, tau, support, backend)
-        loss.backward()
-        want, want_ent = _primitive(want_z, y, c, tau, support, backend)
-        want.backward()
-        torch.testing.assert_close(loss, want)
-        torch.testing.assert_close(ent, want_ent)
-        torch.testing.assert_close(got_z.grad, want_z.grad)
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_compile_fullgraph_policy_loss(backend):
-    """``torch.compile(fullgraph=True)`` over ``op.policy_loss`` (head candidates, MIS + score centering), with
-    aot_eager: tracing, fake kernels and the joint graph, without inductor's codegen."""
-    import offpolicy as op
-
-    torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(8)
-    n, v, k = 8, 64, 4
-    z = torch.randn(n, v, generator=gen).to(DEVICE)
-    y = torch.randint(0, v, (n,), generator=gen).to(DEVICE)
-    lq = (torch.log_softmax(torch.randn(n, v, generator=gen), 1).gather(1, y.cpu()[:, None])[:, 0]).to(DEVICE)
-    adv = torch.randn(n, generator=gen).to(DEVICE)
-    ids = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(n)]).to(DEVICE)
-    cands = op.Candidates(ids, torch.full((n, k), -3.0, device=DEVICE), "head")
-    corr = op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True)
-
-    def loss_fn(z):
-        return op.policy_loss(z, y, lq, adv, cands, temperature=0.9, correction=corr, backend=backend).loss
-
-    got_z, want_z = z.clone().requires_grad_(), z.clone().requires_grad_()
-    got = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(got_z)
-    got.backward()
-    want = loss_fn(want_z)
-    want.backward()
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got_z.grad, want_z.grad)
+    y = torch.tensor([1, 2, 3], device=DEVICE)
+    out = ops.sparse_log_softmax(z, y, backend="triton")
+    assert out.lse.dtype == torch.float64
+    torch.testing.assert_close(out.lse, torch.logsumexp(z, 1))
 
 
 # ---------------------------------------------------------------- GPU build and benchmark script

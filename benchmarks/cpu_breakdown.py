@@ -1,0 +1,149 @@
+"""Where the CPU path's time goes, at N = 4096, V = 151936 (fp32 logits), each figure over several calls.
+
+1. first touch: allocate a logits-sized buffer and copy the logits into it (the floor), against copying into a
+   buffer whose pages are already mapped (what a reused gradient buffer costs);
+2. one chunk of the forward (``rows`` x V fp32, cache-sized), pass by pass, with 2 and with 1 intra-op threads: on
+   a 2-core machine shared with other jobs, a parallel region waits for a descheduled thread;
+3. the primitive alone (``offpolicy.ops.sparse_log_softmax``, full vocabulary, K = 128), forward and backward,
+   with and without the value checks (``validate=False``), against the floor of the same call.
+
+    python benchmarks/cpu_breakdown.py --note "shared machine"
+
+Writes benchmarks/results/cpu_breakdown_<host>_<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"median_ms": 1e3 * statistics.median(xs), "best_ms": 1e3 * min(xs),
+            "spread_ms": 1e3 * (max(xs) - min(xs))}
+
+
+def _time(fn, calls: int) -> list[float]:
+    fn()
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def first_touch(logits: torch.Tensor, calls: int) -> dict:
+    fresh, warm = [], []
+    mapped = torch.empty_like(logits)
+    mapped.copy_(logits)
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        buf = torch.empty_like(logits)
+        buf.copy_(logits)
+        fresh.append(time.perf_counter() - t0)
+        del buf
+        t0 = time.perf_counter()
+        mapped.copy_(logits)
+        warm.append(time.perf_counter() - t0)
+    return {"fresh_buffer": _stats(fresh), "mapped_buffer": _stats(warm)}
+
+
+def chunk_passes(v: int, rows: int, calls: int) -> dict:
+    z = torch.randn(rows, v)
+    x, e = torch.empty_like(z), torch.empty_like(z)
+    m = z.amax(dim=1, keepdim=True)
+    passes = {
+        "amax": lambda: z.amax(dim=1),
+        "sub": lambda: torch.sub(z, m, out=x),
+        "exp": lambda: torch.exp(x, out=e),
+        "sum": lambda: e.sum(dim=1),
+        "mul_sum": lambda: x.mul_(e).sum(dim=1),
+    }
+    out = {}
+    threads = torch.get_num_threads()
+    for n_threads in sorted({threads, 1}, reverse=True):
+        torch.set_num_threads(n_threads)
+        out[f"threads_{n_threads}"] = {name: _stats(_time(fn, calls)) for name, fn in passes.items()}
+    torch.set_num_threads(threads)
+    return out
+
+
+def primitive(logits: torch.Tensor, k: int, calls: int) -> dict:
+    from offpolicy.ops import sparse_log_softmax
+
+    n, v = logits.shape
+    gen = torch.Generator().manual_seed(1)
+    y = torch.randint(0, v, (n,), generator=gen)
+    c = torch.randint(0, v, (n, k), generator=gen)
+    g_t, g_c = torch.randn(n, generator=gen), torch.randn(n, k, generator=gen)
+    leaf = logits.requires_grad_()
+    out = {}
+    for validate in (True, False):
+        floors, fwd, bwd = [], [], []
+        for _ in range(calls + 1):
+            leaf.grad = None
+            t0 = time.perf_counter()
+            buf = torch.empty_like(logits)
+            buf.copy_(logits)
+            floors.append(time.perf_counter() - t0)
+            del buf
+            t0 = time.perf_counter()
+            res = sparse_log_softmax(leaf, y, c, validate=validate)
+            t1 = time.perf_counter()
+            torch.autograd.backward((res.target, res.candidates), (g_t, g_c))
+            t2 = time.perf_counter()
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        floors, fwd, bwd = floors[1:], fwd[1:], bwd[1:]  # the first call maps the reused gradient buffer
+        out[f"validate_{validate}"] = {"floor": _stats(floors), "forward": _stats(fwd), "backward": _stats(bwd),
+                                       "x_floor_median": statistics.median(
+                                           [(f + b) / fl for f, b, fl in zip(fwd, bwd, floors)])}
+    leaf.requires_grad_(False)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--v", type=int, default=151936)
+    ap.add_argument("--k", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=13, help="rows of the chunk in part 2 (8 MiB at V = 151936)")
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--note", default="")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    load_start = os.getloadavg()
+    logits = torch.randn(args.n, args.v) * 2
+    result = {
+        "meta": {"host": socket.gethostname(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+                 "python": platform.python_version(), "torch": torch.__version__,
+                 "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                 "command": "python benchmarks/cpu_breakdown.py " + " ".join(sys.argv[1:]), "note": args.note,
+                 "loadavg_start": load_start},
+        "first_touch": first_touch(logits, args.calls),
+        "chunk_passes": chunk_passes(args.v, args.rows, 10 * args.calls),
+        "primitive": primitive(logits, args.k, args.calls),
+    }
+    result["meta"]["loadavg_end"] = os.getloadavg()
+    print(json.dumps(result, indent=1))
+    path = args.out / f"cpu_breakdown_{result['meta']['host']}_{dt.date.today().isoformat()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Input checks shared by the two exported primitives (:func:`~offpolicy.ops.sparse_log_softmax` and
+:func:`~offpolicy.ops.linear_sparse_log_softmax`).
+
+Shape, dtype and option checks cost nothing and always run. Value checks (ids in range, temperatures ``> 0``)
+read the tensors, which is a host sync on a GPU: they run unless the caller passes ``validate=False`` (a caller
+that has checked its batch already, such as :func:`offpolicy.policy_loss`), and are left out while
+``torch.compile`` traces (a graph cannot hold a host sync).
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+from torch import Tensor
+
+from offpolicy.ops.vocab_parallel import VocabShard
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def describe(x: object) -> str:
+    """A short description of ``x`` for error messages."""
+    if isinstance(x, Tensor):
+        return f"{x.dtype} tensor of shape {list(x.shape)} on {x.device}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def check_logits(logits: object) -> None:
+    """``logits`` must be a ``[N, V]`` float tensor with unit stride along ``V``."""
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.dtype not in FLOATS:
+        raise ValueError(f"logits: expected a [N, V] fp32/bf16/fp16/float64 tensor, got {describe(logits)}")
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        raise ValueError(f"logits: expected unit stride along V (call .contiguous()), got strides {logits.stride()}")
+
+
+def check_rows(n: int, device: torch.device, targets: object, candidate_ids: object, temperature: object,
+               support: object, skip: object, shard: object) -> None:
+    """Static checks of the per-row arguments both primitives take (no tensor values are read)."""
+    if not isinstance(targets, Tensor) or targets.shape != (n,) or targets.is_floating_point() \
+            or targets.dtype == torch.bool:
+        raise ValueError(f"targets: expected an integer [N={n}] tensor, got {describe(targets)}")
+    if candidate_ids is not None and (not isinstance(candidate_ids, Tensor) or candidate_ids.dim() != 2
+                                      or candidate_ids.shape[0] != n or candidate_ids.is_floating_point()
+                                      or candidate_ids.dtype == torch.bool):
+        raise ValueError(
+            f"candidate_ids: expected an integer [N={n}, K] tensor or None, got {describe(candidate_ids)}")
+    if not isinstance(support, bool):
+        raise ValueError(f"support: expected a bool, got {describe(support)}")
+    if support and candidate_ids is None:
+        raise ValueError("support=True normalises over each row's candidates: candidate_ids is required")
+    if isinstance(temperature, Tensor):
+        if temperature.dim() > 1 or temperature.numel() not in (1, n) or not temperature.is_floating_point():
+            raise ValueError(f"temperature: expected a float or a float [N={n}] tensor, got {describe(temperature)}")
+    elif isinstance(temperature, bool) or not isinstance(temperature, Real) \
+            or not (0 < float(temperature) < math.inf):
+        raise ValueError(f"temperature: expected a finite number > 0, got {describe(temperature)}")
+    if skip is not None and (not isinstance(skip, Tensor) or skip.shape != (n,) or skip.dtype != torch.bool):
+        raise ValueError(f"skip: expected a bool [N={n}] tensor or None, got {describe(skip)}")
+    if shard is not None and not isinstance(shard, VocabShard):
+        raise ValueError(f"shard: expected a VocabShard or None, got {describe(shard)}")
+    for name, x in (("targets", targets), ("candidate_ids", candidate_ids), ("skip", skip)):
+        if isinstance(x, Tensor) and x.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device}, got one on {x.device}")
+
+
+def check_values(v: int, targets: Tensor, candidate_ids: Tensor | None, temperature: float | Tensor,
+                 shard: VocabShard | None) -> None:
+    """Value checks (host syncs): ids in ``[0, V)`` (candidates may be ``-1``), temperatures finite and ``> 0``.
+
+    Under ``shard`` the global vocabulary size is not known here, so only the lower bounds are checked.
+    """
+    if torch.compiler.is_compiling():
+        return
+    # One min/max pass per id tensor (each host sync costs a pass and, on a busy CPU, a thread wake-up).
+    for name, x, lowest in (("targets", targets, 0), ("candidate_ids", candidate_ids, -1)):
+        if x is None or not x.numel():
+            continue
+        lo, hi = (int(b) for b in torch.aminmax(x))
+        if lo < lowest:
+            what = "is negative; expected ids in [0, V)" if name == "targets" else "is below -1 (the padding id)"
+            raise ValueError(f"{name}: id {lo} {what}")
+        if shard is None and hi >= v:
+            raise ValueError(f"{name}: id {hi} is out of range for V={v}")
+    if isinstance(temperature, Tensor) and temperature.numel() \
+            and not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
+        raise ValueError("temperature: every entry must be finite and > 0")

@@ -1,0 +1,132 @@
+"""Autograd function of the fused-linear primitive (:func:`offpolicy.ops.linear_sparse_log_softmax`): the
+log-softmax of ``x = (h W^T + b) inv_temp`` at ``ids [N, M]`` without the ``[N, V]`` logits or their gradient.
+
+Full mode (head records, no record): one pass over vocabulary tiles x token chunks of ``z`` (never stored) yields
+the per-row online-softmax statistics ``(m, s, t)`` and the logits at the ids; ``lse`` and the entropy follow as in
+the logits primitive (:func:`offpolicy.ops.online_softmax.finish`). The backward recomputes ``p`` tile by tile:
+
+    dz[n, v] = inv_temp[n] (sum_j [ids[n, j] = v] g[n, j]  -  G[n] p[n, v]),   p = exp(x - lse)
+
+a sparse part at the ids plus a dense part ``coef[n] p[n, v]`` with ``coef = -G inv_temp``, pushed through the
+layer: ``dh = dz W``, ``dW = dz^T h``, ``db = sum_n dz``, accumulated in fp32 (``8 N D V`` FLOPs in all).
+
+Support mode (mask replay): only the ``K`` support rows of ``W`` per token enter, ``O(N K D)``; ``p`` is the
+support-renormalised distribution and the dense part is absent.
+
+Rows whose upstream gradient is zero (untrained, skipped) and rows without mass take exactly zero gradient,
+whatever their hidden state holds: their ids are dropped from the sparse part and their dense coefficient is 0.
+
+Vocabulary parallelism: the statistics (full) or the gathered logits (support) are combined across shards as in
+the logits primitive (:mod:`offpolicy.ops.vocab_parallel`); each rank's ``dh`` is its shard's partial sum (what
+autograd through ``h @ W_local^T`` gives; the tensor-parallel layer that replicated ``h`` sums it over ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from offpolicy.ops import library, online_softmax
+from offpolicy.ops.online_softmax import INF
+from offpolicy.ops.backend_registry import Backend
+from offpolicy.ops.vocab_parallel import VocabShard, combine_shards, localise, sum_shards
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How one call runs: normalisation, vocabulary shard, backend, working-set budget, gradient filter."""
+
+    support: bool
+    shard: VocabShard | None
+    backend: Backend
+    chunk_bytes: int
+    grad_filter: float | None
+
+
+class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
+    """``(logp [N, M], lse [N], entropy [N])`` of ``softmax((h W^T + b) inv_temp)`` at ``ids [N, M]``."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
+                skip: Tensor | None, plan: LinearPlan):
+        local = localise(ids, plan.shard, weight.shape[0])
+        name = plan.backend.name
+        if plan.support:
+            x = library.linear_gathered_logits(hidden, weight, bias, local, plan.chunk_bytes, name)
+            x = x * inv_temp[:, None]
+            if plan.shard is not None:
+                x = sum_shards(plan.shard, x)
+            x = x.masked_fill(ids < 0, -INF)
+            lse, entropy = online_softmax.support_stats(x[:, 1:])
+            if skip is not None:
+                lse = lse.masked_fill(skip, INF)
+                entropy = entropy.masked_fill(skip, 0.0)
+        else:
+            m, s, t, x = _stats_on_rows(hidden, weight, bias, local, inv_temp, skip, plan)
+            if plan.shard is not None:
+                m, s, t, x = combine_shards(plan.shard, m, s, t, x)
+            x = x.masked_fill(ids < 0, -INF)
+            lse, entropy = online_softmax.finish(m, s, t)
+        ctx.save_for_backward(hidden, weight, bias, local, ids < 0, inv_temp, lse, x if plan.support else None)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse, entropy)
+        return x - lse[:, None], lse, entropy
+
+    @staticmethod
+    def backward(ctx, g: Tensor, _g_lse: Tensor, _g_entropy: Tensor):
+        hidden, weight, bias, local, pad, inv_temp, lse, x = ctx.saved_tensors
+        plan: LinearPlan = ctx.plan
+        # Padding and rows without (finite) mass take no gradient, whatever arrives for them.
+        finite = torch.isfinite(lse)
+        valid = finite[:, None] & ~pad & (g != 0)
+        g = torch.where(valid, g.to(inv_temp.dtype), torch.zeros_like(g, dtype=inv_temp.dtype))
+        # A NaN lse (NaN or +inf logits on a row that takes no gradient) becomes +inf, "no mass": the backends then
+        # neither read the row nor form exp(x - lse) there, so no 0 * NaN reaches the gradient.
+        lse = torch.where(finite, lse, torch.full_like(lse, INF))
+        grad_sum = g.sum(dim=1)
+        if plan.support:
+            p = online_softmax.support_probs(x[:, 1:], lse, (g != 0).any(dim=1))
+            dx = torch.cat([g[:, :1], g[:, 1:] - grad_sum[:, None] * p], dim=1)
+            coef = None
+        else:
+            dx = g
+            coef = -grad_sum * inv_temp
+        dz_ids = torch.where(local >= 0, dx * inv_temp[:, None], torch.zeros_like(dx))
+        # Entries without gradient are dropped, so no backend reads the hidden state or weight row behind them.
+        active = torch.where(dz_ids != 0, local, torch.full_like(local, -1))
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dh, dw, db = library.linear_backward(hidden, weight, bias, active, dz_ids, inv_temp, lse, coef,
+                                             plan.chunk_bytes, None if plan.support else plan.grad_filter,
+                                             need_h, need_w, need_b and bias is not None, plan.backend.name)
+        return (dh.to(hidden.dtype) if need_h else None, dw if need_w else None,
+                db if need_b and bias is not None else None, None, None, None, None)
+
+
+def _stats_on_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, local: Tensor, inv_temp: Tensor,
+                   skip: Tensor | None, plan: LinearPlan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backend statistics; skipped rows are not read (eager) and report ``m = s = t = 0`` and ``x = 0``.
+
+    Under ``torch.compile`` (no data-dependent shapes) every row is computed and the skipped ones are masked.
+    """
+    name = plan.backend.name
+    if skip is None or torch.compiler.is_compiling():
+        m, s, t, x = library.linear_full_stats(hidden, weight, bias, local, inv_temp, plan.chunk_bytes, name)
+        if skip is None:
+            return m, s, t, x
+        keep = ~skip
+        zero = torch.zeros_like(m)
+        return (torch.where(keep, m, zero), torch.where(keep, s, zero), torch.where(keep, t, zero),
+                torch.where(keep[:, None], x, torch.zeros_like(x)))
+    n = hidden.shape[0]
+    rows = (~skip).nonzero().squeeze(1)
+    m_a, s_a, t_a, x_a = library.linear_full_stats(hidden.index_select(0, rows), weight, bias,
+                                                   local.index_select(0, rows), inv_temp.index_select(0, rows),
+                                                   plan.chunk_bytes, name)
+    m = torch.zeros(n, dtype=inv_temp.dtype, device=hidden.device)
+    s, t = torch.zeros_like(m), torch.zeros_like(m)
+    x = torch.zeros(local.shape, dtype=inv_temp.dtype, device=hidden.device)
+    for full, part in ((m, m_a), (s, s_a), (t, t_a), (x, x_a)):
+        full.index_copy_(0, rows, part)
+    return m, s, t, x

@@ -1,0 +1,83 @@
+"""Row-parallel loops for the CPU backend: each worker thread takes a contiguous share of the row chunks and runs
+its PyTorch ops with one intra-op thread.
+
+Why not PyTorch's own intra-op threads: every op on a cache-sized chunk is a parallel region, and each region
+waits for all its threads; on a machine whose cores are shared (2 cores, other jobs) one descheduled thread stalls
+every op, and a pass over a chunk that takes 0.1 ms alone can take 10-30 ms. Independent workers only meet once,
+at the end of the loop. The number of workers is ``torch.get_num_threads()`` of the calling thread (at most the
+number of chunks); the ops release the GIL, so the workers run in parallel. Around the loops the logits
+primitive runs its small ops with one intra-op thread too (:func:`single_intra_op`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_LOCAL = threading.local()
+
+
+@contextmanager
+def single_intra_op() -> Iterator[None]:
+    """Run the calling thread's ops with one intra-op thread, keeping its thread count for :func:`for_chunks`.
+
+    The ``O(N K)`` ops around the vocabulary passes are small parallel regions; on a shared machine each can wait
+    milliseconds for a descheduled thread. Inside this context only :func:`for_chunks` runs in parallel.
+    """
+    if getattr(_LOCAL, "workers", None) is not None or torch.compiler.is_compiling():
+        yield
+        return
+    threads = torch.get_num_threads()
+    _LOCAL.workers = threads
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _LOCAL.workers = None
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    if _POOL is None or _POOL_SIZE < workers:
+        if _POOL is not None:
+            _POOL.shutdown(wait=False)
+        _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offpolicy-rows",
+                                   initializer=torch.set_num_threads, initargs=(1,))
+        _POOL_SIZE = workers
+    return _POOL
+
+
+def for_chunks(total: int, step: int, body: Callable[[int, int], None]) -> None:
+    """Call ``body(lo, hi)`` for every chunk ``[lo, hi)`` of ``range(total)`` in steps of ``step``.
+
+    Chunks are split into contiguous shares, one per worker; ``body`` must only write outputs of its own rows.
+    """
+    starts = list(range(0, total, step))
+    compiling = torch.compiler.is_compiling()
+    threads = 1 if compiling else getattr(_LOCAL, "workers", None) or torch.get_num_threads()
+    workers = min(len(starts), max(1, threads))
+    if workers <= 1:
+        for lo in starts:
+            body(lo, min(total, lo + step))
+        return
+
+    grad_enabled = torch.is_grad_enabled()  # thread-local: the workers take the caller's mode
+
+    def share(first: int, last: int) -> None:
+        with torch.set_grad_enabled(grad_enabled):
+            for lo in starts[first:last]:
+                body(lo, min(total, lo + step))
+
+    bounds = [len(starts) * w // workers for w in range(workers + 1)]
+    futures = [_pool(workers).submit(share, bounds[w], bounds[w + 1]) for w in range(1, workers)]
+    with single_intra_op():  # the calling thread works too, with one intra-op thread like the others
+        share(bounds[0], bounds[1])
+    for f in futures:
+        f.result()

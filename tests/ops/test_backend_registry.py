@@ -1,0 +1,72 @@
+"""The one backend registry of both primitives: choice by argument, environment and device; capabilities instead
+of names; clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offpolicy.ops import backend_registry, linear_sparse_log_softmax, sparse_log_softmax
+
+
+def test_every_backend_implements_both_contracts():
+    for backend in backend_registry.BACKENDS.values():
+        for name in ("full_stats", "full_grad"):
+            assert callable(getattr(backend.logits(), name)), (backend.name, name)
+        for name in ("gathered_logits", "full_stats", "backward"):
+            assert callable(getattr(backend.linear(), name)), (backend.name, name)
+        if backend.caches_probs:
+            assert callable(backend.logits().grad_from_probs)
+
+
+def test_choice_order(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(backend_registry.ENV_VAR, raising=False)
+    assert backend_registry.choose(None, cpu, torch.float32).name == "torch"
+    assert backend_registry.choose(None, torch.device("cuda"), torch.float32).name == "triton"
+    monkeypatch.setenv(backend_registry.ENV_VAR, "triton")
+    assert backend_registry.choose(None, cpu, torch.float32).name == "triton"
+    assert backend_registry.choose("torch", cpu, torch.float32).name == "torch"  # the argument wins
+
+
+def test_float64_goes_to_a_float64_backend():
+    chosen = backend_registry.choose("triton", torch.device("cpu"), torch.float64)
+    assert chosen.float64 and chosen.name == "torch"
+
+
+def test_unknown_backend_is_named(monkeypatch):
+    with pytest.raises(ValueError, match="'cuda' is not a backend"):
+        backend_registry.choose("cuda", torch.device("cpu"), torch.float32)
+    monkeypatch.setenv(backend_registry.ENV_VAR, "nope")
+    with pytest.raises(ValueError, match=r"\$OFFPOLICY_BACKEND='nope'"):
+        sparse_log_softmax(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="not registered"):
+        backend_registry.get("nope")
+
+
+def test_kernel_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        linear_sparse_log_softmax(torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, dtype=torch.int64),
+                                  backend="triton")
+
+
+def test_cached_probabilities_follow_the_capability(monkeypatch):
+    """The forward leaves exp(x - m) for the backward exactly when the backend declares ``caches_probs``: a backend
+    record that declares it off makes the torch backend recompute (same gradient)."""
+    calls = []
+    torch_mod = backend_registry.BACKENDS["torch"].logits()
+    original = torch_mod.grad_from_probs
+    monkeypatch.setattr(torch_mod, "grad_from_probs", lambda *a: calls.append(1) or original(*a))
+    z = torch.randn(5, 70)
+    y = torch.randint(0, 70, (5,))
+    grads = []
+    for caches in (True, False):
+        monkeypatch.setitem(backend_registry.BACKENDS, "torch", backend_registry.Backend(
+            "torch", "offpolicy.ops.torch_backend", "offpolicy.ops.linear_torch_backend", caches_probs=caches,
+            float64=True, needs_kernels=False))
+        leaf = z.clone().requires_grad_()
+        sparse_log_softmax(leaf, y, backend="torch").target.sum().backward()
+        grads.append(leaf.grad)
+    assert calls == [1]
+    torch.testing.assert_close(grads[0], grads[1])
