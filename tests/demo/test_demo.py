@@ -239,6 +239,7 @@ def test_tiny_demo_writes_tables_csv_histories_and_figures(tmp_path, capsys):
         for name in ("collapse.png", "mismatch.png", "drift.png", "groups.png"):
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert not (out / "runs.partial.json.gz").exists()
+    assert "Pre-registered predictions" in (out / "tables.md").read_text()
     # the committed histories regenerate the same tables
     again = tmp_path / "again"
     assert cli_main(["demo", "--report-only", str(out / "runs.json.gz"), "--out", str(again), "--no-plots"]) == 0

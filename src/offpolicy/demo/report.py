@@ -198,6 +198,108 @@ def tables_text(results: list[dict]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _pair_text(d: dict | None) -> str:
+    if d is None:
+        return "not run"
+    return f"{d['diff']:+.4f} ± {d['ci']:.4f} (n = {d['seeds']})"
+
+
+def _interval_sign(d: dict | None) -> int:
+    """+1 / -1 when the paired interval lies entirely above / below 0, 0 when it contains 0 (or is missing)."""
+    if d is None or math.isnan(d["ci"]):
+        return 0
+    return 1 if d["diff"] - d["ci"] > 0 else -1 if d["diff"] + d["ci"] < 0 else 0
+
+
+def predictions_text(results: list[dict]) -> str:
+    """The pre-registered predictions of docs/demo.md, each judged hit / miss / not run from the histories."""
+    summary = [summarize(r) for r in results]
+    agg = {a["config"]: a for a in aggregate(summary)}
+    runs = {c: [s for s in summary if s["config"] == c] for c in agg}
+    rows: list[tuple[str, str, str]] = []
+
+    def verdict(ok: bool | None, ci: float = 0.0) -> str:
+        if ok is None:
+            return "not run"
+        if math.isnan(ci):
+            return "undecided (one seed: no interval)"
+        return "hit" if ok else "miss"
+
+    c = agg.get("grpo@onpolicy")
+    rows.append(("1 on-policy control does not degrade, rises",
+                 "not run" if c is None else
+                 f"exact success change {_fmt(c['success_change'], c['success_change_ci'], 4)}",
+                 verdict(None if c is None else c["success_change"] - c["success_change_ci"] > 0,
+                         0.0 if c is None else c["success_change_ci"])))
+    n_col = sum(s["collapsed"] for s in summary)
+    n_kl = sum(s["kl_blowup"] for s in summary)
+    rows.append(("2 no run collapses, no KL blow-up", f"{n_col} of {len(summary)} runs collapse, {n_kl} blow up",
+                 verdict(n_col == 0 and n_kl == 0)))
+    for label, a, b, want in (("3 GRPO mixed below on-policy", "grpo@mixed", "grpo@onpolicy", -1),
+                              ("4 SC+MIS mixed above GRPO mixed", "sc_mis@mixed", "grpo@mixed", 1),
+                              ("7 GRPO homogeneous within interval of on-policy", "grpo@homogeneous",
+                               "grpo@onpolicy", 0)):
+        d = paired(summary, a, b) if a in agg and b in agg else None
+        rows.append((label, f"paired final exact success {a} - {b}: {_pair_text(d)}",
+                     verdict(None if d is None else _interval_sign(d) == want, 0.0 if d is None else d["ci"])))
+    g_m, g_h = agg.get("grpo@mixed"), agg.get("grpo@homogeneous")
+    m_mis = agg.get("grpo_mis@mixed")
+    sc = [agg[k] for k in ("sc_mis@mixed", "sc_mis_topp@mixed") if k in agg]
+    if g_m is not None and g_h is not None and m_mis is not None and sc:
+        along_neg = all(s["drift_along"] < 0 for k in ("grpo@mixed", "grpo@homogeneous") for s in runs[k])
+        mis_up = all(s["drift_masked_mass"] > 0 for s in runs["grpo_mis@mixed"])
+        sc_small = all(abs(a["drift_along"]) < 0.05 * abs(g_m["drift_along"]) for a in sc)
+        text = (f"<u, q-p>: GRPO mixed {_fmt(g_m['drift_along'], None, 3)}, homogeneous "
+                f"{_fmt(g_h['drift_along'], None, 3)}; GRPO+MIS d p(masked) {_fmt(m_mis['drift_masked_mass'])}; "
+                + ", ".join(f"{a['config']} <u, q-p> {_fmt(a['drift_along'])}" for a in sc))
+        rows.append(("5 drift probe", text, verdict(along_neg and abs(g_m["drift_along"]) > abs(g_h["drift_along"])
+                                                    and mis_up and sc_small)))
+    else:
+        rows.append(("5 drift probe", "not run", "not run"))
+    fmts = ("bf16", "fp8", "nvfp4", "mxfp4")
+    sweep = [agg.get(f"grpo@mixed:{f}") for f in fmts]
+    if all(x is not None for x in sweep):
+        kls = [x["kl_full"] for x in sweep]
+        d = paired(summary, "grpo@mixed:mxfp4", "grpo@mixed:bf16")
+        rows.append(("6 dose-response",
+                     "KL " + " < ".join(f"{f} {_fmt(k)}" for f, k in zip(fmts, kls))
+                     + f"; paired final exact success mxfp4 - bf16: {_pair_text(d)}",
+                     verdict(all(a < b for a, b in zip(kls, kls[1:])) and _interval_sign(d) == -1, d["ci"])))
+    else:
+        rows.append(("6 dose-response", "not run (sweep incomplete)", "not run"))
+    if g_m is not None and g_h is not None:
+        ratio = g_m["kl_full"] / g_h["kl_full"]
+        rows.append(("8 mixed KL >= 5x homogeneous (GRPO)",
+                     f"{_fmt(g_m['kl_full'])} / {_fmt(g_h['kl_full'])} = {ratio:.1f}x", verdict(ratio >= 5)))
+    gt = [g for g in group_table(results) if g["config"] == "sc_mis_topp@mixed"]
+    if gt:
+        nv = [g for g in gt if g["weights"] == "nvfp4"]
+        bf = [g for g in gt if g["weights"] == "bf16"]
+        nv_s, nv_e = sum(g["share_samples"] for g in nv), sum(g["share_extreme"] for g in nv)
+        bf_s, bf_e = sum(g["share_samples"] for g in bf), sum(g["share_extreme"] for g in bf)
+        rows.append(("9 per group: NVFP4 over, BF16 under their sample share",
+                     f"NVFP4 samples {nv_s:.3f} extreme {nv_e:.3f}; BF16 samples {bf_s:.3f} extreme {bf_e:.3f}",
+                     verdict(nv_e > nv_s and bf_e < bf_s)))
+    else:
+        rows.append(("9 per group", "not run", "not run"))
+    rows.sort(key=lambda r: int(r[0].split()[0]))
+    lines = ["| prediction | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _rounded(x, digits: int = 6):
+    """``x`` with every float rounded to ``digits`` significant digits (small, still exact enough to re-derive
+    every table)."""
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}") if math.isfinite(x) else x
+    if isinstance(x, dict):
+        return {k: _rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v, digits) for v in x]
+    return x
+
+
 def _write_csv(path: Path, rows: list[dict]) -> None:
     keys: list[str] = []
     for r in rows:
@@ -216,11 +318,12 @@ def write_outputs(results: list[dict], out: Path, meta: dict, calibration: dict 
     summary = [summarize(r) for r in results]
     files = {name: out / name for name in ("runs.json.gz", "summary.csv", "configs.csv", "groups.csv", "tables.md")}
     with gzip.open(files["runs.json.gz"], "wt") as f:
-        json.dump({"meta": meta, "calibration": calibration, "runs": results}, f)
+        json.dump(_rounded({"meta": meta, "calibration": calibration, "runs": results}), f)
     _write_csv(files["summary.csv"], summary)
     _write_csv(files["configs.csv"], aggregate(summary))
     _write_csv(files["groups.csv"], group_table(results))
-    files["tables.md"].write_text(tables_text(results))
+    files["tables.md"].write_text(tables_text(results) + "\nPre-registered predictions (docs/demo.md):\n"
+                                  + predictions_text(results))
     if plots:
         files.update(write_plots(results, out, calibration))
     return files
