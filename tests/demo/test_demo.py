@@ -245,6 +245,8 @@ def test_tiny_demo_writes_tables_csv_histories_and_figures(tmp_path, capsys):
     assert cli_main(["demo", "--report-only", str(out / "runs.json.gz"), "--out", str(again), "--no-plots"]) == 0
     assert (again / "tables.md").read_text() == (out / "tables.md").read_text()
     assert cli_main(["demo", "--report-only", str(tmp_path / "missing.json.gz")]) == 2
+    # a file twice would count its runs twice: refused
+    assert cli_main(["demo", "--report-only", str(out / "runs.json.gz"), str(again / "runs.json.gz")]) == 2
 
 
 def test_calibrate_measures_numerics_and_step_kl(tmp_path, capsys):

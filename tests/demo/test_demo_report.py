@@ -35,6 +35,9 @@ def test_collapse_and_kl_blowup_flags():
     assert s["kl_blowup"] and s["kl_growth"] == pytest.approx(3.0)
     s = summarize(_run("grpo", "mixed", 0, [0.25, 0.2, 0.13], [0.01] * 20))
     assert not s["collapsed"] and not s["kl_blowup"]
+    # float noise (the on-policy control's KL) tripling is no blow-up
+    s = summarize(_run("grpo", "onpolicy", 0, [0.25, 0.3], [1e-11] * 10 + [3e-11] * 10))
+    assert not s["kl_blowup"] and math.isnan(s["kl_growth"])
 
 
 def test_paired_differences_use_shared_seeds_only():

@@ -90,9 +90,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--cache-dir", default=None,
                    help="warm-up cache (default $OFFPOLICY_CACHE or ~/.cache/offpolicy/demo)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
-    p.add_argument("--report-only", metavar="RUNS_JSON_GZ",
-                   help="run nothing: rewrite the tables and figures into --out from a runs.json.gz (or the "
-                        "runs.partial.json.gz an interrupted run leaves)")
+    p.add_argument("--report-only", metavar="RUNS_JSON_GZ", nargs="+",
+                   help="run nothing: rewrite the tables, figures and one merged runs.json.gz into --out from one "
+                        "or more runs.json.gz (or the runs.partial.json.gz an interrupted run leaves)")
     size = p.add_argument_group("task and model size (for tests and experiments)")
     size.add_argument("--n-items", type=int, default=12, help="numbers to sort (default 12)")
     size.add_argument("--max-value", type=int, default=32, help="numbers lie in [0, max-value) (default 32)")
@@ -222,7 +222,7 @@ def run_demo(args: argparse.Namespace) -> dict:
 
     args = _resolve(args)
     if args.report_only:
-        return _report_only(Path(args.report_only), Path(args.out), plots=not args.no_plots)
+        return _report_only([Path(p) for p in args.report_only], Path(args.out), plots=not args.no_plots)
     if args.seeds < 1 or args.workers < 1:
         raise ValueError(f"--seeds and --workers must be >= 1, got {args.seeds} and {args.workers}")
     t_start = time.perf_counter()
@@ -302,19 +302,34 @@ def run_demo(args: argparse.Namespace) -> dict:
     return {"results": results, "files": files, "meta": meta, "calibration": calibration}
 
 
-def _report_only(path: Path, out: Path, plots: bool) -> dict:
+def _report_only(paths: list[Path], out: Path, plots: bool) -> dict:
+    """Merge the runs of ``paths`` (a run id may appear once) and write the outputs; the first file's meta and
+    calibration are kept, with every file's command listed under ``meta["merged"]``."""
     from offpolicy.demo.report import tables_text, write_outputs
 
-    if not path.is_file():
-        raise ValueError(f"--report-only: no such file {str(path)!r}")
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    if not data.get("runs"):
-        raise ValueError(f"--report-only: {str(path)!r} holds no runs")
-    files = write_outputs(data["runs"], out, data["meta"], data.get("calibration"), plots=plots)
-    print(tables_text(data["runs"]))
-    print(f"wrote {', '.join(sorted(files))} to {out}/ from {len(data['runs'])} runs in {path}")
-    return {"results": data["runs"], "files": files, "meta": data["meta"], "calibration": data.get("calibration")}
+    runs: list[dict] = []
+    meta: dict = {}
+    calibration = None
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"--report-only: no such file {str(path)!r}")
+        with gzip.open(path, "rt") as f:
+            data = json.load(f)
+        if not data.get("runs"):
+            raise ValueError(f"--report-only: {str(path)!r} holds no runs")
+        seen = {r["run_id"] for r in runs}
+        dup = [r["run_id"] for r in data["runs"] if r["run_id"] in seen]
+        if dup:
+            raise ValueError(f"--report-only: run(s) {dup} appear in more than one file")
+        runs += data["runs"]
+        meta = meta or dict(data["meta"])
+        calibration = calibration or data.get("calibration")
+        meta.setdefault("merged", []).append({"file": path.name, "command": data["meta"].get("command"),
+                                              "runs": len(data["runs"])})
+    files = write_outputs(runs, out, meta, calibration, plots=plots)
+    print(tables_text(runs))
+    print(f"wrote {', '.join(sorted(files))} to {out}/ from {len(runs)} runs in {len(paths)} file(s)")
+    return {"results": runs, "files": files, "meta": meta, "calibration": calibration}
 
 
 def _execute(configs: list, task, model_cfg, state, workers: int, bar: _Progress, on_done) -> list[dict]:

@@ -26,6 +26,9 @@ COLLAPSE_FRACTION = 0.5
 #: A run's full-distribution KL *blows up* when its last-tenth mean is at least this multiple of its first-tenth
 #: mean (the mixed-fleet study: "in collapse the mismatch grows threefold or more").
 KL_GROWTH = 3.0
+#: The KL blow-up criterion is applied only where the first tenth's KL exceeds this: below it the KL is float noise
+#: (the on-policy control's is about 1e-11) and a ratio of noise means nothing.
+KL_FLOOR = 1e-6
 #: Two-sided 95 % Student-t quantiles by degrees of freedom (1..10); beyond, the normal 1.96 is close enough.
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 #: One colour per arm across every figure (the on-policy control is its own arm here).
@@ -47,6 +50,11 @@ def color_key(cfg: dict) -> str:
 def _mean(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _moving(xs: list[float], w: int) -> list[float]:
+    """Trailing moving average over ``w`` points (fewer at the start)."""
+    return [_mean(xs[max(0, i + 1 - w): i + 1]) for i in range(len(xs))]
 
 
 def _tenth(xs: list[float], last: bool) -> list[float]:
@@ -78,8 +86,8 @@ def summarize(result: dict) -> dict:
         "success_min": min(e["success_exact"] for e in ev),
         "pass1_end": ev[-1]["pass@1"], "train_reward_end": _mean(_tenth(col["reward"], True)),
         "collapsed": end < COLLAPSE_FRACTION * start,
-        "kl_full": _mean(col["kl_full"]), "kl_growth": kl_last / kl_first if kl_first > 0 else float("nan"),
-        "kl_blowup": kl_first > 0 and kl_last >= KL_GROWTH * kl_first,
+        "kl_full": _mean(col["kl_full"]), "kl_growth": kl_last / kl_first if kl_first > KL_FLOOR else float("nan"),
+        "kl_blowup": kl_first > KL_FLOOR and kl_last >= KL_GROWTH * kl_first,
         "extreme_full": _mean(col["extreme_full"]), "tv": _mean(col["tv"]),
         "kl_k3_loss": _mean(col["kl_k3_loss"]), "extreme_loss": _mean(col["extreme_loss"]),
         "step_kl": _mean(col["step_kl"]), "staleness": _mean(col["staleness"]),
@@ -408,12 +416,13 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
             continue
         runs = by[k]
         n = min(len(r["history"]) for r in runs)
-        band(axes[1], list(range(1, n + 1)), runs, lambda r, i: r["history"][i]["kl_full"], runs[0]["config"],
+        smooth = {id(r): _moving([h["kl_full"] for h in r["history"]], 10) for r in runs}
+        band(axes[1], list(range(1, n + 1)), runs, lambda r, i: smooth[id(r)][i], runs[0]["config"],
              label_of(runs))
     axes[1].set_yscale("log")
     axes[1].set_xlabel("optimizer step")
     axes[1].set_ylabel("KL(q || p) per token, full distributions")
-    axes[1].set_title("Mismatch over training")
+    axes[1].set_title("Mismatch over training (10-step moving average)")
     axes[1].grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.tight_layout()
@@ -422,8 +431,10 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(15, 5))
-    for ax, key, ylabel in ((axes[0], "drift_along", "<u, q - p> (> 0: p moves toward q)"),
-                            (axes[1], "drift_masked_mass", "d p(masked ids) per unit step")):
+    for ax, key, ylabel, title in (
+            (axes[0], "drift_along", "<u, q - p> (> 0: p moves toward q)", "Drift probe: update along q - p"),
+            (axes[1], "drift_masked_mass", "d p(masked ids) per unit step",
+             "Drift probe: probability moved onto masked ids")):
         for k in by:
             if ":" in k:
                 continue
@@ -434,7 +445,7 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
         ax.set_yscale("symlog", linthresh=1e-6)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
-        ax.set_title("Drift probe: expected update at advantage -1")
+        ax.set_title(f"{title} (advantage -1)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
