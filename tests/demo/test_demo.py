@@ -1,8 +1,10 @@
-"""The demo: the task's reward check, its building blocks, and a tiny end-to-end run (seconds) so it cannot rot."""
+"""The demo: the task's reward check, its building blocks, and tiny end-to-end runs (seconds) so it cannot rot.
+The drift probe and the calibration have their own files (test_demo_probe.py)."""
 
 from __future__ import annotations
 
 import csv
+import gzip
 import importlib.util
 import json
 import math
@@ -12,13 +14,14 @@ import torch
 
 from offpolicy.__main__ import main as cli_main
 from offpolicy.demo.arms import ARMS, parse_arms
+from offpolicy.demo.cli import build_parser
 from offpolicy.demo.simulated_fleet import build_fleet, sampler_copy
 from offpolicy.demo.model import ModelConfig, TinyLM
 from offpolicy.demo.task import SortTask
-from offpolicy.demo.train import RunConfig, pass_at_k, run
+from offpolicy.demo.train import EVAL_PROMPT_SEED, RunConfig, pass_at_k, run
 from offpolicy.demo.warmup import WarmupConfig, expected_success, warmup
 
-TASK = SortTask(n_items=5, max_value=30)
+TASK = SortTask(n_items=5, max_value=30, vocab=40)
 
 
 # ----------------------------------------------------------------------------------------------- the reward check
@@ -37,6 +40,9 @@ def test_reward_exact_sorted_answer_only():
     assert TASK.reward(prompts, dropped_dup).tolist() == [0.0, 0.0]
     markers = torch.full((2, 5), TASK.sep)  # marker tokens are simply wrong answers
     assert TASK.reward(prompts, markers).tolist() == [0.0, 0.0]
+    tail = right.clone()
+    tail[:, 0] = TASK.vocab_size - 1  # a tail id (never correct) in place of the right first element
+    assert TASK.reward(prompts, tail).tolist() == [0.0, 0.0]
     assert TASK.reward(prompts, right).dtype == torch.float32
 
 
@@ -68,7 +74,11 @@ def test_reward_rejects_bad_shapes_and_prompts():
 def test_prompt_layout_and_vocabulary():
     p = TASK.prompts(torch.tensor([[4, 3, 2, 1, 0]]))
     assert p.tolist() == [[TASK.bos, 4, 3, 2, 1, 0, TASK.sep]]
-    assert TASK.vocab_size == 32 and TASK.seq_len == 12
+    assert TASK.vocab_size == 40 and TASK.seq_len == 12
+    default = SortTask()
+    assert (default.n_items, default.max_value, default.vocab_size, default.seq_len) == (12, 32, 256, 26)
+    with pytest.raises(ValueError, match="vocab"):
+        SortTask(max_value=30, vocab=31)
 
 
 def test_heldout_split_is_disjoint_and_stable():
@@ -117,12 +127,16 @@ def test_parse_arms():
 def test_fleets_share_slots_and_staleness():
     mixed = build_fleet("mixed", 3.0)
     homog = build_fleet("homogeneous", 3.0)
-    assert [g.group.capacity for g in mixed] == [g.group.capacity for g in homog]
+    onpol = build_fleet("onpolicy", 3.0)
+    assert [g.group.capacity for g in mixed] == [g.group.capacity for g in homog] == [g.group.capacity for g in onpol]
     assert [g.lag for g in mixed] == [g.lag for g in homog]
+    assert all(g.lag == 0.0 for g in onpol)
     cap = sum(g.group.capacity for g in mixed)
     assert sum(g.group.capacity * g.lag for g in mixed) / cap == pytest.approx(3.0)
     assert {g.group.weight_format for g in mixed} == {"nvfp4", "fp8", "bf16"}
-    assert {g.group.weight_format for g in homog} == {"fp32"} and all(g.compute == "fp32" for g in homog)
+    assert {g.group.weight_format for g in homog} == {"bf16"} and all(g.compute == "bf16" for g in homog)
+    assert {g.attn_impl for g in homog} == {"sdpa", "math"}
+    assert all((g.group.weight_format, g.compute, g.attn_impl) == ("fp32", "fp32", "sdpa") for g in onpol)
     assert {g.group.weight_format for g in build_fleet("mixed", 1.0, weight_format="mxfp4")} == {"mxfp4"}
     with pytest.raises(ValueError, match="fleet"):
         build_fleet("cloud", 1.0)
@@ -134,17 +148,19 @@ def test_sampler_copies_have_their_numerics():
     torch.manual_seed(0)
     trainer = TinyLM(ModelConfig(vocab_size=TASK.vocab_size, max_len=TASK.seq_len))
     mixed = {g.name: g for g in build_fleet("mixed", 1.0)}
-    homog = build_fleet("homogeneous", 1.0)[0]
     nv = sampler_copy(trainer, mixed["b200-nvfp4"])
     assert nv.head.weight.dtype == torch.bfloat16 and nv.kv_quant is not None
     assert not torch.equal(nv.blocks[0].fc1.weight.float(), trainer.blocks[0].fc1.weight)
-    same = sampler_copy(trainer, homog)
-    assert same.kv_quant is None and torch.equal(same.blocks[0].fc1.weight, trainer.blocks[0].fc1.weight)
+    homog = sampler_copy(trainer, build_fleet("homogeneous", 1.0)[1])
+    assert homog.head.weight.dtype == torch.bfloat16 and homog.kv_quant is None and homog.attn_impl == "math"
+    exact = sampler_copy(trainer, build_fleet("onpolicy", 1.0)[0])
+    assert exact.kv_quant is None and torch.equal(exact.blocks[0].fc1.weight, trainer.blocks[0].fc1.weight)
     ids = TASK.prompts(torch.tensor([[1, 2, 3, 4, 5]]))
+    p = torch.softmax(trainer(ids).detach(), -1)
     with torch.no_grad():
-        drift = (torch.softmax(nv(ids).float(), -1) - torch.softmax(trainer(ids), -1)).abs().max()
-        kernel = (torch.softmax(same(ids), -1) - torch.softmax(trainer(ids), -1)).abs().max()
-    assert float(drift) > 1e-4 > float(kernel)  # quantised numerics move q; another kernel barely does
+        gaps = [float((torch.softmax(m(ids).float(), -1) - p).abs().max()) for m in (nv, homog, exact)]
+    # NVFP4 weights move q most; bf16 with another kernel a little but not zero; the on-policy copy not at all
+    assert gaps[0] > gaps[1] > 1e-6 and gaps[2] < 1e-6
 
 
 # ------------------------------------------------------------------------------------------ tiny end-to-end runs
@@ -158,46 +174,98 @@ def test_run_is_reproducible_and_records_every_metric(tmp_path):
     again, info2 = warmup(TASK, TINY_MODEL, WarmupConfig(max_steps=5), tmp_path)
     assert info2["cached"] and all(torch.equal(state[k], again[k]) for k in state)
     cfg = RunConfig(arm="sc_mis_topp", fleet="mixed", seed=3, steps=3, prompts=3, samples=2, eval_every=2,
-                    eval_prompts=4, eval_samples=4, pass_k=2)
+                    eval_prompts=4, eval_samples=4, pass_k=2, probe_prefixes=3)
     a = run(cfg, TASK, TINY_MODEL, state)
     b = run(cfg, TASK, TINY_MODEL, state)
     assert [h["reward"] for h in a["history"]] == [h["reward"] for h in b["history"]]
-    assert [h["kl_k3"] for h in a["history"]] == [h["kl_k3"] for h in b["history"]]
+    assert [h["kl_full"] for h in a["history"]] == [h["kl_full"] for h in b["history"]]
     assert [e["step"] for e in a["evals"]] == [0, 2, 3]
     row = a["history"][-1]
-    for key in ("reward", "kl_k3", "kl_exact", "tv", "extreme_ratio_frac", "grad_norm", "entropy", "staleness"):
+    for key in ("reward", "kl_full", "extreme_full", "tv", "step_kl", "kl_k3_loss", "extreme_loss", "grad_norm",
+                "entropy", "staleness"):
         assert math.isfinite(row[key]), key
-    assert row["support_size"] >= 1
+    assert row["support_size"] >= 1 and row["step_kl"] >= 0
+    for key in ("success_exact", "pass@1", "drift_along", "drift_masked_mass", "drift_tail_mass"):
+        assert math.isfinite(a["evals"][-1][key]), key
+    # the run starts from the warm-up weights: its first exact success is the warm-up's on the same prompts
+    numbers = TASK.sample_numbers(4, torch.Generator().manual_seed(EVAL_PROMPT_SEED), heldout=True)
+    model = TinyLM(TINY_MODEL)
+    model.load_state_dict(state)
+    assert a["evals"][0]["success_exact"] == pytest.approx(float(expected_success(model, TASK, numbers).mean()))
     assert sum(g["share_samples"] for g in a["groups"]) == pytest.approx(1.0)
 
 
-def test_tiny_demo_writes_tables_csv_json_and_plots(tmp_path, capsys):
+def test_onpolicy_control_has_no_mismatch(tmp_path):
+    state, _ = warmup(TASK, TINY_MODEL, WarmupConfig(max_steps=5), tmp_path)
+    cfg = RunConfig(arm="grpo", fleet="onpolicy", steps=3, prompts=3, samples=2, eval_every=3, eval_prompts=4,
+                    eval_samples=2, pass_k=1, probe_prefixes=3, staleness=2.0)
+    res = run(cfg, TASK, TINY_MODEL, state)
+    assert all(h["staleness"] == 0 for h in res["history"])
+    assert all(abs(h["kl_full"]) < 1e-6 and h["extreme_full"] == 0 for h in res["history"])
+    assert all(e["drift_along"] == 0 for e in res["evals"])
+
+
+def test_runconfig_defaults_match_the_cli():
+    args = build_parser().parse_args([])
+    assert args.lr == RunConfig.lr and args.staleness == RunConfig.staleness
+    assert RunConfig.lr == 5e-5
+
+
+TINY_FLAGS = ["--steps", "3", "--prompts", "3", "--samples", "2", "--eval-prompts", "4", "--eval-samples", "4",
+              "--pass-k", "2", "--eval-every", "2", "--n-items", "5", "--max-value", "30", "--vocab", "40",
+              "--d-model", "16", "--layers", "1", "--heads", "2", "--warmup-max-steps", "5", "--workers", "1"]
+
+
+def test_tiny_demo_writes_tables_csv_histories_and_figures(tmp_path, capsys):
     out = tmp_path / "out"
-    rc = cli_main(["demo", "--arms", "grpo,sc_mis_topp", "--fleets", "mixed,homogeneous", "--steps", "3",
-                   "--prompts", "3", "--samples", "2", "--eval-prompts", "4", "--eval-samples", "4",
-                   "--pass-k", "2", "--eval-every", "2", "--d-model", "16", "--layers", "1", "--heads", "2",
-                   "--warmup-max-steps", "5", "--workers", "1", "--out", str(out),
+    rc = cli_main(["demo", "--arms", "grpo,sc_mis_topp", "--fleets", "onpolicy,mixed,homogeneous", "--seeds", "2",
+                   "--sweep-arms", "grpo", "--sweep-formats", "nvfp4", *TINY_FLAGS, "--out", str(out),
                    "--cache-dir", str(tmp_path / "cache")])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "## Arms" in text and "SC+MIS+top-p" in text and "Per sampler group" in text
-    for name in ("results.json", "summary.csv", "arms.csv", "groups.csv", "history.csv", "evals.csv",
-                 "tables.md", "meta.json"):
+    assert "Numerics mismatch" in text and "Paired differences" in text and "grpo@mixed:nvfp4" in text
+    for name in ("runs.json.gz", "summary.csv", "configs.csv", "groups.csv", "tables.md"):
         assert (out / name).is_file(), name
-    data = json.loads((out / "results.json").read_text())
-    assert len(data["runs"]) == 4 and len(data["summary"]) == 4
-    with open(out / "history.csv") as f:
-        assert len(list(csv.DictReader(f))) == 4 * 3
-    with open(out / "groups.csv") as f:
-        assert len(list(csv.DictReader(f))) == 4 * 6
+    with gzip.open(out / "runs.json.gz", "rt") as f:
+        data = json.load(f)
+    # per seed: on-policy GRPO, 2 arms x (mixed, homogeneous), the sweep's GRPO on NVFP4 -> 6 runs, 2 seeds
+    assert len(data["runs"]) == 12 and all(len(r["history"]) == 3 for r in data["runs"])
+    assert data["calibration"]["numerics"] and data["calibration"]["step_kl"]
+    assert data["meta"]["command"].startswith("offpolicy demo --arms grpo,sc_mis_topp")
+    with open(out / "configs.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6 and all(r["seeds"] == "2" for r in rows)
     if importlib.util.find_spec("matplotlib") is not None:
-        for name in ("curves.png", "pass_at_k.png", "groups.png"):
+        for name in ("collapse.png", "mismatch.png", "drift.png", "groups.png"):
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert not (out / "runs.partial.json.gz").exists()
+    assert "Pre-registered predictions" in (out / "tables.md").read_text()
+    # the committed histories regenerate the same tables
+    again = tmp_path / "again"
+    assert cli_main(["demo", "--report-only", str(out / "runs.json.gz"), "--out", str(again), "--no-plots"]) == 0
+    assert (again / "tables.md").read_text() == (out / "tables.md").read_text()
+    assert cli_main(["demo", "--report-only", str(tmp_path / "missing.json.gz")]) == 2
+    # a file twice would count its runs twice: refused
+    assert cli_main(["demo", "--report-only", str(out / "runs.json.gz"), str(again / "runs.json.gz")]) == 2
+
+
+def test_calibrate_measures_numerics_and_step_kl(tmp_path, capsys):
+    out = tmp_path / "cal"
+    rc = cli_main(["demo", "--calibrate", "--calibrate-lrs", "1e-4,1e-3", "--calibrate-steps", "2", *TINY_FLAGS,
+                   "--out", str(out), "--cache-dir", str(tmp_path / "cache")])
+    assert rc == 0
+    data = json.loads((out / "calibration.json").read_text())["calibration"]
+    fleets = {r["config"]: r for r in data["numerics"] if r["group"] == "(fleet)"}
+    assert abs(fleets["on-policy"]["kl"]) < 1e-9 < fleets["homogeneous"]["kl"] < fleets["mixed (study formats)"]["kl"]
+    assert [r["lr"] for r in data["step_kl"]] == [1e-4, 1e-3]
+    assert all(r["step_kl_mean"] >= 0 and r["steps"] == 2 for r in data["step_kl"])
 
 
 def test_cli_errors_and_help(capsys):
     assert cli_main(["demo", "--arms", "nope", "--steps", "1"]) == 2
     assert "unknown arm" in capsys.readouterr().err
+    assert cli_main(["demo", "--fleets", "cloud", "--steps", "1", *TINY_FLAGS[2:]]) == 2
+    assert "--fleets" in capsys.readouterr().err
     assert cli_main(["bogus"]) == 2
     assert cli_main([]) == 2
     with pytest.raises(SystemExit) as e:

@@ -1,4 +1,4 @@
-"""The seed's six arms: which correction the trainer applies and how the samplers sample.
+"""The mixed-fleet study's six arms: which correction the trainer applies and how the samplers sample.
 
 Every arm shares everything else (learning rate, seeds, steps, batch, fleet); only these fields differ.
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offpolicy.corrections.correction import Correction
+from offpolicy import Correction
 
-#: The seed's masking bounds for MIS.
+#: The mixed-fleet study's masking bounds for MIS.
 MIS_BOUNDS = (0.5, 5.0)
 
 

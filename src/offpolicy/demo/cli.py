@@ -1,22 +1,26 @@
-"""``offpolicy demo``: the mixed-fleet asynchronous RL demonstration on CPU.
+"""``offpolicy demo``: the mixed-fleet RL demonstration on CPU, mismatch from numerics (docs/demo.md).
 
-    offpolicy demo                      # --quick: GRPO and SC+MIS+top-p on both fleets, 1 seed (< 5 min, 2 cores)
-    offpolicy demo --full               # all six arms on both fleets, 3 seeds
-    offpolicy demo --arms grpo,sc_mis --fleets mixed --staleness 6 --seed 3 --out my_run
+    offpolicy demo                      # --quick: on-policy GRPO, GRPO and SC+MIS on the mixed fleet, 1 seed
+    offpolicy demo --full               # the pre-registered grid: controls, arms, weight-format sweep, 3 seeds
+    offpolicy demo --calibrate          # numerics KL of every fleet and step KL per learning rate, no RL
+    offpolicy demo --arms grpo,sc_mis --fleets mixed --formats nvfp4 --seeds 2 --out my_run
 
-Every arm of one invocation shares the learning rate, seeds, steps, batch and fleet: only the correction and
-the top-p filter differ. The mismatch knobs (``--staleness``, ``--max-staleness``, ``--weight-format``,
-``--kv-format``, ``--lr``) apply to every arm alike; raise them to find where uncorrected GRPO breaks.
+Every configuration of one invocation shares the learning rate, seeds, steps, batch and staleness: only the
+correction, the top-p filter and the fleet's numerics differ. ``--fleets onpolicy`` runs the exact on-policy
+GRPO control (the trainer's own numerics, no staleness); ``--sweep-arms`` x ``--sweep-formats`` adds the
+weight-format dose-response on the mixed fleet.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import multiprocessing as mp
 import os
 import platform
 import queue
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -24,14 +28,19 @@ from pathlib import Path
 
 from offpolicy.demo.arms import ARMS, parse_arms
 from offpolicy.demo.simulated_fleet import FLEETS, WEIGHT_FORMATS
+from offpolicy.demo.train import RunConfig
 
 #: Presets; any flag given explicitly overrides its preset value.
 PRESETS = {
-    "quick": {"arms": "grpo,sc_mis_topp", "fleets": "mixed,homogeneous", "seeds": 1, "steps": 120,
-              "eval_every": 40, "workers": 2},
-    "full": {"arms": "all", "fleets": "mixed,homogeneous", "seeds": 3, "steps": 150, "eval_every": 25,
-             "workers": 2},
+    "quick": {"arms": "grpo,sc_mis", "fleets": "onpolicy,mixed", "sweep_arms": "", "sweep_formats": "",
+              "seeds": 1, "steps": 40, "eval_every": 20, "workers": 2},
+    "full": {"arms": "grpo,sc_mis,grpo_mis,sc_mis_topp", "fleets": "onpolicy,mixed,homogeneous",
+             "sweep_arms": "grpo", "sweep_formats": "bf16,fp8,nvfp4,mxfp4", "seeds": 3, "steps": 100,
+             "eval_every": 25, "workers": 2},
 }
+#: Arms run on the homogeneous fleet in --full: uncorrected GRPO only (the study's question there is whether
+#: a small mismatch also degrades it; the compute of this machine allows no more).
+HOMOGENEOUS_ARMS = ("grpo",)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -39,52 +48,66 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="the default: 2 arms x 2 fleets, 1 seed, 120 steps (under 5 minutes on 2 cores)")
+                      help="the default: on-policy GRPO, GRPO and SC+MIS on the mixed fleet, 1 seed, 40 steps "
+                           "(under 5 minutes on 2 cores)")
     mode.add_argument("--full", dest="mode", action="store_const", const="full",
-                      help="the real experiment: 6 arms x 2 fleets, 3 seeds, 150 steps")
+                      help="the pre-registered grid (docs/demo.md): 3 seeds, 100 steps")
+    mode.add_argument("--calibrate", dest="mode", action="store_const", const="calibrate",
+                      help="no RL: numerics KL of every fleet at equal weights, step KL per --calibrate-lrs")
     p.set_defaults(mode="quick")
     p.add_argument("--arms", help=f"'all' or a comma-separated subset of {','.join(ARMS)}")
-    p.add_argument("--fleets", help=f"comma-separated subset of {','.join(FLEETS)}")
+    p.add_argument("--fleets", help=f"comma-separated subset of {','.join(FLEETS)} (onpolicy runs GRPO only)")
+    p.add_argument("--formats", default="seed",
+                   help=f"comma-separated weight formats of the mixed fleet, from {','.join(WEIGHT_FORMATS)}; "
+                        "'seed' = the study's NVFP4/FP8/BF16 per group (default)")
+    p.add_argument("--sweep-arms", help="arms run on the mixed fleet at every --sweep-formats (dose-response)")
+    p.add_argument("--sweep-formats", help="weight formats of the dose-response sweep")
     p.add_argument("--seed", type=int, default=0, help="first RL seed (runs use seed, seed+1, ...); default 0")
-    p.add_argument("--seeds", type=int, help="number of seeds per arm and fleet")
+    p.add_argument("--seeds", type=int, help="number of seeds per configuration (shared: paired comparisons)")
     p.add_argument("--steps", type=int, help="optimizer steps per run")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
     p.add_argument("--samples", type=int, default=8, help="samples (sessions) per prompt (default 8)")
-    p.add_argument("--lr", type=float, default=3e-4, help="Adam learning rate, every arm (default 3e-4)")
+    p.add_argument("--lr", type=float, default=RunConfig.lr,
+                   help=f"Adam learning rate, every arm (default {RunConfig.lr:g})")
     p.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip, 0 = off (default 1)")
-    p.add_argument("--staleness", type=float, default=2.0,
-                   help="mismatch knob: mean staleness of the samplers in optimizer steps (geometric, unbounded; "
-                        "default 2)")
+    p.add_argument("--staleness", type=float, default=RunConfig.staleness,
+                   help=f"mean staleness of the samplers in optimizer steps (geometric, unbounded; default "
+                        f"{RunConfig.staleness:g})")
     p.add_argument("--max-staleness", type=int, default=None, help="cap on any group's staleness (default none)")
-    p.add_argument("--weight-format", default="seed", choices=WEIGHT_FORMATS,
-                   help="mismatch knob: the mixed fleet's weight format; 'seed' = NVFP4/FP8/BF16 per group")
     p.add_argument("--kv-format", default="fp8", choices=("fp8", "none"),
                    help="the mixed fleet's key/value path (default fp8)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p of the +top-p arms (default 0.95)")
     p.add_argument("--head-k", type=int, default=8, help="head candidates recorded by the other arms (default 8)")
     p.add_argument("--eval-every", type=int, help="held-out evaluation period in steps")
     p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts (default 128)")
-    p.add_argument("--eval-samples", type=int, default=8, help="samples per held-out prompt (default 8)")
-    p.add_argument("--pass-k", type=int, default=4, help="k of the held-out pass@k (default 4)")
+    p.add_argument("--eval-samples", type=int, default=4, help="samples per held-out prompt (default 4)")
+    p.add_argument("--pass-k", type=int, default=2, help="k of the held-out pass@k (default 2)")
+    p.add_argument("--calibrate-lrs", default="3e-5,5e-5,1e-4,3e-4",
+                   help="learning rates whose step KL --calibrate measures")
+    p.add_argument("--calibrate-steps", type=int, default=30, help="on-policy steps per learning rate")
     p.add_argument("--workers", type=int, help="worker processes, one thread each (default 2)")
     p.add_argument("--out", default="demo_out", help="output folder (default ./demo_out)")
     p.add_argument("--cache-dir", default=None,
                    help="warm-up cache (default $OFFPOLICY_CACHE or ~/.cache/offpolicy/demo)")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    p.add_argument("--report-only", metavar="RUNS_JSON_GZ", nargs="+",
+                   help="run nothing: rewrite the tables, figures and one merged runs.json.gz into --out from one "
+                        "or more runs.json.gz (or the runs.partial.json.gz an interrupted run leaves)")
     size = p.add_argument_group("task and model size (for tests and experiments)")
-    size.add_argument("--n-items", type=int, default=5, help="numbers to sort (default 5)")
-    size.add_argument("--max-value", type=int, default=30, help="numbers lie in [0, max-value) (default 30)")
+    size.add_argument("--n-items", type=int, default=12, help="numbers to sort (default 12)")
+    size.add_argument("--max-value", type=int, default=32, help="numbers lie in [0, max-value) (default 32)")
+    size.add_argument("--vocab", type=int, default=256, help="vocabulary; ids past max-value+1 are the tail")
     size.add_argument("--d-model", type=int, default=64)
     size.add_argument("--layers", type=int, default=2)
     size.add_argument("--heads", type=int, default=4)
-    size.add_argument("--warmup-target", type=float, default=0.3,
-                      help="expected sampled success the supervised warm-up stops at (default 0.3)")
+    size.add_argument("--warmup-target", type=float, default=0.25,
+                      help="expected sampled success the supervised warm-up stops at (default 0.25)")
     size.add_argument("--warmup-max-steps", type=int, default=3000)
     return p
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
-    for key, value in PRESETS[args.mode].items():
+    for key, value in PRESETS["quick" if args.mode == "calibrate" else args.mode].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     return args
@@ -106,7 +129,7 @@ def _run_one(cfg, task, model_cfg, state):
 
     def progress(step, row):
         if _PROGRESS is not None:
-            _PROGRESS.put((cfg.run_id, step, row["reward"], row["kl_k3"]))
+            _PROGRESS.put((cfg.run_id, step, row["reward"], row["kl_full"]))
 
     return run(cfg, task, model_cfg, state, progress)
 
@@ -141,7 +164,8 @@ class _Progress:
         h = result["history"]
         last = result["evals"][-1]
         msg = (f"done {self.finished}/{self.runs}: {result['run_id']:<28} final reward "
-               f"{sum(r['reward'] for r in h[-10:]) / len(h[-10:]):.3f}  held-out pass@1 {last['pass@1']:.3f}  "
+               f"{sum(r['reward'] for r in h[-10:]) / len(h[-10:]):.3f}  held-out exact success "
+               f"{result['evals'][0]['success_exact']:.3f} -> {last['success_exact']:.3f}  "
                f"({result['seconds']:.0f} s)")
         if self.bar is not None:
             self.bar.write(msg)
@@ -153,49 +177,167 @@ class _Progress:
             self.bar.close()
 
 
+def _configs(args: argparse.Namespace, base) -> list:
+    """Every run of the invocation: seeds outermost, so a cut-short grid still holds whole paired seeds."""
+    arms = parse_arms(args.arms)
+    fleets = _split(args.fleets, "--fleets", FLEETS)
+    formats = _split(args.formats, "--formats", WEIGHT_FORMATS)
+    sweep_arms = parse_arms(args.sweep_arms) if args.sweep_arms.strip() else []
+    sweep_formats = _split(args.sweep_formats, "--sweep-formats", WEIGHT_FORMATS) if sweep_arms else []
+    per_seed = []
+    for fleet in fleets:
+        if fleet == "onpolicy":
+            per_seed.append(("grpo", fleet, "seed"))
+            continue
+        for fmt in formats if fleet == "mixed" else ["seed"]:
+            for a in arms:
+                if args.mode == "full" and fleet == "homogeneous" and a.key not in HOMOGENEOUS_ARMS:
+                    continue
+                per_seed.append((a.key, fleet, fmt))
+    for a in sweep_arms:
+        for fmt in sweep_formats:
+            if (a.key, "mixed", fmt) not in per_seed:
+                per_seed.append((a.key, "mixed", fmt))
+    return [replace(base, arm=arm, fleet=fleet, weight_format=fmt, seed=args.seed + s)
+            for s in range(args.seeds) for arm, fleet, fmt in per_seed]
+
+
+def _split(spec: str, flag: str, allowed) -> list[str]:
+    items = [x.strip() for x in spec.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise ValueError(f"{flag}: expected a comma-separated subset of {tuple(allowed)}, got {spec!r}")
+    return items
+
+
 def run_demo(args: argparse.Namespace) -> dict:
-    """Run the demo described by parsed ``args``; returns ``{"results": [...], "files": {...}}``."""
+    """Run the demo described by parsed ``args``; returns ``{"results": [...], "files": {...}, "meta": {...}}``."""
     import torch
 
+    from offpolicy.demo.mismatch import numerics_table, step_kl_table
     from offpolicy.demo.model import ModelConfig
-    from offpolicy.demo.report import tables_text, write_outputs
+    from offpolicy.demo.report import markdown_table, tables_text, write_outputs
     from offpolicy.demo.task import SortTask
-    from offpolicy.demo.train import RunConfig
     from offpolicy.demo.warmup import WarmupConfig, warmup
 
     args = _resolve(args)
-    arms = parse_arms(args.arms)
-    fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
-    bad = [f for f in fleets if f not in FLEETS]
-    if bad or not fleets:
-        raise ValueError(f"--fleets: expected a comma-separated subset of {FLEETS}, got {args.fleets!r}")
+    if args.report_only:
+        return _report_only([Path(p) for p in args.report_only], Path(args.out), plots=not args.no_plots)
     if args.seeds < 1 or args.workers < 1:
         raise ValueError(f"--seeds and --workers must be >= 1, got {args.seeds} and {args.workers}")
     t_start = time.perf_counter()
     # The model is tiny: its ops are far too small to gain from intra-op threads, and on a shared machine
-    # spinning threads lose badly; parallelism comes from running arms in worker processes.
+    # spinning threads lose badly; parallelism comes from running configurations in worker processes.
     torch.set_num_threads(1)
-    task = SortTask(n_items=args.n_items, max_value=args.max_value)
+    task = SortTask(n_items=args.n_items, max_value=args.max_value, vocab=args.vocab)
     model_cfg = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=args.d_model,
                             n_layers=args.layers, n_heads=args.heads, d_ff=4 * args.d_model)
     cache = Path(args.cache_dir or os.environ.get("OFFPOLICY_CACHE") or Path.home() / ".cache/offpolicy/demo")
     wcfg = WarmupConfig(target_success=args.warmup_target, max_steps=args.warmup_max_steps)
     state, winfo = warmup(task, model_cfg, wcfg, cache)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": "offpolicy demo " + " ".join(getattr(args, "argv", [])),
+        "mode": args.mode, "args": {k: v for k, v in vars(args).items() if k != "argv"},
+        "task": asdict(task), "model": model_cfg.to_dict(), "warmup": dict(asdict(wcfg), **winfo),
+        "machine": platform.node(), "platform": platform.platform(), "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    configs = [] if args.mode == "calibrate" else _configs(args, RunConfig(arm="grpo", fleet="onpolicy"))
+    used = None if args.mode != "quick" else {(c.fleet, c.weight_format if c.fleet == "mixed" else "seed")
+                                               for c in configs}
+    numerics = numerics_table(task, model_cfg, state, prompts=args.eval_prompts, only=used)
+    calibration = {"numerics": numerics, "step_kl": []}
+    cols = [("config", "fleet"), ("group", "group"), ("weights", "weights"), ("kl", "KL(q||p)"), ("tv", "TV"),
+            ("extreme_frac", "ratio outside [0.2, 5]")]
+    print("Numerics mismatch at equal weights (before RL):")
+    print(markdown_table([r for r in numerics if r["group"] == "(fleet)"], cols), flush=True)
+    if args.mode == "calibrate":
+        lrs = [float(x) for x in args.calibrate_lrs.split(",") if x.strip()]
+        calibration["step_kl"] = step_kl_table(task, model_cfg, state, lrs, args.calibrate_steps, args.seed)
+        text = ("Numerics mismatch at equal weights, per group:\n" + markdown_table(numerics, cols)
+                + "\n\nStep KL of the on-policy GRPO control:\n"
+                + markdown_table(calibration["step_kl"], [("lr", "lr"), ("steps", "steps"),
+                                                          ("step_kl_mean", "mean step KL"),
+                                                          ("step_kl_max", "max step KL"),
+                                                          ("success_start", "exact success, start"),
+                                                          ("success_end", "end")]) + "\n")
+        print(text)
+        meta["seconds"] = time.perf_counter() - t_start
+        (out / "calibration.json").write_text(json.dumps({"meta": meta, "calibration": calibration}, indent=1))
+        (out / "calibration.md").write_text(text)
+        return {"results": [], "files": {"calibration.json": out / "calibration.json"}, "meta": meta,
+                "calibration": calibration}
 
-    base = RunConfig(arm=arms[0].key, fleet=fleets[0], steps=args.steps, prompts=args.prompts,
+    base = RunConfig(arm="grpo", fleet="onpolicy", steps=args.steps, prompts=args.prompts,
                      samples=args.samples, lr=args.lr, grad_clip=args.grad_clip, top_p=args.top_p,
                      head_k=args.head_k, staleness=args.staleness, max_staleness=args.max_staleness,
-                     weight_format=args.weight_format, kv_format=args.kv_format, eval_every=args.eval_every,
+                     kv_format=args.kv_format, eval_every=args.eval_every,
                      eval_prompts=args.eval_prompts, eval_samples=args.eval_samples, pass_k=args.pass_k)
-    configs = [replace(base, arm=a.key, fleet=f, seed=args.seed + s)
-               for s in range(args.seeds) for f in fleets for a in arms]
-    print(f"offpolicy demo ({args.mode}): {len(arms)} arm(s) x {len(fleets)} fleet(s) x {args.seeds} seed(s) = "
-          f"{len(configs)} runs of {args.steps} steps, {args.workers} worker(s); staleness {args.staleness}, "
-          f"lr {args.lr}, weights {args.weight_format}, KV {args.kv_format}", flush=True)
+    configs = _configs(args, base)
+    print(f"offpolicy demo ({args.mode}): {len(configs)} runs of {args.steps} steps ({args.seeds} seed(s)), "
+          f"{args.workers} worker(s); lr {args.lr:g}, staleness {args.staleness:g}", flush=True)
     bar = _Progress(len(configs) * args.steps, len(configs))
+    partial = out / "runs.partial.json.gz"
+
+    def save_partial(done: list[dict]) -> None:
+        # Every finished run is saved at once, so an interrupted grid still leaves its histories.
+        with gzip.open(partial, "wt") as f:
+            json.dump({"meta": meta, "calibration": calibration, "runs": done}, f)
+
+    results = _execute(configs, task, model_cfg, state, args.workers, bar, save_partial)
+    bar.close()
+    calibration["step_kl"] = [
+        {"lr": args.lr, "steps": args.steps, "source": "on-policy control runs",
+         "step_kl_mean": statistics.fmean(h["step_kl"] for r in results if r["config"]["fleet"] == "onpolicy"
+                                          for h in r["history"])}
+    ] if any(r["config"]["fleet"] == "onpolicy" for r in results) else []
+    meta["seconds"] = time.perf_counter() - t_start
+    files = write_outputs(results, out, meta, calibration, plots=not args.no_plots)
+    partial.unlink(missing_ok=True)
+    print()
+    print(tables_text(results))
+    print(f"wrote {', '.join(sorted(files))} to {out}/ in {meta['seconds']:.0f} s")
+    return {"results": results, "files": files, "meta": meta, "calibration": calibration}
+
+
+def _report_only(paths: list[Path], out: Path, plots: bool) -> dict:
+    """Merge the runs of ``paths`` (a run id may appear once) and write the outputs; the first file's meta and
+    calibration are kept, with every file's command listed under ``meta["merged"]``."""
+    from offpolicy.demo.report import tables_text, write_outputs
+
+    runs: list[dict] = []
+    meta: dict = {}
+    calibration = None
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"--report-only: no such file {str(path)!r}")
+        with gzip.open(path, "rt") as f:
+            data = json.load(f)
+        if not data.get("runs"):
+            raise ValueError(f"--report-only: {str(path)!r} holds no runs")
+        seen = {r["run_id"] for r in runs}
+        dup = [r["run_id"] for r in data["runs"] if r["run_id"] in seen]
+        if dup:
+            raise ValueError(f"--report-only: run(s) {dup} appear in more than one file")
+        runs += data["runs"]
+        meta = meta or dict(data["meta"])
+        calibration = calibration or data.get("calibration")
+        meta.setdefault("merged", []).append({"file": path.name, "command": data["meta"].get("command"),
+                                              "runs": len(data["runs"])})
+    files = write_outputs(runs, out, meta, calibration, plots=plots)
+    print(tables_text(runs))
+    print(f"wrote {', '.join(sorted(files))} to {out}/ from {len(runs)} runs in {len(paths)} file(s)")
+    return {"results": runs, "files": files, "meta": meta, "calibration": calibration}
+
+
+def _execute(configs: list, task, model_cfg, state, workers: int, bar: _Progress, on_done) -> list[dict]:
+    """Run ``configs`` (in ``workers`` processes of one thread each), in the order given; ``on_done(results)``
+    after every finished run."""
+    global _PROGRESS
     results = []
-    if args.workers == 1:
-        global _PROGRESS
+    if workers == 1:
 
         class _Direct:
             def put(self, item):
@@ -207,54 +349,33 @@ def run_demo(args: argparse.Namespace) -> dict:
                 res = _run_one(cfg, task, model_cfg, state)
                 results.append(res)
                 bar.run_done(res)
+                on_done(results)
         finally:
             _PROGRESS = None
-    else:
-        ctx = mp.get_context("spawn")
-        q = ctx.Manager().Queue()
-        from concurrent.futures import ProcessPoolExecutor
+        return results
+    ctx = mp.get_context("spawn")
+    q = ctx.Manager().Queue()
+    from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx, initializer=_worker_init,
-                                 initargs=(q,)) as pool:
-            futures = {pool.submit(_run_one, cfg, task, model_cfg, state): cfg for cfg in configs}
-            pending = set(futures)
-            while pending:
-                try:
-                    while True:
-                        run_id, _, reward, kl = q.get(timeout=0.2)
-                        bar.step(run_id, reward, kl)
-                except queue.Empty:
-                    pass
-                for fut in [f for f in pending if f.done()]:
-                    pending.discard(fut)
-                    res = fut.result()
-                    results.append(res)
-                    bar.run_done(res)
-        order = {c.run_id: i for i, c in enumerate(configs)}
-        results.sort(key=lambda r: order[r["run_id"]])
-    bar.close()
-
-    meta = {
-        "command": "offpolicy demo " + " ".join(getattr(args, "argv", [])),
-        "mode": args.mode, "args": {k: v for k, v in vars(args).items() if k != "argv"},
-        "task": asdict(task), "model": model_cfg.to_dict(), "warmup": dict(asdict(wcfg), **winfo),
-        "machine": platform.node(), "platform": platform.platform(), "torch": torch.__version__,
-        "seconds": time.perf_counter() - t_start, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-    out = Path(args.out)
-    files = write_outputs(results, out, meta, plots=not args.no_plots)
-    meta["seconds"] = time.perf_counter() - t_start
-    with open(out / "meta.json", "w") as f:
-        json.dump(meta, f, indent=1)
-    files["meta.json"] = out / "meta.json"
-    print()
-    print(tables_text(results, args.pass_k))
-    for res in results:
-        if res["config"]["fleet"] == "mixed" and res["config"]["arm"] == "sc_mis_topp":
-            print(f"fleet table ({res['run_id']}):\n{res['fleet_table']}\n")
-            break
-    print(f"wrote {', '.join(sorted(files))} to {out}/ in {meta['seconds']:.0f} s")
-    return {"results": results, "files": files, "meta": meta}
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                             initargs=(q,)) as pool:
+        pending = {pool.submit(_run_one, cfg, task, model_cfg, state) for cfg in configs}
+        while pending:
+            try:
+                while True:
+                    run_id, _, reward, kl = q.get(timeout=0.2)
+                    bar.step(run_id, reward, kl)
+            except queue.Empty:
+                pass
+            for fut in [f for f in pending if f.done()]:
+                pending.discard(fut)
+                res = fut.result()
+                results.append(res)
+                bar.run_done(res)
+                on_done(results)
+    order = {c.run_id: i for i, c in enumerate(configs)}
+    results.sort(key=lambda r: order[r["run_id"]])
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

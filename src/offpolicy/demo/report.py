@@ -1,39 +1,50 @@
-"""Summaries, tables, files and plots of a demo run (a list of per-run result dicts from :func:`train.run`).
+"""Summaries, paired comparisons, files and figures of a demo run (a list of per-run result dicts of
+:func:`offpolicy.demo.train.run`).
 
-Per run: final reward (mean of the last tenth of the steps), best reward (best 10-step moving average), held-out
-pass@1 / pass@k at the end, mean sampler-trainer KL (k3 on sampled tokens, and exact from the full
-distributions), mean total-variation distance (the size of uncorrected GRPO's drift), peak gradient norm (before
-clipping), final entropy, mean extreme-ratio share. Per arm and fleet: the mean and spread over seeds. Per sampler
-group: the seed's table (share of samples, share of extreme-ratio tokens, KL), for every arm on the mixed fleet.
+A *configuration* is an arm on a fleet with a weight format; its runs differ only in the seed, and every
+configuration of one invocation uses the same seeds, so two configurations compare *paired*, seed by seed.
+
+Per run (:func:`summarize`): exact held-out success at the start, the end and its change; the collapse flags of the
+pre-registered criterion (see :data:`COLLAPSE_FRACTION`, :data:`KL_GROWTH`); mismatch on full distributions
+(``kl_full``, ``extreme_full``) and, separately, the loss's view (support-renormalised for top-p arms); the drift
+probe's mean read-outs; the mean step KL; peak gradient norm; final entropy.
+Per configuration (:func:`aggregate`): mean and 95 % t-interval over seeds. Paired (:func:`paired`): the mean
+per-seed difference of the final exact success between two configurations, with its 95 % t-interval.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import statistics
 from pathlib import Path
 
-SUMMARY_KEYS = ("final_reward", "best_reward", "pass@1", "pass@k", "kl_k3", "kl_exact", "tv", "peak_grad_norm",
-                "final_entropy", "extreme_ratio_frac", "staleness")
-CURVES = (("reward", "training reward"), ("kl_k3", "sampler-trainer KL (k3)"), ("grad_norm", "gradient norm"),
-          ("entropy", "entropy"), ("extreme_ratio_frac", "share of ratios outside [0.2, 5]"))
+#: A run *collapses* when its final exact held-out success falls below this fraction of its start.
+COLLAPSE_FRACTION = 0.5
+#: A run's full-distribution KL *blows up* when its last-tenth mean is at least this multiple of its first-tenth
+#: mean (the mixed-fleet study: "in collapse the mismatch grows threefold or more").
+KL_GROWTH = 3.0
+#: The KL blow-up criterion is applied only where the first tenth's KL exceeds this: below it the KL is float noise
+#: (the on-policy control's is about 1e-11) and a ratio of noise means nothing.
+KL_FLOOR = 1e-6
+#: Two-sided 95 % Student-t quantiles by degrees of freedom (1..10); beyond, the normal 1.96 is close enough.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+#: One colour per arm across every figure (the on-policy control is its own arm here).
+ARM_COLORS = {"onpolicy": "#000000", "grpo": "#d62728", "grpo_mis": "#ff7f0e", "sc": "#9467bd",
+              "grpo_topp": "#8c564b", "sc_mis": "#1f77b4", "sc_mis_topp": "#2ca02c"}
 
 
-def _tail(xs: list[float]) -> list[float]:
-    n = max(1, min(len(xs), max(5, len(xs) // 10)))
-    return xs[-n:]
+def config_key(cfg: dict) -> str:
+    """``arm@fleet`` (``arm@fleet:format`` when the mixed fleet's weight format is swept)."""
+    fmt = cfg.get("weight_format", "seed")
+    suffix = f":{fmt}" if cfg["fleet"] == "mixed" and fmt != "seed" else ""
+    return f"{cfg['arm']}@{cfg['fleet']}{suffix}"
 
 
-def _moving(xs: list[float], w: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x
-        if i >= w:
-            acc -= xs[i - w]
-        out.append(acc / min(i + 1, w))
-    return out
+def color_key(cfg: dict) -> str:
+    return "onpolicy" if cfg["fleet"] == "onpolicy" else cfg["arm"]
 
 
 def _mean(xs: list[float]) -> float:
@@ -41,102 +52,260 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _moving(xs: list[float], w: int) -> list[float]:
+    """Trailing moving average over ``w`` points (fewer at the start)."""
+    return [_mean(xs[max(0, i + 1 - w): i + 1]) for i in range(len(xs))]
+
+
+def _tenth(xs: list[float], last: bool) -> list[float]:
+    n = max(1, len(xs) // 10)
+    return xs[-n:] if last else xs[:n]
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its two-sided 95 % Student-t interval (nan half-width for one value)."""
+    xs = [x for x in xs if not math.isnan(x)]
+    if not xs:
+        return float("nan"), float("nan")
+    if len(xs) == 1:
+        return xs[0], float("nan")
+    t = _T95.get(len(xs) - 1, 1.96)
+    return statistics.fmean(xs), t * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
 def summarize(result: dict) -> dict:
     """One row of scalars for one run."""
-    h = result["history"]
+    h, ev, cfg = result["history"], result["evals"], result["config"]
     col = {k: [r[k] for r in h] for k in h[0]}
-    last = result["evals"][-1]
-    k = result["config"]["pass_k"]
-    w = min(10, len(h))
+    start, end = ev[0]["success_exact"], ev[-1]["success_exact"]
+    kl_first, kl_last = _mean(_tenth(col["kl_full"], False)), _mean(_tenth(col["kl_full"], True))
     return {
-        "run_id": result["run_id"], "arm": result["config"]["arm"], "label": result["label"],
-        "fleet": result["config"]["fleet"], "seed": result["config"]["seed"], "steps": len(h),
-        "final_reward": _mean(_tail(col["reward"])),
-        "best_reward": max(_moving(col["reward"], w)),
-        "pass@1": last["pass@1"], "pass@k": last[f"pass@{k}"],
-        "best_pass@k": max(e[f"pass@{k}"] for e in result["evals"]),
-        "kl_k3": _mean(col["kl_k3"]), "kl_exact": _mean(col["kl_exact"]), "tv": _mean(col["tv"]),
-        "peak_grad_norm": max(col["grad_norm"]), "final_entropy": _mean(_tail(col["entropy"])),
-        "extreme_ratio_frac": _mean(col["extreme_ratio_frac"]), "staleness": _mean(col["staleness"]),
-        "skipped_steps": sum(bool(s) for s in col["skipped"]), "seconds": result["seconds"],
+        "run_id": result["run_id"], "config": config_key(cfg), "arm": cfg["arm"], "label": result["label"],
+        "fleet": cfg["fleet"], "weight_format": cfg["weight_format"], "seed": cfg["seed"], "steps": len(h),
+        "success_start": start, "success_end": end, "success_change": end - start,
+        "success_min": min(e["success_exact"] for e in ev),
+        "pass1_end": ev[-1]["pass@1"], "train_reward_end": _mean(_tenth(col["reward"], True)),
+        "collapsed": end < COLLAPSE_FRACTION * start,
+        "kl_full": _mean(col["kl_full"]), "kl_growth": kl_last / kl_first if kl_first > KL_FLOOR else float("nan"),
+        "kl_blowup": kl_first > KL_FLOOR and kl_last >= KL_GROWTH * kl_first,
+        "extreme_full": _mean(col["extreme_full"]), "tv": _mean(col["tv"]),
+        "kl_k3_loss": _mean(col["kl_k3_loss"]), "extreme_loss": _mean(col["extreme_loss"]),
+        "step_kl": _mean(col["step_kl"]), "staleness": _mean(col["staleness"]),
+        "drift_along": _mean([e["drift_along"] for e in ev]),
+        "drift_masked_mass": _mean([e["drift_masked_mass"] for e in ev]),
+        "drift_tail_mass": _mean([e["drift_tail_mass"] for e in ev]),
+        "peak_grad_norm": max(col["grad_norm"]), "final_entropy": _mean(_tenth(col["entropy"], True)),
     }
 
 
-def aggregate(rows: list[dict]) -> list[dict]:
-    """Mean and sample standard deviation over seeds for each (arm, fleet), in first-seen order."""
-    order: dict[tuple[str, str], list[dict]] = {}
-    for r in rows:
-        order.setdefault((r["arm"], r["fleet"]), []).append(r)
-    out = []
-    for (arm, fleet), rs in order.items():
-        agg = {"arm": arm, "label": rs[0]["label"], "fleet": fleet, "seeds": len(rs)}
-        for key in SUMMARY_KEYS:
-            vals = [r[key] for r in rs]
-            agg[key] = _mean(vals)
-            agg[key + "_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        out.append(agg)
-    return out
+AGG_KEYS = ("success_start", "success_end", "success_change", "pass1_end", "train_reward_end", "kl_full",
+            "kl_growth", "extreme_full", "kl_k3_loss", "extreme_loss", "step_kl", "drift_along",
+            "drift_masked_mass", "drift_tail_mass", "peak_grad_norm", "final_entropy")
 
 
-def group_table(results: list[dict]) -> list[dict]:
-    """Per (arm, fleet, group): the seed's per-group quantities, averaged over seeds."""
-    acc: dict[tuple[str, str, str], list[dict]] = {}
-    for res in results:
-        for g in res["groups"]:
-            acc.setdefault((res["config"]["arm"], res["config"]["fleet"], g["group"]), []).append(g)
+def aggregate(summary: list[dict]) -> list[dict]:
+    """Per configuration: seeds, collapses, and ``<key>`` / ``<key>_ci`` (mean, 95 % half-width) per key."""
+    by: dict[str, list[dict]] = {}
+    for s in summary:
+        by.setdefault(s["config"], []).append(s)
     out = []
-    for (arm, fleet, name), gs in acc.items():
-        row = {"arm": arm, "fleet": fleet, "group": name}
-        for key in ("weights", "kv", "compute", "attention"):
-            row[key] = gs[0][key]
-        for key in ("capacity_share", "share_samples", "share_extreme", "extreme_frac", "kl_k3", "kl_exact", "tv",
-                    "staleness"):
-            row[key] = _mean([g[key] for g in gs])
+    for key, rows in by.items():
+        row = {"config": key, "arm": rows[0]["arm"], "label": rows[0]["label"], "fleet": rows[0]["fleet"],
+               "weight_format": rows[0]["weight_format"], "seeds": len(rows),
+               "collapsed": sum(r["collapsed"] for r in rows), "kl_blowup": sum(r["kl_blowup"] for r in rows)}
+        for k in AGG_KEYS:
+            row[k], row[f"{k}_ci"] = mean_ci([r[k] for r in rows])
         out.append(row)
     return out
 
 
-def _fmt(x, digits: int = 3) -> str:
+def paired(summary: list[dict], a: str, b: str, key: str = "success_end") -> dict | None:
+    """Mean per-seed difference ``a - b`` of ``key`` over the seeds both configurations ran, with its 95 %
+    interval; None when they share no seed."""
+    va = {s["seed"]: s[key] for s in summary if s["config"] == a}
+    vb = {s["seed"]: s[key] for s in summary if s["config"] == b}
+    seeds = sorted(set(va) & set(vb))
+    if not seeds:
+        return None
+    mean, ci = mean_ci([va[s] - vb[s] for s in seeds])
+    return {"a": a, "b": b, "key": key, "seeds": len(seeds), "diff": mean, "ci": ci}
+
+
+def group_table(results: list[dict]) -> list[dict]:
+    """The study's per-group table for every run on the mixed fleet, averaged over seeds per configuration."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        if r["config"]["fleet"] != "mixed":
+            continue
+        for g in r["groups"]:
+            by.setdefault((config_key(r["config"]), g["group"]), []).append(g)
+    out = []
+    for (cfg, group), gs in by.items():
+        row = {"config": cfg, "group": group, "weights": gs[0]["weights"], "runs": len(gs)}
+        for k in ("capacity_share", "share_samples", "share_extreme", "extreme_frac", "kl_full", "tv",
+                  "share_extreme_loss", "kl_k3_loss"):
+            row[k] = _mean([g[k] for g in gs])
+        out.append(row)
+    return out
+
+
+def _fmt(x, ci=None, digits: int = 3) -> str:
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
     if isinstance(x, float):
         if math.isnan(x):
-            return "n/a"
-        return f"{x:.{digits}f}"
+            return "-"
+        s = f"{x:.{digits}g}" if (abs(x) < 1e-3 and x != 0) or abs(x) >= 1e4 else f"{x:.{digits}f}"
+        if ci is not None and not math.isnan(ci):
+            s += f" ± {ci:.{digits}g}" if abs(ci) < 1e-3 and ci != 0 else f" ± {ci:.{digits}f}"
+        return s
     return str(x)
 
 
-def markdown_table(rows: list[dict], cols: list[tuple[str, str]], std: bool = False) -> str:
-    """A Markdown table of ``rows`` with ``cols`` = (key, header); ``std`` appends ``+- key_std`` when present."""
-    head = "| " + " | ".join(h for _, h in cols) + " |"
-    sep = "|" + "|".join("---" for _ in cols) + "|"
-    lines = [head, sep]
+def markdown_table(rows: list[dict], cols: list[tuple[str, str]], ci: bool = False) -> str:
+    """A markdown table of ``rows`` with ``(key, header)`` columns; ``ci``: append ``± <key>_ci`` when present."""
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = []
-        for key, _ in cols:
-            cell = _fmt(r[key])
-            if std and isinstance(r.get(key + "_std"), float) and r.get("seeds", 1) > 1:
-                cell += f" ± {_fmt(r[key + '_std'])}"
-            cells.append(cell)
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(_fmt(r.get(k), r.get(f"{k}_ci") if ci else None) for k, _ in cols) + " |")
     return "\n".join(lines)
 
 
-def tables_text(results: list[dict], pass_k: int) -> str:
-    """The arm table and the per-group tables, as Markdown."""
-    arms = aggregate([summarize(r) for r in results])
-    cols = [("label", "arm"), ("fleet", "fleet"), ("seeds", "seeds"), ("final_reward", "final reward"),
-            ("best_reward", "best reward"), ("pass@1", "held-out pass@1"), ("pass@k", f"held-out pass@{pass_k}"),
-            ("kl_k3", "mean KL (k3)"), ("tv", "mean TV (drift)"), ("peak_grad_norm", "peak grad norm"),
-            ("final_entropy", "final entropy"), ("extreme_ratio_frac", "extreme-ratio share")]
-    parts = ["## Arms (mean ± std over seeds)", "", markdown_table(arms, cols, std=True)]
-    groups = group_table(results)
-    gcols = [("group", "group"), ("weights", "weights"), ("kv", "KV"), ("share_samples", "share of samples"),
-             ("share_extreme", "share of extreme-ratio tokens"), ("extreme_frac", "extreme-ratio share in group"),
-             ("kl_k3", "KL (k3)"), ("staleness", "mean staleness")]
-    for arm, fleet in dict.fromkeys((g["arm"], g["fleet"]) for g in groups):
-        rows = [g for g in groups if g["arm"] == arm and g["fleet"] == fleet]
-        label = next(r["label"] for r in results if r["config"]["arm"] == arm)
-        parts += ["", f"## Per sampler group: {label} on the {fleet} fleet", "", markdown_table(rows, gcols)]
+def tables_text(results: list[dict]) -> str:
+    """The outcome table (95 % intervals over seeds), the mismatch table, the drift table and the paired
+    differences against uncorrected GRPO on the same fleet and format."""
+    summary = [summarize(r) for r in results]
+    agg = aggregate(summary)
+    parts = ["Outcome (exact held-out success by teacher forcing; mean ± 95 % interval over seeds):",
+             markdown_table(agg, [("config", "configuration"), ("seeds", "seeds"), ("success_start", "start"),
+                                  ("success_end", "end"), ("success_change", "change"),
+                                  ("pass1_end", "sampled pass@1"), ("collapsed", "collapsed"),
+                                  ("kl_blowup", "KL x3")], ci=True),
+             "", "Mismatch on full distributions (every arm alike) and the loss's own view (top-p: support):",
+             markdown_table(agg, [("config", "configuration"), ("kl_full", "KL(q||p)"),
+                                  ("extreme_full", "ratio outside [0.2, 5]"), ("kl_growth", "KL last/first"),
+                                  ("kl_k3_loss", "loss KL k3"), ("extreme_loss", "loss extreme"),
+                                  ("step_kl", "step KL")], ci=True),
+             "", "Drift probe (a = -1; mean over evaluations): <u, q - p>, mass moved onto masked ids, onto the tail:",
+             markdown_table(agg, [("config", "configuration"), ("drift_along", "<u, q-p>"),
+                                  ("drift_masked_mass", "d mass(masked)"), ("drift_tail_mass", "d mass(tail)")],
+                            ci=True)]
+    pairs = []
+    for row in agg:
+        base = row["config"].replace(f"{row['arm']}@", "grpo@", 1)
+        if row["arm"] != "grpo" and any(a["config"] == base for a in agg):
+            d = paired(summary, row["config"], base)
+            if d is not None:
+                pairs.append(d)
+    if pairs:
+        parts += ["", "Paired differences of final exact success against GRPO on the same fleet (same seeds):",
+                  markdown_table([dict(p, diff_ci=p["ci"]) for p in pairs],
+                                 [("a", "configuration"), ("b", "minus"), ("seeds", "seeds"), ("diff", "difference")],
+                                 ci=True)]
     return "\n".join(parts) + "\n"
+
+
+def _pair_text(d: dict | None) -> str:
+    if d is None:
+        return "not run"
+    return f"{d['diff']:+.4f} ± {d['ci']:.4f} (n = {d['seeds']})"
+
+
+def _interval_sign(d: dict | None) -> int:
+    """+1 / -1 when the paired interval lies entirely above / below 0, 0 when it contains 0 (or is missing)."""
+    if d is None or math.isnan(d["ci"]):
+        return 0
+    return 1 if d["diff"] - d["ci"] > 0 else -1 if d["diff"] + d["ci"] < 0 else 0
+
+
+def predictions_text(results: list[dict]) -> str:
+    """The pre-registered predictions of docs/demo.md, each judged hit / miss / not run from the histories."""
+    summary = [summarize(r) for r in results]
+    agg = {a["config"]: a for a in aggregate(summary)}
+    runs = {c: [s for s in summary if s["config"] == c] for c in agg}
+    rows: list[tuple[str, str, str]] = []
+
+    def verdict(ok: bool | None, ci: float = 0.0) -> str:
+        if ok is None:
+            return "not run"
+        if math.isnan(ci):
+            return "undecided (one seed: no interval)"
+        return "hit" if ok else "miss"
+
+    c = agg.get("grpo@onpolicy")
+    rows.append(("1 on-policy control does not degrade, rises",
+                 "not run" if c is None else
+                 f"exact success change {_fmt(c['success_change'], c['success_change_ci'], 4)}",
+                 verdict(None if c is None else c["success_change"] - c["success_change_ci"] > 0,
+                         0.0 if c is None else c["success_change_ci"])))
+    n_col = sum(s["collapsed"] for s in summary)
+    n_kl = sum(s["kl_blowup"] for s in summary)
+    rows.append(("2 no run collapses, no KL blow-up", f"{n_col} of {len(summary)} runs collapse, {n_kl} blow up",
+                 verdict(n_col == 0 and n_kl == 0)))
+    for label, a, b, want in (("3 GRPO mixed below on-policy", "grpo@mixed", "grpo@onpolicy", -1),
+                              ("4 SC+MIS mixed above GRPO mixed", "sc_mis@mixed", "grpo@mixed", 1),
+                              ("7 GRPO homogeneous within interval of on-policy", "grpo@homogeneous",
+                               "grpo@onpolicy", 0)):
+        d = paired(summary, a, b) if a in agg and b in agg else None
+        rows.append((label, f"paired final exact success {a} - {b}: {_pair_text(d)}",
+                     verdict(None if d is None else _interval_sign(d) == want, 0.0 if d is None else d["ci"])))
+    g_m, g_h = agg.get("grpo@mixed"), agg.get("grpo@homogeneous")
+    m_mis = agg.get("grpo_mis@mixed")
+    sc = [agg[k] for k in ("sc_mis@mixed", "sc_mis_topp@mixed") if k in agg]
+    if g_m is not None and g_h is not None and m_mis is not None and sc:
+        along_neg = all(s["drift_along"] < 0 for k in ("grpo@mixed", "grpo@homogeneous") for s in runs[k])
+        mis_up = all(s["drift_masked_mass"] > 0 for s in runs["grpo_mis@mixed"])
+        sc_small = all(abs(a["drift_along"]) < 0.05 * abs(g_m["drift_along"]) for a in sc)
+        text = (f"<u, q-p>: GRPO mixed {_fmt(g_m['drift_along'], None, 3)}, homogeneous "
+                f"{_fmt(g_h['drift_along'], None, 3)}; GRPO+MIS d p(masked) {_fmt(m_mis['drift_masked_mass'])}; "
+                + ", ".join(f"{a['config']} <u, q-p> {_fmt(a['drift_along'])}" for a in sc))
+        rows.append(("5 drift probe", text, verdict(along_neg and abs(g_m["drift_along"]) > abs(g_h["drift_along"])
+                                                    and mis_up and sc_small)))
+    else:
+        rows.append(("5 drift probe", "not run", "not run"))
+    fmts = ("bf16", "fp8", "nvfp4", "mxfp4")
+    sweep = [agg.get(f"grpo@mixed:{f}") for f in fmts]
+    if all(x is not None for x in sweep):
+        kls = [x["kl_full"] for x in sweep]
+        d = paired(summary, "grpo@mixed:mxfp4", "grpo@mixed:bf16")
+        rows.append(("6 dose-response",
+                     "KL " + " < ".join(f"{f} {_fmt(k)}" for f, k in zip(fmts, kls))
+                     + f"; paired final exact success mxfp4 - bf16: {_pair_text(d)}",
+                     verdict(all(a < b for a, b in zip(kls, kls[1:])) and _interval_sign(d) == -1, d["ci"])))
+    else:
+        rows.append(("6 dose-response", "not run (sweep incomplete)", "not run"))
+    if g_m is not None and g_h is not None:
+        ratio = g_m["kl_full"] / g_h["kl_full"]
+        rows.append(("8 mixed KL >= 5x homogeneous (GRPO)",
+                     f"{_fmt(g_m['kl_full'])} / {_fmt(g_h['kl_full'])} = {ratio:.1f}x", verdict(ratio >= 5)))
+    gt = [g for g in group_table(results) if g["config"] == "sc_mis_topp@mixed"]
+    if gt:
+        nv = [g for g in gt if g["weights"] == "nvfp4"]
+        bf = [g for g in gt if g["weights"] == "bf16"]
+        nv_s, nv_e = sum(g["share_samples"] for g in nv), sum(g["share_extreme"] for g in nv)
+        bf_s, bf_e = sum(g["share_samples"] for g in bf), sum(g["share_extreme"] for g in bf)
+        rows.append(("9 per group: NVFP4 over, BF16 under their sample share",
+                     f"NVFP4 samples {nv_s:.3f} extreme {nv_e:.3f}; BF16 samples {bf_s:.3f} extreme {bf_e:.3f}",
+                     verdict(nv_e > nv_s and bf_e < bf_s)))
+    else:
+        rows.append(("9 per group", "not run", "not run"))
+    rows.sort(key=lambda r: int(r[0].split()[0]))
+    lines = ["| prediction | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _rounded(x, digits: int = 6):
+    """``x`` with every float rounded to ``digits`` significant digits (small, still exact enough to re-derive
+    every table)."""
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}") if math.isfinite(x) else x
+    if isinstance(x, dict):
+        return {k: _rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v, digits) for v in x]
+    return x
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -149,34 +318,30 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def write_outputs(results: list[dict], out: Path, meta: dict, plots: bool = True) -> dict[str, Path]:
-    """Write ``results.json``, the CSV files, ``tables.md`` and (with matplotlib) the PNG plots into ``out``."""
+def write_outputs(results: list[dict], out: Path, meta: dict, calibration: dict | None = None,
+                  plots: bool = True) -> dict[str, Path]:
+    """Write ``runs.json.gz`` (every run's config, per-step history, evaluations and groups), ``summary.csv``,
+    ``configs.csv``, ``groups.csv``, ``tables.md`` and (with matplotlib) the figures into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    pass_k = results[0]["config"]["pass_k"]
     summary = [summarize(r) for r in results]
-    files = {
-        "results.json": out / "results.json", "summary.csv": out / "summary.csv", "arms.csv": out / "arms.csv",
-        "groups.csv": out / "groups.csv", "history.csv": out / "history.csv", "evals.csv": out / "evals.csv",
-        "tables.md": out / "tables.md",
-    }
-    with open(files["results.json"], "w") as f:
-        json.dump({"meta": meta, "summary": summary, "arms": aggregate(summary), "groups": group_table(results),
-                   "runs": results}, f, indent=1)
+    files = {name: out / name for name in ("runs.json.gz", "summary.csv", "configs.csv", "groups.csv", "tables.md")}
+    with gzip.open(files["runs.json.gz"], "wt") as f:
+        json.dump(_rounded({"meta": meta, "calibration": calibration, "runs": results}), f)
     _write_csv(files["summary.csv"], summary)
-    _write_csv(files["arms.csv"], aggregate(summary))
-    _write_csv(files["groups.csv"], [dict(run_id=r["run_id"], **g) for r in results for g in r["groups"]])
-    _write_csv(files["history.csv"], [dict(run_id=r["run_id"], **h) for r in results for h in r["history"]])
-    _write_csv(files["evals.csv"], [dict(run_id=r["run_id"], **e) for r in results for e in r["evals"]])
-    files["tables.md"].write_text(tables_text(results, pass_k))
+    _write_csv(files["configs.csv"], aggregate(summary))
+    _write_csv(files["groups.csv"], group_table(results))
+    files["tables.md"].write_text(tables_text(results) + "\nPre-registered predictions (docs/demo.md):\n"
+                                  + predictions_text(results))
     if plots:
-        files.update(write_plots(results, out))
+        files.update(write_plots(results, out, calibration))
     return files
 
 
-def write_plots(results: list[dict], out: Path) -> dict[str, Path]:
-    """``curves.png`` (reward, KL, grad norm, entropy, extreme-ratio share over steps, one line per arm and
-    fleet, mean over seeds, 10-step moving average), ``pass_at_k.png`` and ``groups.png``. Empty without
-    matplotlib."""
+def write_plots(results: list[dict], out: Path, calibration: dict | None = None) -> dict[str, Path]:
+    """One figure per question: ``collapse.png`` (exact held-out success over steps), ``mismatch.png``
+    (numerics KL by fleet and group from the calibration; KL over training), ``drift.png`` (the probe's
+    ``<u, q - p>`` and mass moved onto masked ids), ``groups.png`` (share of samples vs share of extreme-ratio
+    tokens per group). Mean over seeds with a min-max band; one colour per arm. Empty without matplotlib."""
     try:
         import matplotlib
 
@@ -184,74 +349,124 @@ def write_plots(results: list[dict], out: Path) -> dict[str, Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return {}
-    series: dict[tuple[str, str], list[dict]] = {}
+    plt.rcParams.update({"font.size": 11})
+    by: dict[str, list[dict]] = {}
     for r in results:
-        series.setdefault((r["label"], r["config"]["fleet"]), []).append(r)
-    labels = list(dict.fromkeys(lbl for lbl, _ in series))
-    colors = {lbl: plt.get_cmap("tab10")(i % 10) for i, lbl in enumerate(labels)}
-    style = {"mixed": "-", "homogeneous": "--"}
+        by.setdefault(config_key(r["config"]), []).append(r)
+    fleets = list(dict.fromkeys(r["config"]["fleet"] for r in results))
+    styles = {"mixed": "-", "homogeneous": "--", "onpolicy": ":"}
     files: dict[str, Path] = {}
 
-    fleets = list(dict.fromkeys(fleet for _, fleet in series))
-    fig, axes = plt.subplots(len(fleets), len(CURVES), figsize=(3.6 * len(CURVES), 3.0 * len(fleets)),
-                             squeeze=False, sharex=True)
-    for row, fleet in enumerate(fleets):
-        for col, (key, title) in enumerate(CURVES):
-            ax = axes[row][col]
-            positive = False
-            for (lbl, f), rs in series.items():
-                if f != fleet:
-                    continue
-                n = min(len(r["history"]) for r in rs)
-                mean = _moving([_mean([r["history"][i][key] for r in rs]) for i in range(n)], min(10, n))
-                positive = positive or any(v > 0 for v in mean)
-                ax.plot(range(1, n + 1), mean, color=colors[lbl], label=lbl, lw=1.3)
-            ax.set_title(f"{title}\n({fleet} fleet)", fontsize=9)
-            if key in ("grad_norm", "kl_k3", "extreme_ratio_frac") and positive:
-                ax.set_yscale("log")
-            if key in ("kl_k3", "extreme_ratio_frac") and positive:
-                # Step 0 has no staleness: the homogeneous fleet's KL there is ~1e-13 (kernels only) and its
-                # extreme share 0; the axis starts at 1e-4 so that the rest of the run stays readable.
-                ax.set_ylim(bottom=1e-4)
-            ax.grid(alpha=0.3)
-            ax.tick_params(labelsize=8)
-            if row == len(fleets) - 1:
-                ax.set_xlabel("step", fontsize=8)
-    axes[0][0].legend(fontsize=7, loc="best")
-    fig.suptitle("mean over seeds, 10-step moving average", fontsize=9)
-    fig.tight_layout()
-    files["curves.png"] = out / "curves.png"
-    fig.savefig(files["curves.png"], dpi=100)
-    plt.close(fig)
+    def band(ax, xs, runs, get, cfg, label):
+        ys = [[get(r, i) for r in runs] for i in range(len(xs))]
+        ax.plot(xs, [_mean(y) for y in ys], styles.get(cfg["fleet"], "-"), color=ARM_COLORS[color_key(cfg)],
+                label=label, lw=1.8)
+        if len(runs) > 1:
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=ARM_COLORS[color_key(cfg)],
+                            alpha=0.15, lw=0)
 
-    k = results[0]["config"]["pass_k"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (lbl, fleet), rs in series.items():
-        steps = [e["step"] for e in rs[0]["evals"]]
-        vals = [_mean([r["evals"][i][f"pass@{k}"] for r in rs]) for i in range(len(steps))]
-        ax.plot(steps, vals, style.get(fleet, "-"), marker="o", ms=3, color=colors[lbl], label=f"{lbl} ({fleet})")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"held-out pass@{k} (trainer weights, full vocabulary)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    files["pass_at_k.png"] = out / "pass_at_k.png"
-    fig.savefig(files["pass_at_k.png"], dpi=110)
-    plt.close(fig)
+    def label_of(runs):
+        cfg = runs[0]["config"]
+        name = "on-policy GRPO" if cfg["fleet"] == "onpolicy" else runs[0]["label"]
+        fmt = cfg["weight_format"]
+        return f"{name} ({cfg['fleet']}{', ' + fmt if fmt != 'seed' and cfg['fleet'] == 'mixed' else ''})"
 
-    groups = [g for g in group_table(results) if g["fleet"] == "mixed"]
-    if groups:
-        arm = "sc_mis_topp" if any(g["arm"] == "sc_mis_topp" for g in groups) else groups[0]["arm"]
-        rows = [g for g in groups if g["arm"] == arm]
-        fig, ax = plt.subplots(figsize=(7, 3.8))
-        x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [g["share_samples"] for g in rows], 0.4, label="share of samples")
-        ax.bar([i + 0.2 for i in x], [g["share_extreme"] for g in rows], 0.4,
-               label="share of tokens with ratio outside [0.2, 5]")
-        ax.set_xticks(list(x), [f"{g['group']}" for g in rows], rotation=20, fontsize=8)
-        label = next(r["label"] for r in results if r["config"]["arm"] == arm)
-        ax.set_title(f"{label}, mixed fleet: per sampler group", fontsize=10)
+    sweep = [k for k in by if ":" in k]
+    panels = [("main configurations", [k for k in by if ":" not in k])] + ([("weight-format sweep", sweep)]
+                                                                          if sweep else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], panels):
+        for k in keys:
+            runs = by[k]
+            xs = [e["step"] for e in runs[0]["evals"]]
+            if ":" in k:
+                cfg = runs[0]["config"]
+                fmts = ("bf16", "fp8", "nvfp4", "mxfp4")
+                ls = ("-", "--", "-.", ":")[fmts.index(cfg["weight_format"])] if cfg["weight_format"] in fmts else "-"
+                ys = [_mean([r["evals"][i]["success_exact"] for r in runs]) for i in range(len(xs))]
+                ax.plot(xs, ys, ls, color=ARM_COLORS[color_key(cfg)], lw=1.8, label=label_of(runs))
+            else:
+                band(ax, xs, runs, lambda r, i: r["evals"][i]["success_exact"], runs[0]["config"], label_of(runs))
+        start = _mean([r["evals"][0]["success_exact"] for r in results])
+        ax.axhline(COLLAPSE_FRACTION * start, color="grey", lw=1, ls="--", label="collapse threshold")
+        ax.set_title(f"Does it collapse? ({title})")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("held-out success, exact (teacher forcing)")
+        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    files["collapse.png"] = out / "collapse.png"
+    fig.savefig(files["collapse.png"], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    if calibration is not None:
+        rows = [r for r in calibration["numerics"] if r["group"] == "(fleet)" and r["kl"] > 0]
+        axes[0].bar(range(len(rows)), [r["kl"] for r in rows], color="#607d8b")
+        axes[0].set_xticks(range(len(rows)), [r["config"] for r in rows], rotation=25, ha="right", fontsize=9)
+        for sk in calibration.get("step_kl", []):
+            axes[0].axhline(sk["step_kl_mean"], ls=":", color="black", lw=1)
+            axes[0].text(len(rows) - 0.5, sk["step_kl_mean"], f"step KL, lr {sk['lr']:g}", fontsize=8,
+                         ha="right", va="bottom")
+        axes[0].set_yscale("log")
+        axes[0].set_ylabel("KL(q || p) per token, equal weights")
+        axes[0].set_title("Numerics mismatch by fleet, before RL")
+    for k in by:
+        if ":" in k or by[k][0]["config"]["fleet"] == "onpolicy":
+            continue
+        runs = by[k]
+        n = min(len(r["history"]) for r in runs)
+        smooth = {id(r): _moving([h["kl_full"] for h in r["history"]], 10) for r in runs}
+        band(axes[1], list(range(1, n + 1)), runs, lambda r, i: smooth[id(r)][i], runs[0]["config"],
+             label_of(runs))
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("optimizer step")
+    axes[1].set_ylabel("KL(q || p) per token, full distributions")
+    axes[1].set_title("Mismatch over training (10-step moving average)")
+    axes[1].grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    files["mismatch.png"] = out / "mismatch.png"
+    fig.savefig(files["mismatch.png"], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    for ax, key, ylabel, title in (
+            (axes[0], "drift_along", "<u, q - p> (> 0: p moves toward q)", "Drift probe: update along q - p"),
+            (axes[1], "drift_masked_mass", "d p(masked ids) per unit step",
+             "Drift probe: probability moved onto masked ids")):
+        for k in by:
+            if ":" in k:
+                continue
+            runs = by[k]
+            xs = [e["step"] for e in runs[0]["evals"]]
+            band(ax, xs, runs, lambda r, i, key=key: r["evals"][i][key], runs[0]["config"], label_of(runs))
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_yscale("symlog", linthresh=1e-6)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title} (advantage -1)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    files["drift.png"] = out / "drift.png"
+    fig.savefig(files["drift.png"], dpi=110)
+    plt.close(fig)
+
+    gt = group_table(results)
+    cfgs = list(dict.fromkeys(g["config"] for g in gt if ":" not in g["config"]))
+    if cfgs:
+        pick = next((c for c in cfgs if c.startswith("sc_mis_topp@")), cfgs[0])
+        rows = [g for g in gt if g["config"] == pick]
+        fig, ax = plt.subplots(figsize=(9, 5))
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [g["share_samples"] for g in rows], 0.4, color="#90a4ae",
+               label="share of samples")
+        ax.bar([i + 0.2 for i in x], [g["share_extreme"] for g in rows], 0.4, color="#c62828",
+               label="share of tokens with ratio outside [0.2, 5]")
+        ax.set_xticks(list(x), [g["group"] for g in rows], rotation=20)
+        ax.set_title(f"Per sampler group, {pick} (full distributions)")
+        ax.legend()
         fig.tight_layout()
         files["groups.png"] = out / "groups.png"
         fig.savefig(files["groups.png"], dpi=110)

@@ -11,21 +11,25 @@ Numerics of a group's copy (built when it receives weights):
 * compute in bf16 (``compute="bf16"``) or the trainer's fp32;
 * an FP8 E4M3 key/value path (``kv_format="fp8"``): keys and values rounded to E4M3 with scale 1, as an FP8 KV
   cache without calibrated scales stores them;
-* an attention kernel (``"sdpa"`` or ``"math"``): the same function computed another way, the only difference
-  left for the homogeneous fleet besides staleness.
+* an attention kernel (``"sdpa"`` or ``"math"``; the trainer uses ``"sdpa"``): the same function computed
+  another way (another accumulation order).
 
 Asynchrony and staleness: after every optimizer step each group independently receives the latest weights with
 probability ``1 / (1 + lag)``, so its staleness (trainer version minus the version it serves) is geometric with
-mean ``lag`` and unbounded, as in the seed's fully asynchronous runs; ``max_staleness`` caps it (a group that
-falls further behind is synced at once). Every sampled token is tagged with its group and the version that
-sampled it.
+mean ``lag`` and unbounded; ``max_staleness`` caps it (a group that falls further behind is synced at once).
+Staleness 0 is synchronous RL: every group serves the trainer's current weights. Every sampled token is tagged
+with its group and the version that sampled it.
 
-Two fleets share the same slots (capacities and lags), so their staleness is identical by construction:
+Three fleets share the same slots (capacities and lags), so their staleness is identical by construction and only
+numerics tell them apart:
 
-* ``mixed``: the seed's six groups (B200 / B300 NVFP4, H100 FP8, H200 / A100 / RTX PRO 6000 BF16, all with an
-  FP8 KV cache), in bf16 compute and different attention kernels;
-* ``homogeneous``: every slot in the trainer's numerics (fp32 weights and compute, no KV quantisation), the
-  attention kernel alternating as in the mixed fleet: kernels and staleness are the only differences.
+* ``mixed``: the mixed-fleet study's six groups (B200 / B300 NVFP4, H100 FP8, H200 / A100 / RTX PRO 6000 BF16,
+  all with an FP8 KV cache), in bf16 compute and different attention kernels; ``weight_format`` other than
+  ``"seed"`` gives every group that one format (the dose-response sweep);
+* ``homogeneous``: every slot serves BF16 weights in bf16 compute with no KV quantisation, half of them with the
+  other attention kernel: the study's homogeneous fleet, whose mismatch is small but not zero;
+* ``onpolicy``: every slot in the trainer's own numerics (fp32 weights and compute, the trainer's kernel) and no
+  staleness whatever the ``staleness`` argument: the exact on-policy control.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from offpolicy.fleet import Router, SamplerGroup
 from offpolicy.fleet.quant import fake_quantize_module
 from offpolicy.fleet.quant.formats import round_to_e4m3
 
-FLEETS = ("mixed", "homogeneous")
+FLEETS = ("mixed", "homogeneous", "onpolicy")
 WEIGHT_FORMATS = ("seed", "fp32", "bf16", "fp8", "nvfp4", "mxfp4")
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -67,8 +71,8 @@ class GroupSim:
         return self.group.name
 
 
-# The seed's fleet: (name, accelerator, weight format, capacity share in %, attention kernel, relative lag).
-# Capacities follow the seed's shares where it gives them (B200 + B300 NVFP4 47 %, H100 FP8 10 %); the rest of
+# The study's fleet: (name, accelerator, weight format, capacity share in %, attention kernel, relative lag).
+# Capacities follow the study's shares where it gives them (B200 + B300 NVFP4 47 %, H100 FP8 10 %); the rest of
 # the split and the relative lags are this demo's choice.
 _SEED_SLOTS = (
     ("b200-nvfp4", "B200", "nvfp4", 27.0, "sdpa", 0.6),
@@ -87,7 +91,7 @@ def build_fleet(kind: str, staleness: float, weight_format: str = "seed", kv_for
     Args:
         staleness: the capacity-weighted mean staleness of the fleet (each slot's relative lag is rescaled so
             that the mean over samples is exactly this). 0 makes every group sync after every step.
-        weight_format: ``"seed"`` (the seed's per-group formats) or one format for every mixed group.
+        weight_format: ``"seed"`` (the study's per-group formats) or one format for every mixed group.
         kv_format: ``"fp8"`` or ``"none"``: the mixed groups' KV path.
         compute: the mixed groups' compute dtype, ``"bf16"`` or ``"fp32"``.
     """
@@ -111,10 +115,14 @@ def build_fleet(kind: str, staleness: float, weight_format: str = "seed", kv_for
             group = SamplerGroup(name=name if weight_format == "seed" else f"{acc.split()[0].lower()}-{fmt}",
                                  accelerator=acc, weight_format=fmt, kv_format=kv_format, capacity=cap)
             out.append(GroupSim(group, compute, attn, lag))
+        elif kind == "homogeneous":
+            group = SamplerGroup(name=f"b200-bf16-{attn}-{i}", accelerator="B200", weight_format="bf16",
+                                 kv_format="bf16", capacity=cap)
+            out.append(GroupSim(group, "bf16", attn, lag))
         else:
-            group = SamplerGroup(name=f"b200-fp32-{i}", accelerator="B200", weight_format="fp32",
-                                 kv_format="none", capacity=cap)
-            out.append(GroupSim(group, "fp32", attn, lag))
+            group = SamplerGroup(name=f"trainer-{i}", accelerator="B200", weight_format="fp32", kv_format="none",
+                                 capacity=cap)
+            out.append(GroupSim(group, "fp32", "sdpa", 0.0))
     _unique_names(out)
     return out
 
@@ -139,6 +147,7 @@ def sampler_copy(trainer: TinyLM, sim: GroupSim) -> TinyLM:
     model = model.to(COMPUTE_DTYPES[sim.compute]).eval()
     model.requires_grad_(False)
     model.attn_impl = sim.attn_impl
+    # A bf16 KV path in bf16 compute is the compute dtype itself; only FP8 rounds further.
     model.kv_quant = kv_fp8 if sim.group.kv_format == "fp8" else None
     return model
 

@@ -1,12 +1,13 @@
 """The demo's verifiable task: sort a short list of numbers; reward 1 for the exact sorted answer, else 0.
 
-Sequences are token ids over a vocabulary of ``max_value + 2`` symbols:
+Sequences are token ids over a vocabulary of ``vocab`` ids (at least ``max_value + 2``):
 
     BOS x_1 ... x_n SEP y_1 ... y_n          x_i, y_i in [0, max_value)
 
 The prompt is ``BOS x SEP`` (``n + 2`` tokens); the policy writes the ``n`` answer tokens ``y``. Any token may be
-sampled at an answer position (the two markers included, which are simply wrong answers), so the reward check is
-exact: ``y == sorted(x)``, elementwise.
+sampled at an answer position, so the reward check is exact: ``y == sorted(x)``, elementwise. The two markers and
+the ids ``max_value + 2 .. vocab - 1`` never appear in a correct answer: they play the part of a language model's
+long vocabulary tail, the rare tokens whose importance ratios are the extreme ones.
 
 Held-out split: a prompt belongs to the evaluation set iff a fixed hash of its numbers is ``0 mod heldout_mod``;
 training prompts are drawn from the complement, so the held-out pass@k is measured on prompts never trained on.
@@ -27,11 +28,13 @@ class SortTask:
     Attributes:
         n_items: list length ``n`` (the answer length).
         max_value: numbers are ``0 .. max_value - 1``; they are also their own token ids.
+        vocab: vocabulary size; the ids past ``max_value + 1`` are never a correct answer (the tail).
         heldout_mod: one prompt in about ``heldout_mod`` is held out for evaluation.
     """
 
-    n_items: int = 5
-    max_value: int = 30
+    n_items: int = 12
+    max_value: int = 32
+    vocab: int = 256
     heldout_mod: int = 16
 
     def __post_init__(self) -> None:
@@ -39,6 +42,8 @@ class SortTask:
             raise ValueError(f"n_items must be >= 1, got {self.n_items}")
         if self.max_value < 2:
             raise ValueError(f"max_value must be >= 2, got {self.max_value}")
+        if self.vocab < self.max_value + 2:
+            raise ValueError(f"vocab must be >= max_value + 2 = {self.max_value + 2}, got {self.vocab}")
         if self.heldout_mod < 2:
             raise ValueError(f"heldout_mod must be >= 2, got {self.heldout_mod}")
 
@@ -52,7 +57,7 @@ class SortTask:
 
     @property
     def vocab_size(self) -> int:
-        return self.max_value + 2
+        return self.vocab
 
     @property
     def prompt_len(self) -> int:
@@ -68,8 +73,8 @@ class SortTask:
 
     def is_heldout(self, numbers: Tensor) -> Tensor:
         """``[B]`` bool: whether each list of ``numbers [B, n]`` belongs to the evaluation set."""
-        # A fixed polynomial hash of the list, in int64 (no overflow: max_value**n_items is small here, and the
-        # multiplier keeps the hash from depending on the sum alone, so sorted-equal lists are not all grouped).
+        # A fixed polynomial hash of the list in int64, reduced modulo a prime after every item (never overflows);
+        # the multiplier keeps it from depending on the sum alone, so sorted-equal lists are not all grouped.
         h = torch.zeros(numbers.shape[0], dtype=torch.int64, device=numbers.device)
         for i in range(numbers.shape[1]):
             h = (h * 1_000_003 + numbers[:, i].to(torch.int64) * 7919 + i) % 2_147_483_647

@@ -12,11 +12,18 @@ Per optimizer step (version ``v`` of the trainer):
    Adam step with gradient clipping;
 5. each group receives version ``v + 1`` or not (see :mod:`offpolicy.demo.simulated_fleet`).
 
-Besides the loss's own metrics, the run measures the mismatch directly: each group re-scores its sessions with its
-copy (teacher forcing, the same numerics), giving the sampler's whole distribution ``q`` at every trained
-position. ``tv = 1/2 sum_v |q - p|`` and the exact ``KL(q || p)`` follow; ``q - p`` is also exactly the expected
-logit update of *uncorrected* GRPO at a position under a constant advantage (``E_q[grad_z log p(y)] = q - p``), so
-``tv`` is the size of the drift that score centering removes.
+Mismatch is measured the same way for every arm, on full distributions: each group re-scores its sessions with its
+copy (teacher forcing, the same numerics), giving the sampler's whole distribution ``q`` at every trained position
+(before any top-p filter). The exact ``KL(q || p)`` (``kl_full``), ``tv = 1/2 sum_v |q - p|`` and the share of
+sampled tokens whose full-distribution ratio ``p(y) / q(y)`` lies outside the study's band [0.2, 5]
+(``extreme_full``) follow. The loss's own figures (``kl_k3``, ``extreme_ratio_frac``) are on the record it was
+given: support-renormalised for the top-p arms, so they are reported separately (``*_loss`` columns).
+``step_kl`` is the exact ``KL(p_v || p_{v+1})`` on the step's positions, the size of one update.
+
+Held-out success is measured exactly (``success_exact = mean prod_t p(y*_t)`` by teacher forcing) and by sampling
+(pass@1, pass@k), from the trainer's weights with full-vocabulary sampling, identical for every arm. At each
+evaluation the drift probe (:mod:`offpolicy.demo.probe`) measures the arm's expected update against every group's
+numerics at the trainer's current weights.
 """
 
 from __future__ import annotations
@@ -31,14 +38,18 @@ from torch import Tensor
 
 import offpolicy as op
 from offpolicy.demo.arms import ARMS
-from offpolicy.demo.simulated_fleet import FLEETS, SimulatedFleet, build_fleet, describe
+from offpolicy.demo.probe import EXTREME_BAND, drift_readouts, expected_update, make_probe_set, probe_logits
+from offpolicy.demo.simulated_fleet import FLEETS, SimulatedFleet, build_fleet, describe, sampler_copy
 from offpolicy.demo.model import ModelConfig, TinyLM
 from offpolicy.demo.rollout import rollout
 from offpolicy.demo.task import SortTask
+from offpolicy.demo.warmup import expected_success
 from offpolicy.fleet import FleetMetrics
 
 #: Fixed seed of the held-out evaluation prompts: every arm and seed is evaluated on the same prompts.
 EVAL_PROMPT_SEED = 777
+#: Fixed seed of the drift probe's prefixes (held-out prompts, shared by every run).
+PROBE_SEED = 4242
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,9 @@ class RunConfig:
         staleness, max_staleness: the fleet's mean staleness in steps, and its cap (None: unbounded).
         weight_format, kv_format, compute: the mixed fleet's numerics (see :func:`build_fleet`).
         eval_every, eval_prompts, eval_samples, pass_k: held-out pass@k from the trainer's weights, full
-            vocabulary sampling at temperature 1.
+            vocabulary sampling at temperature 1 (at the first and last evaluation); the exact teacher-forced
+            success on the same prompts at every evaluation.
+        probe_prefixes: size of the drift probe's fixed prefix set.
     """
 
     arm: str
@@ -63,12 +76,12 @@ class RunConfig:
     steps: int = 150
     prompts: int = 16
     samples: int = 8
-    lr: float = 1e-3
+    lr: float = 5e-5
     grad_clip: float = 1.0
     top_p: float = 0.95
     head_k: int = 8
     temperature: float = 1.0
-    staleness: float = 2.0
+    staleness: float = 0.5
     max_staleness: int | None = None
     weight_format: str = "seed"
     kv_format: str = "fp8"
@@ -77,13 +90,14 @@ class RunConfig:
     eval_prompts: int = 128
     eval_samples: int = 8
     pass_k: int = 4
+    probe_prefixes: int = 32
 
     def __post_init__(self) -> None:
         if self.arm not in ARMS:
             raise ValueError(f"arm must be one of {list(ARMS)}, got {self.arm!r}")
         if self.fleet not in FLEETS:
             raise ValueError(f"fleet must be one of {FLEETS}, got {self.fleet!r}")
-        for name in ("steps", "prompts", "eval_every", "eval_prompts", "head_k"):
+        for name in ("steps", "prompts", "eval_every", "eval_prompts", "head_k", "probe_prefixes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.samples < 2:
@@ -101,7 +115,8 @@ class RunConfig:
 
     @property
     def run_id(self) -> str:
-        return f"{self.arm}@{self.fleet}/s{self.seed}"
+        fmt = f":{self.weight_format}" if self.fleet == "mixed" and self.weight_format != "seed" else ""
+        return f"{self.arm}@{self.fleet}{fmt}/s{self.seed}"
 
 
 def pass_at_k(n: int, c: Tensor, k: int) -> Tensor:
@@ -115,14 +130,35 @@ def pass_at_k(n: int, c: Tensor, k: int) -> Tensor:
     return 1.0 - out
 
 
-def evaluate(model: TinyLM, task: SortTask, cfg: RunConfig, numbers: Tensor, gen: torch.Generator) -> dict:
-    """Held-out pass@1 and pass@k of ``model`` (the trainer's weights), sampling the full vocabulary."""
+def evaluate(model: TinyLM, task: SortTask, cfg: RunConfig, numbers: Tensor, gen: torch.Generator,
+             sampled: bool = True) -> dict:
+    """Held-out success of ``model`` (the trainer's weights): exact (teacher forcing), and with ``sampled``
+    pass@1 / pass@k by full-vocabulary sampling at temperature 1 (nan without)."""
+    exact = float(expected_success(model, task, numbers).mean())
+    if not sampled:
+        return {"success_exact": exact, "pass@1": math.nan, f"pass@{cfg.pass_k}": math.nan}
     prompts = task.prompts(numbers).repeat_interleave(cfg.eval_samples, dim=0)
     out = rollout(model, prompts, task.answer_len, temperature=1.0, top_p=1.0, head_k=1, generator=gen)
     correct = task.reward(prompts, out.tokens).view(-1, cfg.eval_samples).sum(1)
-    return {"pass@1": float(pass_at_k(cfg.eval_samples, correct, 1).mean()),
+    return {"success_exact": exact, "pass@1": float(pass_at_k(cfg.eval_samples, correct, 1).mean()),
             f"pass@{cfg.pass_k}": float(pass_at_k(cfg.eval_samples, correct, cfg.pass_k).mean())}
 
+
+def probe_drift(trainer: TinyLM, groups: list, task: SortTask, cfg: RunConfig, probes) -> dict[str, float]:
+    """The drift probe's read-outs for this run's arm, averaged over the groups by capacity; each group's ``q`` is
+    its numerics applied to the trainer's current weights (staleness aside)."""
+    arm = ARMS[cfg.arm]
+    with torch.no_grad():
+        z = probe_logits(trainer, task, probes)
+    total = sum(g.group.capacity for g in groups)
+    out: dict[str, float] = {}
+    for g in groups:
+        with torch.no_grad():
+            logq = torch.log_softmax(probe_logits(sampler_copy(trainer, g), task, probes) / cfg.temperature, -1)
+        u = expected_update(z / cfg.temperature, logq, arm, cfg.top_p, cfg.head_k)
+        for key, val in drift_readouts(z / cfg.temperature, logq, u, arm, task.max_value).items():
+            out[key] = out.get(key, 0.0) + val * g.group.capacity / total
+    return out
 
 
 def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict[str, Tensor],
@@ -144,9 +180,19 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
     eval_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
     top_p = cfg.top_p if arm.top_p else 1.0
     fleet_metrics = FleetMetrics([g.group for g in groups])
-    totals = {k: torch.zeros(n_groups, dtype=torch.float64) for k in ("tokens", "tv", "kl_exact", "staleness")}
+    totals = {k: torch.zeros(n_groups, dtype=torch.float64)
+              for k in ("tokens", "tv", "kl_full", "extreme_full", "staleness")}
+    probes = make_probe_set(task, cfg.probe_prefixes, PROBE_SEED)
     history: list[dict] = []
-    evals: list[dict] = [dict(step=0, **evaluate(trainer, task, cfg, eval_numbers, eval_gen))]
+
+    def checkpoint(step: int) -> dict:
+        # Sampled pass@k (costly) at the start and the end only; the exact success at every evaluation.
+        sampled = step in (0, cfg.steps)
+        return dict(step=step, **evaluate(trainer, task, cfg, eval_numbers, eval_gen, sampled),
+                    **{f"drift_{k}": v for k, v in probe_drift(trainer, groups, task, cfg, probes).items()})
+
+    evals: list[dict] = [checkpoint(0)]
+    lo_band, hi_band = math.log(EXTREME_BAND[0]), math.log(EXTREME_BAND[1])
     session = 0
     for step in range(cfg.steps):
         numbers = task.sample_numbers(cfg.prompts, gen)
@@ -197,28 +243,37 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
         finite = math.isfinite(grad_norm)
         if finite:
             opt.step()
+        with torch.no_grad():
+            logp_new = torch.log_softmax(trainer(seq[:, :-1])[:, task.prompt_len - 1:].reshape(b * L, -1).float()
+                                         / cfg.temperature, dim=-1)
 
         with torch.no_grad():
             logp = torch.log_softmax(logits.detach().float() / cfg.temperature, dim=-1)
             p = logp.exp()
             q = q_full.reshape(b * L, -1)
+            logq = q.clamp_min(1e-30).log()
             tv = 0.5 * (q - p).abs().sum(-1)
-            kl_exact = (q * (q.clamp_min(1e-30).log() - logp)).sum(-1)
+            kl_full = (q * (logq - logp)).sum(-1)
+            step_kl = (p * (logp - logp_new)).sum(-1)
+            flat = tokens.reshape(-1, 1)
+            log_ratio = (logp.gather(1, flat) - logq.gather(1, flat)).squeeze(1)
+            extreme = ((log_ratio < lo_band) | (log_ratio > hi_band)).to(torch.float64)
             entropy = -(p * logp).sum(-1)
             fleet_metrics.update(tok_group, lq.reshape(-1), res.logprobs, seq_ids=seq_ids)
             stale = (step - versions_g[tok_group]).to(torch.float64)
             totals["tokens"] += torch.bincount(tok_group, minlength=n_groups)
-            for key, val in (("tv", tv), ("kl_exact", kl_exact), ("staleness", stale)):
+            for key, val in (("tv", tv), ("kl_full", kl_full), ("extreme_full", extreme), ("staleness", stale)):
                 totals[key] += torch.bincount(tok_group, weights=val.to(torch.float64), minlength=n_groups)
         m = res.metrics
         row = {
             "step": step,
             "reward": float(rewards.mean()),
-            "kl_k3": float(m["kl_k3"]),
-            "kl_k1": float(m["kl_k1"]),
-            "kl_exact": float(kl_exact.mean()),
+            "kl_full": float(kl_full.mean()),
+            "extreme_full": float(extreme.mean()),
             "tv": float(tv.mean()),
-            "extreme_ratio_frac": float(m["extreme_ratio_frac"]),
+            "step_kl": float(step_kl.mean()),
+            "kl_k3_loss": float(m["kl_k3"]),
+            "extreme_loss": float(m["extreme_ratio_frac"]),
             "grad_norm": grad_norm,
             "entropy": float(entropy.mean()),
             "weight_mean": float(m["weight_mean"]),
@@ -232,23 +287,25 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
         history.append(row)
         fleet.after_step(trainer, step + 1)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            evals.append(dict(step=step + 1, **evaluate(trainer, task, cfg, eval_numbers, eval_gen)))
+            evals.append(checkpoint(step + 1))
         if progress is not None:
             progress(step + 1, row)
 
     tok = totals["tokens"].clamp_min(1)
+    n_extreme = totals["extreme_full"].sum().clamp_min(1)
     table = fleet_metrics.table()
     group_rows = []
     for i, (d, row) in enumerate(zip(describe(groups), table.rows)):
         group_rows.append(dict(
             d,
-            share_samples=row.share_samples,
-            share_extreme=row.share_extreme,
-            extreme_frac=row.extreme_frac,
-            kl_k3=row.kl_k3,
-            kl_exact=float(totals["kl_exact"][i] / tok[i]),
+            share_samples=float(totals["tokens"][i] / totals["tokens"].sum()),
+            share_extreme=float(totals["extreme_full"][i] / n_extreme),
+            extreme_frac=float(totals["extreme_full"][i] / tok[i]),
+            kl_full=float(totals["kl_full"][i] / tok[i]),
             tv=float(totals["tv"][i] / tok[i]),
             staleness=float(totals["staleness"][i] / tok[i]),
+            share_extreme_loss=row.share_extreme,
+            kl_k3_loss=row.kl_k3,
         ))
     return {"config": asdict(cfg), "run_id": cfg.run_id, "label": arm.label, "groups": group_rows,
             "fleet_table": table.format(),
