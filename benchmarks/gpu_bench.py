@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": name, "dry_run": cfg.dry_run, "date": date.isoformat(), "host": platform.node(),
         "versions": versions(), "copy_gbps": copy_gbps, "matmul_tflops": tflops,
         "matmul_dtype": "bfloat16" if cfg.device.type == "cuda" else "float32",
-        "byte_model": "3 * V * bytes_per_logit per token (SPEC section 8)", "temperature": cfg.temperature,
+        "byte_model": "3 * V * bytes_per_logit per token (docs/spec.md#performance)", "temperature": cfg.temperature,
         "reps": cfg.reps, "elapsed_s": time.perf_counter() - cfg.start,
         "config": {k: (str(v) if not isinstance(v, (int, float, bool, list)) else v) for k, v in asdict(cfg).items()},
         "rows": rows, "sweep": sweep_rows,

@@ -1,11 +1,11 @@
-"""GPU benchmark of the fused-linear path (SPEC section 8): full-vocabulary and support modes against the
+"""GPU benchmark of the fused-linear path (docs/spec.md#performance): full-vocabulary and support modes against the
 measured bf16 matmul rate, the materialised-logits way, Liger-Kernel's fused-linear GRPO loss and Cut
 Cross-Entropy (where they import).
 
 What is timed (forward + backward, median of ``--reps`` after ``--warmup``; CUDA events):
 
 * ``matmul``: ``torch.mm`` of ``[N, D] x [D, V]`` in the input dtype: the measured matmul rate (FLOP/s) that the
-  fused full mode is compared to (target: at least 65%, SPEC section 8).
+  fused full mode is compared to (target: at least 65%, docs/spec.md#performance).
 * ``fused_full[_filter]`` (Triton backend) and ``fused_full_torch`` (chunked torch backend, cuBLAS): the
   log-probabilities of the target and ``K`` head candidates over the whole vocabulary, gradients of ``hidden``
   and ``weight``. FLOP count ``8 N D V`` (forward ``2 N D V``, backward ``6 N D V`` with recompute).

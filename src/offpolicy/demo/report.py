@@ -1,7 +1,7 @@
 """Summaries, paired comparisons, files and figures of a demo run (a list of per-run result dicts of
 :func:`offpolicy.demo.train.run`).
 
-A *configuration* is an arm on a fleet with a weight format; its runs differ only in the seed, and every
+A *configuration* is an arm on a fleet with a weight format; its runs differ only in their random seed, and every
 configuration of one invocation uses the same seeds, so two configurations compare *paired*, seed by seed.
 
 Per run (:func:`summarize`): exact held-out success at the start, the end and its change; the collapse flags of the
