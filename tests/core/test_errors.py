@@ -270,3 +270,24 @@ def test_plus_inf_logit_on_a_trained_row_is_refused(batch):
     mask[4] = False
     out = _call(batch, logits=z, loss_mask=mask)
     assert torch.isfinite(out.loss) and all(bool(torch.isfinite(m).all()) for m in out.metrics.values())
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(score_centering="no"), "score_centering must be a bool"),
+        (dict(rejected_in_normalizer=0), "rejected_in_normalizer must be a bool"),
+        (dict(veto=True), "veto must be a number"),
+        (dict(opsm_delta="0.1"), "opsm_delta must be a number"),
+        (dict(max_log_ratio=True), "max_log_ratio must be a number"),
+        (dict(weights="mis", bounds=(True, 5.0)), "bounds must be a pair of numbers"),
+        (dict(weights="tis", bounds="2"), "bounds must be a pair of numbers"),
+        (dict(ppo_clip=0.2), "ppo_clip must be a pair of numbers"),
+        (dict(cispo=(0.0, "x")), "cispo must be a pair of numbers"),
+        (dict(weights=["mis"]), "weights must be a string"),
+    ],
+)
+def test_correction_options_of_the_wrong_type(kwargs, match):
+    """Bools and strings used to pass as numbers and flags (``score_centering="no"`` switched centering on)."""
+    with pytest.raises(TypeError, match=match):
+        op.Correction(**kwargs)

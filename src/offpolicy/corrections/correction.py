@@ -31,6 +31,7 @@ this class only checks that the fields name entries and combine.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from offpolicy.corrections import registry as reg
@@ -68,6 +69,10 @@ class KLRejection:
             raise ValueError(f"KLRejection.threshold must be a finite number, got {self.threshold!r}")
         if not reg.ESTIMATORS[self.estimator].signed and self.threshold < 0:
             raise ValueError(f"KLRejection.threshold must be >= 0 for {self.estimator}, got {self.threshold}")
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _finite_number(x) -> bool:
@@ -129,7 +134,6 @@ class Correction:
     opsm_delta: float | None = None
     batch_normalize: bool | str = False
     ppo_clip: tuple[float, float] | None = None
-    ppo_clip: tuple[float, float] | None = None
     max_log_ratio: float = 20.0
     dual_clip: float | None = None
     ppo_delta: float | None = None
@@ -140,6 +144,7 @@ class Correction:
     _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.weights not in reg.WEIGHT_MODES:
             raise ValueError(f"Correction.weights must be one of {tuple(reg.WEIGHT_MODES)}, got {self.weights!r}")
         if self.level not in reg.LEVELS:
@@ -185,6 +190,27 @@ class Correction:
                 raise ValueError(f"Correction.ppo_clip must be (eps_lo in [0, 1), eps_hi >= 0), got {self.ppo_clip}")
         if not (self.max_log_ratio > 0 and math.isfinite(self.max_log_ratio)):
             raise ValueError(f"Correction.max_log_ratio must be finite and > 0, got {self.max_log_ratio}")
+
+    def _check_types(self) -> None:
+        """Each field has its type (a string ``"no"`` is truthy, ``True`` is the number 1: neither may pass as a
+        flag or a number)."""
+        for name in ("weights", "level", "ppo_ratio"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Correction.{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("score_centering", "rejected_in_normalizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Correction.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("veto", "opsm_delta", "dual_clip", "ppo_delta", "max_log_ratio"):
+            val = getattr(self, name)
+            if not (val is None and name != "max_log_ratio") and not _real(val):
+                raise TypeError(f"Correction.{name} must be a number, got {val!r}")
+        for name in ("ppo_clip", "cispo", "bounds"):
+            val = getattr(self, name)
+            if val is None or (name == "bounds" and _real(val)):
+                continue
+            if not (isinstance(val, (tuple, list)) and len(val) == 2 and all(_real(x) for x in val)):
+                raise TypeError(f"Correction.{name} must be a pair of numbers{' or a number' * (name == 'bounds')}, "
+                                f"got {val!r}")
 
     def _check_surrogate_options(self) -> None:
         if self.ppo_ratio not in ("token", "gspo_token"):
