@@ -173,7 +173,8 @@ def test_bad_kl_rejection():
         (dict(temperature="1.0"), TypeError, "temperature must be a number"),
         (dict(validate="no"), TypeError, "validate must be a bool"),
         (dict(inplace_grad="no"), TypeError, "inplace_grad must be a bool"),
-        (dict(versions=torch.full((6,), 5), current_version=3), ValueError, "current_version=3 is older"),
+        (dict(versions=torch.tensor([1, 2, 2, 3, 5, 4]), current_version=3), ValueError,
+         "current_version=3 is older than the batch's newest version 5"),
         (dict(current_version=2.5), TypeError, "current_version must be an int"),
         (dict(vocab_start=4), ValueError, "vocab_start=4 needs tp_group"),
         (dict(loss_mask=torch.full((6,), 2)), ValueError, "loss_mask must be bool"),
@@ -213,6 +214,8 @@ def test_from_csr_refuses_float_ids_and_lists():
         op.Candidates.from_csr(torch.tensor([0, 1]), [0, 2], lp, "support")
     with pytest.raises(TypeError, match="logprobs must be a floating-point tensor"):
         op.Candidates.from_csr(torch.tensor([0, 1]), offsets, torch.tensor([0, 0]), "support")
+    with pytest.raises(ValueError, match="offsets must be non-decreasing"):  # ends at nnz, a row of length -1
+        op.Candidates.from_csr(torch.tensor([0, 1]), torch.tensor([0, 2, 1, 2]), lp, "support")
 
 
 def test_duplicate_id_zero_is_found():

@@ -210,3 +210,32 @@ def test_perplexities_saturate_instead_of_overflowing():
     big = torch.finfo(torch.float32).max
     assert float(out.metrics["ppl_trainer"]) == big and float(out.metrics["ppl_ratio"]) == big
     assert float(out.metrics["ppl_sampler"]) == pytest.approx(math.exp(0.5))
+
+
+def _two_sequences(log_r: list[float]):
+    """Four trained tokens in two sequences with the given log-ratios ``log p - lq`` (float64)."""
+    lq = torch.tensor([-1.5, -0.5, -1.0, -2.0], dtype=torch.float64)
+    lp = (lq + torch.tensor(log_r, dtype=torch.float64)).clamp(max=0.0)
+    return lp, lp - torch.tensor(log_r, dtype=torch.float64), torch.tensor([0, 0, 1, 1])
+
+
+def test_veto_drops_a_sequence_with_one_catastrophic_token():
+    """One token with ``r < veto`` drops its whole sequence even when another of its tokens has a large ratio."""
+    lp, lq, seq = _two_sequences([-10.0, 0.0, 0.1, -0.2])
+    lq[1] = lp[1] - 2.0  # the sequence's other token: r = e^2, far above the veto
+    adv = torch.tensor([1.0, 1.0, -1.0, 2.0], dtype=torch.float64)
+    out = op.policy_loss_from_logprobs(lp, lq, adv, correction=op.Correction(weights="tis", veto=1e-3), seq_ids=seq)
+    assert out.token_weight[:2].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(out.token_weight[2:], torch.exp(torch.tensor([0.1, -0.2], dtype=torch.float64)))
+
+
+def test_batch_normalize_averages_over_kept_tokens_only():
+    """``batch_normalize`` divides by the mean weight of the tokens that survive the sequence rejections: the
+    kept weights average to exactly 1 (the rejected sequence's zeros are not in the mean)."""
+    lp, lq, seq = _two_sequences([-10.0, 0.3, 0.1, -0.2])
+    adv = torch.tensor([1.0, 1.0, -1.0, 2.0], dtype=torch.float64)
+    corr = op.Correction(weights="tis", veto=1e-3, batch_normalize=True)
+    out = op.policy_loss_from_logprobs(lp, lq, adv, correction=corr, seq_ids=seq)
+    assert out.token_weight[:2].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(out.token_weight[2:].mean(), torch.tensor(1.0, dtype=torch.float64), rtol=1e-12,
+                               atol=1e-12)
