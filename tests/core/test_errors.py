@@ -294,3 +294,23 @@ def test_correction_options_of_the_wrong_type(kwargs, match):
     """Bools and strings used to pass as numbers and flags (``score_centering="no"`` switched centering on)."""
     with pytest.raises(TypeError, match=match):
         op.Correction(**kwargs)
+
+
+def test_max_log_ratio_that_overflows_fp32_is_refused():
+    """``max_log_ratio=100`` let fp32 ratios reach ``e^100 = inf`` (inf KL and chi2 metrics, a NaN MIS loss)."""
+    with pytest.raises(ValueError, match="max_log_ratio must be in \\(0, 40\\]"):
+        op.Correction(max_log_ratio=100.0)
+    z = torch.tensor([[10.0, -10.0], [0.0, 0.0]])
+    corr = op.Correction(weights="mis", bounds=(0.0, 1e40), max_log_ratio=40.0)
+    out = op.policy_loss(z, torch.tensor([0, 1]), torch.tensor([-90.0, -0.69]), torch.tensor([1.0, -1.0]),
+                         correction=corr)
+    assert torch.isfinite(out.loss) and all(bool(torch.isfinite(m).all()) for m in out.metrics.values())
+
+
+def test_nan_entropy_on_a_trained_token_is_refused():
+    lp, lq, adv = torch.tensor([-1.0, -1.0]), torch.tensor([-1.0, -0.7]), torch.tensor([1.0, -1.0])
+    with pytest.raises(ValueError, match="entropy: NaN or inf on trained token 0"):
+        op.policy_loss_from_logprobs(lp, lq, adv, entropy=torch.tensor([float("nan"), 1.0]))
+    out = op.policy_loss_from_logprobs(lp, lq, adv, entropy=torch.tensor([float("nan"), 1.0]),
+                                       loss_mask=torch.tensor([False, True]))
+    assert float(out.metrics["entropy"]) == 1.0

@@ -160,7 +160,7 @@ def _finite_and_equal(case: Case) -> None:
     bad = [k for k, m in out.metrics.items() if not bool(torch.isfinite(m).all())]
     assert not bad, f"non-finite metrics {bad} ({case.hostile})"
     if case.logits.dtype == torch.float64:
-        rtol, atol = 1e-9, 1e-11
+        rtol, atol = 1e-9, 1e-11 + _centering_slack(case)
     else:
         # fp32 log-probabilities are off by about 2**-23 * |z / tau| (the scaled logits' magnitude, not the
         # log-probability's), and the gradient by that over tau; score centering adds its tail conditioning.
@@ -174,10 +174,10 @@ def _finite_and_equal(case: Case) -> None:
 
 
 def _centering_slack(case: Case) -> float:
-    """What fp32 rounding of the log-probabilities may move the loss by through score centering's tail ratio.
+    """What rounding of the log-probabilities may move the loss by through score centering's tail ratio.
 
-    ``rho = (1 - Q_H) / (1 - P_H)`` divides by the trainer's tail mass; ``P_H``, a sum of ``K`` fp32 probabilities,
-    carries an absolute error of about ``K * 2**-23``, so ``rho`` (and ``alpha = rho f(1 / rho)``, and every
+    ``rho = (1 - Q_H) / (1 - P_H)`` divides by the trainer's tail mass; ``P_H``, a sum of ``K`` probabilities,
+    carries an absolute error of about ``K * eps`` (``2**-23`` in fp32, ``2**-52`` in float64), so ``rho`` (and ``alpha = rho f(1 / rho)``, and every
     coefficient ``c(v) = m(v) - alpha p(v)``) moves by ``rho * K * 2**-23 / (1 - P_H)`` relative: the condition
     number of the tail, not an error of the implementation (the float64 comparison pins the formula). The slack is
     that bound times ``max |A| * sum_v p(v) |log p(v)|`` per row (what a change of ``alpha`` moves the loss by),
@@ -195,7 +195,8 @@ def _centering_slack(case: Case) -> float:
     rho = tail_q / tail_p
     spread = (p * torch.where(valid, -lpc, torch.zeros_like(lpc))).sum(1) + 1.0
     hi = max(1.0, case.correction.upper if math.isfinite(case.correction.upper) else 1.0)
-    per_row = 4 * hi * torch.maximum(rho, torch.ones_like(rho)) * cands.width * 2.0**-23 / tail_p * spread
+    eps = torch.finfo(case.logits.dtype).eps / 2
+    per_row = 4 * hi * torch.maximum(rho, torch.ones_like(rho)) * cands.width * eps / tail_p * spread
     return float(case.adv.abs().max()) * float(per_row.max())
 
 
@@ -562,9 +563,7 @@ def test_correction_options(case, weights, name, value):
     except CLEAR_ERRORS as err:
         assert name in str(err), f"Correction({name}={value!r}): the error does not name it: {err}"
         return
-    prox = None
-    if corr.ppo_clip is not None:
-        prox = case.lq.clone()
+    prox = case.lq.clone() if corr.surrogate.needs_proximal else None
     if corr.score_centering and case.candidates is None:
         return  # refused by policy_loss naming candidates: test_policy_loss_broken_argument_is_named
     z_fast = case.logits.clone().requires_grad_()

@@ -37,6 +37,11 @@ from dataclasses import dataclass, field
 from offpolicy.corrections import registry as reg
 
 
+#: Largest accepted ``Correction.max_log_ratio``: ``exp(2 * 40) = 5.5e34`` (a squared ratio) is finite in fp32,
+#: whose largest value is about ``exp(88.7)``; beyond it fp32 weights, KL estimates and metrics overflow to inf.
+MAX_LOG_RATIO_LIMIT = 40.0
+
+
 @dataclass(frozen=True)
 class KLRejection:
     """Reject tokens or sequences whose KL estimate exceeds ``threshold`` (or, with ``threshold=(lo, hi)``, lies
@@ -122,7 +127,8 @@ class Correction:
         rejected_in_normalizer: keep rejected tokens in the aggregation's normaliser (default) or remove them.
         rejections: more rejection rules, each a :class:`KLRejection` or :class:`RatioRejection` with its own
             threshold and level, chained (a token or sequence is dropped if any rule drops it).
-        max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation.
+        max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation; at most
+            :data:`MAX_LOG_RATIO_LIMIT` (40) so that fp32 stays finite.
     """
 
     weights: str = "none"
@@ -188,8 +194,11 @@ class Correction:
             lo, hi = self.ppo_clip
             if not (0.0 <= lo < 1.0 and 0.0 <= hi and math.isfinite(hi)):
                 raise ValueError(f"Correction.ppo_clip must be (eps_lo in [0, 1), eps_hi >= 0), got {self.ppo_clip}")
-        if not (self.max_log_ratio > 0 and math.isfinite(self.max_log_ratio)):
-            raise ValueError(f"Correction.max_log_ratio must be finite and > 0, got {self.max_log_ratio}")
+        if not 0 < self.max_log_ratio <= MAX_LOG_RATIO_LIMIT:
+            raise ValueError(
+                f"Correction.max_log_ratio must be in (0, {MAX_LOG_RATIO_LIMIT:g}], got {self.max_log_ratio}: the "
+                "squared ratio exp(2 * max_log_ratio) (chi2 metric) must stay finite in fp32 (about exp(88.7))"
+            )
 
     def _check_types(self) -> None:
         """Each field has its type (a string ``"no"`` is truthy, ``True`` is the number 1: neither may pass as a

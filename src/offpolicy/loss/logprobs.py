@@ -247,6 +247,9 @@ def _validate(logprobs, candidates, cand_lp, entropy, data: TokenData, agg: Aggr
                          "<= 0: were logits passed?)")
     if entropy is not None:
         check_vector("entropy", entropy, n, device, "float")
+        if not bool(torch.isfinite(entropy[active]).all()):
+            row = int((~torch.isfinite(entropy) & active).nonzero()[0])
+            raise ValueError(f"entropy: NaN or inf on trained token {row}")
     check_candidates(candidates, None, n, device, active, None)
     if cand_lp is not None and candidates is None:
         raise ValueError("candidate_logprobs needs candidates (the sampler's record at the same ids)")
