@@ -1,7 +1,8 @@
 """Advantage estimators over groups of samples of the same prompt (docs/spec.md#family).
 
 All take ``rewards [B]`` and ``group_ids [B]`` (the prompt each sample answers; any integers) and return
-``[B]`` fp32 advantages. :func:`per_token` broadcasts them onto a flat token batch.
+``[B]`` advantages in the rewards' dtype, at least fp32 (float64 rewards keep float64; the group statistics are
+computed in float64 either way). :func:`per_token` broadcasts them onto a flat token batch.
 """
 
 from __future__ import annotations
@@ -11,12 +12,20 @@ from torch import Tensor
 
 
 def _group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
-        raise ValueError(
-            f"rewards and group_ids must both be [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
-        )
-    if not torch.isfinite(rewards).all():
-        raise ValueError("rewards must be finite")
+    if not isinstance(rewards, Tensor) or not rewards.is_floating_point():
+        raise TypeError(f"rewards must be a floating-point torch.Tensor [B], got {_describe(rewards)}")
+    if not isinstance(group_ids, Tensor) or group_ids.is_floating_point() or group_ids.is_complex() \
+            or group_ids.dtype == torch.bool:
+        raise TypeError(f"group_ids must be an integer torch.Tensor [B], got {_describe(group_ids)}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
+    if group_ids.shape != rewards.shape:
+        raise ValueError(f"group_ids must have the shape of rewards [B] = {tuple(rewards.shape)}, "
+                         f"got {tuple(group_ids.shape)}")
+    if group_ids.device != rewards.device:
+        raise ValueError(f"group_ids is on {group_ids.device}, rewards on {rewards.device}")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError(f"rewards must be finite; sample {int((~torch.isfinite(rewards)).nonzero()[0])} is not")
     _, idx = torch.unique(group_ids, return_inverse=True)
     n_groups = int(idx.max()) + 1 if idx.numel() else 0
     r = rewards.to(torch.float64)
@@ -24,6 +33,14 @@ def _group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Te
     total = torch.zeros_like(count).index_add_(0, idx, r)
     sq = torch.zeros_like(count).index_add_(0, idx, r * r)
     return idx, count, torch.stack([total, sq])
+
+
+def _describe(x) -> str:
+    return f"a {x.dtype} tensor" if isinstance(x, Tensor) else type(x).__name__
+
+
+def _out_dtype(rewards: Tensor) -> torch.dtype:
+    return torch.promote_types(rewards.dtype, torch.float32)
 
 
 def grpo(rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
@@ -37,7 +54,7 @@ def grpo(rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: fl
     if normalize_std:
         var = (sq / count - mean * mean).clamp_min(0)
         adv = adv / (var.sqrt()[idx] + eps)
-    return adv.to(torch.float32)
+    return adv.to(_out_dtype(rewards))
 
 
 def dr_grpo(rewards: Tensor, group_ids: Tensor) -> Tensor:
@@ -52,7 +69,7 @@ def rloo(rewards: Tensor, group_ids: Tensor) -> Tensor:
     r = rewards.to(torch.float64)
     n = count[idx]
     others = torch.where(n > 1, (total[idx] - r) / (n - 1).clamp_min(1), r)
-    return (r - others).to(torch.float32)
+    return (r - others).to(_out_dtype(rewards))
 
 
 def per_token(sample_advantages: Tensor, seq_ids: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ enumerates those entries. Gradients come from autograd through it. Use it on sma
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import Tensor
@@ -21,6 +22,11 @@ from offpolicy.corrections.correction import Correction
 TAIL_EPS = 1e-6
 EXTREME = (0.2, 5.0)
 
+
+
+def _saturating_exp(x: float) -> float:
+    """``exp(x)`` saturating at the largest float64 (the fast path's perplexities saturate likewise)."""
+    return math.exp(min(x, math.log(sys.float_info.max)))
 
 def log_probs(logits: Tensor, temperature: float | Tensor = 1.0, support: Tensor | None = None) -> Tensor:
     """``[N, V]`` float64 ``log p`` of ``softmax(z / tau)``, or of ``p^S`` (renormalised over ``support``,
@@ -352,9 +358,9 @@ def _token_metrics(st: dict, sel: Tensor, corr: Correction) -> dict[str, float]:
         "weight_std": math.sqrt(_mean([(x - mean_w) ** 2 for x in w])),
         "weight_before_bound_mean": _mean([min(max(x, math.exp(-corr.max_log_ratio)), math.exp(corr.max_log_ratio))
                                            for x in b]),
-        "ppl_trainer": math.exp(neg_logp),
-        "ppl_sampler": math.exp(neg_lq),
-        "ppl_ratio": math.exp(neg_logp) / math.exp(neg_lq),
+        "ppl_trainer": _saturating_exp(neg_logp),
+        "ppl_sampler": _saturating_exp(neg_lq),
+        "ppl_ratio": _saturating_exp(neg_logp - neg_lq),
     }
     if corr.veto is not None:
         extra["veto_catastrophic_frac"] = _mean([float(float(st["r"][t]) < corr.veto) for t in rows])

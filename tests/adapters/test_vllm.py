@@ -371,3 +371,14 @@ def test_captured_live_responses():
     # the same response read as raw log-probs at T = 0.8 is refused
     with pytest.raises(RecordError, match="raw_logprobs returns log-probs before temperature"):
         vllm.parse_generate_response(resp, req, logprobs_mode="raw_logprobs")
+
+
+def test_sampled_logprob_disagreeing_with_its_top_entry_is_refused():
+    """A response whose sampled log-prob and the same token's top-K entry differ by 0.01 is inconsistent."""
+    req, resp = load("vllm_generate_head_request.json"), load("vllm_generate_head_response.json")
+    first = resp["choices"][0]["logprobs"]["content"][0]
+    sampled = first["token"]
+    entry = next(e for e in first["top_logprobs"] if e["token"] == sampled)
+    entry["logprob"] = first["logprob"] - 0.01
+    with pytest.raises(RecordError, match="token 0: the sampled log-prob and its top entry differ"):
+        vllm.parse_generate_response(resp, req, vocab_size=fake.V)

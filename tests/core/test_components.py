@@ -46,7 +46,7 @@ def test_advantages():
     assert torch.equal(op.advantages.per_token(a, torch.tensor([0, 0, 2])), a[[0, 0, 2]])
     with pytest.raises(ValueError, match="finite"):
         op.advantages.grpo(torch.tensor([float("nan")]), torch.tensor([0]))
-    with pytest.raises(ValueError, match="must both be \\[B\\]"):
+    with pytest.raises(ValueError, match="group_ids must have the shape of rewards \\[B\\]"):
         op.advantages.rloo(r, g[:3])
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -50,7 +52,7 @@ def _call(batch, **over):
         (dict(correction=op.Correction(weights="mis", ppo_clip=(0.2, 0.2))), "proximal_logprobs go together"),
         (dict(correction="mis"), "correction must be an offpolicy.Correction"),
         (dict(candidates=(1, 2)), "candidates must be an offpolicy.Candidates"),
-        (dict(num_loss_tokens=0), "num_loss_tokens must be > 0"),
+        (dict(num_loss_tokens=0), "num_loss_tokens must be finite and > 0"),
         (dict(seq_ids=torch.zeros(6)), "seq_ids must be an integer"),
         (dict(groups=torch.zeros(3, dtype=torch.long)), "groups must have shape"),
         (dict(hidden=torch.randn(6, 4), weight=torch.randn(20, 4)), "either logits, or hidden and weight"),
@@ -66,7 +68,7 @@ def test_bad_input(batch, over, match):
 def test_nan_logits_on_trained_token(batch):
     z = batch[0].clone()
     z[2, 5] = float("nan")
-    with pytest.raises(ValueError, match="logits: NaN in row 2"):
+    with pytest.raises(ValueError, match="logits: NaN or \\+inf in row 2"):
         _call(batch, logits=z)
     mask = torch.ones(6, dtype=torch.bool)
     mask[2] = False
@@ -151,3 +153,164 @@ def test_bad_kl_rejection():
         op.KLRejection(0.1, "k3", "batch")
     with pytest.raises(ValueError, match="finite"):
         op.KLRejection(float("nan"))
+
+
+# Issue 17 regressions: each case passed silently (or raised an unnamed error) before.
+@pytest.mark.parametrize(
+    "over,err,match",
+    [
+        (dict(num_loss_tokens=float("inf")), ValueError, "num_loss_tokens must be finite and > 0"),
+        (dict(aggregation="seq_mean_token_mean", seq_ids=torch.zeros(6, dtype=torch.long),
+              num_sequences=float("inf")), ValueError, "num_sequences must be finite and > 0"),
+        (dict(aggregation="seq_mean_token_mean", seq_ids=torch.zeros(6, dtype=torch.long), num_sequences=0),
+         ValueError, "num_sequences must be finite and > 0"),
+        (dict(aggregation="constant", constant_normalizer=float("inf")), ValueError,
+         "constant_normalizer must be finite and > 0"),
+        (dict(aggregation="constant", constant_normalizer=0.0), ValueError, "constant_normalizer must be finite"),
+        (dict(aggregation="constant", constant_normalizer="3"), TypeError, "constant_normalizer must be a number"),
+        (dict(num_loss_tokens=True), TypeError, "num_loss_tokens must be a number"),
+        (dict(temperature=True), TypeError, "temperature must be a number"),
+        (dict(temperature="1.0"), TypeError, "temperature must be a number"),
+        (dict(validate="no"), TypeError, "validate must be a bool"),
+        (dict(inplace_grad="no"), TypeError, "inplace_grad must be a bool"),
+        (dict(versions=torch.tensor([1, 2, 2, 3, 5, 4]), current_version=3), ValueError,
+         "current_version=3 is older than the batch's newest version 5"),
+        (dict(current_version=2.5), TypeError, "current_version must be an int"),
+        (dict(vocab_start=4), ValueError, "vocab_start=4 needs tp_group"),
+        (dict(loss_mask=torch.full((6,), 2)), ValueError, "loss_mask must be bool"),
+        (dict(correction=op.Correction(weights="tis", ppo_clip=(0.2, 0.2)),
+              proximal_logprobs=torch.full((6,), 0.5)), ValueError, "proximal_logprobs: value 0.5 > 0"),
+    ],
+)
+def test_broken_options_are_named(batch, over, err, match):
+    with pytest.raises(err, match=match):
+        _call(batch, **over)
+
+
+def test_logits_of_one_column_or_no_rows_need_no_unit_stride():
+    """V = 1 (or N = 0) logits are contiguous whatever their vocabulary stride says."""
+    z = torch.randn(1, 4)[:, :1].expand(3, 1).clone().as_strided((3, 1), (1, 3))
+    assert z.stride(1) != 1
+    y, lq, adv = torch.zeros(3, dtype=torch.long), torch.zeros(3), torch.randn(3)
+    assert torch.isfinite(op.policy_loss(z, y, lq, adv).loss)
+    empty = torch.zeros(0, 5).as_strided((0, 5), (1, 7))
+    out = op.policy_loss(empty, torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0))
+    assert out.loss.item() == 0.0
+
+
+def test_numpy_temperature_is_accepted(batch):
+    np = pytest.importorskip("numpy")
+    want = _call(batch, temperature=0.7).loss
+    torch.testing.assert_close(_call(batch, temperature=np.float32(0.7)).loss, want, rtol=1e-6, atol=1e-6)
+
+
+def test_from_csr_refuses_float_ids_and_lists():
+    offsets, lp = torch.tensor([0, 2]), torch.tensor([-0.7, -0.7])
+    with pytest.raises(TypeError, match="ids must be an integer tensor"):
+        op.Candidates.from_csr(torch.tensor([0.5, 1.5]), offsets, lp, "support")
+    with pytest.raises(TypeError, match="ids must be a torch.Tensor"):
+        op.Candidates.from_csr([0, 1], offsets, lp, "support")
+    with pytest.raises(TypeError, match="offsets must be a torch.Tensor"):
+        op.Candidates.from_csr(torch.tensor([0, 1]), [0, 2], lp, "support")
+    with pytest.raises(TypeError, match="logprobs must be a floating-point tensor"):
+        op.Candidates.from_csr(torch.tensor([0, 1]), offsets, torch.tensor([0, 0]), "support")
+    with pytest.raises(ValueError, match="offsets must be non-decreasing"):  # ends at nnz, a row of length -1
+        op.Candidates.from_csr(torch.tensor([0, 1]), torch.tensor([0, 2, 1, 2]), lp, "support")
+
+
+def test_duplicate_id_zero_is_found():
+    cands = op.Candidates(torch.tensor([[0, 0, -1]]), torch.tensor([[-1.0, -2.0, float("-inf")]]), "head")
+    with pytest.raises(ValueError, match="duplicate id within row 0"):
+        cands.validate(20, 1)
+
+
+def test_bf16_renormalised_support_passes_the_sum_check():
+    """A support row renormalised in fp32 and shipped in bf16 sums to one only within bf16's rounding."""
+    gen = torch.Generator().manual_seed(10)
+    k = 8
+    lp32 = torch.log_softmax(torch.randn(1, k, generator=gen), dim=1)
+    lp16 = lp32.to(torch.bfloat16)
+    assert abs(float(lp16.double().exp().sum()) - 1.0) > 1e-3  # the old fixed tolerance refused it
+    ids = torch.arange(k)[None]
+    op.Candidates(ids, lp16, "support").validate(k, 1, torch.zeros(1, dtype=torch.long))
+    unnormalised = (lp32 + math.log(0.9)).to(torch.bfloat16)  # a top-p = 0.9 record that was not renormalised
+    with pytest.raises(ValueError, match="must sum to 1"):
+        op.Candidates(ids, unnormalised, "support").validate(k, 1, torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("fn", ["grpo", "rloo", "dr_grpo"])
+@pytest.mark.parametrize(
+    "rewards,groups,err,match",
+    [
+        ([0.1, 0.2], torch.tensor([0, 0]), TypeError, "rewards must be a floating-point torch.Tensor"),
+        (torch.tensor([0.1, 0.2]), torch.tensor([0.0, 0.0]), TypeError, "group_ids must be an integer"),
+        (torch.tensor([0.1, 0.2]), torch.tensor([0]), ValueError, "group_ids must have the shape of rewards"),
+        (torch.tensor([0.1, float("nan")]), torch.tensor([0, 0]), ValueError, "rewards must be finite; sample 1"),
+    ],
+)
+def test_advantages_broken_inputs(fn, rewards, groups, err, match):
+    from offpolicy import advantages
+
+    with pytest.raises(err, match=match):
+        getattr(advantages, fn)(rewards, groups)
+
+
+def test_advantages_keep_float64():
+    from offpolicy import advantages
+
+    r = torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64)
+    out = advantages.dr_grpo(r, torch.zeros(3, dtype=torch.long))
+    assert out.dtype == torch.float64 and abs(float(out.sum())) < 1e-15
+
+
+def test_plus_inf_logit_on_a_trained_row_is_refused(batch):
+    """``+inf`` makes the row's softmax ``inf / inf``: refused on a trained row, ignored on an untrained one."""
+    z = batch[0].clone()
+    z[4, 7] = float("inf")
+    with pytest.raises(ValueError, match="logits: NaN or \\+inf in row 4"):
+        _call(batch, logits=z)
+    mask = torch.ones(6, dtype=torch.bool)
+    mask[4] = False
+    out = _call(batch, logits=z, loss_mask=mask)
+    assert torch.isfinite(out.loss) and all(bool(torch.isfinite(m).all()) for m in out.metrics.values())
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(score_centering="no"), "score_centering must be a bool"),
+        (dict(rejected_in_normalizer=0), "rejected_in_normalizer must be a bool"),
+        (dict(veto=True), "veto must be a number"),
+        (dict(opsm_delta="0.1"), "opsm_delta must be a number"),
+        (dict(max_log_ratio=True), "max_log_ratio must be a number"),
+        (dict(weights="mis", bounds=(True, 5.0)), "bounds must be a pair of numbers"),
+        (dict(weights="tis", bounds="2"), "bounds must be a pair of numbers"),
+        (dict(ppo_clip=0.2), "ppo_clip must be a pair of numbers"),
+        (dict(cispo=(0.0, "x")), "cispo must be a pair of numbers"),
+        (dict(weights=["mis"]), "weights must be a string"),
+    ],
+)
+def test_correction_options_of_the_wrong_type(kwargs, match):
+    """Bools and strings used to pass as numbers and flags (``score_centering="no"`` switched centering on)."""
+    with pytest.raises(TypeError, match=match):
+        op.Correction(**kwargs)
+
+
+def test_max_log_ratio_that_overflows_fp32_is_refused():
+    """``max_log_ratio=100`` let fp32 ratios reach ``e^100 = inf`` (inf KL and chi2 metrics, a NaN MIS loss)."""
+    with pytest.raises(ValueError, match="max_log_ratio must be in \\(0, 40\\]"):
+        op.Correction(max_log_ratio=100.0)
+    z = torch.tensor([[10.0, -10.0], [0.0, 0.0]])
+    corr = op.Correction(weights="mis", bounds=(0.0, 1e40), max_log_ratio=40.0)
+    out = op.policy_loss(z, torch.tensor([0, 1]), torch.tensor([-90.0, -0.69]), torch.tensor([1.0, -1.0]),
+                         correction=corr)
+    assert torch.isfinite(out.loss) and all(bool(torch.isfinite(m).all()) for m in out.metrics.values())
+
+
+def test_nan_entropy_on_a_trained_token_is_refused():
+    lp, lq, adv = torch.tensor([-1.0, -1.0]), torch.tensor([-1.0, -0.7]), torch.tensor([1.0, -1.0])
+    with pytest.raises(ValueError, match="entropy: NaN or inf on trained token 0"):
+        op.policy_loss_from_logprobs(lp, lq, adv, entropy=torch.tensor([float("nan"), 1.0]))
+    out = op.policy_loss_from_logprobs(lp, lq, adv, entropy=torch.tensor([float("nan"), 1.0]),
+                                       loss_mask=torch.tensor([False, True]))
+    assert float(out.metrics["entropy"]) == 1.0

@@ -154,3 +154,88 @@ def test_every_metric_key_matches_the_reference(corr, kind):
     assert set(out.metrics) == set(ref)
     for key, val in ref.items():
         assert math.isclose(float(out.metrics[key]), val, rel_tol=1e-10, abs_tol=1e-12), key
+
+
+# Issue 17 item 4: extreme inputs on trained rows give a defined finite result (docs/errors.md).
+@pytest.mark.parametrize("corr", [op.Correction(), op.Correction(weights="tis"), op.Correction(weights="mis")])
+@pytest.mark.parametrize("what", ["minus_inf_at_token", "all_minus_inf_row"])
+def test_extreme_logits_on_a_trained_row_are_finite_and_zero_weighted(corr, what):
+    """A trained row whose sampled token gets probability 0 (a ``-inf`` logit there, or a row of ``-inf``)
+    contributes exactly 0 and gets a zero gradient; the other rows are as without it. (A ``+inf`` logit on a
+    trained row is refused: tests/core/test_errors.py.)"""
+    z, y, lq, _ = make_batch(4, 9, 0, None, seed=3, empty_row=None)
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
+    bad = z.clone()
+    if what == "minus_inf_at_token":
+        bad[1, int(y[1])] = -math.inf
+    else:
+        bad[1] = -math.inf
+    zz = bad.clone().requires_grad_()
+    out = op.policy_loss(zz, y, lq, adv, correction=corr)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and bool(torch.isfinite(zz.grad).all())
+    assert bool((zz.grad[1] == 0).all())
+    assert all(bool(torch.isfinite(m).all()) for m in out.metrics.values())
+    assert float(out.metrics["zero_prob_frac"]) == 0.25
+    keep = torch.tensor([True, False, True, True])
+    z2 = z.clone().requires_grad_()
+    alone = op.policy_loss(z2, y, lq, adv, loss_mask=keep, correction=corr, num_loss_tokens=4)
+    alone.loss.backward()
+    torch.testing.assert_close(out.loss, alone.loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(zz.grad[keep], z2.grad[keep], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("weights", ["none", "tis", "mis"])
+def test_minus_inf_logprob_with_mixed_advantages_is_finite(weights):
+    """``policy_loss_from_logprobs`` on a ``-inf`` log-probability: that token contributes 0 whatever the sign of
+    its advantage (no ``-A * inf``), the others are unchanged."""
+    lp = torch.tensor([-math.inf, -1.0, -0.5], dtype=torch.float64, requires_grad=True)
+    lq = torch.tensor([-1.0, -1.2, -0.4], dtype=torch.float64)
+    for adv in (torch.tensor([1.0, -1.0, 2.0]), torch.tensor([-1.0, 1.0, -2.0])):
+        adv = adv.double()
+        lp.grad = None
+        out = op.policy_loss_from_logprobs(lp, lq, adv, correction=op.Correction(weights=weights))
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and bool(torch.isfinite(lp.grad).all()) and float(lp.grad[0]) == 0.0
+        lp2 = lp.detach()[1:].clone().requires_grad_()
+        rest = op.policy_loss_from_logprobs(lp2, lq[1:], adv[1:], correction=op.Correction(weights=weights),
+                                            num_loss_tokens=3)
+        torch.testing.assert_close(out.loss, rest.loss, rtol=1e-12, atol=1e-12)
+
+
+def test_perplexities_saturate_instead_of_overflowing():
+    """fp32 logits of 1e3 give ``mean -log p`` near 1e3: the perplexity saturates at fp32's largest value."""
+    z = torch.tensor([[770.0, -146.0]])
+    out = op.policy_loss(z, torch.tensor([1]), torch.tensor([-0.5]), torch.tensor([1.0]))
+    big = torch.finfo(torch.float32).max
+    assert float(out.metrics["ppl_trainer"]) == big and float(out.metrics["ppl_ratio"]) == big
+    assert float(out.metrics["ppl_sampler"]) == pytest.approx(math.exp(0.5))
+
+
+def _two_sequences(log_r: list[float]):
+    """Four trained tokens in two sequences with the given log-ratios ``log p - lq`` (float64)."""
+    lq = torch.tensor([-1.5, -0.5, -1.0, -2.0], dtype=torch.float64)
+    lp = (lq + torch.tensor(log_r, dtype=torch.float64)).clamp(max=0.0)
+    return lp, lp - torch.tensor(log_r, dtype=torch.float64), torch.tensor([0, 0, 1, 1])
+
+
+def test_veto_drops_a_sequence_with_one_catastrophic_token():
+    """One token with ``r < veto`` drops its whole sequence even when another of its tokens has a large ratio."""
+    lp, lq, seq = _two_sequences([-10.0, 0.0, 0.1, -0.2])
+    lq[1] = lp[1] - 2.0  # the sequence's other token: r = e^2, far above the veto
+    adv = torch.tensor([1.0, 1.0, -1.0, 2.0], dtype=torch.float64)
+    out = op.policy_loss_from_logprobs(lp, lq, adv, correction=op.Correction(weights="tis", veto=1e-3), seq_ids=seq)
+    assert out.token_weight[:2].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(out.token_weight[2:], torch.exp(torch.tensor([0.1, -0.2], dtype=torch.float64)))
+
+
+def test_batch_normalize_averages_over_kept_tokens_only():
+    """``batch_normalize`` divides by the mean weight of the tokens that survive the sequence rejections: the
+    kept weights average to exactly 1 (the rejected sequence's zeros are not in the mean)."""
+    lp, lq, seq = _two_sequences([-10.0, 0.3, 0.1, -0.2])
+    adv = torch.tensor([1.0, 1.0, -1.0, 2.0], dtype=torch.float64)
+    corr = op.Correction(weights="tis", veto=1e-3, batch_normalize=True)
+    out = op.policy_loss_from_logprobs(lp, lq, adv, correction=corr, seq_ids=seq)
+    assert out.token_weight[:2].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(out.token_weight[2:].mean(), torch.tensor(1.0, dtype=torch.float64), rtol=1e-12,
+                               atol=1e-12)

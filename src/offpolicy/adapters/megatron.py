@@ -172,6 +172,12 @@ def _rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def _world(group) -> int:
+    import torch.distributed as dist
+
+    return 1 if group is None else dist.get_world_size(group)
+
+
 def make_loss_func(
     batch: Mapping[str, Tensor],
     *,
@@ -255,6 +261,12 @@ def make_loss_func(
         if tuple(x.shape[:2]) != (b, s) or x.dim() != (3 if per_candidate else 2):
             raise ValueError(f"batch[{key!r}] must be {'[b, s, K]' if per_candidate else '[b, s]'} with "
                              f"[b, s] = [{b}, {s}] (the labels' shape), got {tuple(x.shape)}")
+    mask_in = batch["loss_mask"]
+    if mask_in.dtype != torch.bool and bool(((mask_in != 0) & (mask_in != 1)).any()):
+        raise ValueError("batch['loss_mask'] must be bool (or hold only 0 and 1); a 2 is not 'trained'")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                   or vocab_size <= 0):
+        raise ValueError(f"vocab_size must be an int > 0 (the real vocabulary), got {vocab_size!r}")
     if ("candidate_ids" in batch) != ("candidate_logprobs" in batch):
         raise ValueError("batch['candidate_ids'] and batch['candidate_logprobs'] go together")
     if aggregation != "token_mean" and "seq_ids" not in batch:
@@ -274,6 +286,9 @@ def make_loss_func(
         logits, order = _flatten_logits(output_tensor, b, s, logits_layout)
         v_local = logits.shape[1]
         start = _rank(tp_group) * v_local
+        if vocab_size is not None and vocab_size > _world(tp_group) * v_local:
+            raise ValueError(f"vocab_size={vocab_size} is wider than the logits: {_world(tp_group)} vocabulary "
+                             f"shard(s) of {v_local} columns hold {_world(tp_group) * v_local}")
         if vocab_size is not None:
             real = max(0, min(v_local, vocab_size - start))  # a rank may hold padding only (zero real columns)
             if real < v_local:

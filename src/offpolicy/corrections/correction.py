@@ -31,9 +31,15 @@ this class only checks that the fields name entries and combine.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from offpolicy.corrections import registry as reg
+
+
+#: Largest accepted ``Correction.max_log_ratio``: ``exp(2 * 40) = 5.5e34`` (a squared ratio) is finite in fp32,
+#: whose largest value is about ``exp(88.7)``; beyond it fp32 weights, KL estimates and metrics overflow to inf.
+MAX_LOG_RATIO_LIMIT = 40.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,10 @@ class KLRejection:
             raise ValueError(f"KLRejection.threshold must be a finite number, got {self.threshold!r}")
         if not reg.ESTIMATORS[self.estimator].signed and self.threshold < 0:
             raise ValueError(f"KLRejection.threshold must be >= 0 for {self.estimator}, got {self.threshold}")
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _finite_number(x) -> bool:
@@ -117,7 +127,8 @@ class Correction:
         rejected_in_normalizer: keep rejected tokens in the aggregation's normaliser (default) or remove them.
         rejections: more rejection rules, each a :class:`KLRejection` or :class:`RatioRejection` with its own
             threshold and level, chained (a token or sequence is dropped if any rule drops it).
-        max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation.
+        max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation; at most
+            :data:`MAX_LOG_RATIO_LIMIT` (40) so that fp32 stays finite.
     """
 
     weights: str = "none"
@@ -129,7 +140,6 @@ class Correction:
     opsm_delta: float | None = None
     batch_normalize: bool | str = False
     ppo_clip: tuple[float, float] | None = None
-    ppo_clip: tuple[float, float] | None = None
     max_log_ratio: float = 20.0
     dual_clip: float | None = None
     ppo_delta: float | None = None
@@ -140,6 +150,7 @@ class Correction:
     _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.weights not in reg.WEIGHT_MODES:
             raise ValueError(f"Correction.weights must be one of {tuple(reg.WEIGHT_MODES)}, got {self.weights!r}")
         if self.level not in reg.LEVELS:
@@ -183,8 +194,32 @@ class Correction:
             lo, hi = self.ppo_clip
             if not (0.0 <= lo < 1.0 and 0.0 <= hi and math.isfinite(hi)):
                 raise ValueError(f"Correction.ppo_clip must be (eps_lo in [0, 1), eps_hi >= 0), got {self.ppo_clip}")
-        if not (self.max_log_ratio > 0 and math.isfinite(self.max_log_ratio)):
-            raise ValueError(f"Correction.max_log_ratio must be finite and > 0, got {self.max_log_ratio}")
+        if not 0 < self.max_log_ratio <= MAX_LOG_RATIO_LIMIT:
+            raise ValueError(
+                f"Correction.max_log_ratio must be in (0, {MAX_LOG_RATIO_LIMIT:g}], got {self.max_log_ratio}: the "
+                "squared ratio exp(2 * max_log_ratio) (chi2 metric) must stay finite in fp32 (about exp(88.7))"
+            )
+
+    def _check_types(self) -> None:
+        """Each field has its type (a string ``"no"`` is truthy, ``True`` is the number 1: neither may pass as a
+        flag or a number)."""
+        for name in ("weights", "level", "ppo_ratio"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Correction.{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("score_centering", "rejected_in_normalizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Correction.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("veto", "opsm_delta", "dual_clip", "ppo_delta", "max_log_ratio"):
+            val = getattr(self, name)
+            if not (val is None and name != "max_log_ratio") and not _real(val):
+                raise TypeError(f"Correction.{name} must be a number, got {val!r}")
+        for name in ("ppo_clip", "cispo", "bounds"):
+            val = getattr(self, name)
+            if val is None or (name == "bounds" and _real(val)):
+                continue
+            if not (isinstance(val, (tuple, list)) and len(val) == 2 and all(_real(x) for x in val)):
+                raise TypeError(f"Correction.{name} must be a pair of numbers{' or a number' * (name == 'bounds')}, "
+                                f"got {val!r}")
 
     def _check_surrogate_options(self) -> None:
         if self.ppo_ratio not in ("token", "gspo_token"):

@@ -7,6 +7,7 @@ aggregation, metrics; the formula is in :mod:`offpolicy.loss.logprobs`).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from offpolicy.parallel.dtensor import vocab_shard_of
 from offpolicy.loss.inputs import Aggregation, Parallelism, TokenData
 from offpolicy.loss.logprobs import PolicyLossOutput, loss_from_logprobs
 from offpolicy.ops import SparseLogSoftmax, VocabShard, sparse_log_softmax
-from offpolicy.loss.validation import check_batch, check_candidates, check_vector
+from offpolicy.loss.validation import check_batch, check_candidates, check_flag, check_vector
 
 
 def policy_loss(
@@ -92,6 +93,8 @@ def policy_loss(
     Returns:
         :class:`PolicyLossOutput`.
     """
+    check_flag("validate", validate)
+    check_flag("inplace_grad", inplace_grad)
     check = validate and not torch.compiler.is_compiling()
     logits, tp_group, vocab_start = vocab_shard_of(logits, tp_group, vocab_start)
     model = ModelInputs(logits, hidden, weight, bias)
@@ -109,9 +112,13 @@ def policy_loss(
     shard = VocabShard(tp_group, vocab_start) if tp_group is not None else None
 
     lp = _log_probs(model, tokens, cand_ids, temperature, support, ~active, shard, inplace_grad, backend)
-    if check and bool(torch.isnan(lp.target[active]).any()):
-        row = int((torch.isnan(lp.target) & active).nonzero()[0])
-        raise ValueError(f"logits: NaN in row {row}, a trained token (loss_mask is True there)")
+    if check:
+        # A NaN logit makes the row's log-probabilities NaN; a +inf one makes its normaliser inf - inf (NaN
+        # entropy, NaN gradient): neither is a distribution, so a trained row holding one is refused.
+        broken = (torch.isnan(lp.target) | torch.isnan(lp.entropy)) & active
+        if bool(broken.any()):
+            row = int(broken.nonzero()[0])
+            raise ValueError(f"logits: NaN or +inf in row {row}, a trained token (loss_mask is True there)")
 
     return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data, agg, correction, cp_group)
 
@@ -187,11 +194,18 @@ def _validate(model: ModelInputs, tokens, temperature, candidates, data: TokenDa
             raise ValueError(f"logits must be a [N, V] tensor, got {getattr(logits, 'shape', type(logits))}")
         if not logits.is_floating_point():
             raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
-        if logits.shape[1] > 0 and logits.stride(1) != 1:
+        # The stride only matters when a row holds two or more entries to address (V = 1 or N = 0 logits of
+        # any stride are contiguous).
+        if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
             raise ValueError("logits must have unit stride along the vocabulary (call .contiguous())")
         n, v, device = logits.shape[0], logits.shape[1], logits.device
     if tokens is None:
         raise ValueError("tokens, sampler_logprobs and advantages are required")
+    if isinstance(par.vocab_start, bool) or not isinstance(par.vocab_start, numbers.Integral):
+        raise TypeError(f"vocab_start must be an int, got {type(par.vocab_start).__name__} {par.vocab_start!r}")
+    if par.tp_group is None and par.vocab_start != 0:
+        raise ValueError(f"vocab_start={par.vocab_start} needs tp_group (the group the vocabulary is split over); "
+                         "without it the logits hold the whole vocabulary, starting at 0")
     check_vector("tokens", tokens, n, device, "int")
     vocab = v if par.tp_group is None else _global_vocab(par.tp_group, par.vocab_start, v, n, device)
     if n and bool((tokens < 0).any()):
@@ -204,6 +218,9 @@ def _validate(model: ModelInputs, tokens, temperature, candidates, data: TokenDa
             raise ValueError(f"temperature must be a float or a [N] = [{n}] tensor, got {tuple(temperature.shape)}")
         if not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
             raise ValueError("temperature must be finite and > 0")
-    elif not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
+    elif isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number or a [N] tensor, got {type(temperature).__name__} "
+                        f"{temperature!r}")
+    elif not 0 < float(temperature) < float("inf"):
         raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
     check_candidates(candidates, vocab, n, device, active, tokens)

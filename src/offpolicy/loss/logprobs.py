@@ -28,7 +28,7 @@ from offpolicy.corrections.correction import Correction
 from offpolicy.loss.metrics import TokenView, policy_metrics, token_view
 from offpolicy.loss.segments import Segments
 from offpolicy.loss.inputs import Aggregation, TokenData
-from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_vector
+from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_flag, check_vector
 from offpolicy.corrections.registry import WEIGHT_MODES, normalisation_of
 from offpolicy.corrections.weights import (bounded_log_ratio, inside_bounds, sequence_drops, sequence_keep,
                                            token_rejected, token_weight)
@@ -107,6 +107,7 @@ def policy_loss_from_logprobs(
     data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
                      current_version)
     agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
+    check_flag("validate", validate)
     if validate and not torch.compiler.is_compiling():
         _validate(logprobs, candidates, candidate_logprobs, entropy, data, agg, correction)
     return loss_from_logprobs(logprobs, candidates, candidate_logprobs, entropy, data, agg, correction, cp_group)
@@ -246,6 +247,9 @@ def _validate(logprobs, candidates, cand_lp, entropy, data: TokenData, agg: Aggr
                          "<= 0: were logits passed?)")
     if entropy is not None:
         check_vector("entropy", entropy, n, device, "float")
+        if not bool(torch.isfinite(entropy[active]).all()):
+            row = int((~torch.isfinite(entropy) & active).nonzero()[0])
+            raise ValueError(f"entropy: NaN or inf on trained token {row}")
     check_candidates(candidates, None, n, device, active, None)
     if cand_lp is not None and candidates is None:
         raise ValueError("candidate_logprobs needs candidates (the sampler's record at the same ids)")

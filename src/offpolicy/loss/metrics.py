@@ -44,6 +44,12 @@ from offpolicy.corrections.weights import kl_estimate, log_bound
 EXTREME_RATIO = (0.2, 5.0)
 
 
+
+def saturating_exp(x: Tensor) -> Tensor:
+    """``exp(x)`` saturating at the dtype's largest finite value instead of overflowing to ``inf`` (a perplexity
+    of a token the trainer gives probability ``e^-1000`` is reported as ``finfo.max``, not ``inf``)."""
+    return torch.exp(x).clamp(max=torch.finfo(x.dtype).max)
+
 def _mean(x: Tensor, sel: Tensor) -> Tensor:
     n = sel.sum()
     return torch.where(sel, x, torch.zeros_like(x)).sum() / n.clamp_min(1)
@@ -117,9 +123,9 @@ def token_stats(v: TokenView, sel: Tensor, corr: Correction) -> dict[str, Tensor
         # Two passes (mean, then the mean squared deviation): E[w^2] - E[w]^2 cancels to noise for equal weights.
         "weight_std": _mean((w - mean_w).square(), sel).sqrt(),
         "weight_before_bound_mean": _mean(torch.exp(lb.clamp(-corr.max_log_ratio, corr.max_log_ratio)), sel),
-        "ppl_trainer": torch.exp(neg_logp),
-        "ppl_sampler": torch.exp(neg_lq),
-        "ppl_ratio": torch.exp(neg_logp - neg_lq),
+        "ppl_trainer": saturating_exp(neg_logp),
+        "ppl_sampler": saturating_exp(neg_lq),
+        "ppl_ratio": saturating_exp(neg_logp - neg_lq),
     }
     if corr.veto is not None:
         out["veto_catastrophic_frac"] = _mean((v.lw < math.log(corr.veto)).to(lr.dtype), sel)

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -27,6 +30,27 @@ def check_vector(name: str, x, n: int, device, kind: str) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device}, expected {device} like the other inputs")
+
+
+def check_positive_count(name: str, val) -> None:
+    """``val`` is None, or a finite number ``> 0`` (a Python or NumPy real, or a one-element tensor; not a bool)."""
+    if val is None:
+        return
+    if isinstance(val, Tensor):
+        if val.numel() != 1 or val.dtype == torch.bool or val.is_complex():
+            raise TypeError(f"{name} must be a number or a one-element tensor, got a {val.dtype} tensor of shape "
+                            f"{tuple(val.shape)}")
+    elif isinstance(val, bool) or not isinstance(val, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(val).__name__} {val!r}")
+    num = float(val)
+    if not (math.isfinite(num) and num > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {num}")
+
+
+def check_flag(name: str, val) -> None:
+    """``val`` is a bool (a string such as ``"no"`` would read as True)."""
+    if not isinstance(val, bool):
+        raise TypeError(f"{name} must be a bool, got {type(val).__name__} {val!r}")
 
 
 def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correction) -> Tensor:
@@ -55,26 +79,36 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
     if not bool(torch.isfinite(adv[active]).all()):
         raise ValueError("advantages: NaN or inf on a trained token")
     seq_ids = data.seq_ids
-    if agg.name not in AGGREGATIONS:
+    if not isinstance(agg.name, str) or agg.name not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {agg.name!r}")
     if agg.name in SEQUENCE_AGGREGATIONS and seq_ids is None:
         raise ValueError(f"aggregation={agg.name!r} needs seq_ids")
-    if agg.name == "constant" and not (agg.constant_normalizer is not None and agg.constant_normalizer > 0):
+    if agg.name == "constant" and agg.constant_normalizer is None:
         raise ValueError("aggregation='constant' needs constant_normalizer > 0")
     if corr.needs_sequences and seq_ids is None:
         raise ValueError("this correction (sequence-level weights or a sequence rejection) needs seq_ids")
-    for name, val in (("num_loss_tokens", agg.num_loss_tokens), ("num_sequences", agg.num_sequences)):
-        if val is not None and not float(val) > 0:
-            raise ValueError(f"{name} must be > 0, got {val}")
+    for name, val in (("num_loss_tokens", agg.num_loss_tokens), ("num_sequences", agg.num_sequences),
+                      ("constant_normalizer", agg.constant_normalizer)):
+        check_positive_count(name, val)
     if corr.surrogate.needs_proximal != (proximal is not None):
         raise ValueError("correction.ppo_clip and proximal_logprobs go together (decoupled PPO)")
     if proximal is not None:
         check_vector("proximal_logprobs", proximal, n, device, "float")
         if not bool(torch.isfinite(proximal[active]).all()):
             raise ValueError("proximal_logprobs: NaN or inf on a trained token")
+        if bool((proximal[active] > LOGPROB_SLACK).any()):
+            raise ValueError(f"proximal_logprobs: value {float(proximal[active].max()):.4g} > 0 on a trained token "
+                             "(log-probabilities are <= 0)")
     for name, val in (("seq_ids", seq_ids), ("groups", data.groups), ("versions", data.versions)):
         if val is not None:
             check_vector(name, val, n, device, "int")
+    current = data.current_version
+    if current is not None:
+        if isinstance(current, bool) or not isinstance(current, numbers.Integral):
+            raise TypeError(f"current_version must be an int, got {type(current).__name__} {current!r}")
+        if data.versions is not None and n and int(data.versions.max()) > int(current):
+            raise ValueError(f"current_version={int(current)} is older than the batch's newest version "
+                             f"{int(data.versions.max())} (versions are the policies that sampled the tokens)")
     return active
 
 

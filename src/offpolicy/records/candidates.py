@@ -29,6 +29,21 @@ KINDS = ("head", "support")
 SUPPORT_SUM_TOL = 1e-3
 
 
+def support_sum_tolerance(logprobs: Tensor) -> Tensor:
+    """``[N]`` how far an honestly renormalised support row of ``logprobs [N, K]`` may sum from one.
+
+    :data:`SUPPORT_SUM_TOL` plus the rounding of the shipped log-probabilities themselves: a log-probability
+    ``l`` stored in a dtype with machine epsilon ``eps`` is off by up to ``|l| eps / 2``, so ``p = e^l`` is off by
+    ``p |l| eps / 2`` and the row sum by ``eps / 2 * sum_v p(v) |l(v)|`` (``eps / 2`` times the row's entropy).
+    That is below 1e-6 in fp32 but reaches a few 1e-2 in bf16 (``eps = 2^-7``) on a wide support; ``eps`` (not
+    ``eps / 2``) leaves room for the sampler's own renormalisation.
+    """
+    eps = torch.finfo(logprobs.dtype).eps
+    lp = logprobs.double()
+    spread = torch.where(torch.isfinite(lp), -torch.exp(lp) * lp, torch.zeros_like(lp)).sum(dim=1)
+    return SUPPORT_SUM_TOL + eps * spread
+
+
 @dataclass(frozen=True)
 class Candidates:
     """Candidate ids and sampler log-probabilities per position.
@@ -91,14 +106,19 @@ class Candidates:
             width: pad to this ``K``; default the longest row. A row longer than ``width`` is an error (nothing
                 is ever truncated).
         """
+        for name, x, want in (("ids", ids, "int"), ("offsets", offsets, "int"), ("logprobs", logprobs, "float")):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"from_csr: {name} must be a torch.Tensor, got {type(x).__name__}")
+            if want == "int" and (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
+                raise TypeError(f"from_csr: {name} must be an integer tensor, got {x.dtype}")
+            if want == "float" and not x.is_floating_point():
+                raise TypeError(f"from_csr: {name} must be a floating-point tensor, got {x.dtype}")
         if ids.dim() != 1 or logprobs.dim() != 1 or offsets.dim() != 1:
             raise ValueError("from_csr: ids, offsets and logprobs must be 1-D")
         if ids.shape != logprobs.shape:
             raise ValueError(f"from_csr: ids {tuple(ids.shape)} and logprobs {tuple(logprobs.shape)} differ")
         if offsets.numel() == 0:
             raise ValueError("from_csr: offsets must hold N + 1 >= 1 entries")
-        if offsets.is_floating_point():
-            raise TypeError(f"from_csr: offsets must be an integer tensor, got {offsets.dtype}")
         offsets = offsets.to(torch.int64)
         if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel():
             raise ValueError(
@@ -129,7 +149,8 @@ class Candidates:
         duplicate id within a row, no NaN or ``+inf`` log-probability, ``-inf`` at padding. Checks on trained rows
         only (``loss_mask [N]`` bool, None: all; untrained rows such as post-EOS padding may hold placeholders):
         a log-probability above 0, for ``kind="support"`` that each non-empty row sums to one within
-        :data:`SUPPORT_SUM_TOL` and contains the sampled token, for ``kind="head"`` that a row's mass is at most 1.
+        :func:`support_sum_tolerance` (scaled by the dtype's rounding) and contains the sampled token, for
+        ``kind="head"`` that a row's mass is at most 1.
         """
         ids, lp = self.ids, self.logprobs
         if ids.shape[0] != num_rows:
@@ -161,12 +182,14 @@ class Candidates:
         if self.kind == "support":
             nonempty = valid.any(dim=1) & trained
             sums = torch.exp(lp.double()).sum(dim=1)
-            off = nonempty & ((sums - 1.0).abs() > SUPPORT_SUM_TOL)
+            tol = support_sum_tolerance(lp)
+            off = nonempty & ((sums - 1.0).abs() > tol)
             if bool(off.any()):
                 row = int(off.nonzero()[0])
                 raise ValueError(
-                    f"candidates: kind='support' rows must sum to 1 (+-{SUPPORT_SUM_TOL}); row {row} sums to "
-                    f"{float(sums[row]):.6f}. Were the sampler log-probabilities renormalised over the support?"
+                    f"candidates: kind='support' rows must sum to 1 (+-{float(tol[row]):.2g} for {lp.dtype}); row "
+                    f"{row} sums to {float(sums[row]):.6f}. Were the sampler log-probabilities renormalised over "
+                    "the support?"
                 )
             if tokens is not None:
                 inside = ((ids == tokens.to(ids.dtype)[:, None]) & valid).any(dim=1)
