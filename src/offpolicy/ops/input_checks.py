@@ -28,10 +28,10 @@ def describe(x: object) -> str:
 
 
 def check_logits(logits: object) -> None:
-    """``logits`` must be a ``[N, V]`` float tensor with unit stride along ``V``."""
+    """``logits`` must be a ``[N, V]`` float tensor with unit stride along ``V`` (any stride when ``V <= 1`` or ``N = 0``: such logits are contiguous)."""
     if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.dtype not in FLOATS:
         raise ValueError(f"logits: expected a [N, V] fp32/bf16/fp16/float64 tensor, got {describe(logits)}")
-    if logits.shape[1] > 1 and logits.stride(1) != 1:
+    if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
         raise ValueError(f"logits: expected unit stride along V (call .contiguous()), got strides {logits.stride()}")
 
 
