@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_io import write_results  # beside this script
+from results_io import cpu_model, write_results  # beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -182,7 +182,7 @@ def _meta() -> dict:
     import torch
 
     return {
-        "host": socket.gethostname(), "machine": platform.machine(), "processor": platform.processor(),
+        "host": socket.gethostname(), "machine": platform.machine(), "processor": platform.processor() or cpu_model(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "date": dt.datetime.now().isoformat(),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_start": os.getloadavg(),
     }

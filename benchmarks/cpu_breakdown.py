@@ -3,7 +3,8 @@
 1. first touch: allocate a logits-sized buffer and copy the logits into it (the floor), against copying into a
    buffer whose pages are already mapped (what a reused gradient buffer costs);
 2. one chunk of the forward (``rows`` x V fp32, cache-sized), pass by pass, with 2 and with 1 intra-op threads: on
-   a 2-core machine shared with other jobs, a parallel region waits for a descheduled thread;
+   a 2-core machine shared with other jobs, a parallel region waits for a descheduled thread. The passes include
+   the bf16 max and upcast, and ``exp`` against ``exp2`` (the backend takes ``exp2`` of ``(x - m) log2 e``);
 3. the primitive alone (``offpolicy.ops.sparse_log_softmax``, full vocabulary, K = 128), forward and backward,
    with and without the value checks (``validate=False``), against the floor of the same call.
 
@@ -62,13 +63,18 @@ def first_touch(logits: torch.Tensor, calls: int) -> dict:
 
 
 def chunk_passes(v: int, rows: int, calls: int) -> dict:
-    z = torch.randn(rows, v)
+    z = torch.randn(rows, v) * 2
+    z16 = z.bfloat16()
     x, e = torch.empty_like(z), torch.empty_like(z)
     m = z.amax(dim=1, keepdim=True)
-    passes = {
+    passes = {  # in this order: "sub" leaves x = z - m (<= 0, the range the exponentials see) for the next three
         "amax": lambda: z.amax(dim=1),
+        "amax_bf16": lambda: z16.amax(dim=1),
+        "upcast_bf16": lambda: x.copy_(z16),
         "sub": lambda: torch.sub(z, m, out=x),
         "exp": lambda: torch.exp(x, out=e),
+        "exp2": lambda: torch.exp2(x, out=e),
+        "scale": lambda: torch.mul(x, 1.4426950408889634, out=e),
         "sum": lambda: e.sum(dim=1),
         "mul_sum": lambda: x.mul_(e).sum(dim=1),
     }

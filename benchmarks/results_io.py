@@ -7,6 +7,17 @@ import json
 from pathlib import Path
 
 
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (``platform.processor()`` is empty on Linux), or ``""``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def write_results(stem: Path, payload: dict, rows: list[dict], drop: tuple[str, ...] = ()) -> None:
     """Write ``payload`` to ``stem.json`` and ``rows`` to ``stem.csv`` (the union of their keys in first-seen
     order, without ``drop``: per-repetition lists and tracebacks stay in the JSON)."""
