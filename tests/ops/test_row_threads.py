@@ -44,3 +44,26 @@ def test_two_workers_match_one(monkeypatch, dtype, support):
         results.append([out.target, out.candidates, out.lse, out.entropy, leaf.grad])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_policy_loss_keeps_the_callers_thread_count():
+    """``op.policy_loss`` on CPU logits runs its small ops with one intra-op thread and the vocabulary passes with
+    workers; the caller's thread count is back afterwards, also when the call raises (a bad input)."""
+    import offpolicy as op
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        logits = torch.randn(12, 40, generator=gen, requires_grad=True)
+        tokens = torch.randint(0, 40, (12,), generator=gen)
+        lq = torch.log_softmax(torch.randn(12, 40, generator=gen), 1)[torch.arange(12), tokens]
+        out = op.policy_loss(logits, tokens, lq, torch.randn(12, generator=gen))
+        assert torch.get_num_threads() == 2
+        out.loss.backward()
+        assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
+        with pytest.raises(ValueError, match="tokens"):
+            op.policy_loss(logits, tokens + 40, lq, torch.randn(12))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -7,6 +7,7 @@ aggregation, metrics; the formula is in :mod:`offpolicy.loss.logprobs`).
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from offpolicy.corrections.correction import Correction
 from offpolicy.parallel.dtensor import vocab_shard_of
 from offpolicy.loss.inputs import Aggregation, Parallelism, TokenData
 from offpolicy.loss.logprobs import PolicyLossOutput, loss_from_logprobs
-from offpolicy.ops import SparseLogSoftmax, VocabShard, sparse_log_softmax
+from offpolicy.ops import SparseLogSoftmax, VocabShard, row_threads, sparse_log_softmax
 from offpolicy.loss.validation import check_batch, check_candidates, check_flag, check_vector
 
 
@@ -102,6 +103,21 @@ def policy_loss(
                      current_version)
     agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
     par = Parallelism(tp_group, vocab_start, cp_group)
+    # On CPU the checks and the O(N K) math are many small ops; each parallel region waits for all its threads,
+    # which on shared cores costs more than the op. With logits they run with one intra-op thread, and the
+    # vocabulary passes share their rows out to torch.get_num_threads() workers (offpolicy.ops.row_threads). The
+    # fused-linear path keeps the caller's threads: its matmuls are large parallel regions.
+    on_cpu = isinstance(logits, Tensor) and logits.device.type == "cpu"
+    with row_threads.single_intra_op() if on_cpu else contextlib.nullcontext():
+        return _policy_loss(model, tokens, temperature, candidates, data, agg, par, correction, inplace_grad,
+                            backend, check)
+
+
+def _policy_loss(model: ModelInputs, tokens: Tensor, temperature, candidates: Candidates | None, data: TokenData,
+                 agg: Aggregation, par: Parallelism, correction: Correction, inplace_grad: bool,
+                 backend: str | None, check: bool) -> PolicyLossOutput:
+    """:func:`policy_loss`'s body, on the checked and grouped arguments."""
+    loss_mask, tp_group, vocab_start, cp_group = data.loss_mask, par.tp_group, par.vocab_start, par.cp_group
     if check:
         _validate(model, tokens, temperature, candidates, data, agg, par, correction)
     n = tokens.shape[0]
@@ -111,6 +127,7 @@ def policy_loss(
     cand_ids = candidates.ids if candidates is not None else None
     shard = VocabShard(tp_group, vocab_start) if tp_group is not None else None
 
+    # The primitive's value checks (ids in range, temperatures) are the ones _validate has just made.
     lp = _log_probs(model, tokens, cand_ids, temperature, support, ~active, shard, inplace_grad, backend)
     if check:
         # A NaN logit makes the row's log-probabilities NaN; a +inf one makes its normaliser inf - inf (NaN
@@ -163,12 +180,11 @@ def _log_probs(model: ModelInputs, tokens, cand_ids, temperature, support, skip,
                backend) -> SparseLogSoftmax:
     if model.logits is not None:
         return sparse_log_softmax(model.logits, tokens, cand_ids, temperature, support=support, skip=skip, shard=shard,
-                                  inplace_grad=inplace_grad, backend=backend)
+                                  inplace_grad=inplace_grad, backend=backend, validate=False)
     from offpolicy.ops.linear_log_softmax import linear_sparse_log_softmax
 
     return linear_sparse_log_softmax(model.hidden, model.weight, tokens, cand_ids, temperature, bias=model.bias,
-                                     support=support,
-                                     skip=skip, shard=shard, backend=backend)
+                                     support=support, skip=skip, shard=shard, backend=backend, validate=False)
 
 
 def _validate(model: ModelInputs, tokens, temperature, candidates, data: TokenData, agg: Aggregation,
