@@ -145,7 +145,7 @@ def test_project_policy_loss_passes_in_float32():
     LossConfig(weights="reject", bounds=(0.7, 3.0), score_centering=True, record="head"),
     LossConfig(weights="none"),
     LossConfig(weights="mis", level="sequence", record="support"),
-    LossConfig(weights="mis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0),
+    LossConfig(weights="tis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0),
     LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.2), ppo_ratio="gspo_token"),
     LossConfig(weights="none", record="support", cispo=(0.0, 1.28)),
     LossConfig(weights="mis", score_centering=True, record="support",

@@ -28,7 +28,7 @@ MIS_GEO = LossConfig(weights="mis", level="geometric", record="support")
 TIS_SEQ_MEAN = LossConfig(weights="tis", score_centering=True, record="head", aggregation="seq_mean_token_mean")
 MIS_TOKEN_MEAN = LossConfig(weights="mis", record="support", aggregation="token_mean")
 TIS_PPO = LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.28))
-MIS_DUAL_CLIP = LossConfig(weights="mis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0)
+TIS_DUAL_CLIP = LossConfig(weights="tis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0)
 NONE_PPO_DELTA = LossConfig(weights="none", ppo_clip=(0.2, 0.2), ppo_delta=1.5)
 CISPO_TRL = LossConfig(weights="none", record="support", cispo=(0.0, 1.28))
 CISPO_SLIME = LossConfig(weights="mis", record="head", cispo=(0.8, 1.2))
@@ -60,8 +60,9 @@ CAUGHT = [
     ("sequence_as_token", TIS_SEQ, "agreement"),
     ("seq_mean_as_token_mean", TIS_SEQ_MEAN, "agreement"),
     ("mean_over_all_tokens", MIS_TOKEN_MEAN, "masking"),
-    ("dual_clip_positive_advantages", MIS_DUAL_CLIP, "agreement"),
-    ("dual_clip_as_upper_bound", MIS_DUAL_CLIP, "agreement"),
+    ("dual_clip_missing", TIS_DUAL_CLIP, "agreement"),      # needs u = p / pi_prox > c = 3 with A < 0
+    ("dual_clip_positive_advantages", TIS_DUAL_CLIP, "agreement"),
+    ("dual_clip_as_upper_bound", TIS_DUAL_CLIP, "agreement"),
     ("ppo_delta_ignored", NONE_PPO_DELTA, "agreement"),
     ("cispo_coef_attached", CISPO_TRL, "agreement"),       # same value, the gradient gains A log p grad u
     ("cispo_unclipped", CISPO_SLIME, "agreement"),

@@ -42,6 +42,7 @@ BUGS = {
     "sequence_as_token": "level='sequence' that ignores seq_ids and weights each token by its own ratio",
     "seq_mean_as_token_mean": "aggregation='seq_mean_token_mean' computed as the token mean",
     "mean_over_all_tokens": "token_mean dividing by every token, untrained ones (loss_mask False) included",
+    "dual_clip_missing": "claims a dual clip but never bounds the surrogate below by c A",
     "dual_clip_positive_advantages": "dual clip max(s, c A) applied for A > 0 too (it bounds only A < 0)",
     "dual_clip_as_upper_bound": "dual clip as min(s, c A) for A < 0: an upper bound instead of a lower one",
     "ppo_delta_ignored": "TRL's delta never caps u in the unclipped branch",
@@ -146,7 +147,7 @@ def _surrogate(logp_y: Tensor, prox: Tensor, adv: Tensor, cfg: LossConfig, bug: 
     lo, hi = cfg.ppo_clip
     capped = u if cfg.ppo_delta is None or bug == "ppo_delta_ignored" else u.clamp(max=cfg.ppo_delta)
     s = torch.minimum(capped * adv, u.clamp(1 - lo, 1 + hi) * adv)
-    if cfg.dual_clip is not None:
+    if cfg.dual_clip is not None and bug != "dual_clip_missing":
         floor = cfg.dual_clip * adv
         if bug == "dual_clip_positive_advantages":
             s = torch.maximum(s, floor)

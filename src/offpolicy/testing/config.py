@@ -258,7 +258,7 @@ def family_configs(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
     OPSM, batch normalisation over tokens and over sequences, and rejected tokens out of the normaliser."""
     return [
         LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.28), dtype=dtype),
-        LossConfig(weights="mis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0, dtype=dtype),
+        LossConfig(weights="tis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0, dtype=dtype),
         LossConfig(weights="none", ppo_clip=(0.2, 0.2), ppo_delta=1.5, dtype=dtype),
         LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.2), ppo_ratio="gspo_token", dtype=dtype),
         LossConfig(weights="none", record="support", cispo=(0.0, 1.28), dtype=dtype),

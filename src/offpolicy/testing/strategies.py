@@ -15,7 +15,7 @@ Building blocks (public):
 Composite strategies (what the checkers in :mod:`offpolicy.testing.checks` draw from):
 
 * :func:`problems`: a batch (:class:`Problem`) for a given record kind, tokens drawn from the sampler's support;
-  :func:`with_sequences` packs a batch into sequences.
+  :func:`with_sequences` packs a batch into sequences; :func:`with_proximal` adds proximal log-probabilities.
 * :func:`positions`: one position with a *complete* sampler model (:class:`Position`): a support record, a head
   record covering the vocabulary, or a partial head whose true tail is exactly ``rho * p``
   (docs/spec.md#inv-head-exact). A position expands into one row per possible token, for exact expectations over
@@ -428,8 +428,10 @@ def with_sequences(draw: st.DrawFn, batches: st.SearchStrategy[Problem]) -> Prob
 
 
 #: Log-distances of the proximal policy from the trainer, ``log pi_prox(y) - log p(y)``: on-policy, around PPO's
-#: usual clip band (0.2 - 0.28), and anywhere in ``[-0.7, 0.7]`` (ratios ``u = p / pi_prox`` in ``[0.5, 2]``).
-_PROXIMAL_SHIFT = st.one_of(st.sampled_from([0.0, 0.1, -0.1, 0.3, -0.3]), st.floats(-0.7, 0.7, allow_nan=False))
+#: usual clip band (0.2 - 0.28), far beyond it (``u = p / pi_prox = e^1.5 = 4.5``: past a dual clip of 3 and TRL's
+#: delta; twice as often as ``e^-1.5``), and anywhere in ``[-1.6, 1.6]`` (``u`` in ``[0.2, 5]``).
+_PROXIMAL_SHIFT = st.one_of(st.sampled_from([0.0, 0.1, -0.1, 0.3, -0.3]), st.sampled_from([-1.5, -1.5, 1.5]),
+                            st.floats(-1.6, 1.6, allow_nan=False))
 
 
 @st.composite
