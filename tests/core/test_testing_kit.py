@@ -133,8 +133,13 @@ def test_project_policy_loss_passes_aggregated(cfg):
     assert ("zero_drift" in ran) == cfg.score_centering
 
 
-def test_project_policy_loss_passes_in_float32():
-    cfg = LossConfig(weights="mis", score_centering=True, record="head", dtype=torch.float32)
+@pytest.mark.parametrize("cfg", [
+    LossConfig(weights="mis", score_centering=True, record="head", dtype=torch.float32),
+    LossConfig(weights="tis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0, dtype=torch.float32),
+    LossConfig(weights="mis", score_centering=True, record="support", dtype=torch.float32,
+               rejections=(op.RatioRejection(0.3, 4.0), op.KLRejection((-0.4, 0.4), "k1"))),
+], ids=lambda c: c.short())
+def test_project_policy_loss_passes_in_float32(cfg):
     report = check_all(project_loss(cfg), cfg, max_examples=40, raise_on_failure=False)
     assert report.passed, str(report)
 
