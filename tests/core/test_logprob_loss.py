@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import offpolicy as op
 from support.batches import make_batch
-from offpolicy.testing import LossConfig, check_all
+from offpolicy.testing import LossConfig, check_all, family_configs
 from offpolicy.testing import strategies as S
 
 EXACT = dict(rtol=1e-12, atol=1e-13)
@@ -87,12 +87,16 @@ def _adapter(cfg: LossConfig):
     """The kit's signature on top of the framework path: the caller's dense log-softmax, then our loss math."""
 
     def logprob_framework_loss(logits, tokens, sampler_logprobs, candidates, advantages, temperature,
-                               loss_mask=None, seq_ids=None):
+                               loss_mask=None, seq_ids=None, proximal_logprobs=None):
         lp_y, lp_c, _ = dense_logprobs(logits, tokens, candidates, temperature)
+        agg = {"aggregation": cfg.aggregation or "constant",
+               "constant_normalizer": cfg.constant_normalizer if cfg.aggregation else 1.0}
         out = op.policy_loss_from_logprobs(
             lp_y, sampler_logprobs, advantages, candidates, lp_c if cfg.score_centering else None,
-            loss_mask=loss_mask, correction=cfg.correction, seq_ids=seq_ids, aggregation="constant",
-            constant_normalizer=1.0)
+            loss_mask=loss_mask, correction=cfg.correction, seq_ids=seq_ids, proximal_logprobs=proximal_logprobs,
+            **agg)
+        if cfg.aggregation is not None:
+            return out.loss
         first = (torch.arange(tokens.shape[0]) == 0).to(out.loss.dtype)
         return out.token_loss.to(out.loss.dtype) + (out.loss - out.loss.detach()) * first
 
@@ -106,6 +110,15 @@ def _adapter(cfg: LossConfig):
 def test_passes_the_testing_kit(cfg):
     report = check_all(_adapter(cfg), cfg, max_examples=30, raise_on_failure=False)
     assert report.passed, str(report)
+
+
+@pytest.mark.parametrize("cfg", family_configs(), ids=lambda c: c.short())
+def test_the_family_passes_the_testing_kit(cfg):
+    """Each member of the correction family (surrogates with proximal log-probabilities, rejection chains,
+    normalisations, the normaliser convention) through the log-probability entry point."""
+    report = check_all(_adapter(cfg), cfg, max_examples=20, raise_on_failure=False)
+    assert report.passed, str(report)
+    assert report["agreement"].status == "pass" and report["masking"].status == "pass"
 
 
 @pytest.mark.parametrize("change, match", [

@@ -239,3 +239,70 @@ def test_batch_normalize_averages_over_kept_tokens_only():
     assert out.token_weight[:2].tolist() == [0.0, 0.0]
     torch.testing.assert_close(out.token_weight[2:].mean(), torch.tensor(1.0, dtype=torch.float64), rtol=1e-12,
                                atol=1e-12)
+
+
+def _seed_support_loss(z: torch.Tensor, y: torch.Tensor, lq: torch.Tensor, adv: torch.Tensor, cands, mode: str,
+                       tau: float) -> torch.Tensor:
+    """The research code's per-token score-centering loss on a replayed support, written from its definition in
+    float64, independently of offpolicy (docs/spec.md#score-centering, "Support records"): the trainer's
+    ``log p^S`` at the recorded ids, ``P = sum p^S``, ``Q = sum q``, the tail ratio floored at ``eps = 1e-6`` on
+    both masses, ``alpha = rho f(1 / rho)``, the residual ``m(v) - alpha p(v)`` for every recorded candidate and
+    ``loss = -A (w log p(y) - sum_v residual(v) log p(v))``. Modes: ``none``, ``tis`` (``min(r, 2)``) and ``mis``
+    (``r 1[0.5 <= r <= 5]``)."""
+    out = torch.zeros(z.shape[0], dtype=torch.float64)
+    for t in range(z.shape[0]):
+        ids = [int(i) for i in cands.ids[t] if i >= 0]
+        x = z[t, ids].double() / tau
+        logp = x - torch.logsumexp(x, 0)  # log p^S over the replayed support
+        lqs = cands.logprobs[t, : len(ids)].double()
+        p, q = logp.exp(), lqs.exp()
+        rho = max(1.0 - float(q.sum()), 1e-6) / max(1.0 - float(p.sum()), 1e-6)
+        ratio = p / q
+        if mode == "none":
+            m, alpha = q, rho
+        elif mode == "tis":
+            m, alpha = torch.minimum(p, 2.0 * q), min(2.0 * rho, 1.0)
+        else:
+            m, alpha = torch.where((ratio >= 0.5) & (ratio <= 5.0), p, 0.0), float(0.2 <= rho <= 2.0)
+        residual = m - alpha * p
+        r_y = math.exp(float(logp[ids.index(int(y[t]))]) - float(lq[t]))
+        w = {"none": 1.0, "tis": min(r_y, 2.0), "mis": r_y if 0.5 <= r_y <= 5.0 else 0.0}[mode]
+        logp_y = float(logp[ids.index(int(y[t]))])
+        out[t] = -float(adv[t]) * (w * logp_y - float((residual * logp).sum()))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["none", "tis", "mis"])
+def test_support_record_loss_value_is_the_research_codes(mode):
+    """With a support record the reported per-token loss is the research code's value, which keeps the
+    ``-alpha p^S`` residual (``+A f(1) sum p^S log p^S``: no gradient, ``-A f(1) H(p^S)`` in value), so loss
+    curves compare across trainers; and that term's gradient is zero (value differs, gradient equal to 1e-12)."""
+    tau = 0.8
+    z, y, lq, cands = make_batch(8, 30, 6, "support", seed=11, mismatch=0.4, temperature=tau)
+    adv = torch.tensor([1.0, -2.0, 0.5, 1.5, -1.0, 0.3, 2.0, -0.7], dtype=torch.float64)
+    corr = op.Correction(weights=mode, score_centering=True)
+    zl = z.clone().requires_grad_()
+    out = op.policy_loss(zl, y, lq, adv, cands, temperature=tau, correction=corr, aggregation="constant",
+                         constant_normalizer=1.0)
+    seed = _seed_support_loss(z, y, lq, adv, cands, mode, tau)
+    torch.testing.assert_close(out.token_loss, seed, rtol=1e-12, atol=1e-12)
+    # The alpha p^S term: the loss without it differs in value by A f(1) H(p^S) and not at all in gradient.
+    (g,) = torch.autograd.grad(out.loss, zl)
+    zr = z.clone().requires_grad_()
+    lp = torch.log_softmax((zr / tau).masked_fill(~_support(cands, z.shape[1]), -math.inf), dim=1)
+    ids = cands.ids.clamp_min(0)
+    valid = cands.ids >= 0
+    lpc = torch.where(valid, lp.gather(1, ids), 0.0)
+    p = torch.where(valid, lpc.detach().exp(), 0.0)
+    alpha_term = (adv[:, None] * p * lpc).sum(1)  # + A alpha sum_v sg(p^S) log p^S, alpha = f(1) = 1 here
+    (g_alpha,) = torch.autograd.grad(alpha_term.sum(), zr)
+    assert float(g_alpha.abs().max()) < 1e-12
+    entropy = -(p * lpc.detach()).sum(1)
+    assert float((adv * entropy).abs().max()) > 0.1  # visible in the value: -A f(1) H(p^S), up to 2 H here
+    assert float((g_alpha.abs()).max()) < 1e-12 * max(1.0, float(g.abs().max()))
+
+
+def _support(cands, vocab: int) -> torch.Tensor:
+    from offpolicy.reference import support_mask
+
+    return support_mask(cands, vocab)

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given, settings
+
+import offpolicy as op
 from hypothesis import strategies as st
 
 from offpolicy.reference import reference_policy_loss
@@ -40,11 +42,14 @@ def reference_loss(cfg: LossConfig):
     """The float64 oracle itself through the adapter signature: it must satisfy every invariant the kit states
     (otherwise the kit's properties, not the implementations, would be wrong)."""
 
-    def oracle(logits, tokens, sampler_logprobs, candidates, advantages, temperature, loss_mask=None, seq_ids=None):
+    def oracle(logits, tokens, sampler_logprobs, candidates, advantages, temperature, loss_mask=None, seq_ids=None,
+               proximal_logprobs=None):
         z = logits.double()
+        prox = None if proximal_logprobs is None else proximal_logprobs.detach()
         loss, token_loss, _ = reference_policy_loss(z, tokens, sampler_logprobs.detach(), advantages.detach(),
                                                     candidates, loss_mask, temperature, cfg.correction, seq_ids,
-                                                    aggregation="constant", constant_normalizer=1.0)
+                                                    aggregation="constant", constant_normalizer=1.0,
+                                                    proximal_logprobs=prox)
         first = (torch.arange(token_loss.shape[0]) == 0).double()
         return token_loss + (loss - loss.detach()) * first
 
@@ -68,12 +73,34 @@ def _project_passes(cfg: LossConfig):
     return report, ran
 
 
-@pytest.mark.parametrize("cfg", ALL, ids=[c.describe() for c in ALL])
+@pytest.mark.parametrize("cfg", ALL, ids=[c.short() for c in ALL])
 def test_project_policy_loss_passes_every_invariant(cfg):
-    _, ran = _project_passes(cfg)
-    assert ("zero_drift" in ran) == cfg.score_centering
+    """The weight-mode matrix and each member of the family (surrogates, rejection chains, normalisations): every
+    invariant that holds for the configuration runs and passes; the others are skipped for a stated reason."""
+    report, ran = _project_passes(cfg)
+    plain = (cfg.weights in ("tis", "mis") and cfg.surrogate == "score_function" and not cfg.batch_normalize
+             and not cfg.correction.rejection_rules and not cfg.has_sequence_rejections)
+    assert ("zero_drift" in ran) == (cfg.score_centering and not cfg.has_sequence_rejections)
     assert ("support_replay" in ran) == (cfg.record == "support")
-    assert ("plain_is_unbiased" in ran) == (cfg.weights in ("tis", "mis"))
+    assert ("plain_is_unbiased" in ran) == plain
+    for r in report.results:
+        assert r.status != "skip" or r.detail.startswith("not applicable: "), (r.invariant, r.detail)
+
+
+def test_every_config_covers_the_family():
+    """The kit's enumeration holds each surrogate and each rule kind, normalisation and normaliser convention."""
+    cfgs = every_config()
+    corrs = [c.correction for c in cfgs]
+    assert {c.surrogate for c in cfgs} == {"score_function", "ppo", "ppo_dual_clip", "gspo_token", "cispo"}
+    assert any(c.ppo_delta is not None for c in cfgs)
+    kinds = {(r.kind, getattr(r, "estimator", None), r.level, isinstance(getattr(r, "threshold", 0), tuple))
+             for c in corrs for _, r in c.rejection_rules}
+    assert ("kl", "k1", "token", True) in kinds and ("ratio", None, "token", False) in kinds
+    assert any(len(c.rejections) >= 2 for c in corrs)  # a chain
+    assert any(level != "token" for _, _, level, _ in kinds)
+    assert {"veto", "opsm"} <= {name for c in corrs for name in c.sequence_rules}
+    assert {c.batch_normalize for c in cfgs} >= {False, "tokens", "sequences"}
+    assert any(not c.rejected_in_normalizer for c in cfgs)
 
 
 SEQUENCE_LEVEL = [
@@ -106,8 +133,13 @@ def test_project_policy_loss_passes_aggregated(cfg):
     assert ("zero_drift" in ran) == cfg.score_centering
 
 
-def test_project_policy_loss_passes_in_float32():
-    cfg = LossConfig(weights="mis", score_centering=True, record="head", dtype=torch.float32)
+@pytest.mark.parametrize("cfg", [
+    LossConfig(weights="mis", score_centering=True, record="head", dtype=torch.float32),
+    LossConfig(weights="tis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0, dtype=torch.float32),
+    LossConfig(weights="mis", score_centering=True, record="support", dtype=torch.float32,
+               rejections=(op.RatioRejection(0.3, 4.0), op.KLRejection((-0.4, 0.4), "k1"))),
+], ids=lambda c: c.short())
+def test_project_policy_loss_passes_in_float32(cfg):
     report = check_all(project_loss(cfg), cfg, max_examples=40, raise_on_failure=False)
     assert report.passed, str(report)
 
@@ -118,7 +150,12 @@ def test_project_policy_loss_passes_in_float32():
     LossConfig(weights="reject", bounds=(0.7, 3.0), score_centering=True, record="head"),
     LossConfig(weights="none"),
     LossConfig(weights="mis", level="sequence", record="support"),
-], ids=lambda c: c.describe())
+    LossConfig(weights="tis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0),
+    LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.2), ppo_ratio="gspo_token"),
+    LossConfig(weights="none", record="support", cispo=(0.0, 1.28)),
+    LossConfig(weights="mis", score_centering=True, record="support",
+               rejections=(op.RatioRejection(0.3, 4.0), op.KLRejection((-0.4, 0.4), "k1"))),
+], ids=lambda c: c.short())
 def test_the_oracle_satisfies_the_kit(cfg):
     report = check_all(reference_loss(cfg), cfg, max_examples=25, raise_on_failure=False)
     assert report.passed, str(report)
@@ -312,6 +349,23 @@ def test_config_parse_and_errors():
         LossConfig.parse("weight=mis")
     with pytest.raises(ValueError, match="bounds"):
         LossConfig(weights="mis", bounds=(2.0, 1.0))
+    cfg = LossConfig.parse("weights=tis,ppo_clip=0.2:0.28,dual_clip=3,ppo_delta=2,batch_normalize=sequences")
+    assert cfg == LossConfig(weights="tis", ppo_clip=(0.2, 0.28), dual_clip=3.0, ppo_delta=2.0,
+                             batch_normalize="sequences")
+    assert cfg.surrogate == "ppo_dual_clip" and cfg.needs_proximal and cfg.needs_sequences
+    assert "dual_clip=3.0" in cfg.describe() and cfg.short() == "tis-None+ppo_dual_clip+delta2+bn-sequences"
+    cfg = LossConfig.parse("weights=mis,cispo=0:1.28,rejected_in_normalizer=0,aggregation=token_mean,"
+                           "batch_normalize=1")
+    assert cfg.cispo == (0.0, 1.28) and cfg.rejected_in_normalizer is False and cfg.batch_normalize is True
+    with pytest.raises(ValueError, match="holds rule objects"):
+        LossConfig.parse("rejections=x")
+    with pytest.raises(ValueError, match="rejected_in_normalizer=False\\) changes only the aggregation"):
+        LossConfig(rejected_in_normalizer=False)
+    with pytest.raises(ValueError, match="dual_clip needs ppo_clip"):
+        LossConfig(dual_clip=3.0)
+    with pytest.raises(ValueError, match="score_centering=True cannot be combined with ppo_clip or cispo"):
+        LossConfig(score_centering=True, record="head", cispo=(0.0, 2.0))
+    assert LossConfig(rejections=[op.RatioRejection(0.5, 2.0)]).rejections == (op.RatioRejection(0.5, 2.0),)
 
 
 def test_not_applicable_invariants_are_skipped_with_a_reason():
@@ -339,6 +393,10 @@ def test_sequence_levels_need_seq_ids_and_keywords_are_read_from_the_signature()
 
     with pytest.raises(ValueError, match="must take a seq_ids keyword"):
         check_all(no_seq_ids, cfg)
+    with pytest.raises(ValueError, match="must take a proximal_logprobs keyword"):
+        check_all(no_seq_ids, LossConfig(weights="mis", cispo=(0.0, 2.0)))
+    with pytest.raises(ValueError, match="a sequence-wise rule, normalisation or surrogate"):
+        check_all(no_seq_ids, LossConfig(weights="mis", batch_normalize="sequences"))
     with pytest.raises(ValueError, match=r"aggregation='seq_mean_token_sum'\) works on packed sequences"):
         check_all(no_seq_ids, LossConfig(weights="mis", aggregation="seq_mean_token_sum"))
 

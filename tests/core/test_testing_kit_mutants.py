@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from support.mutants import BUGS, dense_loss
+from offpolicy import KLRejection, RatioRejection
 from offpolicy.testing import INVARIANTS, InvariantViolation, LossConfig, check_all, run_invariant
 
 MIS_HEAD_SC = LossConfig(weights="mis", score_centering=True, record="head")
@@ -26,6 +27,13 @@ TIS_SEQ = LossConfig(weights="tis", bounds=(0.0, 5.0), level="sequence", record=
 MIS_GEO = LossConfig(weights="mis", level="geometric", record="support")
 TIS_SEQ_MEAN = LossConfig(weights="tis", score_centering=True, record="head", aggregation="seq_mean_token_mean")
 MIS_TOKEN_MEAN = LossConfig(weights="mis", record="support", aggregation="token_mean")
+TIS_PPO = LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.28))
+TIS_DUAL_CLIP = LossConfig(weights="tis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0)
+NONE_PPO_DELTA = LossConfig(weights="none", ppo_clip=(0.2, 0.2), ppo_delta=1.5)
+CISPO_TRL = LossConfig(weights="none", record="support", cispo=(0.0, 1.28))
+CISPO_SLIME = LossConfig(weights="mis", record="head", cispo=(0.8, 1.2))
+CHAIN_SC = LossConfig(weights="mis", score_centering=True, record="support",
+                      rejections=(RatioRejection(0.3, 4.0), KLRejection((-0.4, 0.4), "k1")))
 
 #: (bug, configuration, the invariant that must fail). Where a mistake breaks several invariants, the one named
 #: is the most specific (docs/testing_kit.md lists every invariant each one fails).
@@ -52,6 +60,14 @@ CAUGHT = [
     ("sequence_as_token", TIS_SEQ, "agreement"),
     ("seq_mean_as_token_mean", TIS_SEQ_MEAN, "agreement"),
     ("mean_over_all_tokens", MIS_TOKEN_MEAN, "masking"),
+    ("dual_clip_missing", TIS_DUAL_CLIP, "agreement"),      # needs u = p / pi_prox > c = 3 with A < 0
+    ("dual_clip_positive_advantages", TIS_DUAL_CLIP, "agreement"),
+    ("dual_clip_as_upper_bound", TIS_DUAL_CLIP, "agreement"),
+    ("ppo_delta_ignored", NONE_PPO_DELTA, "agreement"),
+    ("cispo_coef_attached", CISPO_TRL, "agreement"),       # same value, the gradient gains A log p grad u
+    ("cispo_unclipped", CISPO_SLIME, "agreement"),
+    ("rejection_chain_first_only", CHAIN_SC, "agreement"),  # consistent in w and c(v): drift stays zero
+    ("kl_two_sided_as_upper", CHAIN_SC, "agreement"),
 ]
 
 
@@ -68,10 +84,10 @@ def test_mutant_is_caught(bug, cfg, invariant):
     assert cfg.describe() in result.detail
 
 
-CONFIGS = sorted({cfg for _, cfg, _ in CAUGHT}, key=lambda c: c.describe())
+CONFIGS = sorted({cfg for _, cfg, _ in CAUGHT} | {TIS_PPO}, key=lambda c: c.describe())
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.describe() for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.short() for c in CONFIGS])
 def test_correct_dense_loss_passes(cfg):
     """The same code without the bug passes everything, so each catch above is the bug's doing."""
     report = check_all(dense_loss(cfg), cfg, max_examples=25, raise_on_failure=False)

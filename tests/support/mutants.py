@@ -3,6 +3,10 @@
 :func:`dense_loss` is an independent, dense (``[N, V]`` log-softmax) implementation of the spec's per-token loss,
 written in the style of a framework's loss function and reached through the kit's adapter signature. With
 ``bug=None`` it is correct (the kit must pass it); each entry of :data:`BUGS` injects one mistake people make.
+Besides the weights, levels and score centering it implements token-level rejection rules (chained ratio bands
+and KL bands, one- or two-sided) and the token-ratio surrogates (decoupled PPO with its dual clip and delta,
+CISPO); it refuses the rest of the family (sequence rules, batch normalisation, GSPO-token, the normaliser
+convention) rather than get them wrong.
 """
 
 from __future__ import annotations
@@ -38,10 +42,46 @@ BUGS = {
     "sequence_as_token": "level='sequence' that ignores seq_ids and weights each token by its own ratio",
     "seq_mean_as_token_mean": "aggregation='seq_mean_token_mean' computed as the token mean",
     "mean_over_all_tokens": "token_mean dividing by every token, untrained ones (loss_mask False) included",
+    "dual_clip_missing": "claims a dual clip but never bounds the surrogate below by c A",
+    "dual_clip_positive_advantages": "dual clip max(s, c A) applied for A > 0 too (it bounds only A < 0)",
+    "dual_clip_as_upper_bound": "dual clip as min(s, c A) for A < 0: an upper bound instead of a lower one",
+    "ppo_delta_ignored": "TRL's delta never caps u in the unclipped branch",
+    "cispo_coef_attached": "CISPO's coefficient clamp(u, lo, hi) left attached to the graph",
+    "cispo_unclipped": "CISPO's coefficient u never clamped to [lo, hi]",
+    "rejection_chain_first_only": "chained rejections: only the first rule of the chain is applied",
+    "kl_two_sided_as_upper": "a two-sided KL band (lo, hi) tested as an upper threshold k <= hi only",
 }
+
+#: The KL estimators at a clamped log-ratio ``lr`` (k1, k2, k3 of KL(q || p)).
+_KL = {"k1": lambda lr: -lr, "k2": lambda lr: 0.5 * lr * lr, "k3": lambda lr: torch.exp(lr) - 1 - lr}
+
+
+def _keep(log_r: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
+    """The token-level rejection rules (``kl_rejection``, then ``rejections`` in order), chained: a token is kept
+    iff every rule keeps it."""
+    corr = cfg.correction
+    rules = [r for _, r in corr.rejection_rules]
+    if bug == "rejection_chain_first_only":
+        rules = rules[:1]
+    lr = log_r.clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    keep = torch.ones_like(log_r, dtype=torch.bool)
+    for rule in rules:
+        if rule.kind == "ratio":
+            lo = math.log(rule.lower) if rule.lower > 0 else -math.inf
+            keep &= (log_r >= lo) & (log_r <= math.log(rule.upper))
+        else:
+            k = _KL[rule.estimator](lr)
+            lo, hi = rule.threshold if isinstance(rule.threshold, tuple) else (-math.inf, rule.threshold)
+            keep &= (k <= hi) if bug == "kl_two_sided_as_upper" else (k >= lo) & (k <= hi)
+    return keep
 
 
 def _f(log_r: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
+    """The weight function with the token-level rejection rules folded in."""
+    return _weight(log_r, cfg, bug) * _keep(log_r, cfg, bug)
+
+
+def _weight(log_r: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
     corr = cfg.correction
     lo, hi = corr.lower, corr.upper
     lr = log_r.clamp(-corr.max_log_ratio, corr.max_log_ratio)
@@ -75,7 +115,7 @@ def _sequence_weight(log_r: Tensor, trained: Tensor, seq_ids: Tensor, cfg: LossC
     total = torch.zeros(num, dtype=lr.dtype).index_add(0, seq, lr)
     count = torch.zeros(num, dtype=lr.dtype).index_add(0, seq, counted.to(lr.dtype)).clamp_min(1)
     seq_lr = total / count if cfg.level == "geometric" and bug != "geometric_as_sequence" else total
-    return _f(seq_lr[seq], cfg, bug)
+    return _weight(seq_lr[seq], cfg, bug) * _keep(log_r, cfg, bug)  # token-level rules act on each token's own r
 
 
 def _aggregate(loss: Tensor, trained: Tensor, seq_ids: Tensor | None, cfg: LossConfig, bug: str | None) -> Tensor:
@@ -93,12 +133,44 @@ def _aggregate(loss: Tensor, trained: Tensor, seq_ids: Tensor | None, cfg: LossC
     return per_seq.sum() / (tokens > 0).sum().clamp_min(1)
 
 
+def _surrogate(logp_y: Tensor, prox: Tensor, adv: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
+    """``s_t`` of decoupled PPO (clipped ``u A``, dual clip, delta) or CISPO (``sg(clamp(u, lo, hi)) A log p``),
+    ``u = p / pi_prox``; the token loss is ``-w s``."""
+    corr = cfg.correction
+    log_u = (logp_y - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    if cfg.cispo is not None:
+        coef = torch.exp(log_u if bug == "cispo_coef_attached" else log_u.detach())
+        if bug != "cispo_unclipped":
+            coef = coef.clamp(*cfg.cispo)
+        return torch.where(coef != 0, coef * adv * logp_y, torch.zeros_like(logp_y))
+    u = torch.exp(log_u)
+    lo, hi = cfg.ppo_clip
+    capped = u if cfg.ppo_delta is None or bug == "ppo_delta_ignored" else u.clamp(max=cfg.ppo_delta)
+    s = torch.minimum(capped * adv, u.clamp(1 - lo, 1 + hi) * adv)
+    if cfg.dual_clip is not None and bug != "dual_clip_missing":
+        floor = cfg.dual_clip * adv
+        if bug == "dual_clip_positive_advantages":
+            s = torch.maximum(s, floor)
+        elif bug == "dual_clip_as_upper_bound":
+            s = torch.where(adv < 0, torch.minimum(s, floor), s)
+        else:
+            s = torch.where(adv < 0, torch.maximum(s, floor), s)
+    return s
+
+
 def dense_loss(cfg: LossConfig, bug: str | None = None):
     """A loss for configuration ``cfg`` with one injected ``bug`` (a key of :data:`BUGS`) or none."""
     if bug is not None and bug not in BUGS:
         raise KeyError(f"unknown bug {bug!r}; expected one of {list(BUGS)}")
+    unsupported = [name for name, on in (("sequence rejection rules", cfg.has_sequence_rejections),
+                                         ("batch_normalize", cfg.batch_normalize is not False),
+                                         ("rejected_in_normalizer=False", not cfg.rejected_in_normalizer),
+                                         ("ppo_ratio='gspo_token'", cfg.ppo_ratio != "token")) if on]
+    if unsupported or (cfg.needs_proximal and cfg.level != "token"):
+        raise NotImplementedError(f"dense_loss does not implement {unsupported or ['sequence-level PPO weights']}")
 
-    def loss_fn(logits, tokens, sampler_logprobs, candidates, advantages, temperature, loss_mask=None, seq_ids=None):
+    def loss_fn(logits, tokens, sampler_logprobs, candidates, advantages, temperature, loss_mask=None, seq_ids=None,
+                proximal_logprobs=None):
         trained = torch.ones_like(tokens, dtype=torch.bool) if loss_mask is None else loss_mask
         tau = temperature * temperature if bug == "temperature_twice" else temperature
         z = logits.double()
@@ -121,6 +193,16 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
         lq = sampler_logprobs.double()
         lq_used = lq if bug == "sampler_grad_leak" else lq.detach()
         lp_for_w = logp_y if bug == "weights_not_detached" else logp_y.detach()
+        adv = advantages.double().detach()
+        if cfg.needs_proximal:
+            # Decoupled PPO / CISPO: the weight acts on pi_prox / q; an impossible token weighs 0.
+            prox = proximal_logprobs.double().detach()
+            w = _f(prox - lq_used, cfg, bug)
+            w = torch.where(logp_y.detach() == -math.inf, torch.zeros_like(w), w)
+            s = _surrogate(logp_y, prox, adv, cfg, bug)
+            loss = torch.where(w != 0, -w * s, torch.zeros_like(s))
+            loss = torch.where((adv != 0) & trained, loss, torch.zeros_like(loss))
+            return loss if cfg.aggregation is None else _aggregate(loss, trained, seq_ids, cfg, bug)
         if cfg.level == "token" or bug == "sequence_as_token":
             w = _f(lp_for_w - lq_used, cfg, bug)
         else:
@@ -150,7 +232,6 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
             if bug == "sc_skipped":
                 c = zero
             term = term - torch.where(c != 0, c * lpc, zero).sum(1)
-        adv = advantages.double().detach()
         loss = adv * term if bug == "sign_error" else -adv * term
         keep = (adv != 0) if bug == "mask_ignored" else (adv != 0) & trained
         loss = torch.where(keep, loss, torch.zeros_like(loss))

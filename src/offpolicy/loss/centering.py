@@ -13,7 +13,10 @@ alpha p(v)``, and ``sum_{all v} p(v) grad log p(v) = grad sum_v p(v) = 0``, so
 ``sum_{v not in H} alpha p(v) grad log p(v) = -sum_{v in H} alpha p(v) grad log p(v)``.
 ``rho = (1 - Q_H) / (1 - P_H)`` makes ``q_hat`` a distribution; both masses are floored at ``eps = 1e-6``.
 
-Support records: the tail is empty, ``p = p^S``, ``rho = 1`` and ``alpha = f(1)``.
+Support records: the tail is empty, ``p = p^S``, ``rho = 1`` and ``alpha = f(1)``. The ``-alpha p^S`` term then
+has zero gradient (``sum_{v in S} p^S(v) grad log p^S(v) = 0``) but is kept, not dropped: it adds
+``-A f(1) H(p^S)`` to the loss value, which is the value the research code reports (its estimator forms
+``m - alpha p`` for every record), so loss curves compare across trainers (docs/spec.md#score-centering).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from offpolicy.testing.checks import (
     run_invariant,
     with_config,
 )
-from offpolicy.testing.config import LossConfig, every_config
+from offpolicy.testing.config import LossConfig, every_config, family_configs
 
 __all__ = [
     "DEFAULT_MAX_EXAMPLES",
@@ -43,6 +43,7 @@ __all__ = [
     "Report",
     "check_all",
     "every_config",
+    "family_configs",
     "project_loss",
     "pytest_suite",
     "run_invariant",

@@ -14,11 +14,12 @@ The function is reached through one adapter signature (:data:`LossFn`)::
     token_loss        [N] per-token loss, unaggregated (no mean); the kit differentiates its sum; or, with
                       LossConfig(aggregation=...), the aggregated scalar loss []
 
-Two optional keywords widen what is checked: ``loss_mask`` ([N] bool, True on trained tokens; the ``masking``
-invariant runs when the function takes it) and ``seq_ids`` ([N] int64 packed sequence ids; needed for
-``LossConfig(level="sequence" | "geometric")``, whose batches the kit packs into random sequences). The function
-receives each keyword only where the check uses it. Sequence aggregations (``seq_mean_token_mean``,
-``seq_mean_token_sum``) need ``seq_ids`` too.
+Optional keywords widen what is checked: ``loss_mask`` ([N] bool, True on trained tokens; the ``masking``
+invariant runs when the function takes it), ``seq_ids`` ([N] int64 packed sequence ids; needed for
+``LossConfig(level="sequence" | "geometric")``, whose batches the kit packs into random sequences, and for every
+other sequence-wise part of a configuration: sequence rejections, ``batch_normalize="sequences"``,
+``ppo_ratio="gspo_token"``, sequence aggregations) and ``proximal_logprobs`` ([N] float ``log pi_prox(y_t)``; needed
+for decoupled PPO and CISPO). The function receives each keyword only where the check uses it.
 
 and a :class:`~offpolicy.testing.LossConfig` declaring which correction it claims. Each invariant is a property
 over a hypothesis strategy from :mod:`offpolicy.testing.strategies`; a violation is shrunk to a small example
@@ -53,7 +54,9 @@ from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from offpolicy.corrections import registry as reg
 from offpolicy.corrections.registry import LEVELS, WEIGHT_MODES
+from offpolicy.loss.aggregation import SEQUENCE_AGGREGATIONS
 from offpolicy.records.candidates import Candidates
 from offpolicy.reference import TAIL_EPS, log_probs, reference_policy_loss, support_mask
 from offpolicy.testing.config import LossConfig
@@ -65,6 +68,7 @@ from offpolicy.testing.strategies import (
     positions,
     problems,
     temperatures,
+    with_proximal,
     with_sequences,
 )
 
@@ -106,6 +110,7 @@ class _Fed:
     loss_mask: Tensor | None = None
     seq_ids: Tensor | None = None
     scalar: bool = False  # the function returns the aggregated scalar, not per-token losses
+    prox: Tensor | None = None  # proximal log-probabilities (decoupled PPO, CISPO)
 
     @property
     def loss_name(self) -> str:
@@ -113,7 +118,7 @@ class _Fed:
 
     def keywords(self) -> dict[str, Tensor]:
         """The optional keywords this call passes (only those set)."""
-        kw = {"loss_mask": self.loss_mask, "seq_ids": self.seq_ids}
+        kw = {"loss_mask": self.loss_mask, "seq_ids": self.seq_ids, "proximal_logprobs": self.prox}
         return {k: v for k, v in kw.items() if v is not None}
 
     def trained(self) -> Tensor:
@@ -139,8 +144,14 @@ def _feed(prob: Problem, cfg: LossConfig, logits: Tensor | None = None, sampler_
         cands = Candidates(prob.candidates.ids.clone(), clp, prob.candidates.kind)
     seq_ids = prob.seq_ids.clone() if cfg.needs_sequences and prob.seq_ids is not None else None
     mask = None if loss_mask is None else loss_mask.clone()
+    prox = None
+    if cfg.needs_proximal:
+        if prob.proximal_logprobs is None:
+            raise ValueError("the configuration needs proximal log-probabilities: draw problems through "
+                             "offpolicy.testing.strategies.with_proximal")
+        prox = prob.proximal_logprobs.to(sd).detach().requires_grad_(sampler_grad)
     return _Fed(z, prob.tokens.clone(), lq, cands, adv, float(prob.temperature), mask, seq_ids,
-                cfg.aggregation is not None)
+                cfg.aggregation is not None, prox)
 
 
 def _call(fn: LossFn, fed: _Fed, example: str) -> Tensor:
@@ -187,48 +198,116 @@ def _reference(fed: _Fed, cfg: LossConfig) -> tuple[Tensor, Tensor]:
         z, fed.tokens, fed.lq.detach().double(), fed.adv.detach().double(), cands, fed.loss_mask, fed.tau,
         cfg.correction, fed.seq_ids, aggregation=agg,
         constant_normalizer=cfg.constant_normalizer if cfg.aggregation else (1.0 if agg == "constant" else None),
+        proximal_logprobs=None if fed.prox is None else fed.prox.detach().double(),
     )
     (g,) = torch.autograd.grad(loss, z)
     return (loss.detach() if fed.scalar else token_loss), g
 
 
+def _kl_band(rule) -> tuple[float, float]:
+    """A KL rule's kept band: ``(lo, hi)`` two-sided, else ``(-inf, threshold)``."""
+    return tuple(rule.threshold) if isinstance(rule.threshold, tuple) else (-math.inf, rule.threshold)
+
+
 def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
-    """Whether a ratio the weight function sees lies within the margin of one of its jumps (MIS / rejection
-    bounds, applied to the sampled token, to each candidate under centering, and to the head's tail ratio)."""
+    """Whether a statistic the loss jumps on (in value or gradient) lies within the margin of the jump, where
+    rounding alone may put it on either side:
+
+    * the weight function's bounds (MIS / rejection) on the ratio it sees (``p / q``, or ``pi_prox / q`` under
+      a proximal surrogate; each sequence's reduction at the sequence levels), on each candidate under centering
+      and on the head's tail ratio;
+    * token-level rejection rules (ratio bands, KL thresholds) on the same ratios;
+    * sequence rules: ratio and KL bands on each sequence's statistic, the veto on its smallest ratio, OPSM on its
+      mean ``lq - log p``;
+    * the clipped surrogates' kinks: ``u = p / pi_prox`` (GSPO-token: the sequence's geometric ``u``) at
+      ``1 - eps_lo``, ``1 + eps_hi``, the delta cap and the dual clip ``c`` (CISPO's clamp is continuous).
+    """
     corr = cfg.correction
-    if not WEIGHT_MODES[corr.weights].masks_outside or fed.tokens.shape[0] == 0:
+    n = fed.tokens.shape[0]
+    if n == 0:
         return False
-    jumps = [math.log(b) for b in (corr.lower, corr.upper) if b > 0]
     support = fed.cands is not None and fed.cands.kind == "support"
     z = fed.logits.detach().double()
     lp = log_probs(z, fed.tau, support_mask(fed.cands, z.shape[1]) if support else None)
-    n = fed.tokens.shape[0]
     trained = fed.trained()
-    token_log_r = torch.where(trained, lp[torch.arange(n), fed.tokens] - fed.lq.detach().double(), 0.0)
-    log_r = [token_log_r[trained]]
-    level = LEVELS[cfg.level]
-    if fed.seq_ids is not None and level.per_sequence:
-        # Sequence levels: the weight function sees the level's reduction (sum, mean) of each sequence's trained
-        # log-ratios.
-        log_r = []
+    logp_y = lp[torch.arange(n), fed.tokens]
+    lq = fed.lq.detach().double()
+    prox = None if fed.prox is None else fed.prox.detach().double()
+    base = logp_y if prox is None else prox
+    token_log_r = torch.where(trained, base - lq, 0.0)
+    seqs = []
+    if fed.seq_ids is not None:
         for sid in torch.unique(fed.seq_ids).tolist():
-            rows = (fed.seq_ids == sid) & trained
-            if bool(rows.any()):
-                log_r.append(level.reference(token_log_r[rows]).reshape(1))
-        log_r.append(torch.zeros(0, dtype=torch.float64))
+            rows = ((fed.seq_ids == sid) & trained).nonzero().reshape(-1)
+            if rows.numel():
+                seqs.append(rows)
+    pairs: list[tuple[Tensor, list[float]]] = []  # (statistics, the values they jump at)
+
+    mode_jumps = ([math.log(b) for b in (corr.lower, corr.upper) if 0 < b < math.inf]
+                  if WEIGHT_MODES[corr.weights].masks_outside else [])
+    level = LEVELS[cfg.level]
+
+    def token_ratio_pairs(log_r: Tensor, with_mode: bool = True) -> None:
+        # The weight function and the token-level rejection rules folded into it, at log-ratios log_r.
+        if with_mode:
+            pairs.append((log_r, mode_jumps))
+        clamped = log_r.clamp(-corr.max_log_ratio, corr.max_log_ratio)
+        for rule in corr.token_rejection_rules():
+            if rule.kind == "ratio":
+                pairs.append((log_r, [math.log(b) for b in (rule.lower, rule.upper) if b > 0]))
+            else:
+                k = reg.ESTIMATORS[rule.estimator].reference(torch.exp(clamped))
+                pairs.append((k, [t for t in _kl_band(rule) if math.isfinite(t)]))
+
+    if level.per_sequence:
+        pairs.append((torch.stack([level.reference(token_log_r[idx]) for idx in seqs]) if seqs
+                      else torch.zeros(0, dtype=torch.float64), mode_jumps))
+        token_ratio_pairs(token_log_r[trained], with_mode=False)
+    else:
+        token_ratio_pairs(token_log_r[trained])
+    for _, rule in corr.rejection_rules:
+        if not reg.REJECTION_KINDS[rule.kind].per_sequence(rule) or not seqs:
+            continue
+        if rule.kind == "ratio":
+            stats = torch.stack([LEVELS[rule.level].reference(token_log_r[idx]) for idx in seqs])
+            pairs.append((stats, [math.log(b) for b in (rule.lower, rule.upper) if b > 0]))
+        else:
+            est = reg.ESTIMATORS[rule.estimator]
+            stats = torch.stack([reg.KL_LEVELS[rule.level].reference(
+                est.reference(torch.exp(token_log_r[idx].clamp(-corr.max_log_ratio, corr.max_log_ratio))))
+                for idx in seqs])
+            pairs.append((stats, [t for t in _kl_band(rule) if math.isfinite(t)]))
+    if corr.veto is not None and seqs:
+        pairs.append((torch.stack([token_log_r[idx].min() for idx in seqs]), [math.log(corr.veto)]))
+    if corr.opsm_delta is not None and seqs:
+        current = torch.where(trained, logp_y - lq, 0.0)
+        pairs.append((torch.stack([(-current[idx]).mean() for idx in seqs]), [corr.opsm_delta]))
     if cfg.score_centering and fed.cands is not None:
         valid = fed.cands.ids >= 0
         lpc = lp.gather(1, fed.cands.ids.clamp_min(0))
         lqc = fed.cands.logprobs.detach().double()
-        log_r.append((lpc - lqc)[valid & torch.isfinite(lqc) & torch.isfinite(lpc)])
+        token_ratio_pairs((lpc - lqc)[valid & torch.isfinite(lqc) & torch.isfinite(lpc)])
         if not support:
             p_h = torch.where(valid, lpc.exp(), torch.zeros_like(lpc)).sum(1)
             q_h = torch.where(valid, lqc.exp(), torch.zeros_like(lqc)).sum(1)
             rho = (1 - q_h).clamp_min(TAIL_EPS) / (1 - p_h).clamp_min(TAIL_EPS)
-            log_r.append(-torch.log(rho))
-    r = torch.cat([x.reshape(-1) for x in log_r])
-    r = r[torch.isfinite(r)]
-    return any(bool(((r - j).abs() < cfg.margin).any()) for j in jumps)
+            token_ratio_pairs(-torch.log(rho))
+    if corr.ppo_clip is not None and prox is not None:
+        log_u = torch.where(trained, logp_y - prox, 0.0)
+        if corr.ppo_ratio == "gspo_token":
+            log_u = torch.stack([log_u[idx].mean() for idx in seqs]) if seqs else log_u[:0]
+        else:
+            log_u = log_u[trained]
+        lo, hi = corr.ppo_clip
+        kinks = [math.log(1 - lo), math.log(1 + hi)] if lo < 1 else [math.log(1 + hi)]
+        kinks += [math.log(c) for c in (corr.ppo_delta, corr.dual_clip) if c is not None]
+        pairs.append((log_u, kinks))
+    for stats, jumps in pairs:
+        vals = stats.reshape(-1)
+        vals = vals[torch.isfinite(vals)]
+        if any(bool(((vals - j).abs() < cfg.margin).any()) for j in jumps):
+            return True
+    return False
 
 
 def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
@@ -344,7 +423,14 @@ def _batches(cfg: LossConfig, record: str | None | bool = False) -> st.SearchStr
     """Generic batches for ``cfg`` (``record`` overrides ``cfg.record``), packed into sequences for
     sequence-level configurations."""
     batches = problems(cfg.record if record is False else record, temperature=_generic_temperatures(cfg))
-    return with_sequences(batches) if cfg.needs_sequences else batches
+    return _dressed(batches, cfg)
+
+
+def _dressed(batches: st.SearchStrategy[Problem], cfg: LossConfig) -> st.SearchStrategy[Problem]:
+    """``batches`` with what ``cfg`` needs besides: packed sequences, proximal log-probabilities."""
+    if cfg.needs_sequences:
+        batches = with_sequences(batches)
+    return with_proximal(batches) if cfg.needs_proximal else batches
 
 
 def _prop_agreement(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
@@ -495,13 +581,15 @@ def _prop_sampler_no_grad(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
     named = [("sampler_logprobs", fed.lq), ("advantages", fed.adv)]
     if fed.cands is not None:
         named.append(("candidates.logprobs", fed.cands.logprobs))
+    if fed.prox is not None:
+        named.append(("proximal_logprobs", fed.prox))
     grads = _grads(out, [t for _, t in named], ex)
     for (name, _), g in zip(named, grads):
         if g is not None and bool((g != 0).any()):
             idx = [int(i) for i in (g != 0).nonzero()[0]]
             raise _Fail(f"gradient flows into {name}: d sum(loss) / d {name} = {_rows(g.detach().double())} "
                         f"(first nonzero at {idx}); sampler-side tensors and advantages must be detached "
-                        "(w = sg(f(r)), c = sg(c))", ex)
+                        "(w = sg(f(r)), c = sg(c), pi_prox is data)", ex)
 
 
 def _prop_hostile(fn: LossFn, cfg: LossConfig, prob: Problem) -> None:
@@ -527,9 +615,11 @@ def _masking_cases(draw: st.DrawFn, cfg: LossConfig) -> tuple[Problem, Tensor]:
         # What padded batches hold at untrained positions: placeholder sampler log-probabilities (0) and
         # advantages; a sequence-level ratio that counts those tokens changes.
         off = ~mask
+        prox = None if prob.proximal_logprobs is None else torch.where(off, 0.0, prob.proximal_logprobs)
         prob = replace(prob, sampler_logprobs=torch.where(off, 0.0, prob.sampler_logprobs),
-                       advantages=torch.where(off, 1e3, prob.advantages),
-                       notes={**prob.notes, "untrained rows": "lq=0, A=1e3"})
+                       advantages=torch.where(off, 1e3, prob.advantages), proximal_logprobs=prox,
+                       notes={**prob.notes, "untrained rows": "lq=0, A=1e3" + (", prox=0" if prox is not None
+                                                                                  else "")})
     return prob, mask
 
 
@@ -575,7 +665,14 @@ def _always(cfg: LossConfig) -> str | None:
 
 
 def _needs_centering(cfg: LossConfig) -> str | None:
-    return None if cfg.score_centering else "not applicable: the configuration does not claim score centering"
+    if not cfg.score_centering:
+        return "not applicable: the configuration does not claim score centering"
+    if cfg.has_sequence_rejections:
+        # Centering corrects each position's expected score with f, which holds the token-level rules only; a rule
+        # that drops a whole sequence on a sequence statistic is not a function of the position's own ratio.
+        return (f"not applicable: sequence rejection rules {list(cfg.correction.sequence_rules)} drop whole "
+                "sequences on a sequence statistic, which the per-position centering does not see")
+    return None
 
 
 def _needs_token_level(cfg: LossConfig) -> str | None:
@@ -588,6 +685,14 @@ def _needs_identity_weight(cfg: LossConfig) -> str | None:
     corr = cfg.correction
     if LEVELS[cfg.level].per_sequence:
         return _needs_token_level(cfg)
+    if cfg.surrogate != "score_function":
+        return (f"not applicable: the {cfg.surrogate!r} surrogate multiplies f(pi_prox / q) by a clipped function "
+                "of u = p / pi_prox, not by log p: it is plain IS only where every u lies inside the clip band")
+    if corr.rejection_rules or corr.sequence_rules:
+        return "not applicable: rejection rules zero tokens or sequences where f(r) = r alone would keep them"
+    if cfg.batch_normalize is not False:
+        return ("not applicable: batch normalisation divides the weights by the batch's mean weight, a "
+                "data-dependent constant, so E_q[grad loss] is E_p[grad of -A log p] divided by it")
     if not WEIGHT_MODES[cfg.weights].ratio_inside:
         modes = [m.name for m in WEIGHT_MODES.values() if m.ratio_inside]
         names = " and ".join([", ".join(modes[:-1]), modes[-1]] if len(modes) > 1 else modes)
@@ -627,7 +732,7 @@ class Invariant:
 
 def _hostile_cases(cfg: LossConfig) -> st.SearchStrategy[Problem]:
     batches = hostile_problems(cfg.record, zero_weight_at_zero_ratio=cfg.weight_at_zero == 0.0)
-    return with_sequences(batches) if cfg.needs_sequences else batches
+    return _dressed(batches, cfg)
 
 
 def _is_bounds(cfg: LossConfig) -> tuple[float, float]:
@@ -751,8 +856,9 @@ class Report:
 
 
 def _keywords(fn: Callable) -> set[str]:
-    """The optional keywords (``loss_mask``, ``seq_ids``) a loss function takes (all of them with ``**kwargs``)."""
-    optional = {"loss_mask", "seq_ids"}
+    """The optional keywords (``loss_mask``, ``seq_ids``, ``proximal_logprobs``) a loss function takes (all of them
+    with ``**kwargs``)."""
+    optional = {"loss_mask", "seq_ids", "proximal_logprobs"}
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin or extension callable: pass only the six positional arguments
@@ -794,9 +900,14 @@ def run_invariant(
     inv = INVARIANTS[invariant]
     takes = _keywords(fn)
     if config.needs_sequences and "seq_ids" not in takes:
-        what = f"level={config.level!r}" if config.level != "token" else f"aggregation={config.aggregation!r}"
+        what = (f"level={config.level!r}" if config.level != "token" else
+                f"aggregation={config.aggregation!r}" if config.aggregation in SEQUENCE_AGGREGATIONS else
+                "a sequence-wise rule, normalisation or surrogate")
         raise ValueError(f"LossConfig({what}) works on packed sequences: the loss function {_target_name(fn)} must "
                          "take a seq_ids keyword ([N] int64 packed sequence ids)")
+    if config.needs_proximal and "proximal_logprobs" not in takes:
+        raise ValueError(f"LossConfig(surrogate {config.surrogate!r}) needs the proximal policy's log-probabilities: "
+                         f"the loss function {_target_name(fn)} must take a proximal_logprobs keyword ([N] float)")
     reason = inv.applies(config)
     missing = [k for k in inv.needs if k not in takes]
     if reason is None and missing:

@@ -2,7 +2,10 @@
 
 The checkers compare the function against :func:`offpolicy.reference.reference_policy_loss` under the
 :class:`~offpolicy.Correction` this configuration names, and decide which invariants apply (zero drift only when
-score centering is claimed, support replay only for support records, ...).
+score centering is claimed, support replay only for support records, ...). Every field of
+:class:`~offpolicy.Correction` can be declared: the weights and their level, score centering, the rejection rules
+(``veto``, ``kl_rejection``, ``opsm_delta``, chained ``rejections``), batch normalisation, the normaliser
+convention and the surrogates (decoupled PPO with its dual clip, delta and GSPO-token ratio, CISPO).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+
+from offpolicy.corrections.correction import KLRejection, RatioRejection
 
 from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
 from offpolicy.corrections.correction import Correction
@@ -30,6 +35,11 @@ DEFAULT_TOLERANCES = {
     torch.float16: (3e-2, 1e-3),
     torch.bfloat16: (3e-2, 1e-3),
 }
+
+#: The :class:`LossConfig` fields that mirror :class:`~offpolicy.Correction` beyond the weights (shown by
+#: :meth:`LossConfig.describe` when not at their defaults).
+_CORRECTION_EXTRAS = ("veto", "kl_rejection", "opsm_delta", "rejections", "batch_normalize", "rejected_in_normalizer",
+                      "ppo_clip", "dual_clip", "ppo_delta", "ppo_ratio", "cispo")
 
 #: Examples whose ratios fall this close (in log space) to a discontinuity of the weight function (MIS and
 #: rejection bounds, the tail ratio's bounds) are skipped: rounding alone may put them on either side.
@@ -57,6 +67,16 @@ class LossConfig:
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before exponentiating (docs/spec.md#weights).
         dtype: the dtype of every float tensor the kit passes (logits, log-probabilities, advantages).
         rtol, atol: comparison tolerances; None takes :data:`DEFAULT_TOLERANCES` for ``dtype``.
+        veto, kl_rejection, opsm_delta, rejections: rejection rules, as in :class:`~offpolicy.Correction`
+            (``rejections``: a tuple of ``KLRejection`` / ``RatioRejection`` items, chained). Sequence-level rules
+            need a ``seq_ids`` keyword.
+        batch_normalize: ``False``, ``True`` / ``"tokens"`` or ``"sequences"`` (the latter needs ``seq_ids``).
+        rejected_in_normalizer: False removes rejected tokens from the aggregation's normaliser (only visible
+            with an ``aggregation``).
+        ppo_clip, dual_clip, ppo_delta, ppo_ratio, cispo: the surrogate (docs/spec.md#decoupled-ppo). Decoupled
+            PPO and CISPO need a function that takes a ``proximal_logprobs`` keyword (``[N]``, ``log pi_prox`` of
+            each token; the kit draws it near the trainer's own log-probability); ``ppo_ratio="gspo_token"`` also
+            needs ``seq_ids``.
     """
 
     weights: str = "none"
@@ -70,6 +90,17 @@ class LossConfig:
     dtype: torch.dtype = torch.float64
     rtol: float | None = None
     atol: float | None = None
+    veto: float | None = None
+    kl_rejection: KLRejection | None = None
+    opsm_delta: float | None = None
+    rejections: tuple[KLRejection | RatioRejection, ...] = ()
+    batch_normalize: bool | str = False
+    rejected_in_normalizer: bool = True
+    ppo_clip: tuple[float, float] | None = None
+    dual_clip: float | None = None
+    ppo_delta: float | None = None
+    ppo_ratio: str = "token"
+    cispo: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.record not in RECORDS:
@@ -87,20 +118,45 @@ class LossConfig:
             raise ValueError("LossConfig.constant_normalizer goes with aggregation='constant' (and only with it)")
         if self.constant_normalizer is not None and not self.constant_normalizer > 0:
             raise ValueError(f"LossConfig.constant_normalizer must be > 0, got {self.constant_normalizer!r}")
-        if isinstance(self.bounds, list):
-            object.__setattr__(self, "bounds", tuple(self.bounds))
-        self.correction  # validates weights and bounds with Correction's own messages
+        for name in ("bounds", "rejections", "ppo_clip", "cispo"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        self.correction  # validates every correction field with Correction's own messages
+        if not self.rejected_in_normalizer and self.aggregation is None:
+            raise ValueError("LossConfig(rejected_in_normalizer=False) changes only the aggregation's normaliser: "
+                             "declare the aggregation the function returns (e.g. aggregation='token_mean')")
 
     @property
     def correction(self) -> Correction:
         """The :class:`~offpolicy.Correction` the reference is run with."""
         return Correction(weights=self.weights, bounds=self.bounds, level=self.level,
-                          score_centering=self.score_centering, max_log_ratio=self.max_log_ratio)
+                          score_centering=self.score_centering, max_log_ratio=self.max_log_ratio, veto=self.veto,
+                          kl_rejection=self.kl_rejection, opsm_delta=self.opsm_delta, rejections=self.rejections,
+                          batch_normalize=self.batch_normalize, rejected_in_normalizer=self.rejected_in_normalizer,
+                          ppo_clip=self.ppo_clip, dual_clip=self.dual_clip, ppo_delta=self.ppo_delta,
+                          ppo_ratio=self.ppo_ratio, cispo=self.cispo)
 
     @property
     def needs_sequences(self) -> bool:
-        """Whether batches are packed into sequences (``seq_ids``): sequence-level weights or aggregations."""
-        return LEVELS[self.level].per_sequence or self.aggregation in SEQUENCE_AGGREGATIONS
+        """Whether batches are packed into sequences (``seq_ids``): sequence-level weights, rejections,
+        normalisation or surrogate (GSPO-token), or a sequence aggregation."""
+        return self.correction.needs_sequences or self.aggregation in SEQUENCE_AGGREGATIONS
+
+    @property
+    def needs_proximal(self) -> bool:
+        """Whether the function receives ``proximal_logprobs`` (decoupled PPO, CISPO)."""
+        return self.correction.surrogate.needs_proximal
+
+    @property
+    def surrogate(self) -> str:
+        """The name of the registry's surrogate the configuration selects (``"score_function"``, ``"ppo"``,
+        ``"ppo_dual_clip"``, ``"gspo_token"``, ``"cispo"``)."""
+        return self.correction.surrogate.name
+
+    @property
+    def has_sequence_rejections(self) -> bool:
+        """Whether a rule drops whole sequences (veto, OPSM, sequence-level KL / ratio rejections)."""
+        return bool(self.correction.sequence_rules)
 
     @property
     def tolerances(self) -> tuple[float, float]:
@@ -131,14 +187,36 @@ class LossConfig:
         agg = "" if self.aggregation is None else f", aggregation={self.aggregation!r}"
         if self.constant_normalizer is not None:
             agg += f", constant_normalizer={self.constant_normalizer:g}"
+        extra = "".join(f", {f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                        if f.name in _CORRECTION_EXTRAS and getattr(self, f.name) != f.default)
         return (f"LossConfig(weights={self.weights!r}{bounds}, score_centering={self.score_centering}, "
-                f"record={self.record!r}{level}{agg}, dtype={str(self.dtype).replace('torch.', '')}{mlr}{tol})")
+                f"record={self.record!r}{level}{agg}{extra}, dtype={str(self.dtype).replace('torch.', '')}{mlr}"
+                f"{tol})")
+
+    def short(self) -> str:
+        """A compact identifier (``"mis+sc-support"``, ``"none-head+ppo_dual_clip"``) for test ids."""
+        out = f"{self.weights}{'+sc' if self.score_centering else ''}-{self.record}"
+        if self.level != "token":
+            out += f"-{self.level}"
+        if self.surrogate != "score_function":
+            out += f"+{self.surrogate}" + (f"+delta{self.ppo_delta:g}" if self.ppo_delta is not None else "")
+        if self.rejections or self.kl_rejection is not None or self.veto is not None or self.opsm_delta is not None:
+            out += f"+rej{len(self.correction.rejection_rules) + (self.veto is not None) + (self.opsm_delta is not None)}"
+        if self.batch_normalize is not False:
+            out += f"+bn-{'tokens' if self.batch_normalize is True else self.batch_normalize}"
+        if not self.rejected_in_normalizer:
+            out += "+rejected_out"
+        if self.aggregation is not None:
+            out += f"-{self.aggregation}"
+        return out
 
     @classmethod
     def parse(cls, text: str) -> "LossConfig":
         """Parse ``"weights=mis,bounds=0.5:5,score_centering=1,record=support,level=token,dtype=float32"`` (the
         ``OFFPOLICY_CONFIG`` environment variable). ``sc`` abbreviates ``score_centering``; ``record=none`` is
-        None; ``bounds`` is ``C`` or ``L:U``."""
+        None; ``bounds`` is ``C`` or ``L:U``; ``ppo_clip`` and ``cispo`` are ``lo:hi``; ``batch_normalize`` is
+        ``0``, ``1``, ``tokens`` or ``sequences``. Rejection rules (``kl_rejection``, ``rejections``) are objects:
+        declare them with :func:`~offpolicy.testing.with_config` instead."""
         names = {f.name for f in fields(cls)}
         kw: dict = {}
         for item in filter(None, (s.strip() for s in text.split(","))):
@@ -148,11 +226,20 @@ class LossConfig:
             key = "score_centering" if key == "sc" else key
             if key not in names:
                 raise ValueError(f"OFFPOLICY_CONFIG: unknown key {key!r}; expected one of {sorted(names)}")
+            if key in ("kl_rejection", "rejections"):
+                raise ValueError(f"OFFPOLICY_CONFIG: {key} holds rule objects; declare it in Python with "
+                                 "offpolicy.testing.with_config(LossConfig(...))")
             if key == "bounds":
                 parts = [float(p) for p in val.split(":")]
                 kw[key] = parts[0] if len(parts) == 1 else tuple(parts)
-            elif key == "score_centering":
+            elif key in ("ppo_clip", "cispo"):
+                kw[key] = None if val.lower() in ("none", "") else tuple(float(p) for p in val.split(":"))
+            elif key in ("score_centering", "rejected_in_normalizer"):
                 kw[key] = val.lower() in ("1", "true", "yes", "on")
+            elif key == "batch_normalize":
+                kw[key] = {"0": False, "false": False, "1": True, "true": True}.get(val.lower(), val)
+            elif key in ("veto", "opsm_delta", "dual_clip", "ppo_delta"):
+                kw[key] = None if val.lower() in ("none", "") else float(val)
             elif key in ("record", "aggregation"):
                 kw[key] = None if val.lower() in ("none", "") else val
             elif key == "dtype":
@@ -164,12 +251,39 @@ class LossConfig:
         return cls(**kw)
 
 
+def family_configs(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
+    """One configuration per member of the correction family beyond the weight modes: each surrogate (decoupled
+    PPO, its dual clip, TRL's delta, GSPO-token, CISPO in TRL's and slime's bounds), chained token-level rejections
+    (a ratio band and a two-sided ``k1`` band, with score centering), chained sequence-level rejections, veto and
+    OPSM, batch normalisation over tokens and over sequences, and rejected tokens out of the normaliser."""
+    return [
+        LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.28), dtype=dtype),
+        LossConfig(weights="tis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0, dtype=dtype),
+        LossConfig(weights="none", ppo_clip=(0.2, 0.2), ppo_delta=1.5, dtype=dtype),
+        LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.2), ppo_ratio="gspo_token", dtype=dtype),
+        LossConfig(weights="none", record="support", cispo=(0.0, 1.28), dtype=dtype),
+        LossConfig(weights="mis", record="head", cispo=(0.8, 1.2), dtype=dtype),
+        LossConfig(weights="mis", score_centering=True, record="support",
+                   rejections=(RatioRejection(0.3, 4.0), KLRejection((-0.4, 0.4), "k1")), dtype=dtype),
+        LossConfig(weights="tis", record="head",
+                   rejections=(RatioRejection(0.5, 3.0, "geometric"), KLRejection(0.3, "k3", "seq_max")), dtype=dtype),
+        LossConfig(weights="tis", record=None, veto=0.2, opsm_delta=0.2, dtype=dtype),
+        LossConfig(weights="mis", score_centering=True, record="head", batch_normalize="tokens", dtype=dtype),
+        LossConfig(weights="tis", record="support", batch_normalize="sequences", dtype=dtype),
+        LossConfig(weights="reject", record="head", kl_rejection=KLRejection(0.5, "k2"), rejected_in_normalizer=False,
+                   aggregation="token_mean", dtype=dtype),
+        LossConfig(weights="mis", record="support", rejections=(KLRejection((-0.3, 0.3), "k1", "seq_mean"),),
+                   rejected_in_normalizer=False, aggregation="seq_mean_token_mean", dtype=dtype),
+    ]
+
+
 def every_config(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
     """Every registered weight mode (:data:`offpolicy.corrections.registry.WEIGHT_MODES`) x score centering x
-    record kind (head / support), default bounds: the matrix the kit runs the project's own loss over."""
+    record kind (head / support), default bounds, then :func:`family_configs`: the matrix the kit runs the
+    project's own loss over."""
     return [
         LossConfig(weights=w, score_centering=sc, record=rec, dtype=dtype)
         for w in WEIGHT_MODES
         for sc in (False, True)
         for rec in ("head", "support")
-    ]
+    ] + family_configs(dtype)

@@ -15,7 +15,7 @@ Building blocks (public):
 Composite strategies (what the checkers in :mod:`offpolicy.testing.checks` draw from):
 
 * :func:`problems`: a batch (:class:`Problem`) for a given record kind, tokens drawn from the sampler's support;
-  :func:`with_sequences` packs a batch into sequences.
+  :func:`with_sequences` packs a batch into sequences; :func:`with_proximal` adds proximal log-probabilities.
 * :func:`positions`: one position with a *complete* sampler model (:class:`Position`): a support record, a head
   record covering the vocabulary, or a partial head whose true tail is exactly ``rho * p``
   (docs/spec.md#inv-head-exact). A position expands into one row per possible token, for exact expectations over
@@ -280,6 +280,8 @@ class Problem:
         notes: how the example was built (profile, mismatch, filter, hostile features), for failure reports.
         seq_ids: ``[N]`` int64 packed sequence ids (see :func:`with_sequences`), or None: every token stands
             alone.
+        proximal_logprobs: ``[N]`` float64 ``log pi_prox(y_t)`` of the proximal policy (decoupled PPO, CISPO; see
+            :func:`with_proximal`), or None.
     """
 
     logits: Tensor
@@ -291,6 +293,7 @@ class Problem:
     sampler_logq: Tensor
     notes: dict = field(default_factory=dict)
     seq_ids: Tensor | None = None
+    proximal_logprobs: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -310,6 +313,8 @@ class Problem:
         lines.append(f"advantages       = {_fmt(self.advantages)}")
         if self.seq_ids is not None:
             lines.append(f"seq_ids          = {_fmt(self.seq_ids)}")
+        if self.proximal_logprobs is not None:
+            lines.append(f"proximal_logprobs = {_fmt(self.proximal_logprobs)}")
         if self.candidates is None:
             lines.append("candidates       = None")
         else:
@@ -420,6 +425,34 @@ def with_sequences(draw: st.DrawFn, batches: st.SearchStrategy[Problem]) -> Prob
     :func:`packed_sequences`), for sequence-level weights and sequence-wise aggregations."""
     prob = draw(batches)
     return replace(prob, seq_ids=draw(packed_sequences(prob.num_tokens)))
+
+
+#: Log-distances of the proximal policy from the trainer, ``log pi_prox(y) - log p(y)``: on-policy, around PPO's
+#: usual clip band (0.2 - 0.28), far beyond it (``u = p / pi_prox = e^1.5 = 4.5``: past a dual clip of 3 and TRL's
+#: delta; twice as often as ``e^-1.5``), and anywhere in ``[-1.6, 1.6]`` (``u`` in ``[0.2, 5]``).
+_PROXIMAL_SHIFT = st.one_of(st.sampled_from([0.0, 0.1, -0.1, 0.3, -0.3]), st.sampled_from([-1.5, -1.5, 1.5]),
+                            st.floats(-1.6, 1.6, allow_nan=False))
+
+
+@st.composite
+def with_proximal(draw: st.DrawFn, batches: st.SearchStrategy[Problem]) -> Problem:
+    """A problem from ``batches`` with proximal log-probabilities (decoupled PPO, CISPO): ``log pi_prox(y_t) =
+    min(log p(y_t) + d_t, 0)`` with ``d_t`` drawn per token (:data:`_PROXIMAL_SHIFT`) and ``p`` the trainer's
+    distribution (over the support for support records), so that ``u = p / pi_prox`` falls on both sides of
+    PPO's clip band; where the trainer gives the token probability 0 the sampler's ``lq`` stands in (the
+    proximal policy is a real policy that emitted nothing impossible)."""
+    prob = draw(batches)
+    n = prob.num_tokens
+    x = prob.logits / prob.temperature
+    if prob.candidates is not None and prob.candidates.kind == "support":
+        ids = prob.candidates.ids
+        slot = torch.where(ids >= 0, ids, torch.full_like(ids, prob.vocab))
+        inside = torch.zeros(n, prob.vocab + 1, dtype=torch.bool).scatter(1, slot, True)[:, :-1]
+        x = x.masked_fill(~inside, _NEG_INF)
+    logp_y = torch.log_softmax(x, dim=1).gather(1, prob.tokens[:, None]).reshape(n) if n else x.new_zeros(0)
+    shifts = torch.tensor(draw(st.lists(_PROXIMAL_SHIFT, min_size=n, max_size=n)), dtype=torch.float64).reshape(n)
+    prox = torch.where(torch.isfinite(logp_y), (logp_y + shifts).clamp(max=0.0), prob.sampler_logprobs)
+    return replace(prob, proximal_logprobs=prox)
 
 
 # ----------------------------------------------------------------------------------------------------------------

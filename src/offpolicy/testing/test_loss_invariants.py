@@ -3,7 +3,7 @@
 Environment:
     OFFPOLICY_LOSS: ``module:function``, the loss to check (:data:`offpolicy.testing.LossFn`), or several
         separated by commas. Unset: the project's own :func:`offpolicy.policy_loss` in every weight mode x score
-        centering x record kind.
+        centering x record kind, and each member of the correction family (:func:`offpolicy.testing.every_config`).
     OFFPOLICY_CONFIG: what the function claims, e.g. ``"weights=mis,bounds=0.5:5,sc=1,record=support"``
         (:meth:`offpolicy.testing.LossConfig.parse`). Unset: the function's ``offpolicy_config`` attribute
         (set by :func:`offpolicy.testing.with_config`).
@@ -22,10 +22,6 @@ import sys
 import pytest
 
 from offpolicy.testing import INVARIANTS, LossConfig, every_config, project_loss, run_invariant
-
-
-def _short(cfg: LossConfig) -> str:
-    return f"{cfg.weights}{'+sc' if cfg.score_centering else ''}-{cfg.record}"
 
 
 def _load(spec: str):
@@ -47,7 +43,7 @@ def _load(spec: str):
 def _targets() -> list[tuple[str, object, LossConfig]]:
     specs = [x.strip() for x in os.environ.get("OFFPOLICY_LOSS", "").split(",") if x.strip()]
     if not specs:
-        return [(f"policy_loss[{_short(cfg)}]", project_loss(cfg), cfg) for cfg in every_config()]
+        return [(f"policy_loss[{cfg.short()}]", project_loss(cfg), cfg) for cfg in every_config()]
     text = os.environ.get("OFFPOLICY_CONFIG")
     out = []
     for spec in specs:
