@@ -372,6 +372,8 @@ def test_ppo_clip_disagreeing_with_grpo_config_raises():
         (op.Correction(weights="mis", score_centering=True), {"num_iterations": 2},
          r"cannot be combined with.*score_centering"),
         (op.Correction(), {"num_iterations": 2, "loss_type": "sapo"}, r"loss_type='sapo'.*no offpolicy equivalent"),
+        (op.Correction(), {"num_iterations": 2, "loss_type": "cispo", "importance_sampling_level": "sequence"},
+         r"loss_type='cispo', importance_sampling_level='sequence'.*no offpolicy equivalent"),
     ]
     for corr, kw, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
@@ -382,3 +384,6 @@ def test_ppo_clip_disagreeing_with_grpo_config_raises():
     assert resolve_correction(op.Correction(), _config()) == op.Correction()
     assert resolve_correction(op.Correction(), _config(num_iterations=2, loss_type="cispo", epsilon_high=5.0)) == \
         op.Correction(cispo=(0.0, 5.0))
+    assert resolve_correction(op.Correction(weights="tis"), _config(num_iterations=2, delta=1.5,
+                                                                    importance_sampling_level="sequence")) == \
+        op.Correction(weights="tis", ppo_clip=(0.2, 0.2), ppo_delta=1.5, ppo_ratio="gspo_token")

@@ -129,7 +129,8 @@ def records_from_scores(scores: Tensor, tokens: Tensor, record: str, head_k: int
 
 def trl_surrogate(args: Any) -> dict[str, Any] | None:
     """TRL's PPO-family surrogate for a ``GRPOConfig``, as :class:`~offpolicy.Correction` fields (docs/migrating.md's
-    TRL rows), or None where the ``loss_type`` has no offpolicy surrogate (``"sapo"``, ``"vespo"``).
+    TRL rows), or None where TRL's surrogate has no offpolicy one (``loss_type="sapo"`` / ``"vespo"``, and CISPO on
+    GSPO's sequence ratio).
 
     ``loss_type="cispo"`` -> ``cispo=(0, epsilon_high)``; otherwise ``ppo_clip=(epsilon, epsilon_high)``,
     ``ppo_delta=delta`` and ``ppo_ratio="gspo_token"`` under ``importance_sampling_level="sequence"`` (GSPO).
@@ -137,12 +138,13 @@ def trl_surrogate(args: Any) -> dict[str, Any] | None:
     """
     lo = float(args.epsilon)
     hi = float(args.epsilon_high) if args.epsilon_high is not None else lo
+    sequence = args.importance_sampling_level == "sequence"
+    if args.loss_type in ("sapo", "vespo") or (args.loss_type == "cispo" and sequence):
+        return None
     if args.loss_type == "cispo":
         return {"cispo": (0.0, hi)}
-    if args.loss_type in ("sapo", "vespo"):
-        return None
     return {"ppo_clip": (lo, hi), "ppo_delta": None if args.delta is None else float(args.delta),
-            "ppo_ratio": "gspo_token" if args.importance_sampling_level == "sequence" else "token"}
+            "ppo_ratio": "gspo_token" if sequence else "token"}
 
 
 def _config_words(field_name: str, args: Any) -> str:
@@ -186,9 +188,9 @@ def resolve_correction(correction: Correction, args: Any) -> Correction:
     if args.num_iterations <= 1:
         return correction
     if trl_fields is None:
-        raise ValueError(f"num_iterations={args.num_iterations} with GRPOConfig loss_type={args.loss_type!r}: TRL's "
-                         f"{args.loss_type} surrogate has no offpolicy equivalent; pass a Correction with ppo_clip or "
-                         "cispo for the reused generations")
+        raise ValueError(f"num_iterations={args.num_iterations} with GRPOConfig loss_type={args.loss_type!r}, "
+                         f"importance_sampling_level={args.importance_sampling_level!r}: TRL's surrogate has no "
+                         "offpolicy equivalent; pass a Correction with ppo_clip or cispo for the reused generations")
     if correction.score_centering:
         raise ValueError(f"num_iterations={args.num_iterations} runs TRL's PPO surrogate on reused generations "
                          f"(Correction {trl_fields}), which Correction.score_centering cannot be combined with "
