@@ -324,6 +324,13 @@ def test_ppo_stored_proximal_is_support_normalised_at_generation(ppo_run):
         print(f"stored proximal vs float64 support log-softmax: max |diff| "
               f"{float((stored.double() - want)[m].abs().max()):.2e}; vs full vocabulary "
               f"{float((stored.double() - full)[m].abs().max()):.3f}")
+    # record="logprobs": the loss is on the full vocabulary, and so is the stored proximal.
+    trainer, _ = _train(op.Correction(), "logprobs", top_p=1.0, steps=1, num_iterations=2)
+    assert trainer.offpolicy_correction.ppo_clip == (0.2, 0.2)
+    for s in trainer.seen:
+        m = s["inputs"]["completion_mask"].bool()
+        full = _generation_logprobs(trainer, s, support=False)
+        assert float((s["inputs"][PROXIMAL_KEY].double() - full)[m].abs().max()) < 1e-5
 
 
 def test_ppo_first_iteration_ratio_is_one(ppo_run):
