@@ -21,7 +21,8 @@ except ImportError as exc:
                       "set OFFPOLICY_SKIP_TRAINER_TESTS=1 to opt out") from exc
 
 import offpolicy as op
-from offpolicy.adapters.trl import IDS_KEY, LOGPROBS_KEY, OffPolicyGRPOTrainer, records_from_scores
+from offpolicy.adapters.trl import (IDS_KEY, LOGPROBS_KEY, PROXIMAL_KEY, OffPolicyGRPOTrainer, records_from_scores,
+                                    resolve_correction)
 from offpolicy.reference import reference_policy_loss
 
 WORDS = ["<pad>", "<eos>"] + [f"w{i}" for i in range(30)]
@@ -53,11 +54,17 @@ def _reward(completions, **kwargs):
 
 
 class RecordingTrainer(OffPolicyGRPOTrainer):
-    """Keeps each micro-batch's inputs, its loss and float64 logits computed by a plain dense forward."""
+    """Keeps each micro-batch's inputs, its loss and float64 logits computed by a plain dense forward, and a copy of
+    the model's parameters at each generation."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seen = []
+        self.generation_states = []
+
+    def _generate_and_score_completions(self, inputs):
+        self.generation_states.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+        return super()._generate_and_score_completions(inputs)
 
     def _compute_loss(self, model, inputs):
         loss = super()._compute_loss(model, inputs)
@@ -68,12 +75,13 @@ class RecordingTrainer(OffPolicyGRPOTrainer):
             logits = model(input_ids=ids, attention_mask=att).logits[:, -t - 1:-1].double()
             trl_logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, att, t)
         self.seen.append({"inputs": {k: v for k, v in inputs.items()}, "loss": loss.detach().clone(),
-                          "logits": logits, "trl_logps": trl_logps.detach(), **self.offpolicy_last})
+                          "logits": logits, "trl_logps": trl_logps.detach(),
+                          "generation": len(self.generation_states) - 1, **self.offpolicy_last})
         return loss
 
 
 def _train(correction, record, *, top_p=0.9, loss_type="dapo", steps=2, max_len=6, accum=2, temperature=0.9,
-           bf16=False):
+           bf16=False, **config):
     model = _model()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     ds = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
@@ -81,7 +89,7 @@ def _train(correction, record, *, top_p=0.9, loss_type="dapo", steps=2, max_len=
         output_dir=SCRATCH["out"], use_cpu=True, bf16=bf16,
         per_device_train_batch_size=4, gradient_accumulation_steps=accum, num_generations=4,
         max_completion_length=max_len, max_steps=steps, logging_steps=1, report_to=[], learning_rate=1e-2,
-        top_p=top_p, temperature=temperature, loss_type=loss_type, save_strategy="no", seed=0,
+        top_p=top_p, temperature=temperature, loss_type=loss_type, save_strategy="no", seed=0, **config,
     )
     trainer = RecordingTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=ds,
                                processing_class=_tokenizer(), correction=correction, record=record)
@@ -89,8 +97,9 @@ def _train(correction, record, *, top_p=0.9, loss_type="dapo", steps=2, max_len=
     return trainer, before
 
 
-def _reference(seen, correction, record, aggregation, temperature=0.9):
-    """float64 loss of one accumulation window (the micro-batches concatenated) by offpolicy.reference."""
+def _reference(seen, correction, record, aggregation, temperature=0.9, proximal=None):
+    """float64 loss of one accumulation window (the micro-batches concatenated) by offpolicy.reference;
+    ``proximal``: one ``[B, T]`` tensor of log pi_prox per micro-batch (decoupled PPO)."""
     logits, tokens, lq, adv, mask, seq, ids, clq = [], [], [], [], [], [], [], []
     offset = 0
     for s in seen:
@@ -109,8 +118,11 @@ def _reference(seen, correction, record, aggregation, temperature=0.9):
     m = torch.cat(mask)
     cands = op.Candidates(torch.cat(ids), torch.cat(clq).double(), kind=record) if ids else None
     lqs = torch.where(m, torch.cat(lq).double(), torch.zeros_like(m, dtype=torch.float64))
+    prox = None
+    if proximal is not None:
+        prox = torch.where(m, torch.cat([p.reshape(-1) for p in proximal]).double(), torch.zeros_like(lqs))
     loss, _, _ = reference_policy_loss(torch.cat(logits), torch.cat(tokens), lqs, torch.cat(adv), cands, m,
-                                       temperature, correction, torch.cat(seq), aggregation)
+                                       temperature, correction, torch.cat(seq), aggregation, proximal_logprobs=prox)
     return loss
 
 
@@ -235,8 +247,150 @@ def test_default_bf16_autocast_trains_with_a_numerics_gap():
 def test_rejects_options_whose_terms_the_correction_replaces():
     args = trl.GRPOConfig(output_dir=SCRATCH["out"], use_cpu=True, bf16=False,
                           per_device_train_batch_size=4, num_generations=4, max_completion_length=4, report_to=[],
-                          num_iterations=2, top_entropy_quantile=0.5)
+                          top_entropy_quantile=0.5)
     ds = Dataset.from_dict({"prompt": ["w1 w2"] * 4})
-    with pytest.raises(ValueError, match=r"top_entropy_quantile < 1.*num_iterations > 1"):
+    with pytest.raises(ValueError, match=r"does not support top_entropy_quantile < 1;"):
         OffPolicyGRPOTrainer(model=_model(), reward_funcs=_reward, args=args, train_dataset=ds,
                              processing_class=_tokenizer())
+
+
+# ---- decoupled PPO: num_iterations > 1 (docs/spec.md#decoupled-ppo) ----
+
+def _generation_logprobs(trainer, s, support, temperature=0.9):
+    """float64 ``log pi(y_t)`` ``[B, T]`` of micro-batch ``s`` under a fresh float64 copy of the model as it was at
+    that batch's generation, over the recorded support ``S_t`` or the full vocabulary; 0 on untrained tokens."""
+    model = _model().double()
+    model.load_state_dict(trainer.generation_states[s["generation"]])
+    x = s["inputs"]
+    t = x["completion_ids"].shape[1]
+    with torch.no_grad():
+        z = model(input_ids=torch.cat([x["prompt_ids"], x["completion_ids"]], 1),
+                  attention_mask=torch.cat([x["prompt_mask"], x["completion_mask"]], 1)).logits[:, -t - 1:-1]
+    z = z.double() / temperature
+    if support:
+        cand = x[IDS_KEY]
+        inside = torch.zeros(z.shape, dtype=torch.long).scatter_add_(2, cand.clamp(min=0), (cand >= 0).long()) > 0
+        z = z.masked_fill(~inside, float("-inf"))
+    lp = torch.log_softmax(z, -1).gather(2, x["completion_ids"][..., None])[..., 0]
+    return torch.where(x["completion_mask"].bool(), lp, torch.zeros_like(lp))
+
+
+@pytest.fixture(scope="module")
+def ppo_run():
+    """num_iterations=2, support replay at top_p=0.9: one generation batch (8 rows) trained twice, 2 micro-batches
+    per optimizer step; the Correction carries no ppo_clip, so TRL's (epsilon, epsilon_high) is filled in."""
+    trainer, _ = _train(op.Correction(weights="mis", bounds=(0.5, 5.0)), "support", num_iterations=2, epsilon=0.1,
+                        epsilon_high=0.15)
+    return trainer
+
+
+def test_ppo_second_iteration_loss_equals_float64_reference(ppo_run):
+    trainer = ppo_run
+    corr = trainer.offpolicy_correction
+    assert corr.ppo_clip == (0.1, 0.15) and trainer.offpolicy_proximal_at_generation
+    assert len(trainer.generation_states) == 1 and len(trainer.seen) == 4
+    window = trainer.seen[2:]  # the second pass over the generation batch, after one optimizer step
+    # The clip acts on part of this window: some tokens' p / pi_prox leave [1 - 0.1, 1 + 0.15], some stay inside.
+    u = torch.cat([(s["logprobs"] - s["proximal_logprobs"])[s["loss_mask"]] for s in window]).exp()
+    outside = ((u < 0.9) | (u > 1.15)).float().mean()
+    assert 0.05 < float(outside) < 0.95, float(outside)
+    # Reference: float64, from the loss-time logits and the float64 proximal of a fresh copy of the generation-time
+    # model (not the adapter's stored values). fp32 trainer vs float64: 1e-4 relative, as the other loss checks.
+    prox = [_generation_logprobs(trainer, s, support=True) for s in window]
+    got = sum(float(s["loss"]) for s in window)
+    ref = float(_reference(window, corr, "support", "token_mean", proximal=prox))
+    assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (got, ref)
+    # Without the PPO surrogate the same window's loss is another number: the check can tell the two apart.
+    plain = float(_reference(window, op.Correction(weights="mis", bounds=(0.5, 5.0)), "support", "token_mean"))
+    assert abs(plain - ref) > 100 * 1e-4 * abs(ref), (plain, ref)
+    print(f"num_iterations=2, second pass: clipped-ratio fraction {float(outside):.3f}, loss {got:.7f} vs float64 "
+          f"{ref:.7f} (without PPO {plain:.7f})")
+
+
+def test_ppo_stored_proximal_is_support_normalised_at_generation(ppo_run):
+    trainer = ppo_run
+    # seen[0:2] are the two micro-batches of the generation batch, each row once.
+    for s in trainer.seen[:2]:
+        m = s["inputs"]["completion_mask"].bool()
+        stored = s["inputs"][PROXIMAL_KEY]
+        assert stored.shape == s["inputs"]["completion_ids"].shape and stored.dtype == torch.float32
+        want = _generation_logprobs(trainer, s, support=True)
+        # fp32 forward of a 2-layer width-32 model against float64: rounding ~1e-6 on O(1) log-probs.
+        assert float((stored.double() - want)[m].abs().max()) < 1e-5
+        assert bool((stored[~m] == 0).all())
+        # The full-vocabulary log-probs (TRL's old_per_token_logps) differ by log P(S_t) where top_p cut the support.
+        full = _generation_logprobs(trainer, s, support=False)
+        assert float((stored.double() - full)[m].abs().max()) > 1e-2
+        print(f"stored proximal vs float64 support log-softmax: max |diff| "
+              f"{float((stored.double() - want)[m].abs().max()):.2e}; vs full vocabulary "
+              f"{float((stored.double() - full)[m].abs().max()):.3f}")
+    # record="logprobs": the loss is on the full vocabulary, and so is the stored proximal.
+    trainer, _ = _train(op.Correction(), "logprobs", top_p=1.0, steps=1, num_iterations=2)
+    assert trainer.offpolicy_correction.ppo_clip == (0.2, 0.2)
+    for s in trainer.seen:
+        m = s["inputs"]["completion_mask"].bool()
+        full = _generation_logprobs(trainer, s, support=False)
+        assert float((s["inputs"][PROXIMAL_KEY].double() - full)[m].abs().max()) < 1e-5
+
+
+def test_ppo_first_iteration_ratio_is_one(ppo_run):
+    """The first pass over a generation batch runs the model the proximal log-probs were taken with: p / pi_prox
+    is 1 (the clip inactive), and the weights act on pi_prox / q."""
+    for s in ppo_run.seen[:2]:
+        m = s["loss_mask"]
+        assert float((s["logprobs"] - s["proximal_logprobs"])[m].abs().max()) < 1e-6
+    # num_iterations=1 with the user's ppo_clip (agreeing with GRPOConfig): no reuse, so pi_prox is the current
+    # policy detached, taken from the loss's own hidden states: the ratio is exactly 1 and the loss is the float64
+    # reference's with pi_prox = p.
+    corr = op.Correction(weights="tis", bounds=(0.0, 2.0), ppo_clip=(0.2, 0.2))
+    trainer, _ = _train(corr, "head", top_p=1.0, steps=1)
+    assert not trainer.offpolicy_proximal_at_generation
+    window = trainer.seen[:2]
+    for s in window:
+        assert PROXIMAL_KEY not in s["inputs"]
+        assert bool((s["logprobs"] == s["proximal_logprobs"]).all())
+    current = [torch.log_softmax(s["logits"] / 0.9, -1).gather(2, s["inputs"]["completion_ids"][..., None])[..., 0]
+               for s in window]
+    got = sum(float(s["loss"]) for s in window)
+    ref = float(_reference(window, corr, "head", "token_mean", proximal=current))
+    assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (got, ref)
+
+
+def _config(**kw):
+    return trl.GRPOConfig(output_dir=SCRATCH["out"], use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                          num_generations=4, max_completion_length=4, report_to=[], **kw)
+
+
+def test_ppo_clip_disagreeing_with_grpo_config_raises():
+    ds = Dataset.from_dict({"prompt": ["w1 w2"] * 4})
+    with pytest.raises(ValueError, match=r"Correction.ppo_clip=\(0.2, 0.2\) disagrees with GRPOConfig epsilon=0.2, "
+                                         r"epsilon_high=0.28"):
+        OffPolicyGRPOTrainer(model=_model(), reward_funcs=_reward, args=_config(num_iterations=2, epsilon_high=0.28),
+                             train_dataset=ds, processing_class=_tokenizer(),
+                             correction=op.Correction(ppo_clip=(0.2, 0.2)))
+    # The same holds with num_iterations=1, and for TRL's other surrogate options.
+    cases = [
+        (op.Correction(ppo_clip=(0.1, 0.1)), {}, r"ppo_clip=\(0.1, 0.1\) disagrees with GRPOConfig epsilon=0.2"),
+        (op.Correction(ppo_clip=(0.2, 0.2)), {"delta": 1.5}, r"ppo_delta=None disagrees with GRPOConfig delta=1.5"),
+        (op.Correction(ppo_clip=(0.2, 0.2)), {"importance_sampling_level": "sequence"},
+         r"ppo_ratio='token' disagrees with GRPOConfig importance_sampling_level='sequence'"),
+        (op.Correction(ppo_clip=(0.2, 0.2)), {"loss_type": "cispo", "epsilon_high": 5.0},
+         r"cispo=None disagrees with GRPOConfig loss_type='cispo', epsilon_high=5.0"),
+        (op.Correction(weights="mis", score_centering=True), {"num_iterations": 2},
+         r"cannot be combined with.*score_centering"),
+        (op.Correction(), {"num_iterations": 2, "loss_type": "sapo"}, r"loss_type='sapo'.*no offpolicy equivalent"),
+        (op.Correction(), {"num_iterations": 2, "loss_type": "cispo", "importance_sampling_level": "sequence"},
+         r"loss_type='cispo', importance_sampling_level='sequence'.*no offpolicy equivalent"),
+    ]
+    for corr, kw, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            resolve_correction(corr, _config(**kw))
+    # Agreeing or absent: kept, or filled in from GRPOConfig when generations are reused.
+    agree = op.Correction(ppo_clip=(0.2, 0.28), ppo_delta=1.5)
+    assert resolve_correction(agree, _config(epsilon_high=0.28, delta=1.5)) is agree
+    assert resolve_correction(op.Correction(), _config()) == op.Correction()
+    assert resolve_correction(op.Correction(), _config(num_iterations=2, loss_type="cispo", epsilon_high=5.0)) == \
+        op.Correction(cispo=(0.0, 5.0))
+    assert resolve_correction(op.Correction(weights="tis"), _config(num_iterations=2, delta=1.5,
+                                                                    importance_sampling_level="sequence")) == \
+        op.Correction(weights="tis", ppo_clip=(0.2, 0.2), ppo_delta=1.5, ppo_ratio="gspo_token")

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import offpolicy as op  # noqa: E402
-from offpolicy.adapters.trl import OffPolicyGRPOTrainer  # noqa: E402
+from offpolicy.adapters.trl import PROXIMAL_KEY, OffPolicyGRPOTrainer  # noqa: E402
 
 V = 64
 WORDS = ["<pad>", "<eos>"] + [f"w{i}" for i in range(V - 2)]
@@ -65,9 +65,10 @@ def run(tmp_path_factory):
     ds = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
     args = trl.GRPOConfig(
         output_dir=str(tmp_path_factory.mktemp("trl_vllm_out")), use_cpu=True, bf16=False,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, logging_steps=1,
         report_to=[], learning_rate=1e-2, top_p=0.9, temperature=1.0, save_strategy="no", seed=0,
-        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1, vllm_max_model_length=64,
+        max_steps=4, num_iterations=2, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+        vllm_max_model_length=64,
     )
     trainer = RecordingTrainer(
         model=model, reward_funcs=lambda completions, **kw: [float(c.count("w3")) for c in completions], args=args,
@@ -77,21 +78,44 @@ def run(tmp_path_factory):
     return trainer, before
 
 
+# num_iterations=2, one micro-batch per step: steps 1 and 3 are first passes over a fresh generation (steps 2 and 4
+# reuse it after an optimizer step), so seen[0] and seen[2] are the first passes.
+FIRST_PASSES = (0, 2)
+
+
 def test_vllm_support_replay_trains_through_offpolicy(run):
     trainer, before = run
     logs = [h for h in trainer.state.log_history if "offpolicy/num_tokens" in h]
-    assert len(logs) == 2
-    # Step 2 samples from weights synced after step 1: a stale engine would show a large ratio.
-    assert max(h["offpolicy/abs_log_ratio_max"] for h in logs) < 1e-4, logs
+    assert len(logs) == 4
+    # Step 3 samples from weights synced after steps 1-2: a stale engine would show a large ratio.
+    assert max(logs[i]["offpolicy/abs_log_ratio_max"] for i in FIRST_PASSES) < 1e-4, logs
     assert all(h["offpolicy/support_size"] < V for h in logs)
     assert not torch.equal(trainer.model.lm_head.weight.detach(), before["lm_head.weight"])
     assert "sampling/importance_sampling_ratio/mean" not in trainer.state.log_history[0]  # TRL's IS is off
 
 
+def test_vllm_decoupled_ppo_proximal_from_the_trainer(run):
+    """num_iterations=2 with vLLM colocate: TRL's (epsilon, epsilon_high) is filled in; the proximal log-probs are
+    the trainer's, support-normalised, taken at generation: equal to vLLM's support log-probs there (the synced
+    engine samples the same model), p / pi_prox = 1 on the first pass and not on the reuse."""
+    trainer, _ = run
+    assert trainer.offpolicy_correction.ppo_clip == (0.2, 0.2) and trainer.offpolicy_proximal_at_generation
+    assert len(trainer.seen) == 4
+    for i in FIRST_PASSES:
+        first, reuse = trainer.seen[i], trainer.seen[i + 1]
+        m = first["loss_mask"]
+        prox = first["inputs"][PROXIMAL_KEY]
+        assert torch.equal(reuse["inputs"][PROXIMAL_KEY], prox)
+        # Full-vocabulary proximal log-probs would sit log P(S_t) (up to -0.105 at top_p 0.9) below vLLM's.
+        assert float((prox - first["inputs"]["sampling_per_token_logps"])[m].abs().max()) < 1e-4
+        assert float((first["logprobs"] - prox)[m].abs().max()) < 1e-6
+        assert float((reuse["logprobs"] - prox)[reuse["loss_mask"]].abs().max()) > 1e-3
+
+
 def test_trl_6789_with_vllm(run):
     trainer, _ = run
     trl_tok, trl_seq, replay_tok, replay_seq = [], [], [], []
-    for s in trainer.seen:
+    for s in (trainer.seen[i] for i in FIRST_PASSES):
         m = s["loss_mask"]
         diff = (s["trl_logps"] - s["inputs"]["sampling_per_token_logps"]) * m
         trl_tok.append(diff[m])

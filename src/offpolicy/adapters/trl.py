@@ -35,14 +35,32 @@ The loss runs :func:`offpolicy.policy_loss` on the final hidden states and the L
 logits), in the weight's dtype outside autocast. TRL's normalisation is kept (``loss_type`` picks the aggregation,
 ``num_items_in_batch`` and gradient accumulation the divisor); TRL's own objective terms (its importance-sampling
 correction, KL to a reference, entropy bonus/masks, OPSM) are replaced by the :class:`~offpolicy.Correction`, so
-those options are rejected rather than silently ignored; TRL's PPO clip (``epsilon``) would only act on reused
-generations, so ``num_iterations > 1`` is rejected too (decoupled PPO is not wired in). offpolicy's metrics are
-logged through TRL's metric logging as ``offpolicy/<name>``.
+those options are rejected rather than silently ignored. offpolicy's metrics are logged through TRL's metric
+logging as ``offpolicy/<name>``.
+
+Decoupled PPO (docs/spec.md#decoupled-ppo): TRL's PPO surrogate (``epsilon``, ``epsilon_high``, ``delta``,
+``importance_sampling_level="sequence"``, ``loss_type="cispo"``) is the Correction's ``ppo_clip``, ``ppo_delta``,
+``ppo_ratio="gspo_token"`` or ``cispo=(0, epsilon_high)`` (:func:`trl_surrogate`). With ``num_iterations > 1`` a
+Correction without a PPO-family surrogate gets TRL's filled in; a Correction that carries one must agree with
+GRPOConfig (a disagreeing field is an error naming both). The proximal policy ``pi_prox`` is the trainer's model
+when the generation was made: when the generation batch is reused across optimizer steps (TRL's own condition,
+``gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0``) the adapter computes
+``log pi_prox(y_t)`` at generation time, without gradient, with the loss's own forward and primitive (the backbone
+under TRL's autocast, the head in its dtype) and in the loss's normalisation: the full vocabulary for ``"logprobs"``
+/ ``"head"``, the recorded support ``S_t`` for ``"support"`` (TRL's ``old_per_token_logps`` are always
+full-vocabulary, the wrong proximal for a support replay). They ride in the generation batch as ``[B, T]``
+``offpolicy_proximal_logprobs`` (0 on untrained tokens), like the candidate records. Otherwise the model cannot have
+changed since generation and ``pi_prox`` is the current policy detached (TRL's behaviour): the loss takes it from
+the same hidden states, so ``p / pi_prox`` is exactly 1. The importance weight then acts on ``pi_prox / q``, the
+clip on ``p / pi_prox``. This works the same with vLLM colocate: the proximal log-probs come from the trainer's
+model, not from the engine.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -51,17 +69,20 @@ from torch import Tensor
 try:
     from transformers import Trainer
     from trl import GRPOTrainer
+    from trl.models.utils import disable_gradient_checkpointing
     from trl.trainer.utils import pad
 except ImportError as exc:  # pragma: no cover - exercised only without TRL
     raise ImportError("offpolicy.adapters.trl needs TRL: pip install trl==1.16.0") from exc
 
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.logits import policy_loss
+from offpolicy.ops.linear_log_softmax import linear_sparse_log_softmax
 from offpolicy.records.candidates import Candidates
 
 RECORD_MODES = ("logprobs", "head", "support")
 IDS_KEY = "offpolicy_candidate_ids"
 LOGPROBS_KEY = "offpolicy_candidate_logprobs"
+PROXIMAL_KEY = "offpolicy_proximal_logprobs"
 #: loss_type -> offpolicy aggregation; the divisor is set per micro-batch in :meth:`OffPolicyGRPOTrainer._divisor`.
 AGGREGATIONS = {
     "dapo": "token_mean", "cispo": "token_mean", "vespo": "token_mean", "bnpo": "token_mean",
@@ -106,6 +127,77 @@ def records_from_scores(scores: Tensor, tokens: Tensor, record: str, head_k: int
     return lq, Candidates(ids, vals, kind="support")
 
 
+def trl_surrogate(args: Any) -> dict[str, Any] | None:
+    """TRL's PPO-family surrogate for a ``GRPOConfig``, as :class:`~offpolicy.Correction` fields (docs/migrating.md's
+    TRL rows), or None where TRL's surrogate has no offpolicy one (``loss_type="sapo"`` / ``"vespo"``, and CISPO on
+    GSPO's sequence ratio).
+
+    ``loss_type="cispo"`` -> ``cispo=(0, epsilon_high)``; otherwise ``ppo_clip=(epsilon, epsilon_high)``,
+    ``ppo_delta=delta`` and ``ppo_ratio="gspo_token"`` under ``importance_sampling_level="sequence"`` (GSPO).
+    ``epsilon_high=None`` means ``epsilon``, as in TRL.
+    """
+    lo = float(args.epsilon)
+    hi = float(args.epsilon_high) if args.epsilon_high is not None else lo
+    sequence = args.importance_sampling_level == "sequence"
+    if args.loss_type in ("sapo", "vespo") or (args.loss_type == "cispo" and sequence):
+        return None
+    if args.loss_type == "cispo":
+        return {"cispo": (0.0, hi)}
+    return {"ppo_clip": (lo, hi), "ppo_delta": None if args.delta is None else float(args.delta),
+            "ppo_ratio": "gspo_token" if sequence else "token"}
+
+
+def _config_words(field_name: str, args: Any) -> str:
+    """The GRPOConfig options behind one Correction field of :func:`trl_surrogate`, for error messages."""
+    return {
+        "ppo_clip": f"GRPOConfig epsilon={args.epsilon}, epsilon_high={args.epsilon_high} (TRL clips the ratio to "
+                    "[1 - epsilon, 1 + epsilon_high])",
+        "ppo_delta": f"GRPOConfig delta={args.delta}",
+        "ppo_ratio": f"GRPOConfig importance_sampling_level={args.importance_sampling_level!r}",
+        "cispo": f"GRPOConfig loss_type='cispo', epsilon_high={args.epsilon_high} (TRL's CISPO coefficient is "
+                 "clamp(ratio, max=epsilon_high))",
+    }[field_name]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+    return a == b
+
+
+def resolve_correction(correction: Correction, args: Any) -> Correction:
+    """The Correction a trainer with ``args`` (a ``GRPOConfig``) runs: the user's, checked against TRL's surrogate,
+    or with TRL's surrogate filled in when ``num_iterations > 1`` reuses generations.
+
+    Raises:
+        ValueError: the Correction's PPO-family fields disagree with GRPOConfig (naming both); ``num_iterations > 1``
+            with a ``loss_type`` whose surrogate offpolicy lacks and no surrogate in the Correction; or TRL's
+            surrogate with ``score_centering`` (docs/spec.md#decoupled-ppo refuses the pair).
+    """
+    trl_fields = trl_surrogate(args)
+    if correction.surrogate.needs_proximal:
+        if trl_fields is not None:
+            for name, want in trl_fields.items():
+                have = getattr(correction, name)
+                if not _same(have, want):
+                    raise ValueError(f"Correction.{name}={have!r} disagrees with {_config_words(name, args)}: TRL's "
+                                     f"surrogate is Correction.{name}={want!r}; make the two agree")
+        return correction
+    if args.num_iterations <= 1:
+        return correction
+    if trl_fields is None:
+        raise ValueError(f"num_iterations={args.num_iterations} with GRPOConfig loss_type={args.loss_type!r}, "
+                         f"importance_sampling_level={args.importance_sampling_level!r}: TRL's surrogate has no "
+                         "offpolicy equivalent; pass a Correction with ppo_clip or cispo for the reused generations")
+    if correction.score_centering:
+        raise ValueError(f"num_iterations={args.num_iterations} runs TRL's PPO surrogate on reused generations "
+                         f"(Correction {trl_fields}), which Correction.score_centering cannot be combined with "
+                         "(docs/spec.md#decoupled-ppo); drop score_centering or use num_iterations=1")
+    return dataclasses.replace(correction, **trl_fields)
+
+
 class OffPolicyGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with offpolicy's loss and the sampler's records taken at generation time.
 
@@ -127,14 +219,16 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             raise ValueError(f"head_k must be >= 1, got {head_k}")
         if correction.score_centering and record == "logprobs":
             raise ValueError("score centering needs a candidate record: use record='head' or 'support'")
-        if correction.ppo_clip is not None:
-            raise ValueError("Correction.ppo_clip (decoupled PPO) is not wired into the TRL adapter: TRL's "
-                             "old_per_token_logps are full-vocabulary log-probs, not the proximal policy of the replay")
         super().__init__(*args, **kwargs)
-        self.offpolicy_correction = correction
         self.offpolicy_record = record
         self.offpolicy_head_k = head_k
         self._check_supported()
+        self.offpolicy_correction = resolve_correction(correction, self.args)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        #: Whether the proximal log-probs are taken at generation time (the generation batch outlives an optimizer
+        #: step: TRL's condition for its old_per_token_logps); otherwise they are the current policy, detached.
+        self.offpolicy_proximal_at_generation = (self.offpolicy_correction.surrogate.needs_proximal
+                                                 and self.args.gradient_accumulation_steps % generate_every != 0)
         if self.use_vllm:
             if record == "support" and not vllm_logprobs:
                 raise ValueError("record='support' with vLLM needs vllm_logprobs (>= the largest realised support)")
@@ -142,7 +236,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             self.vllm_generation.logprobs = {"logprobs": 0, "head": head_k, "support": vllm_logprobs}[record]
             self._offpolicy_synced_step = -1
         self._offpolicy_pending: list[tuple[Tensor, Tensor]] | None = None
-        #: The last micro-batch's detached ``[B, T]`` ``log_ratio``, ``token_weight`` and ``loss_mask``.
+        #: The last micro-batch's detached ``[B, T]`` ``log_ratio``, ``token_weight``, ``logprobs``, ``loss_mask``
+        #: and, under a PPO-family surrogate, ``proximal_logprobs`` (0 on untrained tokens).
         self.offpolicy_last: dict[str, Tensor] = {}
 
     def _check_supported(self) -> None:
@@ -155,7 +250,6 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             "an entropy bonus": bool(getattr(self, "_entropy_bonus_enabled", False)),
             "tools / environments": bool(self.tools) or self.environment_factories is not None,
             "aux_loss (MoE load balancing)": bool(self.aux_loss_enabled),
-            "num_iterations > 1 (PPO reuse of a generation)": self.num_iterations > 1,
         }
         bad = [name for name, on in unsupported.items() if on]
         if bad:
@@ -277,21 +371,40 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         records, self._offpolicy_pending = self._offpolicy_pending, None
-        if self.offpolicy_record == "logprobs":
-            return output
-        if records is None or len(records) != output["completion_ids"].shape[0]:
-            raise RuntimeError("the candidate records do not match the generation batch's rows")
-        b, t = output["completion_ids"].shape
-        width = max(ids.shape[1] for ids, _ in records)
-        device = output["completion_ids"].device
-        all_ids = torch.full((b, t, width), -1, dtype=torch.long, device=device)
-        all_lq = torch.full((b, t, width), float("-inf"), device=device)
-        for row, (ids, vals) in enumerate(records):
-            all_ids[row, :ids.shape[0], :ids.shape[1]] = ids
-            all_lq[row, :vals.shape[0], :vals.shape[1]] = vals
-        output[IDS_KEY] = all_ids
-        output[LOGPROBS_KEY] = all_lq
+        if self.offpolicy_record != "logprobs":
+            if records is None or len(records) != output["completion_ids"].shape[0]:
+                raise RuntimeError("the candidate records do not match the generation batch's rows")
+            b, t = output["completion_ids"].shape
+            width = max(ids.shape[1] for ids, _ in records)
+            device = output["completion_ids"].device
+            all_ids = torch.full((b, t, width), -1, dtype=torch.long, device=device)
+            all_lq = torch.full((b, t, width), float("-inf"), device=device)
+            for row, (ids, vals) in enumerate(records):
+                all_ids[row, :ids.shape[0], :ids.shape[1]] = ids
+                all_lq[row, :vals.shape[0], :vals.shape[1]] = vals
+            output[IDS_KEY] = all_ids
+            output[LOGPROBS_KEY] = all_lq
+        if self.offpolicy_proximal_at_generation and self.model.training:
+            output[PROXIMAL_KEY] = self._proximal_logprobs(output)
         return output
+
+    def _proximal_logprobs(self, batch: dict) -> Tensor:
+        """``[B, T]`` fp32 ``log pi_prox(y_t)`` of the generation batch under the model as it is now (no gradient), in
+        chunks of ``per_device_train_batch_size`` rows, by the loss's forward and primitive; 0 on untrained
+        tokens."""
+        rows = batch["completion_ids"].shape[0]
+        step = self.args.per_device_train_batch_size
+        out = []
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            for start in range(0, rows, step):
+                chunk = {k: batch[k][start:start + step] for k in
+                         ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", IDS_KEY,
+                          LOGPROBS_KEY)
+                         if k in batch}
+                flat = self._flat_inputs(chunk)
+                hidden, head = self._head_inputs(self.model, chunk)
+                out.append(self._sampled_logprobs(hidden, head, flat).view(chunk["completion_ids"].shape))
+        return torch.cat(out)
 
     # ---- the loss ----
 
@@ -312,39 +425,76 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             return {"constant_normalizer": float(rows * self.max_completion_length * accum)}
         return {"num_sequences": float(rows * accum)}
 
-    def _compute_loss(self, model, inputs):
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    def _flat_inputs(self, inputs: dict) -> dict[str, Any]:
+        """The micro-batch flattened to ``N = B T`` tokens: ``tokens [N]``, ``loss_mask [N]`` bool, ``mask [B, T]``
+        and ``candidates`` (a :class:`~offpolicy.Candidates` ``[N, K]`` or None)."""
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        if "sampling_per_token_logps" not in inputs:
-            raise RuntimeError("the generation batch has no sampler log-probs (sampling_per_token_logps)")
         b, t = completion_ids.shape
-        hidden = self._completion_hidden(model, torch.cat([prompt_ids, completion_ids], 1),
-                                         torch.cat([prompt_mask, completion_mask], 1), t)
-        head = self.accelerator.unwrap_model(model).get_output_embeddings()
         n = b * t
-        tokens = completion_ids.reshape(n)
-        loss_mask = mask.reshape(n).bool()
-        lq = inputs["sampling_per_token_logps"].reshape(n).float()
-        lq = torch.where(loss_mask, lq, torch.zeros_like(lq))
-        adv = inputs["advantages"]
-        adv = (adv[:, None].expand(b, t) if adv.dim() == 1 else adv).reshape(n).float()
         candidates = None
         if self.offpolicy_record != "logprobs":
             ids, clq = inputs[IDS_KEY], inputs[LOGPROBS_KEY]
             candidates = Candidates(ids.reshape(n, ids.shape[-1]), clq.reshape(n, clq.shape[-1]).float(),
                                     kind=self.offpolicy_record)
+        return {"tokens": completion_ids.reshape(n), "loss_mask": mask.reshape(n).bool(), "mask": mask,
+                "candidates": candidates}
+
+    def _head_inputs(self, model, inputs: dict) -> tuple[Tensor, Any]:
+        """``(hidden [N, D] in the head's dtype, head module)`` for the completion tokens of ``inputs``."""
+        t = inputs["completion_ids"].shape[1]
+        hidden = self._completion_hidden(model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+                                         torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), t)
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        return hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype), head
+
+    def _sampled_logprobs(self, hidden: Tensor, head: Any, flat: dict[str, Any]) -> Tensor:
+        """``[N]`` detached fp32 ``log p(y_t)`` in the loss's normalisation (the support for ``"support"`` records,
+        else the full vocabulary), by the primitive :func:`offpolicy.policy_loss` runs; 0 on untrained tokens."""
+        cands, mask = flat["candidates"], flat["loss_mask"]
+        with torch.no_grad(), torch.autocast(device_type=hidden.device.type, enabled=False):
+            lp = linear_sparse_log_softmax(
+                hidden.detach(), head.weight.detach(), flat["tokens"], None if cands is None else cands.ids,
+                self.temperature, bias=None if head.bias is None else head.bias.detach(),
+                support=self.offpolicy_record == "support", skip=~mask)
+        return torch.where(mask, lp.target, torch.zeros_like(lp.target))
+
+    def _compute_loss(self, model, inputs):
+        if "sampling_per_token_logps" not in inputs:
+            raise RuntimeError("the generation batch has no sampler log-probs (sampling_per_token_logps)")
+        flat = self._flat_inputs(inputs)
+        b, t = inputs["completion_ids"].shape
+        n = b * t
+        tokens, loss_mask, mask = flat["tokens"], flat["loss_mask"], flat["mask"]
+        hidden, head = self._head_inputs(model, inputs)
+        lq = inputs["sampling_per_token_logps"].reshape(n).float()
+        lq = torch.where(loss_mask, lq, torch.zeros_like(lq))
+        adv = inputs["advantages"]
+        adv = (adv[:, None].expand(b, t) if adv.dim() == 1 else adv).reshape(n).float()
+        proximal = None
+        if self.offpolicy_correction.surrogate.needs_proximal:
+            if PROXIMAL_KEY in inputs:
+                proximal = inputs[PROXIMAL_KEY].reshape(n).float()
+            elif self.offpolicy_proximal_at_generation and self.model.training:
+                raise RuntimeError(f"the generation batch has no proximal log-probs ({PROXIMAL_KEY}), which this "
+                                   "reuse of generations needs")
+            else:
+                # No optimizer step since generation: pi_prox is the current policy, detached (TRL's behaviour).
+                proximal = self._sampled_logprobs(hidden, head, flat)
+            proximal = torch.where(loss_mask, proximal, torch.zeros_like(proximal))
         seq_ids = torch.arange(b, device=tokens.device)[:, None].expand(b, t).reshape(n)
         # The LM-head product runs in the head's dtype whatever autocast TRL set up around compute_loss.
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             out = policy_loss(
-                tokens=tokens, sampler_logprobs=lq, advantages=adv, candidates=candidates, loss_mask=loss_mask,
-                temperature=self.temperature, correction=self.offpolicy_correction, seq_ids=seq_ids,
-                aggregation=AGGREGATIONS[self.loss_type], hidden=hidden.reshape(n, -1).to(head.weight.dtype),
-                weight=head.weight, bias=head.bias, **self._divisor(inputs, mask),
+                tokens=tokens, sampler_logprobs=lq, advantages=adv, candidates=flat["candidates"],
+                loss_mask=loss_mask, temperature=self.temperature, correction=self.offpolicy_correction,
+                seq_ids=seq_ids, aggregation=AGGREGATIONS[self.loss_type], hidden=hidden, weight=head.weight,
+                bias=head.bias, proximal_logprobs=proximal, **self._divisor(inputs, mask),
             )
         self.offpolicy_last = {"log_ratio": out.log_ratio.view(b, t), "token_weight": out.token_weight.view(b, t),
-                               "loss_mask": mask.bool()}
+                               "logprobs": out.logprobs.view(b, t), "loss_mask": mask.bool()}
+        if proximal is not None:
+            self.offpolicy_last["proximal_logprobs"] = proximal.view(b, t)
         self._log_offpolicy(out.metrics, out.loss.detach() * (self.current_gradient_accumulation_steps
                                                               if self.model.training else 1))
         return out.loss
@@ -374,4 +524,4 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             self.accelerator.gather(policy_loss_value.float().reshape(1)).nanmean().item())
 
 
-__all__ = ["OffPolicyGRPOTrainer", "RECORD_MODES", "records_from_scores"]
+__all__ = ["OffPolicyGRPOTrainer", "RECORD_MODES", "records_from_scores", "resolve_correction", "trl_surrogate"]
