@@ -4,7 +4,8 @@
    buffer whose pages are already mapped (what a reused gradient buffer costs);
 2. one chunk of the forward (``rows`` x V fp32, cache-sized), pass by pass, with 2 and with 1 intra-op threads: on
    a 2-core machine shared with other jobs, a parallel region waits for a descheduled thread. The passes include
-   the bf16 max and upcast, and ``exp`` against ``exp2`` (the backend takes ``exp2`` of ``(x - m) log2 e``);
+   the bf16 max and upcast, and ``exp`` against ``exp2`` (the backend takes ``exp2`` of ``(x - m) log2 e``); and
+   the bf16 row statistics of one chunk as the backend's eager passes against one torch.compile'd loop;
 3. the primitive alone (``offpolicy.ops.sparse_log_softmax``, full vocabulary, K = 128), forward and backward,
    with and without the value checks (``validate=False``), against the floor of the same call.
 
@@ -84,7 +85,48 @@ def chunk_passes(v: int, rows: int, calls: int) -> dict:
         torch.set_num_threads(n_threads)
         out[f"threads_{n_threads}"] = {name: _stats(_time(fn, calls)) for name, fn in passes.items()}
     torch.set_num_threads(threads)
+    out["bf16_stats_eager_vs_compiled"] = _stats_eager_vs_compiled(z16, calls)
     return out
+
+
+def _eager_stats(z16: torch.Tensor, x: torch.Tensor, e: torch.Tensor):
+    """The CPU backend's forward passes over one bf16 chunk (offpolicy.ops.torch_backend.full_stats, tau = 1)."""
+    m = x.copy_(z16).amax(dim=1)
+    x.sub_(m[:, None]).mul_(1.4426950408889634)
+    torch.exp2(x, out=e)
+    return m, e.sum(dim=1), x.mul_(e).sum(dim=1)
+
+
+def _fused_stats(z16: torch.Tensor):
+    x = z16.float()
+    m = x.amax(dim=1, keepdim=True)
+    y = (x - m) * 1.4426950408889634
+    e = torch.exp2(y)
+    return m, e.sum(dim=1), (e * y).sum(dim=1)
+
+
+def _stats_eager_vs_compiled(z16: torch.Tensor, calls: int) -> dict:
+    """The same row statistics of one bf16 chunk, one intra-op thread: the backend's eager passes against one
+    loop that torch.compile (Inductor's C++ backend) generates from the same math. A measured direction for the
+    bf16 forward, not a path the library takes (it would need a C++ compiler at run time)."""
+    x, e = torch.empty(z16.shape), torch.empty(z16.shape)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = {"elements": z16.numel(), "eager": _stats(_time(lambda: _eager_stats(z16, x, e), calls))}
+        try:
+            compiled = torch.compile(_fused_stats, dynamic=False)
+            t0 = time.perf_counter()
+            compiled(z16)
+            res["compile_s"] = time.perf_counter() - t0
+            res["compiled"] = _stats(_time(lambda: compiled(z16), calls))
+            ref, got = _eager_stats(z16, x, e), compiled(z16)
+            res["compiled_max_rel_diff_s"] = float(((got[1] - ref[1]) / ref[1]).abs().max())
+        except Exception as exc:  # no C++ compiler, or Inductor unavailable: say so in the results
+            res["compiled"] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
+    finally:
+        torch.set_num_threads(threads)
+    return res
 
 
 def primitive(logits: torch.Tensor, k: int, calls: int) -> dict:
@@ -129,6 +171,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=13, help="rows of the chunk in part 2 (8 MiB at V = 151936)")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--note", default="")
+    ap.add_argument("--tag", default="", help="suffix of the result file")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     load_start = os.getloadavg()
@@ -145,7 +188,7 @@ def main() -> None:
     }
     result["meta"]["loadavg_end"] = os.getloadavg()
     print(json.dumps(result, indent=1))
-    path = args.out / f"cpu_breakdown_{result['meta']['host']}_{dt.date.today().isoformat()}.json"
+    path = args.out / f"cpu_breakdown_{result['meta']['host']}_{dt.date.today().isoformat()}{args.tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")

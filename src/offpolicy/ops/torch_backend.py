@@ -7,8 +7,9 @@ out to worker threads with one intra-op thread each (:mod:`offpolicy.ops.row_thr
 Both functions follow the logits contract of :mod:`offpolicy.ops.backend_registry`.
 
 Exponentials are taken base 2: ``exp(x - m) = exp2((x - m) log2(e))``. PyTorch's CPU ``exp`` (Sleef's 1-ulp ``expf``)
-costs about three times its ``exp2`` (0.83 against 0.28 ns per fp32 element on one AVX-512 core, measured with
-``benchmarks/cpu_breakdown.py``), and the exponential is most of the arithmetic of both passes. The one extra
+costs three times its ``exp2`` (0.84 against 0.28 ns per fp32 element on one core of the 2-core AVX-512 VM,
+``benchmarks/results/cpu_breakdown_vm_2026-12-01_quiet.json``), and the exponential is most of the arithmetic of
+both passes. The one extra
 rounding, of ``(x - m) log2(e)``, moves ``exp(x - m)`` by a relative ``|x - m| 2**-24``: a few ulps where the
 mass is (``|x - m|`` small) and nothing that shows in a sum or a 16-bit gradient.
 """
