@@ -4,10 +4,8 @@ record contract, the semantic checks, multi-turn trajectories."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +15,7 @@ from offpolicy.adapters import RecordError, Trajectory, check_calibration, colla
 from offpolicy.adapters import sglang
 from offpolicy.fleet.sampler import support_mask
 
-FIX = Path(__file__).resolve().parents[1] / "support" / "fixtures"
-_spec = importlib.util.spec_from_file_location("fake_servers", FIX / "fake_servers.py")
-fake = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fake)
-
-
-def load(name):
-    return json.loads((FIX / name).read_text())
+from support.engine_fixtures import fake, load
 
 
 def true_record(context, tokens, temperature, top_p=1.0, top_k=None):

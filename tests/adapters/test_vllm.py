@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,14 +12,7 @@ from offpolicy.adapters import RecordError, Trajectory, check_calibration, colla
 from offpolicy.adapters import vllm
 from offpolicy.fleet.sampler import support_mask
 
-FIX = Path(__file__).resolve().parents[1] / "support" / "fixtures"
-_spec = importlib.util.spec_from_file_location("fake_servers", FIX / "fake_servers.py")
-fake = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fake)
-
-
-def load(name):
-    return json.loads((FIX / name).read_text())
+from support.engine_fixtures import fake, load
 
 
 def processed(context, tokens, temperature, top_p=1.0, top_k=None):

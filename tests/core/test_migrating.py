@@ -755,6 +755,75 @@ def test_miles_max_weight_staleness():
     _check(out, _theirs(theirs, logp, ("sample-mean", int(fresh[:, 0].sum())), mask))
 
 
+def _miles_score_centering_batch(seed: int, kind: str):
+    """Trainer and sampler distributions over V = 12 on B x T tokens, a K = 4 record per token (the sampler's top 4
+    for a head record; a random support of 4, renormalised, for a support record), tokens drawn from the sampler."""
+    v, k = 12, 4
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(B * T, v, generator=gen, dtype=torch.float64)
+    zq = z + 0.5 * torch.randn(B * T, v, generator=gen, dtype=torch.float64)
+    if kind == "head":
+        ids = zq.topk(k, dim=1).indices
+        lq_full = torch.log_softmax(zq, 1)
+        lq_ids = lq_full.gather(1, ids)
+        y = torch.multinomial(lq_full.exp(), 1, generator=gen)[:, 0]
+        lq_y = lq_full.gather(1, y[:, None])[:, 0]
+        lp_full = torch.log_softmax(z, 1)
+    else:
+        ids = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(B * T)])
+        lq_ids = torch.log_softmax(zq.gather(1, ids), 1)
+        pick = torch.multinomial(lq_ids.exp(), 1, generator=gen)[:, 0]
+        y = ids.gather(1, pick[:, None])[:, 0]
+        lq_y = lq_ids.gather(1, pick[:, None])[:, 0]
+        lp_full = torch.log_softmax(z.masked_fill(torch.ones_like(z, dtype=torch.bool).scatter(1, ids, False),
+                                                  -math.inf), 1)
+    lp_y, lp_ids = lp_full.gather(1, y[:, None])[:, 0], lp_full.gather(1, ids)
+    lengths = torch.tensor([7, 3, 5, 1, 6])
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).reshape(-1)
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)[:, None].expand(B, T).reshape(-1).clone()
+    return ids, lp_y, lp_ids, lq_y, lq_ids, mask, adv
+
+
+def _miles_f(r: torch.Tensor, mode: str) -> torch.Tensor:
+    """The research fork's weight functions: none 1, tis min(r, 2), mis r 1[0.5 <= r <= 5]."""
+    if mode == "none":
+        return torch.ones_like(r)
+    if mode == "tis":
+        return torch.clamp(r, max=2.0)
+    return torch.where((r >= 0.5) & (r <= 5.0), r, torch.zeros_like(r))
+
+
+@pytest.mark.parametrize("kind", ["head", "support"])
+@pytest.mark.parametrize("mode", ["none", "tis", "mis"])
+def test_miles_score_centering_loss(mode, kind):
+    """The research fork's score-centering loss (``score_centering_loss(inputs, mode=..., tis_clip=2, mis_low=0.5,
+    mis_high=5, eps=1e-6)``), from its definition: ``m(v) = q f(p / q)`` on the recorded candidates,
+    ``rho = max(1 - Q, eps) / max(1 - P, eps)``, ``alpha = rho f(1 / rho)``, residual ``m - alpha p`` (detached,
+    every record kind alike), token loss ``-A (f(r_y) log p(y) - sum_v residual(v) log p(v))``, reduced as a token
+    mean over the loss mask."""
+    ids, lp_y, lp_ids, lq_y, lq_ids, mask, adv = _miles_score_centering_batch(3, kind)
+    bounds = {"none": None, "tis": 2.0, "mis": (0.5, 5.0)}[mode]
+    corr = op.Correction(weights=mode, bounds=bounds, score_centering=True)
+    leaf_y, leaf_c = lp_y.clone().requires_grad_(), lp_ids.clone().requires_grad_()
+    out = op.policy_loss_from_logprobs(leaf_y, lq_y, adv, candidates=op.Candidates(ids, lq_ids, kind),
+                                       candidate_logprobs=leaf_c, loss_mask=mask, correction=corr)
+    out.loss.backward()
+
+    ref_y, ref_c = lp_y.clone().requires_grad_(), lp_ids.clone().requires_grad_()
+    with torch.no_grad():
+        p, q = ref_c.exp(), lq_ids.exp()
+        rho = (1 - q.sum(1)).clamp(min=1e-6) / (1 - p.sum(1)).clamp(min=1e-6)
+        alpha = rho * _miles_f(1 / rho, mode)
+        residual = q * _miles_f(p / q, mode) - alpha[:, None] * p
+        w = _miles_f(torch.exp(ref_y - lq_y), mode)
+    token = -adv * (w * ref_y - (residual * ref_c).sum(1))
+    loss = token[mask].sum() / mask.sum()
+    loss.backward()
+    assert abs(out.loss.item() - loss.item()) <= 1e-12 * max(1.0, abs(loss.item()))
+    torch.testing.assert_close(leaf_y.grad, ref_y.grad, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(leaf_c.grad, ref_c.grad, rtol=1e-10, atol=1e-13)
+
+
 def test_every_row_has_a_test():
     """docs/migrating.md names a test of this file in every supported row."""
     from pathlib import Path
