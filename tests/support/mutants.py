@@ -50,19 +50,36 @@ BUGS = {
     "cispo_unclipped": "CISPO's coefficient u never clamped to [lo, hi]",
     "rejection_chain_first_only": "chained rejections: only the first rule of the chain is applied",
     "kl_two_sided_as_upper": "a two-sided KL band (lo, hi) tested as an upper threshold k <= hi only",
+    "sequence_rule_per_token": "a sequence-level rejection rule tested on each token's own ratio / k, not on the "
+                               "sequence's statistic",
+    "batch_norm_counts_untrained": "batch normalisation's mean weight taken over every row, untrained ones "
+                                   "(loss_mask False) and dropped sequences included",
+    "batch_norm_sequences_as_tokens": "batch_normalize='sequences' computed as the token mean of the weights",
+    "gspo_token_sequence_gradient": "GSPO-token's ratio left attached through the sequence mean "
+                                    "(exp(mean_t log p_t / pi_prox_t)): the gradient is GSPO's, not per token",
+    "opsm_sum_not_mean": "OPSM compares the sequence's summed lq - log p with delta instead of its mean",
+    "rejected_kept_in_normalizer": "rejected_in_normalizer=False ignored: rejected tokens stay in the normaliser",
 }
 
 #: The KL estimators at a clamped log-ratio ``lr`` (k1, k2, k3 of KL(q || p)).
 _KL = {"k1": lambda lr: -lr, "k2": lambda lr: 0.5 * lr * lr, "k3": lambda lr: torch.exp(lr) - 1 - lr}
 
 
+def _is_sequence_rule(rule) -> bool:
+    """Whether a ``KLRejection`` / ``RatioRejection`` acts on whole sequences (its level is not ``"token"``)."""
+    return rule.level != "token"
+
+
 def _keep(log_r: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
     """The token-level rejection rules (``kl_rejection``, then ``rejections`` in order), chained: a token is kept
-    iff every rule keeps it."""
+    iff every rule keeps it. Sequence-level rules are :func:`_dropped`'s (``sequence_rule_per_token`` tests them
+    here, on each token's own ratio)."""
     corr = cfg.correction
     rules = [r for _, r in corr.rejection_rules]
     if bug == "rejection_chain_first_only":
         rules = rules[:1]
+    if bug != "sequence_rule_per_token":
+        rules = [r for r in rules if not _is_sequence_rule(r)]
     lr = log_r.clamp(-corr.max_log_ratio, corr.max_log_ratio)
     keep = torch.ones_like(log_r, dtype=torch.bool)
     for rule in rules:
@@ -74,6 +91,77 @@ def _keep(log_r: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
             lo, hi = rule.threshold if isinstance(rule.threshold, tuple) else (-math.inf, rule.threshold)
             keep &= (k <= hi) if bug == "kl_two_sided_as_upper" else (k >= lo) & (k <= hi)
     return keep
+
+
+def _segments(seq_ids: Tensor) -> tuple[Tensor, int]:
+    """``(index [N] of each token's sequence in 0..num-1, num)``."""
+    _, seq = torch.unique(seq_ids, return_inverse=True)
+    return seq, int(seq.max()) + 1 if seq.numel() else 0
+
+
+def _seq_sum(x: Tensor, seq: Tensor, num: int) -> Tensor:
+    return torch.zeros(num, dtype=x.dtype).index_add(0, seq, x)
+
+
+def _dropped(log_r: Tensor, log_r_p: Tensor, adv: Tensor, trained: Tensor, seq_ids: Tensor | None, cfg: LossConfig,
+             bug: str | None) -> Tensor:
+    """``[N]`` bool: tokens of sequences a sequence rule drops, every statistic over the sequence's trained tokens:
+    the veto (docs/spec.md#veto: some unclamped ``log r < log veto``), OPSM (docs/spec.md#opsm: mean advantage
+    ``< 0`` and mean ``lq - log p > delta``, ``log_r_p = log p - lq`` of the current policy), a KL statistic
+    ``seq_sum`` / ``seq_mean`` / ``seq_max`` of ``k`` on the clamped log-ratio outside its band
+    (docs/spec.md#kl-rejection), a ratio band on the summed (``"sequence"``) or mean (``"geometric"``) unclamped
+    log-ratio."""
+    rules = [r for _, r in cfg.correction.rejection_rules if bug != "sequence_rule_per_token" and _is_sequence_rule(r)]
+    drop = torch.zeros_like(trained)
+    if (not rules and cfg.veto is None and cfg.opsm_delta is None) or seq_ids is None:
+        return drop
+    seq, num = _segments(seq_ids)
+    count = _seq_sum(trained.to(log_r.dtype), seq, num)
+    lr = log_r.clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+    seq_drop = torch.zeros(num, dtype=torch.bool)
+    if cfg.veto is not None:
+        seq_drop |= _seq_sum((trained & (log_r < math.log(cfg.veto))).to(lr.dtype), seq, num) > 0
+    if cfg.opsm_delta is not None:
+        mean_adv = _seq_sum(torch.where(trained, adv, torch.zeros_like(adv)), seq, num) / count.clamp_min(1)
+        k1 = _seq_sum(torch.where(trained, -log_r_p, torch.zeros_like(log_r_p)), seq, num)
+        k1 = k1 if bug == "opsm_sum_not_mean" else k1 / count.clamp_min(1)
+        seq_drop |= (count > 0) & (mean_adv < 0) & (k1 > cfg.opsm_delta)
+    for rule in rules:
+        if rule.kind == "ratio":
+            total = _seq_sum(torch.where(trained, log_r, torch.zeros_like(log_r)), seq, num)
+            stat = total / count.clamp_min(1) if rule.level == "geometric" else total
+            lo = math.log(rule.lower) if rule.lower > 0 else -math.inf
+            band = (lo, math.log(rule.upper))
+        else:
+            k = _KL[rule.estimator](lr)
+            if rule.level == "seq_max":
+                fill = torch.where(trained, k, torch.full_like(k, -math.inf))
+                stat = torch.full((num,), -math.inf, dtype=k.dtype).scatter_reduce(0, seq, fill, "amax")
+            else:
+                stat = _seq_sum(torch.where(trained, k, torch.zeros_like(k)), seq, num)
+                if rule.level == "seq_mean":
+                    stat = stat / count.clamp_min(1)
+            band = rule.threshold if isinstance(rule.threshold, tuple) else (-math.inf, rule.threshold)
+        seq_drop |= (count > 0) & ~((stat >= band[0]) & (stat <= band[1]))
+    return seq_drop[seq] & trained
+
+
+def _batch_scale(w: Tensor, sel: Tensor, seq_ids: Tensor | None, cfg: LossConfig, bug: str | None) -> Tensor:
+    """docs/spec.md#batch-normalization: ``1 / mean(w)`` over the selected (trained, not dropped) tokens, or over
+    the sequences' mean selected weights (``"sequences"``); 1 when there is no normalisation or the mean is 0."""
+    if cfg.batch_normalize is False:
+        return w.new_ones(())
+    if bug == "batch_norm_counts_untrained":
+        sel = torch.ones_like(sel)
+    if cfg.batch_normalize == "sequences" and bug != "batch_norm_sequences_as_tokens":
+        seq, num = _segments(seq_ids)
+        sums = _seq_sum(torch.where(sel, w, torch.zeros_like(w)), seq, num)
+        counts = _seq_sum(sel.to(w.dtype), seq, num)
+        has = counts > 0
+        mean = (sums[has] / counts[has]).sum() / has.sum().clamp_min(1)
+    else:
+        mean = torch.where(sel, w, torch.zeros_like(w)).sum() / sel.sum().clamp_min(1)
+    return torch.where(mean > 0, 1 / torch.where(mean > 0, mean, torch.ones_like(mean)), torch.ones_like(mean))
 
 
 def _f(log_r: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
@@ -106,16 +194,19 @@ def _weight(log_r: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
     return inside.to(lr.dtype)
 
 
+def _sequence_log_ratio(log_r: Tensor, trained: Tensor, seq_ids: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
+    """``[N]``: each token's sequence's summed (``"sequence"``) or mean (``"geometric"``) trained log-ratio."""
+    counted = torch.ones_like(trained) if bug == "sequence_counts_untrained" else trained
+    seq, num = _segments(seq_ids)
+    total = _seq_sum(torch.where(counted, log_r, torch.zeros_like(log_r)), seq, num)
+    count = _seq_sum(counted.to(log_r.dtype), seq, num).clamp_min(1)
+    return (total / count if cfg.level == "geometric" and bug != "geometric_as_sequence" else total)[seq]
+
+
 def _sequence_weight(log_r: Tensor, trained: Tensor, seq_ids: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
     """``f`` of each sequence's summed (``"sequence"``) or mean (``"geometric"``) trained log-ratio, per token."""
-    counted = torch.ones_like(trained) if bug == "sequence_counts_untrained" else trained
-    _, seq = torch.unique(seq_ids, return_inverse=True)
-    num = int(seq.max()) + 1 if seq.numel() else 0
-    lr = torch.where(counted, log_r, torch.zeros_like(log_r))
-    total = torch.zeros(num, dtype=lr.dtype).index_add(0, seq, lr)
-    count = torch.zeros(num, dtype=lr.dtype).index_add(0, seq, counted.to(lr.dtype)).clamp_min(1)
-    seq_lr = total / count if cfg.level == "geometric" and bug != "geometric_as_sequence" else total
-    return _weight(seq_lr[seq], cfg, bug) * _keep(log_r, cfg, bug)  # token-level rules act on each token's own r
+    seq_lr = _sequence_log_ratio(log_r, trained, seq_ids, cfg, bug)
+    return _weight(seq_lr, cfg, bug) * _keep(log_r, cfg, bug)  # token-level rules act on each token's own r
 
 
 def _aggregate(loss: Tensor, trained: Tensor, seq_ids: Tensor | None, cfg: LossConfig, bug: str | None) -> Tensor:
@@ -133,11 +224,23 @@ def _aggregate(loss: Tensor, trained: Tensor, seq_ids: Tensor | None, cfg: LossC
     return per_seq.sum() / (tokens > 0).sum().clamp_min(1)
 
 
-def _surrogate(logp_y: Tensor, prox: Tensor, adv: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
+def _surrogate(logp_y: Tensor, prox: Tensor, adv: Tensor, trained: Tensor, seq_ids: Tensor | None, cfg: LossConfig,
+               bug: str | None) -> Tensor:
     """``s_t`` of decoupled PPO (clipped ``u A``, dual clip, delta) or CISPO (``sg(clamp(u, lo, hi)) A log p``),
-    ``u = p / pi_prox``; the token loss is ``-w s``."""
+    ``u = p / pi_prox`` (GSPO-token: ``u = sg(s_i) p_t / sg(p_t)`` with GSPO's sequence ratio
+    ``s_i = exp(mean_{t in i} log(p_t / pi_prox_t))`` over trained tokens); the token loss is ``-w s``."""
     corr = cfg.correction
-    log_u = (logp_y - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    if cfg.ppo_ratio == "gspo_token":
+        seq, num = _segments(seq_ids)
+        lp = torch.where(trained, logp_y, torch.zeros_like(logp_y))
+        lp_in_mean = lp if bug == "gspo_token_sequence_gradient" else lp.detach()
+        zero = torch.zeros_like(lp)
+        count = _seq_sum(trained.to(lp.dtype), seq, num).clamp_min(1)
+        log_s = (_seq_sum(torch.where(trained, lp_in_mean - prox, zero), seq, num) / count)[seq]
+        log_u = log_s if bug == "gspo_token_sequence_gradient" else log_s + lp - lp.detach()
+    else:
+        log_u = logp_y - prox
+    log_u = log_u.clamp(-corr.max_log_ratio, corr.max_log_ratio)
     if cfg.cispo is not None:
         coef = torch.exp(log_u if bug == "cispo_coef_attached" else log_u.detach())
         if bug != "cispo_unclipped":
@@ -162,12 +265,6 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
     """A loss for configuration ``cfg`` with one injected ``bug`` (a key of :data:`BUGS`) or none."""
     if bug is not None and bug not in BUGS:
         raise KeyError(f"unknown bug {bug!r}; expected one of {list(BUGS)}")
-    unsupported = [name for name, on in (("sequence rejection rules", cfg.has_sequence_rejections),
-                                         ("batch_normalize", cfg.batch_normalize is not False),
-                                         ("rejected_in_normalizer=False", not cfg.rejected_in_normalizer),
-                                         ("ppo_ratio='gspo_token'", cfg.ppo_ratio != "token")) if on]
-    if unsupported or (cfg.needs_proximal and cfg.level != "token"):
-        raise NotImplementedError(f"dense_loss does not implement {unsupported or ['sequence-level PPO weights']}")
 
     def loss_fn(logits, tokens, sampler_logprobs, candidates, advantages, temperature, loss_mask=None, seq_ids=None,
                 proximal_logprobs=None):
@@ -194,19 +291,36 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
         lq_used = lq if bug == "sampler_grad_leak" else lq.detach()
         lp_for_w = logp_y if bug == "weights_not_detached" else logp_y.detach()
         adv = advantages.double().detach()
+        # The ratio the weights and rejections act on: pi_prox / q under decoupled PPO / CISPO, else p / q.
+        prox = proximal_logprobs.double().detach() if cfg.needs_proximal else None
+        log_r = prox - lq_used if cfg.needs_proximal else lp_for_w - lq_used
+        if cfg.level == "token" or bug == "sequence_as_token":
+            w = _f(log_r, cfg, bug)
+            bounded = log_r
+        else:
+            w = _sequence_weight(log_r, trained, seq_ids, cfg, bug)
+            bounded = _sequence_log_ratio(log_r, trained, seq_ids, cfg, bug)
+        dropped = _dropped(log_r, logp_y.detach() - lq_used.detach(), adv, trained, seq_ids, cfg, bug)
+        w = torch.where(dropped, torch.zeros_like(w), w)
+        impossible = logp_y.detach() == -math.inf
+        kept = trained & ~dropped
+        for_mean = w if bug == "batch_norm_counts_untrained" else torch.where(impossible, torch.zeros_like(w), w)
+        scale = _batch_scale(for_mean, kept, seq_ids, cfg, bug)
+        w = w * scale
+        counted = trained
+        if not cfg.rejected_in_normalizer and bug != "rejected_kept_in_normalizer":
+            # Rejected tokens (sequence rules, token-level rules, a "reject" weight outside its band) leave it.
+            counted = kept & _keep(log_r, cfg, bug)
+            if cfg.weights == "reject":
+                lo = math.log(cfg.correction.lower) if cfg.correction.lower > 0 else -math.inf
+                counted = counted & (bounded >= lo) & (bounded <= math.log(cfg.correction.upper))
         if cfg.needs_proximal:
             # Decoupled PPO / CISPO: the weight acts on pi_prox / q; an impossible token weighs 0.
-            prox = proximal_logprobs.double().detach()
-            w = _f(prox - lq_used, cfg, bug)
-            w = torch.where(logp_y.detach() == -math.inf, torch.zeros_like(w), w)
-            s = _surrogate(logp_y, prox, adv, cfg, bug)
+            w = torch.where(impossible, torch.zeros_like(w), w)
+            s = _surrogate(logp_y, prox, adv, trained, seq_ids, cfg, bug)
             loss = torch.where(w != 0, -w * s, torch.zeros_like(s))
             loss = torch.where((adv != 0) & trained, loss, torch.zeros_like(loss))
-            return loss if cfg.aggregation is None else _aggregate(loss, trained, seq_ids, cfg, bug)
-        if cfg.level == "token" or bug == "sequence_as_token":
-            w = _f(lp_for_w - lq_used, cfg, bug)
-        else:
-            w = _sequence_weight(lp_for_w - lq_used, trained, seq_ids, cfg, bug)
+            return loss if cfg.aggregation is None else _aggregate(loss, counted, seq_ids, cfg, bug)
         term = w * logp_y if bug == "no_inf_guard" else torch.where(w != 0, w * logp_y, torch.zeros_like(logp_y))
         if cfg.score_centering and candidates is not None:
             lpc = logp.gather(1, ids)
@@ -226,16 +340,16 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
             else:
                 rho = (1 - q.sum(1)).clamp_min(EPS) / (1 - p.sum(1)).clamp_min(EPS)
             alpha = rho * _f(-torch.log(rho), cfg, bug)
-            c = m - alpha[:, None] * p
+            c = scale * (m - alpha[:, None] * p)
             if bug == "sc_no_tail":
-                c = m
+                c = scale * m
             if bug == "sc_skipped":
                 c = zero
             term = term - torch.where(c != 0, c * lpc, zero).sum(1)
         loss = adv * term if bug == "sign_error" else -adv * term
-        keep = (adv != 0) if bug == "mask_ignored" else (adv != 0) & trained
+        keep = (adv != 0) if bug == "mask_ignored" else (adv != 0) & kept
         loss = torch.where(keep, loss, torch.zeros_like(loss))
-        return loss if cfg.aggregation is None else _aggregate(loss, trained, seq_ids, cfg, bug)
+        return loss if cfg.aggregation is None else _aggregate(loss, counted, seq_ids, cfg, bug)
 
     loss_fn.__qualname__ = f"dense_loss[{bug or 'correct'}]"
     return loss_fn
