@@ -1,4 +1,4 @@
-"""The kit must be able to fail: each deliberately wrong loss in tests/mutants.py is caught by the invariant that
+"""The kit must be able to fail: each deliberately wrong loss in tests/support/mutants.py is caught by the invariant that
 its mistake breaks, and the correct version of the same code passes every invariant under the same configuration.
 
 Failures are found without shrinking here (``shrink=False``) to keep the suite fast; one test shrinks and checks
@@ -11,7 +11,7 @@ import pytest
 
 from support.mutants import BUGS, dense_loss
 from offpolicy import KLRejection, RatioRejection
-from offpolicy.testing import INVARIANTS, InvariantViolation, LossConfig, check_all, run_invariant
+from offpolicy.testing import INVARIANTS, InvariantViolation, LossConfig, check_all, family_configs, run_invariant
 
 MIS_HEAD_SC = LossConfig(weights="mis", score_centering=True, record="head")
 MIS_SUPPORT_SC = LossConfig(weights="mis", score_centering=True, record="support")
@@ -34,6 +34,28 @@ CISPO_TRL = LossConfig(weights="none", record="support", cispo=(0.0, 1.28))
 CISPO_SLIME = LossConfig(weights="mis", record="head", cispo=(0.8, 1.2))
 CHAIN_SC = LossConfig(weights="mis", score_centering=True, record="support",
                       rejections=(RatioRejection(0.3, 4.0), KLRejection((-0.4, 0.4), "k1")))
+SEQ_RULES = LossConfig(weights="tis", record="head",
+                       rejections=(RatioRejection(0.5, 3.0, "geometric"), KLRejection(0.3, "k3", "seq_max")))
+SEQ_SUM_RULES = LossConfig(weights="mis", record="head",
+                           rejections=(RatioRejection(0.3, 3.0, "sequence"), KLRejection((-0.3, 0.3), "k1", "seq_sum")))
+VETO_OPSM = LossConfig(weights="tis", veto=0.2, opsm_delta=0.2)
+BN_TOKENS = LossConfig(weights="mis", score_centering=True, record="head", batch_normalize="tokens")
+BN_SEQUENCES = LossConfig(weights="tis", record="support", batch_normalize="sequences")
+GSPO_TOKEN = LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.2), ppo_ratio="gspo_token")
+REJ_OUT_TOKEN = LossConfig(weights="reject", record="head", kl_rejection=KLRejection(0.5, "k2"),
+                           rejected_in_normalizer=False, aggregation="token_mean")
+REJ_OUT_SEQ = LossConfig(weights="mis", record="support", rejections=(KLRejection((-0.3, 0.3), "k1", "seq_mean"),),
+                         rejected_in_normalizer=False, aggregation="seq_mean_token_mean")
+#: Combinations no mutant targets, passed by the correct loss only: sequence-level weights under decoupled PPO and
+#: CISPO, GSPO-token with sequence normalisation and a sequence aggregation, the veto with sequence weights.
+COMBINED = [
+    LossConfig(weights="tis", bounds=(0.0, 5.0), level="sequence", record="head", ppo_clip=(0.2, 0.2)),
+    LossConfig(weights="reject", level="geometric", record="support", cispo=(0.8, 1.2), rejected_in_normalizer=False,
+               aggregation="seq_mean_token_mean"),
+    LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.2), ppo_ratio="gspo_token", batch_normalize="sequences",
+               aggregation="seq_mean_token_mean"),
+    LossConfig(weights="tis", bounds=(0.0, 5.0), level="sequence", batch_normalize="sequences", veto=0.1),
+]
 
 #: (bug, configuration, the invariant that must fail). Where a mistake breaks several invariants, the one named
 #: is the most specific (docs/testing_kit.md lists every invariant each one fails).
@@ -68,6 +90,14 @@ CAUGHT = [
     ("cispo_unclipped", CISPO_SLIME, "agreement"),
     ("rejection_chain_first_only", CHAIN_SC, "agreement"),  # consistent in w and c(v): drift stays zero
     ("kl_two_sided_as_upper", CHAIN_SC, "agreement"),
+    ("sequence_rule_per_token", SEQ_RULES, "agreement"),      # geometric ratio band and seq_max k3
+    ("sequence_rule_per_token", SEQ_SUM_RULES, "agreement"),  # summed ratio band and seq_sum k1
+    ("opsm_any_advantage", VETO_OPSM, "agreement"),
+    ("batch_norm_counts_untrained", BN_TOKENS, "masking"),    # consistent in w and c(v): drift stays zero
+    ("batch_norm_sequences_as_tokens", BN_SEQUENCES, "agreement"),
+    ("gspo_token_sequence_gradient", GSPO_TOKEN, "agreement"),  # same value; per-token advantages expose it
+    ("rejected_kept_in_normalizer", REJ_OUT_TOKEN, "agreement"),
+    ("rejected_kept_in_normalizer", REJ_OUT_SEQ, "agreement"),
 ]
 
 
@@ -84,12 +114,14 @@ def test_mutant_is_caught(bug, cfg, invariant):
     assert cfg.describe() in result.detail
 
 
-CONFIGS = sorted({cfg for _, cfg, _ in CAUGHT} | {TIS_PPO}, key=lambda c: c.describe())
+CONFIGS = sorted({cfg for _, cfg, _ in CAUGHT} | {TIS_PPO} | set(family_configs()) | set(COMBINED),
+                 key=lambda c: c.describe())
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.short() for c in CONFIGS])
 def test_correct_dense_loss_passes(cfg):
-    """The same code without the bug passes everything, so each catch above is the bug's doing."""
+    """The same code without the bug passes everything, so each catch above is the bug's doing; it runs over every
+    configuration of ``family_configs()`` too (the family the kit runs the project's own loss over)."""
     report = check_all(dense_loss(cfg), cfg, max_examples=25, raise_on_failure=False)
     assert report.passed, str(report)
     applicable = [r.invariant for r in report.results if r.status == "pass"]

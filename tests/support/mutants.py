@@ -3,10 +3,11 @@
 :func:`dense_loss` is an independent, dense (``[N, V]`` log-softmax) implementation of the spec's per-token loss,
 written in the style of a framework's loss function and reached through the kit's adapter signature. With
 ``bug=None`` it is correct (the kit must pass it); each entry of :data:`BUGS` injects one mistake people make.
-Besides the weights, levels and score centering it implements token-level rejection rules (chained ratio bands
-and KL bands, one- or two-sided) and the token-ratio surrogates (decoupled PPO with its dual clip and delta,
-CISPO); it refuses the rest of the family (sequence rules, batch normalisation, GSPO-token, the normaliser
-convention) rather than get them wrong.
+Besides the weights, levels and score centering it implements the rest of the family from docs/spec.md#family:
+token-level rejection rules (chained ratio and KL bands, one- or two-sided), sequence rules (ratio bands on the
+summed or mean log-ratio, KL bands at ``seq_sum`` / ``seq_mean`` / ``seq_max``, veto, OPSM), batch normalisation over
+tokens and over sequences, the surrogates (decoupled PPO with its dual clip and delta, GSPO-token, CISPO, at any
+weight level) and ``rejected_in_normalizer=False``. It refuses nothing the kit's :class:`LossConfig` can declare.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ BUGS = {
     "batch_norm_sequences_as_tokens": "batch_normalize='sequences' computed as the token mean of the weights",
     "gspo_token_sequence_gradient": "GSPO-token's ratio left attached through the sequence mean "
                                     "(exp(mean_t log p_t / pi_prox_t)): the gradient is GSPO's, not per token",
-    "opsm_sum_not_mean": "OPSM compares the sequence's summed lq - log p with delta instead of its mean",
+    "opsm_any_advantage": "OPSM drops off-policy sequences whatever their advantage (it drops only A_i < 0)",
     "rejected_kept_in_normalizer": "rejected_in_normalizer=False ignored: rejected tokens stay in the normaliser",
 }
 
@@ -124,8 +125,8 @@ def _dropped(log_r: Tensor, log_r_p: Tensor, adv: Tensor, trained: Tensor, seq_i
     if cfg.opsm_delta is not None:
         mean_adv = _seq_sum(torch.where(trained, adv, torch.zeros_like(adv)), seq, num) / count.clamp_min(1)
         k1 = _seq_sum(torch.where(trained, -log_r_p, torch.zeros_like(log_r_p)), seq, num)
-        k1 = k1 if bug == "opsm_sum_not_mean" else k1 / count.clamp_min(1)
-        seq_drop |= (count > 0) & (mean_adv < 0) & (k1 > cfg.opsm_delta)
+        negative = torch.ones_like(seq_drop) if bug == "opsm_any_advantage" else mean_adv < 0
+        seq_drop |= (count > 0) & negative & (k1 / count.clamp_min(1) > cfg.opsm_delta)
     for rule in rules:
         if rule.kind == "ratio":
             total = _seq_sum(torch.where(trained, log_r, torch.zeros_like(log_r)), seq, num)
