@@ -114,7 +114,7 @@ def _dropped(log_r: Tensor, log_r_p: Tensor, adv: Tensor, trained: Tensor, seq_i
     log-ratio."""
     rules = [r for _, r in cfg.correction.rejection_rules if bug != "sequence_rule_per_token" and _is_sequence_rule(r)]
     drop = torch.zeros_like(trained)
-    if (not rules and cfg.veto is None and cfg.opsm_delta is None) or seq_ids is None:
+    if not rules and cfg.veto is None and cfg.opsm_delta is None:
         return drop
     seq, num = _segments(seq_ids)
     count = _seq_sum(trained.to(log_r.dtype), seq, num)
@@ -269,6 +269,8 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
 
     def loss_fn(logits, tokens, sampler_logprobs, candidates, advantages, temperature, loss_mask=None, seq_ids=None,
                 proximal_logprobs=None):
+        if cfg.needs_sequences and seq_ids is None:
+            raise ValueError(f"seq_ids is required by {cfg.describe()}")
         trained = torch.ones_like(tokens, dtype=torch.bool) if loss_mask is None else loss_mask
         tau = temperature * temperature if bug == "temperature_twice" else temperature
         z = logits.double()
