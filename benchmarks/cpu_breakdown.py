@@ -47,16 +47,22 @@ def _time(fn, calls: int) -> list[float]:
     return out
 
 
+def _fresh_copy_s(logits: torch.Tensor) -> float:
+    """The floor: seconds to allocate a logits-sized buffer and copy the logits into it (first touch included)."""
+    t0 = time.perf_counter()
+    buf = torch.empty_like(logits)
+    buf.copy_(logits)
+    elapsed = time.perf_counter() - t0
+    del buf
+    return elapsed
+
+
 def first_touch(logits: torch.Tensor, calls: int) -> dict:
     fresh, warm = [], []
     mapped = torch.empty_like(logits)
     mapped.copy_(logits)
     for _ in range(calls):
-        t0 = time.perf_counter()
-        buf = torch.empty_like(logits)
-        buf.copy_(logits)
-        fresh.append(time.perf_counter() - t0)
-        del buf
+        fresh.append(_fresh_copy_s(logits))
         t0 = time.perf_counter()
         mapped.copy_(logits)
         warm.append(time.perf_counter() - t0)
@@ -143,11 +149,7 @@ def primitive(logits: torch.Tensor, k: int, calls: int) -> dict:
         floors, fwd, bwd = [], [], []
         for _ in range(calls + 1):
             leaf.grad = None
-            t0 = time.perf_counter()
-            buf = torch.empty_like(logits)
-            buf.copy_(logits)
-            floors.append(time.perf_counter() - t0)
-            del buf
+            floors.append(_fresh_copy_s(logits))
             t0 = time.perf_counter()
             res = sparse_log_softmax(leaf, y, c, validate=validate)
             t1 = time.perf_counter()

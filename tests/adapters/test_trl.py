@@ -25,6 +25,8 @@ from offpolicy.adapters.trl import (IDS_KEY, LOGPROBS_KEY, PROXIMAL_KEY, OffPoli
                                     resolve_correction)
 from offpolicy.reference import reference_policy_loss
 
+from support.trl_6789 import pairing_gaps
+
 WORDS = ["<pad>", "<eos>"] + [f"w{i}" for i in range(30)]
 SCRATCH = {}
 
@@ -173,17 +175,8 @@ def test_trl_6789_bias_vs_support_replay():
     the recorded support gives ratio one."""
     corr = op.Correction(weights="mis", bounds=(0.5, 5.0))
     trainer, _ = _train(corr, "support", top_p=0.9, steps=1, max_len=8, temperature=1.0)
-    trl_tok, replay_tok, trl_seq, replay_seq = [], [], [], []
-    for s in trainer.seen:
-        x, m = s["inputs"], s["loss_mask"]
-        # TRL's formula (grpo_trainer.py, vllm_importance_sampling_correction): exp(sum_t old - sampling).
-        diff = (s["trl_logps"] - x["sampling_per_token_logps"]) * m
-        trl_tok.append(diff[m])
-        trl_seq.append(diff.sum(-1).exp())
-        replay_tok.append(s["log_ratio"][m])
-        replay_seq.append((s["log_ratio"] * m).sum(-1).exp())
-    trl_tok, replay_tok = torch.cat(trl_tok), torch.cat(replay_tok)
-    trl_seq, replay_seq = torch.cat(trl_seq), torch.cat(replay_seq)
+    # TRL's formula (grpo_trainer.py, vllm_importance_sampling_correction): exp(sum_t old - sampling).
+    trl_tok, trl_seq, replay_tok, replay_seq = pairing_gaps(trainer.seen)
     # Per token the gap is log P(S_t) in [log 0.9, 0): the mass the top-p filter kept.
     assert float(trl_tok.max()) < 0 and float(trl_tok.min()) >= math.log(0.9) - 0.05
     assert float(trl_seq.mean()) < 0.75

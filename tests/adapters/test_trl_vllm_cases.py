@@ -27,6 +27,8 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM 
 import offpolicy as op  # noqa: E402
 from offpolicy.adapters.trl import PROXIMAL_KEY, OffPolicyGRPOTrainer  # noqa: E402
 
+from support.trl_6789 import pairing_gaps  # noqa: E402
+
 V = 64
 WORDS = ["<pad>", "<eos>"] + [f"w{i}" for i in range(V - 2)]
 
@@ -114,16 +116,7 @@ def test_vllm_decoupled_ppo_proximal_from_the_trainer(run):
 
 def test_trl_6789_with_vllm(run):
     trainer, _ = run
-    trl_tok, trl_seq, replay_tok, replay_seq = [], [], [], []
-    for s in (trainer.seen[i] for i in FIRST_PASSES):
-        m = s["loss_mask"]
-        diff = (s["trl_logps"] - s["inputs"]["sampling_per_token_logps"]) * m
-        trl_tok.append(diff[m])
-        trl_seq.append(diff.sum(-1).exp())
-        replay_tok.append(s["log_ratio"][m])
-        replay_seq.append((s["log_ratio"] * m).sum(-1).exp())
-    trl_tok, trl_seq = torch.cat(trl_tok), torch.cat(trl_seq)
-    replay_tok, replay_seq = torch.cat(replay_tok), torch.cat(replay_seq)
+    trl_tok, trl_seq, replay_tok, replay_seq = pairing_gaps(trainer.seen[i] for i in FIRST_PASSES)
     assert float(trl_tok.max()) < 0 and float(trl_tok.min()) >= math.log(0.9) - 0.05
     assert float(trl_seq.mean()) < 0.75
     assert float(replay_tok.abs().max()) < 1e-4 and abs(float(replay_seq.mean()) - 1) < 1e-3

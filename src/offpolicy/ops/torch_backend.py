@@ -9,9 +9,8 @@ Both functions follow the logits contract of :mod:`offpolicy.ops.backend_registr
 Exponentials are taken base 2: ``exp(x - m) = exp2((x - m) log2(e))``. PyTorch's CPU ``exp`` (Sleef's 1-ulp ``expf``)
 costs three times its ``exp2`` (0.84 against 0.28 ns per fp32 element on one core of the 2-core AVX-512 VM,
 ``benchmarks/results/cpu_breakdown_vm_2026-12-01_quiet.json``), and the exponential is most of the arithmetic of
-both passes. The one extra
-rounding, of ``(x - m) log2(e)``, moves ``exp(x - m)`` by a relative ``|x - m| 2**-24``: a few ulps where the
-mass is (``|x - m|`` small) and nothing that shows in a sum or a 16-bit gradient.
+both passes. The one extra rounding, of ``(x - m) log2(e)``, moves ``exp(x - m)`` by a relative ``|x - m| 2**-24``:
+a few ulps where the mass is (``|x - m|`` small) and nothing that shows in a sum or a 16-bit gradient.
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ def full_stats(
     if rows.numel() == 0 or v == 0:
         return m, s, t
     step = _chunk_rows(v, acc)
-    unit = bool((inv_temp == 1).all())
     scratch: dict[int, tuple[Tensor, Tensor | None]] = {}
 
     def body(lo: int, hi: int) -> None:
@@ -72,15 +70,12 @@ def full_stats(
         it = inv_temp[idx]
         # The max is taken on the raw logits (tau > 0), and x - m = (z - max z) / tau is formed by one subtraction
         # of nearby values and one rounding: more accurate than z / tau - max(z / tau) when |z / tau| is large.
-        if z.dtype == acc:
-            mz = z.amax(dim=1)
-            mz = torch.where(torch.isfinite(mz), mz, torch.zeros_like(mz))
-            torch.sub(z, mz[:, None], out=x)
-        else:  # vectorised upcast first: a 16-bit max, or a mixed-dtype subtraction, is far slower on CPU
-            mz = x.copy_(z).amax(dim=1)
-            mz = torch.where(torch.isfinite(mz), mz, torch.zeros_like(mz))
-            x.sub_(mz[:, None])
-        x.mul_(LOG2E if unit else it[:, None] * LOG2E)  # y = (x - m) log2(e)
+        # 16-bit logits: a vectorised upcast first (a 16-bit max, or a mixed-dtype subtraction, is far slower on CPU).
+        src = z if z.dtype == acc else x.copy_(z)
+        mz = src.amax(dim=1)
+        mz = torch.where(torch.isfinite(mz), mz, torch.zeros_like(mz))
+        torch.sub(src, mz[:, None], out=x)
+        x.mul_(it[:, None] * LOG2E)  # y = (x - m) log2(e)
         torch.exp2(x, out=e)
         s_c = e.sum(dim=1)
         t_c = x.mul_(e).sum(dim=1).mul_(LN2)  # sum e (x - m) = ln 2 sum e y, in cache; y is not needed afterwards
@@ -140,9 +135,8 @@ def full_grad(
     rows = torch.arange(n) if all_live else live.nonzero().view(-1).cpu()
     if rows.numel() == 0:
         return out
-    # x / tau - lse = (z - tau lse) / tau: one subtraction, then the scale only when some tau != 1.
+    # x / tau - lse = (z - tau lse) / tau: one subtraction, then one scale by log2(e) / tau.
     shift = lse / inv_temp
-    unit = bool((inv_temp == 1).all())
     step = _chunk_rows(v, acc)
     direct = out.dtype == acc and all_live
     scratch: dict[int, Tensor] = {}
@@ -162,7 +156,7 @@ def full_grad(
             torch.sub(z, shift[idx, None], out=x)
         else:
             x.copy_(z).sub_(shift[idx, None])
-        x.mul_(LOG2E if unit else inv_temp[idx, None] * LOG2E)
+        x.mul_(inv_temp[idx, None] * LOG2E)
         x.exp2_()  # p = exp2((x / tau - lse) log2(e))
         x.mul_(coef[idx, None])  # -G p / tau
         x.scatter_add_(1, cols[idx], g_scaled[idx])
