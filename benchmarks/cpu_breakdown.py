@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_cpu import _floor_s  # beside this script: the floor, as the main benchmark times it
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -47,22 +48,12 @@ def _time(fn, calls: int) -> list[float]:
     return out
 
 
-def _fresh_copy_s(logits: torch.Tensor) -> float:
-    """The floor: seconds to allocate a logits-sized buffer and copy the logits into it (first touch included)."""
-    t0 = time.perf_counter()
-    buf = torch.empty_like(logits)
-    buf.copy_(logits)
-    elapsed = time.perf_counter() - t0
-    del buf
-    return elapsed
-
-
 def first_touch(logits: torch.Tensor, calls: int) -> dict:
     fresh, warm = [], []
     mapped = torch.empty_like(logits)
     mapped.copy_(logits)
     for _ in range(calls):
-        fresh.append(_fresh_copy_s(logits))
+        fresh.append(_floor_s(logits))
         t0 = time.perf_counter()
         mapped.copy_(logits)
         warm.append(time.perf_counter() - t0)
@@ -149,7 +140,7 @@ def primitive(logits: torch.Tensor, k: int, calls: int) -> dict:
         floors, fwd, bwd = [], [], []
         for _ in range(calls + 1):
             leaf.grad = None
-            floors.append(_fresh_copy_s(logits))
+            floors.append(_floor_s(logits))
             t0 = time.perf_counter()
             res = sparse_log_softmax(leaf, y, c, validate=validate)
             t1 = time.perf_counter()
