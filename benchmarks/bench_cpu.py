@@ -1,18 +1,20 @@
-"""CPU benchmark: ``op.policy_loss`` on logits (chunked torch backend) against the machine's floor and the dense
-PyTorch way, forward + backward of an MIS + score-centering loss with a ``K``-candidate record.
+"""CPU benchmark: ``op.policy_loss`` on logits (the CPU default, the native ``cpu`` backend, and the chunked PyTorch
+fallback) against the machine's floor and the dense PyTorch way, forward + backward of an MIS + score-centering loss
+with a ``K``-candidate record.
 
 * floor: allocate a logits-sized buffer and copy the logits into it: one read of the logits, one write of a fresh
   gradient-sized buffer (its page faults included), the least any forward + backward must move;
 * mapped-pages floor: the same copy into a buffer whose pages are already mapped (allocated once per process),
   measured right after the floor. On a VM the page faults are most of the floor and vary from call to call; this
   second floor shows how far ours is from the bare read + write;
-* ours: ``op.policy_loss(logits, ...)`` then ``loss.backward()``, the gradient released between calls
-  (``logits.grad = None``), as a training step does;
+* ours (``offpolicy``): ``op.policy_loss(logits, ...)`` then ``loss.backward()`` with the default backend (``cpu``,
+  the fused C loops, where they build), the gradient released between calls (``logits.grad = None``), as a
+  training step does; ``offpolicy-torch``: the same with ``backend="torch"``, the fallback where no C compiler is;
 * dense: what a user writes without this library: ``log_softmax`` of the full ``[N, V]`` logits in fp32,
   ``gather`` of the sampled token and the candidates, the same ``O(N K)`` loss
   (``op.policy_loss_from_logprobs``), autograd backward.
 
-Each (dtype, record) case runs in fresh subprocesses: one for ours (first one call whose peak resident memory
+Each (dtype, record) case runs in fresh subprocesses: one for each of ours (first one call whose peak resident memory
 above the inputs is the memory figure, then ``--calls`` calls, each preceded by a floor measurement), one for
 dense (``--dense-calls`` calls, each preceded by a floor measurement). Ratios to the floor are per call (ours_i /
 floor_i, measured back to back) and reported as median with min and max; times as median, best and spread
@@ -93,10 +95,15 @@ def _dense_loss(logits, tokens, lq, adv, cands):
                                         correction=op.Correction(**CORRECTION)).loss
 
 
-def _ours_loss(logits, tokens, lq, adv, cands):
+def _ours_loss(logits, tokens, lq, adv, cands, backend=None):
     import offpolicy as op
 
-    return op.policy_loss(logits, tokens, lq, adv, cands, correction=op.Correction(**CORRECTION)).loss
+    return op.policy_loss(logits, tokens, lq, adv, cands, correction=op.Correction(**CORRECTION),
+                          backend=backend).loss
+
+
+#: method -> the ``backend=`` of ``op.policy_loss`` (None: the default for CPU tensors)
+OURS = {"offpolicy": None, "offpolicy-torch": "torch"}
 
 
 def _floor_s(logits) -> float:
@@ -118,7 +125,11 @@ def run_case(method: str, n: int, v: int, k: int, dtype: str, kind: str, calls: 
     """Runs in the child process: the memory call (ours only), then ``calls`` pairs (floor, method)."""
     import torch
 
-    loss_fn = _dense_loss if method == "dense" else _ours_loss
+    if method == "dense":
+        loss_fn = _dense_loss
+    else:
+        def loss_fn(*inputs):
+            return _ours_loss(*inputs, backend=OURS[method])
     warm = _inputs(8, 64, 4, dtype, kind)  # lazy imports, op registration, allocator
     warm[0].requires_grad_()
     loss_fn(*warm).backward()
@@ -128,6 +139,9 @@ def run_case(method: str, n: int, v: int, k: int, dtype: str, kind: str, calls: 
     row = {"method": method, "n": n, "v": v, "k": k, "dtype": dtype, "kind": kind,
            "threads": torch.get_num_threads(), "logits_bytes": logits_bytes}
     if method != "dense":
+        from offpolicy.ops import backend_registry
+
+        row["backend"] = backend_registry.choose(OURS[method], logits.device, logits.dtype).name
         base = _peak_rss_bytes()
         loss_fn(logits, tokens, lq, adv, cands).backward()
         extra = max(0, _peak_rss_bytes() - base)
@@ -164,7 +178,7 @@ def _line(row: dict) -> str:
     if "peak_above_inputs_and_grad_frac_of_logits" in row:
         mem = (f"  extra above logits+grad {row['peak_above_inputs_and_grad_bytes'] / 2**20:.0f} MiB "
                f"({100 * row['peak_above_inputs_and_grad_frac_of_logits']:.1f}% of logits)")
-    return (f"{row['dtype']:9s} {row['kind']:8s} {row['method']:9s} time {t['median']:.3f} s (best {t['best']:.3f}, "
+    return (f"{row['dtype']:9s} {row['kind']:8s} {row['method']:15s} time {t['median']:.3f} s (best {t['best']:.3f}, "
             f"spread {t['spread']:.3f})  floor {f['median']:.3f} s  x floor {r['median']:.2f} "
             f"[{min(r['all']):.2f}, {max(r['all']):.2f}]  x mapped-pages floor {row['x_mapped_floor']['median']:.2f}"
             f"{mem}")
@@ -177,7 +191,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--kinds", default="head,support")
-    ap.add_argument("--methods", default="offpolicy,dense")
+    ap.add_argument("--methods", default="offpolicy,offpolicy-torch,dense")
     ap.add_argument("--calls", type=int, default=5, help="timed calls of ours, each after a floor measurement")
     ap.add_argument("--dense-calls", type=int, default=2, help="timed calls of the dense way")
     ap.add_argument("--note", default="", help="saved with the results (e.g. whether the machine was shared)")
@@ -203,13 +217,14 @@ def main() -> None:
                 rows.append(row)
                 print(_line(row), flush=True)
             case = [r for r in rows if r["dtype"] == dtype and r["kind"] == kind]
-            ours = next((r for r in case if r["method"] == "offpolicy"), None)
             dense = next((r for r in case if r["method"] == "dense"), None)
-            if ours and dense:
+            for ours in (r for r in case if r["method"] in OURS and dense):
                 ours["speedup_vs_dense"] = dense["time_s"]["median"] / ours["time_s"]["median"]
-                print(f"{dtype:9s} {kind:8s} speed-up over dense (medians): {ours['speedup_vs_dense']:.2f}x",
-                      flush=True)
+                print(f"{dtype:9s} {kind:8s} {ours['method']} speed-up over dense (medians): "
+                      f"{ours['speedup_vs_dense']:.2f}x", flush=True)
     import torch
+
+    from offpolicy.ops import cpu_native
 
     meta = {
         "host": socket.gethostname(), "machine": platform.machine(), "processor": platform.processor() or cpu_model(),
@@ -217,6 +232,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/bench_cpu.py " + " ".join(sys.argv[1:]),
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "note": args.note,
+        "cpu_native": "built" if cpu_native.load() is not None else cpu_native.unavailable_reason(),
     }
     flat = []
     for r in rows:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offpolicy.ops import backend_registry, linear_sparse_log_softmax, sparse_log_softmax
+from offpolicy.ops import backend_registry, cpu_native, linear_sparse_log_softmax, sparse_log_softmax
 
 
 def test_every_backend_implements_both_contracts():
@@ -22,8 +22,11 @@ def test_every_backend_implements_both_contracts():
 def test_choice_order(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(backend_registry.ENV_VAR, raising=False)
-    assert backend_registry.choose(None, cpu, torch.float32).name == "torch"
+    assert backend_registry.choose(None, cpu, torch.float32).name == "cpu"  # the C kernels build here
     assert backend_registry.choose(None, torch.device("cuda"), torch.float32).name == "triton"
+    monkeypatch.setenv(cpu_native.ENV_VAR, "0")
+    assert backend_registry.choose(None, cpu, torch.float32).name == "torch"
+    monkeypatch.delenv(cpu_native.ENV_VAR)
     monkeypatch.setenv(backend_registry.ENV_VAR, "triton")
     assert backend_registry.choose(None, cpu, torch.float32).name == "triton"
     assert backend_registry.choose("torch", cpu, torch.float32).name == "torch"  # the argument wins
@@ -42,6 +45,25 @@ def test_unknown_backend_is_named(monkeypatch):
         sparse_log_softmax(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="not registered"):
         backend_registry.get("nope")
+
+
+def test_without_a_compiler_the_cpu_default_is_torch(monkeypatch, tmp_path):
+    """No C compiler: one RuntimeWarning naming the reason, then the PyTorch backend, which gives the same values."""
+    monkeypatch.setattr(cpu_native, "_STATE", {})
+    monkeypatch.setenv(cpu_native.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.delenv(backend_registry.ENV_VAR, raising=False)
+    with pytest.warns(RuntimeWarning, match="'no-such-compiler' is not on PATH"):
+        assert backend_registry.choose(None, torch.device("cpu"), torch.bfloat16).name == "torch"
+    assert "no-such-compiler" in cpu_native.unavailable_reason()
+    with pytest.raises(RuntimeError, match="backend 'cpu': the native CPU kernels are unavailable"):
+        sparse_log_softmax(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64), backend="cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cpu_backend_needs_cpu_tensors():
+    with pytest.raises(ValueError, match="backend 'cpu' runs C loops on CPU tensors"):
+        backend_registry.choose("cpu", torch.device("cuda"), torch.float32)
 
 
 def test_kernel_backend_on_cpu_needs_the_interpreter(monkeypatch):

@@ -1,5 +1,6 @@
-"""The chunked CPU backend's edge cases: chunk boundaries, skipped rows, the in-place gradient, the cached exponentials
-and a second backward, and 16-bit gradients rounded once."""
+"""The CPU backends' edge cases (the chunked PyTorch backend, and the native ``cpu`` backend where the same checks
+apply): chunk boundaries, skipped rows, the in-place gradient, the cached exponentials and a second backward, and
+16-bit gradients rounded once."""
 
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy.ops import torch_backend
+from offpolicy.ops import cpu_backend, torch_backend
 from offpolicy.reference import log_probs
 
 from support.batches import make_batch
 
+CPU_BACKENDS = ["torch"] + (["cpu"] if cpu_backend.available() else [])
 
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("support", [False, True])
-def test_chunking_skip_and_inplace(dtype, support, monkeypatch):
+def test_chunking_skip_and_inplace(backend, dtype, support, monkeypatch):
     """Tiny chunks (many chunk boundaries), skipped rows, and the in-place gradient all give the same result."""
     monkeypatch.setattr(torch_backend, "CHUNK_BYTES", 3 * 4 * 37)  # 3 rows of 37 fp32 per chunk
+    monkeypatch.setattr(cpu_backend, "ROWS_PER_CALL", 3)
     z, y, _, cands = make_batch(11, 37, 5, "support" if support else "head", seed=4)
     z = z.to(dtype)
     skip = torch.zeros(11, dtype=torch.bool)
@@ -32,7 +37,8 @@ def test_chunking_skip_and_inplace(dtype, support, monkeypatch):
     def run(inplace, skip_rows):
         leaf = z.clone().requires_grad_()
         zz = leaf.clone() if inplace else leaf  # in-place needs a non-leaf buffer it may overwrite
-        out = op.sparse_log_softmax(zz, y, cands.ids, tau, support=support, skip=skip_rows, inplace_grad=inplace)
+        out = op.sparse_log_softmax(zz, y, cands.ids, tau, support=support, skip=skip_rows, inplace_grad=inplace,
+                                    backend=backend)
         loss = (out.target.double() * g_t).sum() + torch.where(valid, out.candidates.double() * g_c, 0).sum()
         loss.backward()
         return out, leaf.grad
@@ -61,7 +67,7 @@ def test_cached_exponentials_and_retained_graph():
     z = z.float()
     g_t = torch.randn(9)
     leaf = z.clone().requires_grad_()
-    out = op.sparse_log_softmax(leaf, y, cands.ids, 0.7)
+    out = op.sparse_log_softmax(leaf, y, cands.ids, 0.7, backend="torch")
     loss = (out.target * g_t).sum()
     loss.backward(retain_graph=True)
     first = leaf.grad.clone()
@@ -73,12 +79,14 @@ def test_cached_exponentials_and_retained_graph():
     torch.testing.assert_close(first.double(), ref.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16bit_gradient_all_rows_live(inplace, dtype, monkeypatch):
+def test_16bit_gradient_all_rows_live(backend, inplace, dtype, monkeypatch):
     """16-bit logits, every row trained, the target repeated among the candidates: each gradient entry (its two
     terms added in fp32 first) is rounded once to 16 bits, so it lies within half an ulp of float64."""
     monkeypatch.setattr(torch_backend, "CHUNK_BYTES", 4 * 4 * 64)  # several chunks
+    monkeypatch.setattr(cpu_backend, "ROWS_PER_CALL", 4)
     z, y, _, cands = make_batch(10, 64, 6, "head", seed=8, empty_row=None)
     ids = cands.ids.clone()
     ids[:, 0] = y  # the sampled token is also a candidate: its two gradient terms must add before rounding
@@ -89,7 +97,7 @@ def test_16bit_gradient_all_rows_live(inplace, dtype, monkeypatch):
     tau = torch.linspace(0.6, 1.5, 10)
     leaf = z.clone().requires_grad_()
     zz = leaf.clone() if inplace else leaf
-    out = op.sparse_log_softmax(zz, y, ids, tau, inplace_grad=inplace)
+    out = op.sparse_log_softmax(zz, y, ids, tau, inplace_grad=inplace, backend=backend)
     ((out.target * g_t).sum() + (out.candidates * g_c).sum()).backward()
     ref = z.double().requires_grad_()
     lp = log_probs(ref, tau.double())

@@ -323,10 +323,14 @@ def write_outputs(results: list[dict], out: Path, meta: dict, calibration: dict 
     """Write ``runs.json.gz`` (every run's config, per-step history, evaluations and groups), ``summary.csv``,
     ``configs.csv``, ``groups.csv``, ``tables.md`` and (with matplotlib) the figures into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
+    # Every table is derived from the rounded runs that the file keeps, so that --report-only on the file gives
+    # the same tables to the last digit.
+    stored = _rounded({"meta": meta, "calibration": calibration, "runs": results})
+    results = stored["runs"]
     summary = [summarize(r) for r in results]
     files = {name: out / name for name in ("runs.json.gz", "summary.csv", "configs.csv", "groups.csv", "tables.md")}
     with gzip.open(files["runs.json.gz"], "wt") as f:
-        json.dump(_rounded({"meta": meta, "calibration": calibration, "runs": results}), f)
+        json.dump(stored, f)
     _write_csv(files["summary.csv"], summary)
     _write_csv(files["configs.csv"], aggregate(summary))
     _write_csv(files["groups.csv"], group_table(results))

@@ -88,7 +88,7 @@ def policy_loss(
         current_version: the trainer's policy version (staleness = current - version); default the newest.
         inplace_grad: write the logits' gradient into ``logits`` (saves an ``[N, V]`` buffer; the logits are
             overwritten by the backward and autograd's version check is bypassed).
-        backend: ``"torch"`` or ``"triton"``; default by device.
+        backend: ``"torch"``, ``"cpu"`` or ``"triton"``; default by device.
         validate: check inputs at the boundary (host syncs); skipped automatically under ``torch.compile``.
 
     Returns:

@@ -14,8 +14,12 @@ The logits contract (:mod:`offpolicy.ops.torch_backend`): ``full_stats(logits, i
 ``full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out) -> out``. The fused-linear contract
 (:mod:`offpolicy.ops.linear_torch_backend`): ``gathered_logits``, ``full_stats`` and ``backward``.
 
+Backends: ``torch`` (chunked PyTorch: the CPU fallback, and float64 everywhere), ``cpu`` (fused C loops built at
+first use, :mod:`offpolicy.ops.cpu_backend`) and ``triton`` (the GPU kernels).
+
 Choice, in order: the ``backend=`` argument, the ``OFFPOLICY_BACKEND`` environment variable, then ``triton`` for
-CUDA tensors and ``torch`` otherwise.
+CUDA tensors, and for CPU tensors ``cpu`` where its kernels build, else ``torch``. float64 logits go to ``torch``
+whatever is chosen.
 """
 
 from __future__ import annotations
@@ -53,9 +57,20 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "torch": Backend("torch", "offpolicy.ops.torch_backend", "offpolicy.ops.linear_torch_backend",
                      caches_probs=True, float64=True, needs_kernels=False),
+    "cpu": Backend("cpu", "offpolicy.ops.cpu_backend", "offpolicy.ops.linear_torch_backend",
+                   caches_probs=False, float64=False, needs_kernels=False),
     "triton": Backend("triton", "offpolicy.ops.triton_backend", "offpolicy.ops.linear_triton_backend",
                       caches_probs=False, float64=False, needs_kernels=True),
 }
+
+
+def _default(device: torch.device) -> str:
+    """``triton`` on CUDA; on CPU ``cpu`` where its C kernels build (:mod:`offpolicy.ops.cpu_native`), else ``torch``."""
+    if device.type == "cuda":
+        return "triton"
+    from offpolicy.ops import cpu_native  # noqa: PLC0415 (builds the kernels on first use)
+
+    return "cpu" if cpu_native.load() is not None else "torch"
 
 
 def _import(backend: Backend, module: str) -> ModuleType:
@@ -79,13 +94,15 @@ def choose(name: str | None, device: torch.device, dtype: torch.dtype) -> Backen
     Raises ``ValueError`` for an unknown name and for a kernel backend on CPU tensors without
     ``TRITON_INTERPRET=1``.
     """
-    chosen = name or os.environ.get(ENV_VAR) or ("triton" if device.type == "cuda" else "torch")
+    chosen = name or os.environ.get(ENV_VAR) or _default(device)
     if chosen not in BACKENDS:
         source = "backend=" if name else f"${ENV_VAR}="
         raise ValueError(f"{source}{chosen!r} is not a backend; expected one of {tuple(BACKENDS)}")
     backend = BACKENDS[chosen]
     if dtype == torch.float64 and not backend.float64:
         return BACKENDS["torch"]
+    if chosen == "cpu" and device.type != "cpu":
+        raise ValueError(f"backend 'cpu' runs C loops on CPU tensors, got tensors on {device}")
     if backend.needs_kernels and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend {chosen!r} runs Triton kernels: it needs CUDA tensors, or TRITON_INTERPRET=1 set "
                          "before Triton is imported to run them on CPU; use backend='torch' on CPU")

@@ -82,8 +82,8 @@ def sparse_log_softmax(
         inplace_grad: write the gradient into ``logits`` in the backward. Saves one ``[N, V]`` buffer, but
             overwrites the logits and bypasses autograd's version check: use it only when nothing else needs
             the logits after the backward.
-        backend: a name in :data:`offpolicy.ops.backend_registry.BACKENDS` (``"torch"``, ``"triton"``); default
-            by device.
+        backend: a name in :data:`offpolicy.ops.backend_registry.BACKENDS` (``"torch"``, ``"cpu"``,
+            ``"triton"``); default by device.
         validate: check the ids' range and the temperatures' values (a host sync on GPUs; skipped while
             ``torch.compile`` traces). Shapes, dtypes and options are always checked. Pass False only when the
             caller has checked them.

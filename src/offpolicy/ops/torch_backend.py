@@ -123,15 +123,10 @@ def full_grad(
     if n == 0 or v == 0:
         return out
     acc = inv_temp.dtype
-    coef = -(grad_sum * inv_temp)  # dz = coef * p + scatter(g * inv_temp)
-    g_scaled = torch.where(ids >= 0, grad * inv_temp[:, None], torch.zeros_like(grad))
-    cols = ids.clamp_min(0)
-    live = torch.isfinite(lse) & (coef != 0)
+    coef, g_scaled, cols, live = scatter_terms(ids, inv_temp, lse, grad, grad_sum)
     all_live = bool(live.all())
     if not all_live:
-        dead = (~live).nonzero().view(-1)
-        out[dead] = 0
-        out[dead] = out[dead].scatter_add(1, cols[dead], g_scaled[dead].to(out.dtype))
+        scatter_only(out, ~live, cols, g_scaled)
     rows = torch.arange(n) if all_live else live.nonzero().view(-1).cpu()
     if rows.numel() == 0:
         return out
@@ -169,6 +164,35 @@ def full_grad(
 
     row_threads.for_chunks(rows.numel(), step, body)
     return out
+
+
+def scatter_terms(ids: Tensor, inv_temp: Tensor, lse: Tensor, grad: Tensor, grad_sum: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The ``O(N M)`` parts of ``dz = coef p + scatter(g_scaled at cols)`` (arguments as in :func:`full_grad`).
+
+    Returns ``coef [N] = -grad_sum inv_temp``, ``g_scaled [N, M] = grad inv_temp`` (0 at padding), ``cols [N, M]``
+    (ids with padding sent to column 0) and ``live [N]``: rows with a dense part (finite ``lse``, ``coef != 0``).
+    """
+    coef = -(grad_sum * inv_temp)
+    g_scaled = torch.where(ids >= 0, grad * inv_temp[:, None], torch.zeros_like(grad))
+    return coef, g_scaled, ids.clamp_min(0), torch.isfinite(lse) & (coef != 0)
+
+
+def scatter_only(out: Tensor, rows: Tensor, cols: Tensor, g_scaled: Tensor) -> None:
+    """Rows ``rows`` ([N] bool) of ``out`` get the scatter of ``g_scaled`` at ``cols`` and zeros elsewhere.
+
+    Repeated ids add up in ``g_scaled``'s dtype, one cache-sized chunk of rows at a time, before the one rounding
+    to ``out``'s dtype.
+    """
+    dead = rows.nonzero().view(-1)
+    v = out.shape[1]
+
+    def body(lo: int, hi: int) -> None:
+        idx = dead[lo:hi]
+        part = torch.zeros(idx.numel(), v, dtype=g_scaled.dtype, device=out.device)
+        out[idx] = part.scatter_add_(1, cols[idx], g_scaled[idx]).to(out.dtype)
+
+    row_threads.for_chunks(dead.numel(), _chunk_rows(v, g_scaled.dtype), body)
 
 
 def grad_from_probs(

@@ -3,13 +3,7 @@
 Without a GPU the kernels run in Triton's interpreter (``conftest.py``) on fp32 and fp16 logits (the interpreter
 mishandles bf16 arithmetic); with a GPU the same tests run compiled on it, bf16 added.
 
-Tolerances (the reference is computed in float64 from the *same stored* logits, so input rounding is shared):
-* ``arg_tol = 64 u (1 + max|x|)``, ``u = 2**-24``: the absolute error of an fp32 ``x - lse``: ``x = z * (1/tau)``
-  and ``lse`` carry a few roundings of numbers of size ``|x|``, and ``log s`` the relative error of an fp32 sum
-  (a block tree plus ``V / BLOCK`` sequential adds, under 50 u here). It bounds lse, log-probabilities and the
-  entropy, and, times ``it * sum|g|`` (which bounds every term of the gradient), the gradient's fp32 math.
-* the gradient is then rounded once to the logits' dtype: relative ``2**-24`` (fp32), ``2**-11`` (fp16),
-  ``2**-8`` (bf16), plus half fp16's smallest subnormal (``2**-25``) for fp16 underflow.
+Tolerances: :mod:`support.vocab_reference`.
 """
 
 from __future__ import annotations
@@ -28,66 +22,13 @@ from hypothesis import strategies as st
 import offpolicy.ops as ops
 from offpolicy.kernels import logsoftmax as kernels
 
+from support.vocab_reference import (INF, arg_tol, assert_close_inf, dname, grad_case, grad_tol, hostile_logits,
+                                     ref_grad, ref_stats, temperatures)
+
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
-U = 2.0**-24
-STORE_RTOL = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-STORE_FLOOR = {torch.float32: 0.0, torch.float16: 2.0**-25, torch.bfloat16: 0.0}
-INF = float("inf")
 REPO = Path(__file__).resolve().parents[3]
-
-
-def dname(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def arg_tol(x: torch.Tensor) -> torch.Tensor:
-    """``[N]`` float64 absolute tolerance of fp32 ``x - lse`` per row (``x`` float64 ``[N, V]``)."""
-    finite = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
-    return 64 * U * (1 + finite.amax(dim=1))
-
-
-def assert_close_inf(got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor, what: str) -> None:
-    """Infinite entries equal exactly; finite ones within ``tol`` (broadcast against ``want``)."""
-    got, want = got.double(), want.double()
-    assert torch.equal(torch.isfinite(got), torch.isfinite(want)), f"{what}: finiteness differs"
-    inf = ~torch.isfinite(want)
-    assert torch.equal(got[inf], want[inf]), f"{what}: infinite entries differ"
-    err = torch.where(inf, torch.zeros_like(got), (got - want).abs())
-    tol = torch.broadcast_to(tol, want.shape)
-    worst = (err - tol).argmax()
-    assert bool((err <= tol).all()), f"{what}: error {err.flatten()[worst]:.3g} > tol {tol.flatten()[worst]:.3g}"
-
-
-def hostile_logits(n: int, v: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """``[n, v]`` logits with -inf scattered, one all -inf row, one -inf prefix (the max arrives late) and
-    one row whose max sits in the last column."""
-    z = torch.randn(n, v, generator=gen, dtype=torch.float64) * 3
-    z = torch.where(torch.rand(n, v, generator=gen) < 0.2, -INF, z)
-    if n > 1:
-        z[1] = -INF
-    if n > 2:
-        z[2, : (3 * v) // 4] = -INF
-    if n > 3:
-        z[3, -1] = 40.0
-    return z.to(dtype).to(DEVICE)
-
-
-def temperatures(n: int, gen: torch.Generator) -> torch.Tensor:
-    """``[n]`` temperatures spread log-uniformly over [0.05, 10]."""
-    return torch.exp(torch.empty(n, dtype=torch.float64).uniform_(-3.0, 2.3, generator=gen))
-
-
-def ref_stats(z: torch.Tensor, inv_temp: torch.Tensor):
-    """float64 lse (``+inf`` for rows without mass) and entropy of ``softmax(z * inv_temp)``, and ``x``."""
-    x = z.double() * inv_temp.double()[:, None]
-    lse = torch.logsumexp(x, dim=1)
-    dead = lse == -INF
-    logp = torch.log_softmax(torch.where(dead[:, None], torch.zeros_like(x), x), dim=1)
-    p = torch.exp(logp)
-    ent = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=1)
-    return torch.where(dead, INF, lse), torch.where(dead, 0.0, ent), x
 
 
 # ---------------------------------------------------------------- forward statistics kernel
@@ -98,7 +39,7 @@ def ref_stats(z: torch.Tensor, inv_temp: torch.Tensor):
 def test_row_stats_match_float64(dtype, block):
     gen = torch.Generator().manual_seed(0)
     n, v = 9, 1000  # 1000 is no multiple of 64: a partial last block
-    z = hostile_logits(n, v, dtype, gen)
+    z = hostile_logits(n, v, dtype, gen, DEVICE)
     inv_temp = (1.0 / temperatures(n, gen)).float().to(DEVICE)
     skip = torch.zeros(n, dtype=torch.bool, device=DEVICE)
     skip[5] = True
@@ -126,7 +67,7 @@ def test_row_stats_match_float64(dtype, block):
 def test_row_stats_strided_rows_and_no_skip():
     """A row stride wider than V (a slice of a wider buffer) and ``skip=None``."""
     gen = torch.Generator().manual_seed(1)
-    wide = hostile_logits(5, 700, torch.float32, gen)
+    wide = hostile_logits(5, 700, torch.float32, gen, DEVICE)
     z = wide[:, 50:550]
     inv_temp = torch.full((5,), 1 / 0.7, device=DEVICE)
     m, s, t = kernels.row_stats(z, inv_temp, None, block=128)
@@ -141,57 +82,13 @@ def test_row_stats_strided_rows_and_no_skip():
 # ---------------------------------------------------------------- backward kernel
 
 
-def ref_grad(z, ids, inv_temp, lse, grad, grad_sum):
-    """float64 ``inv_temp * (scatter_add(grad at ids) - G exp(x - lse))`` (no dense part if ``lse = +inf`` or G = 0)."""
-    n, v = z.shape
-    x = z.double() * inv_temp.double()[:, None]
-    p = torch.exp(x - lse.double()[:, None])
-    no_dense = torch.isinf(lse.double()) | (grad_sum == 0)  # the kernel skips these reads (NaN logits there)
-    p = torch.where(no_dense[:, None], torch.zeros_like(p), p)
-    sc = torch.zeros(n, v + 1, dtype=torch.float64)
-    sc.scatter_add_(1, torch.where(ids >= 0, ids, v), grad.double())
-    return inv_temp.double()[:, None] * (sc[:, :v] - grad_sum.double()[:, None] * p)
-
-
-def grad_tol(dz_ref, inv_temp, grad, x, dtype):
-    """Elementwise tolerance of the stored gradient (see the module docstring)."""
-    bound = inv_temp.double().abs() * grad.double().abs().sum(dim=1)  # bounds every term of the row
-    return (STORE_RTOL[dtype] * dz_ref.abs() + (arg_tol(x) * bound)[:, None] + STORE_FLOOR[dtype])
-
-
-def grad_case(n, v, m_ids, dtype, gen, k_pad=0.2):
-    z = hostile_logits(n, v, dtype, gen)
-    inv_temp = (1.0 / temperatures(n, gen)).float()
-    ids = torch.randint(0, v, (n, m_ids), generator=gen)
-    ids = torch.where(torch.rand(n, m_ids, generator=gen) < k_pad, -1, ids)
-    if m_ids > 2:
-        ids[:, 1] = ids[:, 0]  # the target among the candidates
-        ids[0, 2:] = ids[0, 2]  # one id repeated across the row
-    grad = torch.where(ids >= 0, torch.randn(n, m_ids, generator=gen), 0.0).float()
-    lse, _, _ = ref_stats(z.cpu(), inv_temp)
-    lse = lse.float()
-    grad_sum = grad.sum(dim=1)
-    if n > 4:
-        lse[4] = INF  # a row without mass: its logits are not read
-        z[4] = float("nan")
-    if n > 6:
-        grad[6] = 0.0  # G = 0 and no id gradient: zero row, logits not read
-        grad_sum[6] = 0.0
-        z[6] = float("nan")
-    if n > 7:
-        grad[7, :2] = torch.tensor([1.5, -1.5])  # G = 0 but id gradients: ids only
-        grad[7, 2:] = 0.0
-        grad_sum[7] = 0.0
-    return z, ids.to(DEVICE), inv_temp.to(DEVICE), lse.to(DEVICE), grad.to(DEVICE), grad_sum.to(DEVICE)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
 @pytest.mark.parametrize("block", [64, None], ids=["block64", "default"])
 def test_row_grad_matches_float64(dtype, inplace, block):
     gen = torch.Generator().manual_seed(2)
     n, v, m_ids = 9, 1000, 70  # 70 ids: two chunks of the exact scatter and several comparison steps
-    z, ids, inv_temp, lse, grad, grad_sum = grad_case(n, v, m_ids, dtype, gen)
+    z, ids, inv_temp, lse, grad, grad_sum = grad_case(n, v, m_ids, dtype, gen, device=DEVICE)
     z_ref = z.cpu().clone()
     want = ref_grad(z_ref, ids.cpu(), inv_temp.cpu(), lse.cpu(), grad.cpu(), grad_sum.cpu())
     out = z if inplace else torch.full_like(z, 7.0)
@@ -207,7 +104,7 @@ def test_row_grad_matches_float64(dtype, inplace, block):
 def test_row_grad_strided_out_and_logits(dtype):
     """Row strides wider than V for both the logits and the output."""
     gen = torch.Generator().manual_seed(3)
-    z, ids, inv_temp, lse, grad, grad_sum = grad_case(4, 300, 5, dtype, gen)
+    z, ids, inv_temp, lse, grad, grad_sum = grad_case(4, 300, 5, dtype, gen, device=DEVICE)
     wide = torch.zeros(4, 400, dtype=dtype, device=DEVICE)
     wide[:, 37:337] = z
     out_wide = torch.full((4, 512), 3.0, dtype=dtype, device=DEVICE)
@@ -230,7 +127,7 @@ def test_row_grad_strided_out_and_logits(dtype):
 def test_kernels_random_shapes(n, v, m_ids, block, dtype, seed):
     """Odd shapes (V below, at and above the block; more ids than columns) against float64."""
     gen = torch.Generator().manual_seed(seed)
-    z, ids, inv_temp, lse, grad, grad_sum = grad_case(n, v, m_ids, dtype, gen)
+    z, ids, inv_temp, lse, grad, grad_sum = grad_case(n, v, m_ids, dtype, gen, device=DEVICE)
     m, s, t = kernels.row_stats(z, inv_temp, None, block=block)
     lse_ref, _, x = ref_stats(z.cpu(), inv_temp.cpu())
     has = s.cpu().double() > 0
@@ -325,7 +222,7 @@ def dense_reference(z, y, cands, tau, support, skip):
 
 
 def e2e_case(n, v, k, dtype, gen):
-    z = hostile_logits(n, v, dtype, gen).cpu()
+    z = hostile_logits(n, v, dtype, gen, DEVICE).cpu()
     z[0] = torch.linspace(-1e4, 1e4, v).to(dtype)  # extreme logits
     y = torch.randint(0, v, (n,), generator=gen)
     cands = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(n)])

@@ -1,0 +1,216 @@
+/* The vocabulary passes of the sparse log-softmax on CPU, one row at a time: what the chunked PyTorch backend does
+ * in eight (forward) and seven (backward) separate passes over a chunk, fused into loops that keep a row in L2.
+ * Compiled at first use by offpolicy.ops.cpu_native with the machine's C compiler (-O3 -march=native, no
+ * -ffast-math: IEEE arithmetic), written with GCC/Clang vector extensions: 16 fp32 lanes with AVX-512, 8 otherwise
+ * (AVX2, NEON, or whatever the compiler maps them onto). It knows nothing of RL.
+ *
+ * Per row of V logits z (fp32, bf16 or fp16), with a = log2(e) / tau:
+ *   stats: m = max z;  y_v = (z_v - m) a;  e_v = 2^y_v;  s = sum e_v;  t2 = sum e_v y_v   (entropy term t = ln2 t2)
+ *          bytes: each logit read once from memory (the max) and once from L2 (a row is 0.3-0.6 MB).
+ *   grad:  d_v = c 2^((z_v - shift) a) + sum_{j : id_j = v} g_j,   c = -G / tau,  shift = tau lse
+ *          bytes: each logit read once, each gradient element written once; 16-bit outputs are assembled in an
+ *          fp32 row first (L2), so each element is rounded once, a candidate's two terms added before.
+ * Non-finite logits other than -inf (NaN, +inf) are not handled here: the stats pass flags such rows and the caller
+ * recomputes them with the PyTorch backend; the gradient pass is only called on rows with finite mass, so that
+ * y <= 0 in both passes (up to the rounding of lse).
+ *
+ * 2^y: y is clamped below at -127; y = n + f with n = round(y), |f| <= 1/2; 2^f by a degree-6 polynomial (a
+ * near-minimax fit of the relative error, 1.9e-9; 9.6e-8 = 0.8 fp32 ulp after fp32 Horner evaluation), then n is
+ * added to the exponent field. 2^-127 comes out as exactly +0 (so 2^-inf = 0, and 0 * y = 0 in the entropy sum);
+ * for -127 < y < -126 the result is a subnormal within 2^-126 of the true value: an absolute error, in a row whose
+ * largest term is 1, that no sum or 16-bit gradient can show.
+ * Sums: fp32 lanes over blocks of 1024 elements (at most 128 adds per lane), block totals in double: a relative
+ * error of about 130 fp32 ulps at worst, whatever V is.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#include <immintrin.h>
+#elif defined(__AVX__)
+#define LANES 8
+#include <immintrin.h>
+#else
+#define LANES 8
+#endif
+
+#define BLOCK 1024
+
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
+typedef _Float16 vhf __attribute__((vector_size(2 * LANES)));
+
+static inline vf vsplat(float x) { return (vf){0} + x; }
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* Loads and stores of LANES elements at p + i, unaligned. */
+static inline vf load_f32(const void *p, int64_t i) { vf x; memcpy(&x, (const float *)p + i, sizeof x); return x; }
+static inline vf load_bf16(const void *p, int64_t i) {
+    vh h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+static inline vf load_f16(const void *p, int64_t i) {
+#if defined(__AVX512F__) && LANES == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+#elif defined(__F16C__) && LANES == 8
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+#else
+    vhf h;
+    memcpy(&h, (const _Float16 *)p + i, sizeof h);
+    return __builtin_convertvector(h, vf);
+#endif
+}
+static inline void store_f32(void *p, int64_t i, vf x) { memcpy((float *)p + i, &x, sizeof x); }
+static inline void store_bf16(void *p, int64_t i, vf x) { /* round to nearest even; NaN stays NaN */
+#if defined(__AVX512BF16__) && LANES == 16
+    __m256bh h = _mm512_cvtneps_pbh((__m512)x);
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+#else
+    vu b = (vu)x;
+    vu r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    r = (vu)((vi)r & ~(x != x)) | ((vu)(x != x) & 0x7FC0u);
+    vh h = __builtin_convertvector(r, vh);
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+#endif
+}
+static inline void store_f16(void *p, int64_t i, vf x) { /* round to nearest even */
+#if defined(__AVX512F__) && LANES == 16
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__) && LANES == 8
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT));
+#else
+    vhf h = __builtin_convertvector(x, vhf);
+    memcpy((_Float16 *)p + i, &h, sizeof h);
+#endif
+}
+
+/* max(a, b), and b where either is NaN (as x86's max instructions). */
+#if defined(__AVX512F__) && LANES == 16
+static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+#elif defined(__AVX__) && LANES == 8
+static inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+#else
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+#endif
+
+/* 2^yc for -127 <= yc <= 127 (see the header). */
+static inline vf vexp2(vf yc) {
+    const vf magic = vsplat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf r = (yc + magic) - magic;
+    vf f = yc - r;
+    vi n = __builtin_convertvector(r, vi);
+    vf p = vsplat(1.534580979812015e-4f);
+    p = p * f + 1.3399931200814743e-3f;
+    p = p * f + 9.618488965286411e-3f;
+    p = p * f + 5.5503287770217874e-2f;
+    p = p * f + 2.4022646890558766e-1f;
+    p = p * f + 6.931472057372317e-1f;
+    p = p * f + 1.0f;
+    return (vf)((vi)p + (n << 23));
+}
+
+static inline vf lane_ids(void) {
+    vf x;
+    for (int j = 0; j < LANES; j++) x[j] = (float)j;
+    return x;
+}
+
+/* The last v % LANES elements go through a LANES-wide buffer padded with -inf (its 2^y is 0). */
+#define TAIL_LOAD(LOAD, ELEM, zr, i, v)                                                                            \
+    ({                                                                                                             \
+        ELEM buf_[LANES] = {0};                                                                                    \
+        memcpy(buf_, (const ELEM *)(zr) + (i), (size_t)((v) - (i)) * sizeof(ELEM));                                \
+        vselect(lane_ids() < vsplat((float)((v) - (i))), LOAD(buf_, 0), vsplat(-__builtin_inff()));               \
+    })
+
+static inline float hsum(vf x) { float s = 0.0f; for (int j = 0; j < LANES; j++) s += x[j]; return s; }
+static inline float hmax(vf x) { float m = x[0]; for (int j = 1; j < LANES; j++) m = x[j] > m ? x[j] : m; return m; }
+
+/* Row statistics of rows[0..n_rows): m[r], s[r], t2[r] (t in log2 units), bad[r] = 1 if the row holds NaN or +inf
+ * (then s is NaN: y = NaN at a NaN logit, and z - m = NaN throughout when m = +inf; its statistics are meaningless). */
+#define DEFINE_STATS(NAME, LOAD, ELEM)                                                                             \
+    void NAME(const void *z, int64_t z_stride, int64_t v, const int64_t *rows, int64_t n_rows, const float *a,   \
+              float *m_out, float *s_out, float *t_out, uint8_t *bad) {                                           \
+        const int64_t v_main = v - v % LANES;                                                                      \
+        const vf lowest = vsplat(-127.0f);                                                                         \
+        for (int64_t k = 0; k < n_rows; k++) {                                                                     \
+            const int64_t r = rows[k];                                                                             \
+            const ELEM *zr = (const ELEM *)((const char *)z + r * z_stride);                                       \
+            vf mx = vsplat(-__builtin_inff());                                                                     \
+            for (int64_t i = 0; i < v_main; i += LANES) mx = vmax(LOAD(zr, i), mx);                                \
+            if (v_main < v) mx = vmax(TAIL_LOAD(LOAD, ELEM, zr, v_main, v), mx);                                   \
+            float mz = hmax(mx);                                                                                   \
+            if (mz == -__builtin_inff()) mz = 0.0f;                                                                \
+            const vf vm = vsplat(mz), va = vsplat(a[r]);                                                           \
+            double s = 0.0, t = 0.0;                                                                               \
+            for (int64_t b0 = 0; b0 < v_main; b0 += BLOCK) {                                                       \
+                const int64_t b1 = b0 + BLOCK < v_main ? b0 + BLOCK : v_main;                                      \
+                vf sa = {0}, ta = {0};                                                                             \
+                for (int64_t i = b0; i < b1; i += LANES) {                                                         \
+                    vf y = vmax(lowest, (LOAD(zr, i) - vm) * va); /* y <= 0; e = 0 at y = -127: no 0 * inf */      \
+                    vf e = vexp2(y);                                                                               \
+                    sa += e;                                                                                       \
+                    ta += e * y;                                                                                   \
+                }                                                                                                  \
+                s += hsum(sa);                                                                                     \
+                t += hsum(ta);                                                                                     \
+            }                                                                                                      \
+            if (v_main < v) {                                                                                      \
+                vf y = vmax(lowest, (TAIL_LOAD(LOAD, ELEM, zr, v_main, v) - vm) * va);                             \
+                vf e = vexp2(y);                                                                                   \
+                s += hsum(e);                                                                                      \
+                t += hsum(e * y);                                                                                  \
+            }                                                                                                      \
+            bad[r] = (uint8_t)(s != s || mz == __builtin_inff());                                                  \
+            m_out[r] = mz;                                                                                         \
+            s_out[r] = (float)s;                                                                                   \
+            t_out[r] = (float)t;                                                                                   \
+        }                                                                                                          \
+    }
+
+DEFINE_STATS(stats_f32, load_f32, float)
+DEFINE_STATS(stats_bf16, load_bf16, uint16_t)
+DEFINE_STATS(stats_f16, load_f16, _Float16)
+
+/* The dense term c 2^((z - shift) a) of the gradient. */
+static inline vf dense_grad(vf z, vf shift, vf a, vf c) { return c * vexp2(vmax(vsplat(-127.0f), (z - shift) * a)); }
+
+/* Gradient of rows rows[0..n_rows): out[r, v] = c[r] 2^((z[r, v] - shift[r]) a[r]) + sum_{j: cols[r, j] = v} g[r, j]
+ * (g is 0 at padding, cols >= 0). scratch: V floats, the fp32 row of a 16-bit output. out may be z (in place). */
+#define DEFINE_GRAD(NAME, LOAD, STORE, ELEM, DIRECT)                                                               \
+    void NAME(const void *z, int64_t z_stride, void *out, int64_t out_stride, int64_t v, const int64_t *rows,    \
+              int64_t n_rows, const float *shift, const float *a, const float *c, const int64_t *cols,            \
+              const float *g, int64_t m_ids, float *scratch) {                                                     \
+        const int64_t v_main = v - v % LANES;                                                                      \
+        for (int64_t k = 0; k < n_rows; k++) {                                                                     \
+            const int64_t r = rows[k];                                                                             \
+            const ELEM *zr = (const ELEM *)((const char *)z + r * z_stride);                                       \
+            ELEM *orow = (ELEM *)((char *)out + r * out_stride);                                                   \
+            float *acc = DIRECT ? (float *)orow : scratch;                                                         \
+            const vf vs = vsplat(shift[r]), va = vsplat(a[r]), vc = vsplat(c[r]);                                  \
+            for (int64_t i = 0; i < v_main; i += LANES) store_f32(acc, i, dense_grad(LOAD(zr, i), vs, va, vc));    \
+            if (v_main < v) {                                                                                      \
+                vf d = dense_grad(TAIL_LOAD(LOAD, ELEM, zr, v_main, v), vs, va, vc);                               \
+                memcpy(acc + v_main, &d, (size_t)(v - v_main) * sizeof(float));                                    \
+            }                                                                                                      \
+            for (int64_t j = 0; j < m_ids; j++) acc[cols[r * m_ids + j]] += g[r * m_ids + j];                     \
+            if (!DIRECT) {                                                                                         \
+                for (int64_t i = 0; i < v_main; i += LANES) STORE(orow, i, load_f32(acc, i));                     \
+                if (v_main < v) {                                                                                  \
+                    float tail[LANES] = {0};                                                                       \
+                    ELEM packed[LANES];                                                                            \
+                    memcpy(tail, acc + v_main, (size_t)(v - v_main) * sizeof(float));                              \
+                    STORE(packed, 0, load_f32(tail, 0));                                                           \
+                    memcpy(orow + v_main, packed, (size_t)(v - v_main) * sizeof(ELEM));                            \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+
+DEFINE_GRAD(grad_f32, load_f32, store_f32, float, 1)
+DEFINE_GRAD(grad_bf16, load_bf16, store_bf16, uint16_t, 0)
+DEFINE_GRAD(grad_f16, load_f16, store_f16, _Float16, 0)

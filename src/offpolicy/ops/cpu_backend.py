@@ -1,0 +1,138 @@
+"""Native CPU backend for the vocabulary pass: the fused C loops of ``kernels/vocab_pass_cpu.c``, the CPU default
+wherever they build (:mod:`offpolicy.ops.cpu_native`).
+
+Both functions follow the logits contract of :mod:`offpolicy.ops.backend_registry`, as the chunked PyTorch backend
+(:mod:`offpolicy.ops.torch_backend`) does, and hand it what the C loops leave out: rows holding NaN or ``+inf``
+logits (recomputed there, so their statistics are the same as that backend's) and float64 logits (the registry
+routes those to it). Rows are shared out to the workers of :mod:`offpolicy.ops.row_threads` in chunks of whole
+rows; each C call works on one row at a time:
+
+* ``full_stats``: per row, one read of the logits from memory (the max) and one from L2 (``exp2`` and the two
+  sums), and nothing written but ``3 N`` floats. Against the PyTorch backend's eight passes over a chunk.
+* ``full_grad``: per row, one read of the logits and one write of the gradient; 16-bit gradients are assembled
+  in an fp32 row (in L2) and rounded once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor
+
+from offpolicy.ops import cpu_native, row_threads, torch_backend
+from offpolicy.ops.torch_backend import LN2, LOG2E
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+#: Rows per C call: a call's work is then milliseconds, against microseconds of ctypes overhead.
+ROWS_PER_CALL = 8
+
+
+def available() -> bool:
+    """Whether the C kernels are built and loaded (building them on first call)."""
+    return cpu_native.load() is not None
+
+
+def _kernels(logits: Tensor):
+    lib = cpu_native.load()
+    if lib is None:
+        reason = cpu_native.unavailable_reason()
+        raise RuntimeError(f"backend 'cpu': the native CPU kernels are unavailable ({reason}); use backend='torch'")
+    if logits.device.type != "cpu" or logits.dtype not in _SUFFIX:
+        raise ValueError(f"backend 'cpu' takes CPU fp32/bf16/fp16 logits, got {logits.dtype} on {logits.device}")
+    if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
+        raise ValueError(f"backend 'cpu' needs logits with unit stride along V, got strides {logits.stride()}")
+    return lib, _SUFFIX[logits.dtype]
+
+
+def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` over the whole (local) vocabulary.
+
+    Args:
+        logits: ``[N, V]`` bf16/fp16/fp32 on CPU, unit stride along ``V``.
+        inv_temp: ``[N]`` fp32, ``1 / tau``.
+        skip: ``[N]`` bool or None; skipped rows are not read and report ``m = s = t = 0``.
+
+    Returns:
+        ``m [N]`` (row max of ``x``, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
+        ``t [N] = sum exp(x - m) * (x - m)``, all fp32.
+    """
+    lib, suffix = _kernels(logits)
+    n, v = logits.shape
+    mz, s, t2 = (torch.zeros(n, dtype=torch.float32) for _ in range(3))
+    bad = torch.zeros(n, dtype=torch.uint8)
+    rows = torch.arange(n) if skip is None else (~skip).nonzero().view(-1).cpu()
+    if rows.numel() == 0 or v == 0:
+        return mz, s, t2
+    a = (inv_temp.float() * LOG2E).contiguous()
+    call = getattr(lib, f"stats_{suffix}")
+    stride = logits.stride(0) * logits.element_size()
+
+    def body(lo: int, hi: int) -> None:
+        call(logits.data_ptr(), stride, v, rows[lo:].data_ptr(), hi - lo, a.data_ptr(), mz.data_ptr(), s.data_ptr(),
+             t2.data_ptr(), bad.data_ptr())
+
+    row_threads.for_chunks(rows.numel(), ROWS_PER_CALL, body)
+    m, t = mz * inv_temp, t2 * LN2
+    redo = bad.bool()
+    if bool(redo.any()):  # NaN or +inf logits: the PyTorch backend's statistics for those rows
+        m_r, s_r, t_r = torch_backend.full_stats(logits, inv_temp, ~redo)
+        m, s, t = torch.where(redo, m_r, m), torch.where(redo, s_r, s), torch.where(redo, t_r, t)
+    return m, s, t
+
+
+def full_grad(
+    logits: Tensor,
+    ids: Tensor,
+    inv_temp: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    grad_sum: Tensor,
+    out: Tensor,
+) -> Tensor:
+    """Write ``dz = inv_temp * (scatter(grad at ids) - grad_sum * exp(x - lse))`` into ``out`` and return it.
+
+    Args:
+        logits: ``[N, V]`` bf16/fp16/fp32 on CPU, unit stride along ``V``; ``x = logits * inv_temp``.
+        ids: ``[N, M]`` int64 local column ids, ``-1`` where the entry is padding or owned by another shard;
+            repeated ids add their gradients.
+        inv_temp: ``[N]`` fp32.
+        lse: ``[N]`` fp32 normaliser of ``x``; ``+inf`` marks a row with no mass (its logits are not read).
+        grad: ``[N, M]`` fp32 upstream gradient of the gathered log-probabilities (0 at padding).
+        grad_sum: ``[N]`` fp32 ``sum`` of the row's gradient over *all* its entries (all shards).
+        out: ``[N, V]`` output in the logits' dtype, unit stride along ``V``; may be ``logits`` itself.
+
+    Rows whose dense part vanishes (``lse = +inf`` or ``grad_sum = 0``) are not read: they get the scatter only.
+    """
+    lib, suffix = _kernels(logits)
+    n, v = logits.shape
+    if n == 0 or v == 0:
+        return out
+    if out.shape != logits.shape or out.dtype != logits.dtype or (v > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be [N, V] {logits.dtype} with unit stride along V, got {tuple(out.shape)} "
+                         f"{out.dtype} strides {out.stride()}")
+    coef, g_scaled, cols, live = torch_backend.scatter_terms(ids, inv_temp, lse, grad, grad_sum)
+    if not bool(live.all()):
+        torch_backend.scatter_only(out, ~live, cols, g_scaled)
+    rows = live.nonzero().view(-1)
+    if rows.numel() == 0:
+        return out
+    shift = (lse / inv_temp).float().contiguous()
+    a = (inv_temp.float() * LOG2E).contiguous()
+    c = coef.float().contiguous()
+    cols, g_scaled = cols.contiguous(), g_scaled.float().contiguous()
+    call = getattr(lib, f"grad_{suffix}")
+    z_stride, out_stride = logits.stride(0) * logits.element_size(), out.stride(0) * out.element_size()
+    scratch: dict[int, Tensor] = {}
+
+    def body(lo: int, hi: int) -> None:
+        key = threading.get_ident()
+        if key not in scratch:  # per worker: the fp32 row of a 16-bit gradient
+            scratch[key] = torch.empty(v if suffix != "f32" else 1)
+        buf = scratch[key]
+        call(logits.data_ptr(), z_stride, out.data_ptr(), out_stride, v, rows[lo:].data_ptr(), hi - lo,
+             shift.data_ptr(), a.data_ptr(), c.data_ptr(), cols.data_ptr(), g_scaled.data_ptr(), ids.shape[1],
+             buf.data_ptr())
+
+    row_threads.for_chunks(rows.numel(), ROWS_PER_CALL, body)
+    return out
