@@ -6,8 +6,12 @@
    a 2-core machine shared with other jobs, a parallel region waits for a descheduled thread. The passes include
    the bf16 max and upcast, and ``exp`` against ``exp2`` (the backend takes ``exp2`` of ``(x - m) log2 e``); and
    the bf16 row statistics of one chunk as the backend's eager passes against one torch.compile'd loop;
-3. the primitive alone (``offpolicy.ops.sparse_log_softmax``, full vocabulary, K = 128), forward and backward,
-   with and without the value checks (``validate=False``), against the floor of the same call.
+3. the two CPU backends' contract functions on one chunk, one thread, in ns per element: ``full_stats`` and
+   ``full_grad`` of the native ``cpu`` backend (the fused C loops) against the chunked PyTorch backend, fp32 and
+   bf16 logits;
+4. the primitive alone (``offpolicy.ops.sparse_log_softmax``, full vocabulary, K = 128), forward and backward,
+   with and without the value checks (``validate=False``), against the floor of the same call, on each CPU
+   backend.
 
     python benchmarks/cpu_breakdown.py --note "shared machine"
 
@@ -126,7 +130,40 @@ def _stats_eager_vs_compiled(z16: torch.Tensor, calls: int) -> dict:
     return res
 
 
-def primitive(logits: torch.Tensor, k: int, calls: int) -> dict:
+def backend_passes(v: int, rows: int, calls: int) -> dict:
+    """``full_stats`` and ``full_grad`` of one ``rows x V`` chunk on each CPU backend, one thread, ns per element."""
+    from offpolicy.ops import cpu_backend, torch_backend
+
+    backends = {"torch": torch_backend}
+    if cpu_backend.available():
+        backends["cpu"] = cpu_backend
+    gen = torch.Generator().manual_seed(2)
+    out: dict = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            z = (torch.randn(rows, v, generator=gen) * 2).to(dtype)
+            inv = torch.full((rows,), 1.0)
+            ids = torch.randint(0, v, (rows, 129), generator=gen)
+            g = torch.randn(rows, 129, generator=gen)
+            m, s, _ = torch_backend.full_stats(z, inv, None)
+            lse = m + torch.log(s)
+            dz = torch.empty_like(z)
+            for name, mod in backends.items():
+                per = 1e9 / z.numel()
+                st = _time(lambda: mod.full_stats(z, inv, None), calls)
+                gr = _time(lambda: mod.full_grad(z, ids, inv, lse, g, g.sum(1), dz), calls)
+                out[f"{name}/{str(dtype).removeprefix('torch.')}"] = {
+                    "full_stats_ns_per_elem": per * statistics.median(st),
+                    "full_grad_ns_per_elem": per * statistics.median(gr),
+                    "full_stats": _stats(st), "full_grad": _stats(gr)}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def primitive(logits: torch.Tensor, k: int, calls: int, backend: str) -> dict:
     from offpolicy.ops import sparse_log_softmax
 
     n, v = logits.shape
@@ -142,7 +179,7 @@ def primitive(logits: torch.Tensor, k: int, calls: int) -> dict:
             leaf.grad = None
             floors.append(_floor_s(logits))
             t0 = time.perf_counter()
-            res = sparse_log_softmax(leaf, y, c, validate=validate)
+            res = sparse_log_softmax(leaf, y, c, validate=validate, backend=backend)
             t1 = time.perf_counter()
             torch.autograd.backward((res.target, res.candidates), (g_t, g_c))
             t2 = time.perf_counter()
@@ -169,6 +206,9 @@ def main() -> None:
     args = ap.parse_args()
     load_start = os.getloadavg()
     logits = torch.randn(args.n, args.v) * 2
+    from offpolicy.ops import cpu_backend
+
+    cpu_backends = (["cpu"] if cpu_backend.available() else []) + ["torch"]
     result = {
         "meta": {"host": socket.gethostname(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                  "python": platform.python_version(), "torch": torch.__version__,
@@ -177,7 +217,8 @@ def main() -> None:
                  "loadavg_start": load_start},
         "first_touch": first_touch(logits, args.calls),
         "chunk_passes": chunk_passes(args.v, args.rows, 10 * args.calls),
-        "primitive": primitive(logits, args.k, args.calls),
+        "backend_passes": backend_passes(args.v, args.rows, 10 * args.calls),
+        "primitive": {b: primitive(logits, args.k, args.calls, b) for b in cpu_backends},
     }
     result["meta"]["loadavg_end"] = os.getloadavg()
     print(json.dumps(result, indent=1))
