@@ -6,9 +6,9 @@
    a 2-core machine shared with other jobs, a parallel region waits for a descheduled thread. The passes include
    the bf16 max and upcast, and ``exp`` against ``exp2`` (the backend takes ``exp2`` of ``(x - m) log2 e``); and
    the bf16 row statistics of one chunk as the backend's eager passes against one torch.compile'd loop;
-3. the two CPU backends' contract functions on one chunk, one thread, in ns per element: ``full_stats`` and
-   ``full_grad`` of the native ``cpu`` backend (the fused C loops) against the chunked PyTorch backend, fp32 and
-   bf16 logits;
+3. the two CPU backends' contract functions on ``--pass-rows`` rows (several chunks: the PyTorch backend's
+   per-call scratch buffers are amortised), one thread, in ns per element: ``full_stats`` and ``full_grad`` of the
+   native ``cpu`` backend (the fused C loops) against the chunked PyTorch backend, fp32 and bf16 logits;
 4. the primitive alone (``offpolicy.ops.sparse_log_softmax``, full vocabulary, K = 128), forward and backward,
    with and without the value checks (``validate=False``), against the floor of the same call, on each CPU
    backend.
@@ -131,7 +131,7 @@ def _stats_eager_vs_compiled(z16: torch.Tensor, calls: int) -> dict:
 
 
 def backend_passes(v: int, rows: int, calls: int) -> dict:
-    """``full_stats`` and ``full_grad`` of one ``rows x V`` chunk on each CPU backend, one thread, ns per element."""
+    """``full_stats`` and ``full_grad`` of ``rows x V`` logits on each CPU backend, one thread, ns per element."""
     from offpolicy.ops import cpu_backend, torch_backend
 
     backends = {"torch": torch_backend}
@@ -199,6 +199,7 @@ def main() -> None:
     ap.add_argument("--v", type=int, default=151936)
     ap.add_argument("--k", type=int, default=128)
     ap.add_argument("--rows", type=int, default=13, help="rows of the chunk in part 2 (8 MiB at V = 151936)")
+    ap.add_argument("--pass-rows", type=int, default=128, help="rows of part 3")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--note", default="")
     ap.add_argument("--tag", default="", help="suffix of the result file")
@@ -217,7 +218,7 @@ def main() -> None:
                  "loadavg_start": load_start},
         "first_touch": first_touch(logits, args.calls),
         "chunk_passes": chunk_passes(args.v, args.rows, 10 * args.calls),
-        "backend_passes": backend_passes(args.v, args.rows, 10 * args.calls),
+        "backend_passes": backend_passes(args.v, args.pass_rows, 2 * args.calls),
         "primitive": {b: primitive(logits, args.k, args.calls, b) for b in cpu_backends},
     }
     result["meta"]["loadavg_end"] = os.getloadavg()
