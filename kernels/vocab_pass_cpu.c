@@ -110,7 +110,7 @@ static inline vf vexp2(vf yc) {
     p = p * f + 2.4022646890558766e-1f;
     p = p * f + 6.931472057372317e-1f;
     p = p * f + 1.0f;
-    return (vf)((vi)p + (n << 23));
+    return (vf)((vu)p + ((vu)n << 23)); /* unsigned: n < 0 wraps into the exponent field, no signed shift */
 }
 
 static inline vf lane_ids(void) {
