@@ -22,7 +22,8 @@ def test_every_backend_implements_both_contracts():
 def test_choice_order(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(backend_registry.ENV_VAR, raising=False)
-    assert backend_registry.choose(None, cpu, torch.float32).name == "cpu"  # the C kernels build here
+    native = cpu_native.load() is not None  # a C compiler builds the kernels (it does on the CI machines)
+    assert backend_registry.choose(None, cpu, torch.float32).name == ("cpu" if native else "torch")
     assert backend_registry.choose(None, torch.device("cuda"), torch.float32).name == "triton"
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
     assert backend_registry.choose(None, cpu, torch.float32).name == "torch"
