@@ -22,18 +22,11 @@ import offpolicy as op
 from offpolicy.ops import cpu_backend, cpu_native, torch_backend
 
 from support.vocab_reference import (INF, arg_tol, assert_close_inf, dname, grad_case, grad_tol, hostile_logits,
-                                     ref_grad, ref_stats, temperatures)
+                                     lse_entropy, ref_grad, ref_stats, temperatures)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 pytestmark = pytest.mark.skipif(not cpu_backend.available(), reason="no C compiler: the CPU default is torch")
-
-
-def lse_entropy(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    m, s, t = m.double(), s.double(), t.double()
-    has = s > 0
-    safe = torch.where(has, s, 1.0)
-    return torch.where(has, m + torch.log(safe), INF), torch.where(has, torch.log(safe) - t / safe, 0.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dname)

@@ -63,6 +63,15 @@ def temperatures(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.exp(torch.empty(n, dtype=torch.float64).uniform_(-3.0, 2.3, generator=gen))
 
 
+def lse_entropy(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(lse, entropy)`` from a backend's row statistics ``(m, s, t)`` (``lse = +inf``, entropy 0 where
+    ``s = 0``: a row without mass), on the CPU."""
+    m, s, t = m.cpu().double(), s.cpu().double(), t.cpu().double()
+    has = s > 0
+    safe = torch.where(has, s, 1.0)
+    return torch.where(has, m + torch.log(safe), INF), torch.where(has, torch.log(safe) - t / safe, 0.0)
+
+
 def ref_stats(z: torch.Tensor, inv_temp: torch.Tensor):
     """float64 lse (``+inf`` for rows without mass) and entropy of ``softmax(z * inv_temp)``, and ``x``."""
     x = z.double() * inv_temp.double()[:, None]

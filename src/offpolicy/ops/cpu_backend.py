@@ -15,8 +15,6 @@ rows; each C call works on one row at a time:
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import Tensor
 
@@ -46,22 +44,13 @@ def _kernels(logits: Tensor):
 
 
 def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` over the whole (local) vocabulary.
-
-    Args:
-        logits: ``[N, V]`` bf16/fp16/fp32 on CPU, unit stride along ``V``.
-        inv_temp: ``[N]`` fp32, ``1 / tau``.
-        skip: ``[N]`` bool or None; skipped rows are not read and report ``m = s = t = 0``.
-
-    Returns:
-        ``m [N]`` (row max of ``x``, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
-        ``t [N] = sum exp(x - m) * (x - m)``, all fp32.
-    """
+    """Per-row ``(m, s, t)`` of ``x = logits * inv_temp``: the contract of :func:`torch_backend.full_stats`, for
+    CPU fp32/bf16/fp16 logits and fp32 ``inv_temp``; results in fp32."""
     lib, suffix = _kernels(logits)
     n, v = logits.shape
     mz, s, t2 = (torch.zeros(n, dtype=torch.float32) for _ in range(3))
     bad = torch.zeros(n, dtype=torch.uint8)
-    rows = torch.arange(n) if skip is None else (~skip).nonzero().view(-1).cpu()
+    rows = torch.arange(n) if skip is None else (~skip).nonzero().view(-1)
     if rows.numel() == 0 or v == 0:
         return mz, s, t2
     a = (inv_temp.float() * LOG2E).contiguous()
@@ -90,20 +79,9 @@ def full_grad(
     grad_sum: Tensor,
     out: Tensor,
 ) -> Tensor:
-    """Write ``dz = inv_temp * (scatter(grad at ids) - grad_sum * exp(x - lse))`` into ``out`` and return it.
-
-    Args:
-        logits: ``[N, V]`` bf16/fp16/fp32 on CPU, unit stride along ``V``; ``x = logits * inv_temp``.
-        ids: ``[N, M]`` int64 local column ids, ``-1`` where the entry is padding or owned by another shard;
-            repeated ids add their gradients.
-        inv_temp: ``[N]`` fp32.
-        lse: ``[N]`` fp32 normaliser of ``x``; ``+inf`` marks a row with no mass (its logits are not read).
-        grad: ``[N, M]`` fp32 upstream gradient of the gathered log-probabilities (0 at padding).
-        grad_sum: ``[N]`` fp32 ``sum`` of the row's gradient over *all* its entries (all shards).
-        out: ``[N, V]`` output in the logits' dtype, unit stride along ``V``; may be ``logits`` itself.
-
-    Rows whose dense part vanishes (``lse = +inf`` or ``grad_sum = 0``) are not read: they get the scatter only.
-    """
+    """Write ``dz = inv_temp * (scatter(grad at ids) - grad_sum * exp(x - lse))`` into ``out`` and return it: the
+    contract of :func:`torch_backend.full_grad`, for CPU fp32/bf16/fp16 logits with fp32 ``inv_temp``, ``lse``,
+    ``grad`` and ``grad_sum``. Rows whose dense part vanishes get the scatter only, without reading their logits."""
     lib, suffix = _kernels(logits)
     n, v = logits.shape
     if n == 0 or v == 0:
@@ -123,16 +101,12 @@ def full_grad(
     cols, g_scaled = cols.contiguous(), g_scaled.float().contiguous()
     call = getattr(lib, f"grad_{suffix}")
     z_stride, out_stride = logits.stride(0) * logits.element_size(), out.stride(0) * out.element_size()
-    scratch: dict[int, Tensor] = {}
+    scratch = row_threads.per_worker(lambda: torch.empty(v if suffix != "f32" else 1))  # a 16-bit gradient's fp32 row
 
     def body(lo: int, hi: int) -> None:
-        key = threading.get_ident()
-        if key not in scratch:  # per worker: the fp32 row of a 16-bit gradient
-            scratch[key] = torch.empty(v if suffix != "f32" else 1)
-        buf = scratch[key]
         call(logits.data_ptr(), z_stride, out.data_ptr(), out_stride, v, rows[lo:].data_ptr(), hi - lo,
              shift.data_ptr(), a.data_ptr(), c.data_ptr(), cols.data_ptr(), g_scaled.data_ptr(), ids.shape[1],
-             buf.data_ptr())
+             scratch().data_ptr())
 
     row_threads.for_chunks(rows.numel(), ROWS_PER_CALL, body)
     return out

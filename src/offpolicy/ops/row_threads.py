@@ -15,9 +15,11 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
 _LOCAL = threading.local()
@@ -81,3 +83,17 @@ def for_chunks(total: int, step: int, body: Callable[[int, int], None]) -> None:
         share(bounds[0], bounds[1])
     for f in futures:
         f.result()
+
+
+def per_worker(make: Callable[[], T]) -> Callable[[], T]:
+    """A getter that returns one object per worker thread, made by ``make()`` on that worker's first call (scratch
+    buffers of a :func:`for_chunks` body: each worker reuses its own across its chunks)."""
+    made: dict[int, T] = {}
+
+    def get() -> T:
+        key = threading.get_ident()
+        if key not in made:  # only this thread writes this key
+            made[key] = make()
+        return made[key]
+
+    return get

@@ -15,8 +15,6 @@ a few ulps where the mass is (``|x - m|`` small) and nothing that shows in a sum
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import Tensor
 
@@ -54,14 +52,16 @@ def full_stats(
     if rows.numel() == 0 or v == 0:
         return m, s, t
     step = _chunk_rows(v, acc)
-    scratch: dict[int, tuple[Tensor, Tensor | None]] = {}
+    cached = probs is not None and all_rows  # exp(x - m) goes straight into probs
+
+    def make_scratch() -> tuple[Tensor, Tensor | None]:  # per worker: x, and exp(x - m) unless cached
+        x_w = torch.empty(step, v, dtype=acc, device=logits.device)
+        return x_w, None if cached else torch.empty_like(x_w)
+
+    scratch = row_threads.per_worker(make_scratch)
 
     def body(lo: int, hi: int) -> None:
-        key = threading.get_ident()
-        if key not in scratch:  # per worker: x, and exp(x - m) when it is not written into probs
-            x_w = torch.empty(step, v, dtype=acc, device=logits.device)
-            scratch[key] = (x_w, torch.empty_like(x_w) if probs is None or not all_rows else None)
-        x_buf, e_buf = scratch[key]
+        x_buf, e_buf = scratch()
         idx = rows[lo:hi]
         sl = slice(int(idx[0]), int(idx[-1]) + 1)
         z = logits[sl] if all_rows else logits[idx]
@@ -134,7 +134,8 @@ def full_grad(
     shift = lse / inv_temp
     step = _chunk_rows(v, acc)
     direct = out.dtype == acc and all_live
-    scratch: dict[int, Tensor] = {}
+    # per worker: one fp32 chunk, so that each element of a 16-bit output is rounded once
+    scratch = row_threads.per_worker(lambda: torch.empty(step, v, dtype=acc, device=logits.device))
 
     def body(lo: int, hi: int) -> None:
         idx = rows[lo:hi]
@@ -142,11 +143,8 @@ def full_grad(
         z = logits[sl] if all_live else logits[idx]
         if direct:
             x = out[sl]
-        else:  # per worker: one fp32 chunk, so that each element of a 16-bit output is rounded once
-            key = threading.get_ident()
-            if key not in scratch:
-                scratch[key] = torch.empty(step, v, dtype=acc, device=logits.device)
-            x = scratch[key][: idx.numel()]
+        else:
+            x = scratch()[: idx.numel()]
         if z.dtype == acc:
             torch.sub(z, shift[idx, None], out=x)
         else:
