@@ -7,10 +7,19 @@ every op, and a pass over a chunk that takes 0.1 ms alone can take 10-30 ms. Ind
 at the end of the loop. The number of workers is ``torch.get_num_threads()`` of the calling thread (at most the
 number of chunks); the ops release the GIL, so the workers run in parallel. Around the loops the logits
 primitive runs its small ops with one intra-op thread too (:func:`single_intra_op`).
+
+Threads and fork: the worker pool is global and shared by every calling thread (their chunks queue on it; a task
+never waits on another task, so callers cannot deadlock each other). One lock covers taking the pool, growing it
+and submitting a loop's shares, so a thread growing the pool never shuts down one that another thread is about to
+submit to. A forked child inherits the pool object but not its threads (work submitted there would wait forever):
+:func:`os.register_at_fork` drops the pool and its lock in the child, which makes a new pool on its first loop. The
+per-thread state (:func:`single_intra_op`'s saved thread count) needs no reset: Python discards the other threads'
+in the child, and the forking thread's still matches its own stack there.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +31,17 @@ import torch
 T = TypeVar("T")
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
 _LOCAL = threading.local()
+
+
+def _reset_after_fork() -> None:
+    """In a forked child: forget the parent's pool (its threads do not exist here) and take a fresh lock."""
+    global _POOL, _POOL_SIZE, _POOL_LOCK
+    _POOL, _POOL_SIZE, _POOL_LOCK = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 @contextmanager
@@ -46,6 +65,7 @@ def single_intra_op() -> Iterator[None]:
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
+    """The shared pool, grown to at least ``workers`` threads; call with ``_POOL_LOCK`` held."""
     global _POOL, _POOL_SIZE
     if _POOL is None or _POOL_SIZE < workers:
         if _POOL is not None:
@@ -78,7 +98,9 @@ def for_chunks(total: int, step: int, body: Callable[[int, int], None]) -> None:
                 body(lo, min(total, lo + step))
 
     bounds = [len(starts) * w // workers for w in range(workers + 1)]
-    futures = [_pool(workers).submit(share, bounds[w], bounds[w + 1]) for w in range(1, workers)]
+    with _POOL_LOCK:
+        pool = _pool(workers)
+        futures = [pool.submit(share, bounds[w], bounds[w + 1]) for w in range(1, workers)]
     with single_intra_op():  # the calling thread works too, with one intra-op thread like the others
         share(bounds[0], bounds[1])
     for f in futures:
