@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from offpolicy.ops.input_checks import INT_NAMES, INTS
+
 
 def _group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if not isinstance(rewards, Tensor) or not rewards.is_floating_point():
         raise TypeError(f"rewards must be a floating-point torch.Tensor [B], got {_describe(rewards)}")
-    if not isinstance(group_ids, Tensor) or group_ids.is_floating_point() or group_ids.is_complex() \
-            or group_ids.dtype == torch.bool:
-        raise TypeError(f"group_ids must be an integer torch.Tensor [B], got {_describe(group_ids)}")
+    _check_ids("group_ids", group_ids, "[B]")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
     if group_ids.shape != rewards.shape:
@@ -33,6 +33,11 @@ def _group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Te
     total = torch.zeros_like(count).index_add_(0, idx, r)
     sq = torch.zeros_like(count).index_add_(0, idx, r * r)
     return idx, count, torch.stack([total, sq])
+
+
+def _check_ids(name: str, x, shape: str) -> None:
+    if not isinstance(x, Tensor) or x.dtype not in INTS:
+        raise TypeError(f"{name} must be an integer ({INT_NAMES}) torch.Tensor {shape}, got {_describe(x)}")
 
 
 def _describe(x) -> str:
@@ -73,7 +78,13 @@ def rloo(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def per_token(sample_advantages: Tensor, seq_ids: Tensor) -> Tensor:
-    """``[N]`` advantages of a flat token batch: token ``t`` gets ``sample_advantages[seq_ids[t]]``."""
+    """``[N]`` advantages of a flat token batch: token ``t`` gets ``sample_advantages[seq_ids[t]]``.
+
+    ``seq_ids`` is an integer tensor (a float id would be truncated to another sample's index: refused).
+    """
+    if not isinstance(sample_advantages, Tensor):
+        raise TypeError(f"sample_advantages must be a torch.Tensor [B], got {_describe(sample_advantages)}")
+    _check_ids("seq_ids", seq_ids, "[N]")
     if seq_ids.numel() and (seq_ids.min() < 0 or seq_ids.max() >= sample_advantages.numel()):
         raise ValueError(f"seq_ids must index into sample_advantages of size {sample_advantages.numel()}")
     return sample_advantages[seq_ids.long()]

@@ -43,3 +43,11 @@ def test_vocab_size_must_be_a_positive_int(vocab_size):
     batch, _ = _batch()
     with pytest.raises(ValueError, match="vocab_size must be an int > 0"):
         make_loss_func(batch, vocab_size=vocab_size, use_parallel_state=False)
+
+
+def test_labels_as_a_list_is_a_clear_error():
+    """Issue 22, finding 8: a list of labels raised ``AttributeError`` from ``.dim()``."""
+    batch, _ = _batch()
+    batch["labels"] = batch["labels"].tolist()
+    with pytest.raises(TypeError, match="batch\\['labels'\\] must be a tensor, got list"):
+        make_loss_func(batch, use_parallel_state=False)

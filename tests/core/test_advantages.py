@@ -24,3 +24,11 @@ def test_advantages():
         op.advantages.grpo(torch.tensor([float("nan")]), torch.tensor([0]))
     with pytest.raises(ValueError, match="group_ids must have the shape of rewards \\[B\\]"):
         op.advantages.rloo(r, g[:3])
+
+
+@pytest.mark.parametrize("seq_ids", [torch.tensor([0.0, 1.7]), torch.tensor([0, 1], dtype=torch.uint32), [0, 1]],
+                         ids=["float", "uint32", "list"])
+def test_per_token_refuses_ids_that_are_not_integers(seq_ids):
+    """Issue 22, finding 8: float ids were truncated to another sample's index."""
+    with pytest.raises(TypeError, match="seq_ids must be an integer"):
+        op.advantages.per_token(torch.randn(3), seq_ids)

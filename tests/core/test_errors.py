@@ -44,7 +44,7 @@ def _call(batch, **over):
         (dict(loss_mask=torch.full((6,), 2)), "loss_mask must be bool"),
         (dict(temperature=0.0), "temperature must be finite and > 0"),
         (dict(temperature=torch.ones(5)), "temperature must be a float or a \\[N\\]"),
-        (dict(temperature=torch.tensor([1.0, 1, 1, 1, 1, -1])), "temperature must be finite and > 0"),
+        (dict(temperature=torch.tensor([1.0, 1, 1, 1, 1, -1])), "temperature: every entry must be finite and > 0"),
         (dict(aggregation="mean"), "aggregation must be one of"),
         (dict(aggregation="seq_mean_token_mean"), "needs seq_ids"),
         (dict(aggregation="constant"), "constant_normalizer > 0"),
@@ -58,6 +58,13 @@ def _call(batch, **over):
         (dict(hidden=torch.randn(6, 4), weight=torch.randn(20, 4)), "either logits, or hidden and weight"),
         (dict(logits=None, hidden=torch.randn(6, 4), weight=torch.randn(20, 5)), "same D"),
         (dict(logits=None), "needs logits \\[N, V\\], or hidden"),
+        # issue 22, finding 8
+        (dict(tokens=torch.zeros(6, dtype=torch.uint32)), "tokens must be an integer"),
+        (dict(seq_ids=torch.zeros(6, dtype=torch.uint64)), "seq_ids must be an integer"),
+        (dict(temperature=1e-39), "temperature: 1e-39 is too small"),
+        (dict(temperature=torch.full((6,), 1e-39)), "temperature: an entry of 1e-39 is too small"),
+        (dict(temperature=torch.full((6,), 1 + 0j)), "temperature must be a float or a float \\[N\\] tensor"),
+        (dict(logits=torch.empty(6, 20, device="meta")), "logits: a meta tensor"),
     ],
 )
 def test_bad_input(batch, over, match):
@@ -73,6 +80,18 @@ def test_nan_logits_on_trained_token(batch):
     mask = torch.ones(6, dtype=torch.bool)
     mask[2] = False
     assert torch.isfinite(_call(batch, logits=z, loss_mask=mask).loss)  # untrained rows may hold anything
+
+
+@pytest.mark.parametrize("peak", [0, 3], ids=["at the token", "elsewhere"])
+def test_finite_logits_that_overflow_after_the_temperature(batch, peak):
+    """Issue 22, finding 8: finite logits whose ``z / tau`` overflows fp32 were reported as "NaN or +inf" (the
+    largest logit at the sampled token), or gave a loss of 0 without an error (the largest logit elsewhere)."""
+    z = torch.zeros(6, 20)
+    y = torch.full((6,), 3 - peak)
+    z[:, 3] = 1e30
+    with pytest.raises(ValueError, match="logits: row 0 is finite, but its largest \\|z\\| / temperature = 1e\\+40 "
+                                         "overflows float32"):
+        _call(batch, logits=z, tokens=y, candidates=None, temperature=1e-10)
 
 
 @pytest.mark.parametrize(

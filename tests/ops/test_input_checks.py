@@ -9,6 +9,8 @@ import torch
 import offpolicy as op
 from offpolicy.ops import linear_sparse_log_softmax, sparse_log_softmax
 
+from support.vocab_reference import distinct_ids
+
 N, D, V, K = 4, 6, 20, 3
 
 
@@ -17,7 +19,7 @@ def _inputs():
     h = torch.randn(N, D, generator=gen)
     w = torch.randn(V, D, generator=gen)
     y = torch.randint(0, V, (N,), generator=gen)
-    c = torch.randint(0, V, (N, K), generator=gen)
+    c = distinct_ids(N, V, K, gen)
     return h, w, y, c
 
 
@@ -44,6 +46,8 @@ def _bad_cases():
     y_high[3] = V + 5
     y_neg = y.clone()
     y_neg[2] = -1
+    c_dup = c.clone()
+    c_dup[2, 1] = c_dup[2, 0]
     return [
         ("targets", dict(y=y_high, c=c), "out of range"),
         ("targets", dict(y=y_neg, c=c), "negative"),
@@ -59,6 +63,14 @@ def _bad_cases():
         ("temperature", dict(y=y, c=c, tau=torch.tensor([1.0, 0.0, 1.0, 1.0])), "> 0"),
         ("temperature", dict(y=y, c=c, tau=torch.tensor([1.0, float("nan"), 1.0, 1.0])), "> 0"),
         ("support", dict(y=y, c=None, support=True), "candidate_ids is required"),
+        # issue 22, finding 7: a repeated id would count twice in the support's normaliser
+        ("candidate_ids", dict(y=y, c=c_dup, support=True), "holds an id twice"),
+        # issue 22, finding 8: ids PyTorch cannot compare on CPU, a temperature whose inverse overflows fp32
+        *[(name, dict(y=y.to(dt), c=c) if name == "targets" else dict(y=y, c=c.to(dt)), "integer")
+          for name in ("targets", "candidate_ids") for dt in (torch.uint16, torch.uint32, torch.uint64)],
+        ("temperature", dict(y=y, c=c, tau=1e-39), "too small"),
+        ("temperature", dict(y=y, c=c, tau=torch.tensor([1.0, 1e-39, 1.0, 1.0])), "too small"),
+        ("temperature", dict(y=y, c=c, tau=torch.full((N,), 1 + 0j)), "float"),
         ("support", dict(y=y, c=c, support=1), "bool"),
         ("skip", dict(y=y, c=c, skip=torch.zeros(N, dtype=torch.int64)), "bool"),
         ("skip", dict(y=y, c=c, skip=torch.zeros(N + 1, dtype=torch.bool)), "bool"),
@@ -121,3 +133,63 @@ def test_nan_weight_row_or_bias_entry_is_nan_like_nan_logits(where, backend):
     with pytest.raises(ValueError, match="NaN"):
         op.policy_loss(hidden=h, weight=w, bias=b, tokens=y, sampler_logprobs=lq, advantages=torch.ones(N),
                        backend=backend)
+
+
+def test_duplicates_are_fine_without_support():
+    """A head record's repeated id is harmless to the primitive (each entry is gathered, the gradients add up):
+    only the support's normaliser would count it twice."""
+    _, _, y, c = _inputs()
+    c[2, 1] = c[2, 0]
+    for call in CALLS.values():
+        out = call(y, c)
+        assert torch.equal(out.candidates[2, 1], out.candidates[2, 0])
+
+
+def test_meta_logits_are_a_clear_error():
+    """Meta tensors have shapes but no values (issue 22, finding 8: they failed inside ``.item()``)."""
+    meta = torch.empty(N, V, device="meta")
+    y = torch.zeros(N, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="logits: a meta tensor"):
+        sparse_log_softmax(meta, y)
+    with pytest.raises(ValueError, match="logits: a meta tensor"):
+        op.policy_loss(meta, y, torch.full((N,), -1.0, device="meta"), torch.ones(N, device="meta"))
+
+
+def _aliased(kind: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    if kind == "expand":
+        return torch.randn(1, V, generator=gen).expand(N, V)
+    return torch.randn(N * 5 + V, generator=gen).as_strided((N, V), (5, 1))  # row stride 5 < V: rows overlap
+
+
+@pytest.mark.parametrize("backend", ["torch", None], ids=["torch", "default"])
+@pytest.mark.parametrize("kind", ["expand", "overlapping rows"])
+def test_inplace_grad_refuses_overlapping_logits(backend, kind):
+    """Issue 22, finding 6: the gradient written over logits whose rows share memory was silently wrong (the
+    native backend) or a RuntimeError (expanded rows on the torch backend)."""
+    _, _, y, c = _inputs()
+    with pytest.raises(ValueError, match="inplace_grad=True .* overlap") as err:
+        sparse_log_softmax(_aliased(kind), y, c, inplace_grad=True, backend=backend)
+    assert "inplace_grad=False" in str(err.value)
+    with pytest.raises(ValueError, match="inplace_grad=True .* overlap"):
+        op.policy_loss(_aliased(kind), y, torch.full((N,), -1.0), torch.ones(N), inplace_grad=True, backend=backend)
+    out = sparse_log_softmax(_aliased(kind), y, c, backend=backend)  # reading overlapping rows is fine
+    assert bool(torch.isfinite(out.target).all())
+
+
+@pytest.mark.parametrize("backend", ["torch", None], ids=["torch", "default"])
+def test_inplace_grad_on_rows_with_gaps_is_the_gradient(backend):
+    """Rows with gaps between them (row stride above ``V``) do not overlap: the in-place gradient is accepted and
+    equals the out-of-place one."""
+    _, _, y, c = _inputs()
+    grads = []
+    for inplace in (False, True):
+        leaf = torch.randn(N * (V + 3), generator=torch.Generator().manual_seed(1)).requires_grad_()
+        z = leaf.clone().as_strided((N, V), (V + 3, 1))  # the in-place gradient overwrites the clone
+        out = sparse_log_softmax(z, y, c, 0.7, inplace_grad=inplace, backend=backend)
+        (out.target.sum() + out.candidates.sum()).backward()
+        grads.append(leaf.grad)
+    assert bool(grads[0].abs().sum() > 0)
+    # fp32: a few ulps apart at most (the torch backend's out-of-place backward rescales the forward's cached
+    # exponentials, the in-place one recomputes them)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7)

@@ -49,9 +49,13 @@ def test_candidates_none_and_no_bias(support):
 @pytest.mark.parametrize("support", [False, True])
 def test_skipped_rows_and_duplicates(support):
     h, w, b, y, c, tau = make_inputs(n=17, v=157, k=5, seed=3)
-    c[4, 1] = c[4, 0]  # a duplicated candidate id
+    c[4, 1] = c[4, 0] = 9  # a duplicated candidate id: fine for a head, refused for a support (counted twice)
     skip = torch.zeros(17, dtype=torch.bool)
     skip[[0, 5, 16]] = True
+    if support:
+        with pytest.raises(ValueError, match="candidate_ids: row 4 holds an id twice"):
+            linear_sparse_log_softmax(h, w, y, c, tau, bias=b, support=True, skip=skip)
+        c[4, 1] = 10
     out = check_against_reference(h, w, b, y, c, tau, support=support, skip=skip, chunk_bytes=1 << 14)
     assert bool((out.lse[skip] == float("inf")).all()) and bool((out.entropy[skip] == 0).all())
 

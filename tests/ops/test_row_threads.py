@@ -8,6 +8,8 @@ import torch
 
 from offpolicy.ops import row_threads, sparse_log_softmax
 
+from support.vocab_reference import distinct_ids
+
 
 def test_for_chunks_visits_every_chunk_once():
     seen = []
@@ -29,7 +31,7 @@ def test_two_workers_match_one(monkeypatch, dtype, support):
     z = (torch.randn(37, 301, generator=gen) * 3).to(dtype)
     z[5, 7] = -float("inf")
     y = torch.randint(0, 301, (37,), generator=gen)
-    c = torch.randint(-1, 301, (37, 6), generator=gen)
+    c = distinct_ids(37, 301, 6, gen, pad_frac=0.2)
     skip = torch.rand(37, generator=gen) < 0.2
     tau = torch.linspace(0.5, 1.5, 37)
     results = []

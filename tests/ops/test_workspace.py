@@ -8,6 +8,8 @@ import torch
 
 from offpolicy.ops import sparse_log_softmax, workspace
 
+from support.vocab_reference import distinct_ids
+
 
 def _call(leaf, y, c, support=False):
     out = sparse_log_softmax(leaf, y, c, 0.8, support=support)
@@ -25,7 +27,7 @@ def _inputs(dtype=torch.float32):
     gen = torch.Generator().manual_seed(2)
     z = torch.randn(7, 90, generator=gen).to(dtype)
     y = torch.randint(0, 90, (7,), generator=gen)
-    c = torch.randint(-1, 90, (7, 5), generator=gen)
+    c = distinct_ids(7, 90, 5, gen, pad_frac=0.2)
     return z, y, c
 
 

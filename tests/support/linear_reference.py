@@ -11,19 +11,21 @@ from torch import Tensor
 
 from offpolicy.ops import linear_sparse_log_softmax
 
+from support.vocab_reference import distinct_ids
+
 INF = float("inf")
 
 
 def make_inputs(n=23, d=16, v=197, k=6, dtype=torch.float32, seed=0, scale=1.0, bias=True, pad_frac=0.2,
                 per_token_temp=True):
-    """Random ``hidden [N, D]``, ``weight [V, D]``, ``bias [V]``, targets, candidates (padding ``-1``), temperature."""
+    """Random ``hidden [N, D]``, ``weight [V, D]``, ``bias [V]``, targets, candidates (distinct within a row,
+    padding ``-1``), temperature."""
     gen = torch.Generator().manual_seed(seed)
     h = (torch.randn(n, d, generator=gen) * scale).to(dtype)
     w = (torch.randn(v, d, generator=gen) / d**0.25).to(dtype)
     b = (torch.randn(v, generator=gen)).to(dtype) if bias else None
     y = torch.randint(0, v, (n,), generator=gen)
-    c = torch.randint(0, v, (n, k), generator=gen)
-    c = torch.where(torch.rand(n, k, generator=gen) < pad_frac, torch.full_like(c, -1), c)
+    c = distinct_ids(n, v, k, gen, pad_frac)
     if n > 2 and k > 1:
         c[1] = -1  # an empty candidate row
         c[2, 0] = y[2]  # the target inside its candidates

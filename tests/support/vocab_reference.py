@@ -125,3 +125,13 @@ def grad_case(n, v, m_ids, dtype, gen, k_pad=0.2, device="cpu"):
         grad[7, 2:] = 0.0
         grad_sum[7] = 0.0
     return z, ids.to(device), inv_temp.to(device), lse.to(device), grad.to(device), grad_sum.to(device)
+
+
+def distinct_ids(n: int, v: int, k: int, gen: torch.Generator, pad_frac: float = 0.0) -> torch.Tensor:
+    """``[n, k]`` int64 candidate ids, distinct within each row (a valid support record), a ``pad_frac`` share
+    of them ``-1`` padding (and every column beyond ``v``)."""
+    ids = torch.full((n, k), -1, dtype=torch.int64)
+    for row in ids:
+        perm = torch.randperm(v, generator=gen)[:k]
+        row[: perm.numel()] = perm
+    return ids.masked_fill(torch.rand(n, k, generator=gen) < pad_frac, -1)

@@ -251,6 +251,8 @@ def make_loss_func(
     if unknown:
         raise ValueError(f"batch has unknown keys {unknown}; expected keys among {sorted(BATCH_KEYS)}")
     labels = batch["labels"]
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"batch['labels'] must be a tensor, got {type(labels).__name__}")
     if labels.dim() != 2:
         raise ValueError(f"batch['labels'] must be [b, s], got {tuple(labels.shape)}")
     b, s = labels.shape

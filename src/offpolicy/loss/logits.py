@@ -19,7 +19,7 @@ from offpolicy.corrections.correction import Correction
 from offpolicy.parallel.dtensor import vocab_shard_of
 from offpolicy.loss.inputs import Aggregation, Parallelism, TokenData
 from offpolicy.loss.logprobs import PolicyLossOutput, loss_from_logprobs
-from offpolicy.ops import SparseLogSoftmax, VocabShard, row_threads, sparse_log_softmax
+from offpolicy.ops import SparseLogSoftmax, VocabShard, input_checks, row_threads, sparse_log_softmax
 from offpolicy.loss.validation import check_batch, check_candidates, check_flag, check_vector
 
 
@@ -131,13 +131,30 @@ def _policy_loss(model: ModelInputs, tokens: Tensor, temperature, candidates: Ca
     lp = _log_probs(model, tokens, cand_ids, temperature, support, ~active, shard, inplace_grad, backend)
     if check:
         # A NaN logit makes the row's log-probabilities NaN; a +inf one makes its normaliser inf - inf (NaN
-        # entropy, NaN gradient): neither is a distribution, so a trained row holding one is refused.
-        broken = (torch.isnan(lp.target) | torch.isnan(lp.entropy)) & active
+        # entropy, NaN gradient); finite logits whose z / tau overflows make the normaliser +inf: none of these is
+        # a distribution, so a trained row holding one is refused.
+        broken = (torch.isnan(lp.target) | torch.isnan(lp.entropy) | torch.isposinf(lp.lse)) & active
         if bool(broken.any()):
-            row = int(broken.nonzero()[0])
-            raise ValueError(f"logits: NaN or +inf in row {row}, a trained token (loss_mask is True there)")
+            raise ValueError(_broken_row(model, int(broken.nonzero()[0]), temperature))
 
     return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data, agg, correction, cp_group)
+
+
+def _broken_row(model: ModelInputs, row: int, temperature) -> str:
+    """The error for a trained row with no distribution: which of NaN, ``+inf`` or an overflow of ``z / tau`` it
+    holds (read from that one row: the error path only)."""
+    trained = "a trained token (loss_mask is True there)"
+    if model.logits is None:
+        return (f"hidden @ weight.T (+ bias): NaN, +inf, or a value that overflows once divided by the temperature, "
+                f"in row {row}, {trained}")
+    z = model.logits[row]
+    if bool(torch.isnan(z).any()) or bool(torch.isposinf(z).any()):
+        return f"logits: NaN or +inf in row {row}, {trained}"
+    tau = float(temperature[row] if isinstance(temperature, Tensor) and temperature.numel() > 1 else temperature)
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    return (f"logits: row {row} is finite, but its largest |z| / temperature = {float(z.abs().max()) / tau:.3g} "
+            f"overflows {str(acc).removeprefix('torch.')} (max {torch.finfo(acc).max:.3g}), on {trained}; raise the "
+            "temperature or scale the logits down")
 
 
 def _global_vocab(group, vocab_start: int, v_local: int, n: int, device) -> int:
@@ -202,19 +219,21 @@ def _validate(model: ModelInputs, tokens, temperature, candidates, data: TokenDa
             )
         if not (hidden.is_floating_point() and weight.is_floating_point()):
             raise TypeError("hidden and weight must be floating-point tensors")
+        input_checks.check_has_data("hidden", hidden)
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
             raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
-        n, v, device = hidden.shape[0], weight.shape[0], hidden.device
+        n, v, device, dtype = hidden.shape[0], weight.shape[0], hidden.device, hidden.dtype
     else:
         if not isinstance(logits, Tensor) or logits.dim() != 2:
             raise ValueError(f"logits must be a [N, V] tensor, got {getattr(logits, 'shape', type(logits))}")
         if not logits.is_floating_point():
             raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
+        input_checks.check_has_data("logits", logits)
         # The stride only matters when a row holds two or more entries to address (V = 1 or N = 0 logits of
         # any stride are contiguous).
         if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
             raise ValueError("logits must have unit stride along the vocabulary (call .contiguous())")
-        n, v, device = logits.shape[0], logits.shape[1], logits.device
+        n, v, device, dtype = logits.shape[0], logits.shape[1], logits.device, logits.dtype
     if tokens is None:
         raise ValueError("tokens, sampler_logprobs and advantages are required")
     if isinstance(par.vocab_start, bool) or not isinstance(par.vocab_start, numbers.Integral):
@@ -232,8 +251,9 @@ def _validate(model: ModelInputs, tokens, temperature, candidates, data: TokenDa
     if isinstance(temperature, Tensor):
         if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != n):
             raise ValueError(f"temperature must be a float or a [N] = [{n}] tensor, got {tuple(temperature.shape)}")
-        if not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
-            raise ValueError("temperature must be finite and > 0")
+        if not temperature.is_floating_point():
+            raise TypeError(f"temperature must be a float or a float [N] tensor, got a {temperature.dtype} tensor")
+        input_checks.check_temperature_values(temperature, torch.float64 if dtype == torch.float64 else torch.float32)
     elif isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a number or a [N] tensor, got {type(temperature).__name__} "
                         f"{temperature!r}")

@@ -13,6 +13,7 @@ from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
 from offpolicy.records.candidates import Candidates
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.inputs import Aggregation, TokenData
+from offpolicy.ops.input_checks import INT_NAMES, INTS
 
 #: Log-probabilities may exceed 0 by rounding; beyond this they are not log-probabilities.
 LOGPROB_SLACK = 1e-4
@@ -24,8 +25,8 @@ def check_vector(name: str, x, n: int, device, kind: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor of shape [{n}], got {type(x).__name__}")
     if x.dim() != 1 or x.shape[0] != n:
         raise ValueError(f"{name} must have shape [N] = [{n}], got {tuple(x.shape)}")
-    if kind == "int" and (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
-        raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+    if kind == "int" and x.dtype not in INTS:
+        raise TypeError(f"{name} must be an integer ({INT_NAMES}) tensor, got {x.dtype}")
     if kind == "float" and not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
     if x.device != device:

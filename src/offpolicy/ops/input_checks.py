@@ -16,8 +16,12 @@ import torch
 from torch import Tensor
 
 from offpolicy.ops.vocab_parallel import VocabShard
+from offpolicy.records.candidates import first_duplicate_row
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: Integer dtypes accepted for ids (PyTorch has no comparison or min/max kernels for uint16/32/64 on CPU).
+INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+INT_NAMES = "/".join(str(d).removeprefix("torch.") for d in INTS)
 
 
 def describe(x: object) -> str:
@@ -28,24 +32,50 @@ def describe(x: object) -> str:
 
 
 def check_logits(logits: object) -> None:
-    """``logits`` must be a ``[N, V]`` float tensor with unit stride along ``V`` (any stride when ``V <= 1`` or ``N = 0``: such logits are contiguous)."""
+    """``logits`` must be a ``[N, V]`` float tensor with unit stride along ``V`` (any stride when ``V <= 1`` or
+    ``N = 0``: such logits are contiguous), holding data (not on the meta device)."""
     if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.dtype not in FLOATS:
         raise ValueError(f"logits: expected a [N, V] fp32/bf16/fp16/float64 tensor, got {describe(logits)}")
+    check_has_data("logits", logits)
     if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
         raise ValueError(f"logits: expected unit stride along V (call .contiguous()), got strides {logits.stride()}")
 
 
-def check_rows(n: int, device: torch.device, targets: object, candidate_ids: object, temperature: object,
-               support: object, skip: object, shard: object) -> None:
-    """Static checks of the per-row arguments both primitives take (no tensor values are read)."""
-    if not isinstance(targets, Tensor) or targets.shape != (n,) or targets.is_floating_point() \
-            or targets.dtype == torch.bool:
-        raise ValueError(f"targets: expected an integer [N={n}] tensor, got {describe(targets)}")
-    if candidate_ids is not None and (not isinstance(candidate_ids, Tensor) or candidate_ids.dim() != 2
-                                      or candidate_ids.shape[0] != n or candidate_ids.is_floating_point()
-                                      or candidate_ids.dtype == torch.bool):
+def check_has_data(name: str, x: Tensor) -> None:
+    """``x`` is not a meta tensor (which has a shape but no values to compute with or check)."""
+    if x.device.type == "meta":
+        raise ValueError(f"{name}: a meta tensor holds no values; pass a CPU or CUDA tensor")
+
+
+def check_inplace_grad(logits: Tensor, inplace_grad: object) -> None:
+    """``inplace_grad`` is a bool, and when True no two entries of ``logits [N, V]`` (unit stride along ``V``)
+    share memory: each row's gradient is written over its logits, so rows that overlap (``z.expand(N, V)``, an
+    ``as_strided`` view with a row stride below ``V``) would receive one another's gradient."""
+    if not isinstance(inplace_grad, bool):
+        raise ValueError(f"inplace_grad: expected a bool, got {describe(inplace_grad)}")
+    n, v = logits.shape
+    if inplace_grad and n > 1 and v > 0 and logits.stride(0) < v:
         raise ValueError(
-            f"candidate_ids: expected an integer [N={n}, K] tensor or None, got {describe(candidate_ids)}")
+            f"inplace_grad=True writes the gradient over the logits, but their rows overlap in memory (shape "
+            f"{[n, v]}, strides {list(logits.stride())}, e.g. from expand or as_strided): pass inplace_grad=False, "
+            "or logits.contiguous()")
+
+
+def _too_small(acc: torch.dtype) -> str:
+    return (f"1 / temperature must be finite in {str(acc).removeprefix('torch.')}, so temperature >= "
+            f"{1 / torch.finfo(acc).max:.3g}")
+
+
+def check_rows(n: int, device: torch.device, targets: object, candidate_ids: object, temperature: object,
+               support: object, skip: object, shard: object, acc: torch.dtype = torch.float32) -> None:
+    """Static checks of the per-row arguments both primitives take (no tensor values are read); ``acc`` is the
+    dtype the statistics are computed in (``1 / temperature`` must be finite in it)."""
+    if not isinstance(targets, Tensor) or targets.shape != (n,) or targets.dtype not in INTS:
+        raise ValueError(f"targets: expected an integer ({INT_NAMES}) [N={n}] tensor, got {describe(targets)}")
+    if candidate_ids is not None and (not isinstance(candidate_ids, Tensor) or candidate_ids.dim() != 2
+                                      or candidate_ids.shape[0] != n or candidate_ids.dtype not in INTS):
+        raise ValueError(f"candidate_ids: expected an integer ({INT_NAMES}) [N={n}, K] tensor or None, got "
+                         f"{describe(candidate_ids)}")
     if not isinstance(support, bool):
         raise ValueError(f"support: expected a bool, got {describe(support)}")
     if support and candidate_ids is None:
@@ -56,6 +86,8 @@ def check_rows(n: int, device: torch.device, targets: object, candidate_ids: obj
     elif isinstance(temperature, bool) or not isinstance(temperature, Real) \
             or not (0 < float(temperature) < math.inf):
         raise ValueError(f"temperature: expected a finite number > 0, got {describe(temperature)}")
+    elif 1 / float(temperature) > torch.finfo(acc).max:
+        raise ValueError(f"temperature: {float(temperature):.3g} is too small: {_too_small(acc)}")
     if skip is not None and (not isinstance(skip, Tensor) or skip.shape != (n,) or skip.dtype != torch.bool):
         raise ValueError(f"skip: expected a bool [N={n}] tensor or None, got {describe(skip)}")
     if shard is not None and not isinstance(shard, VocabShard):
@@ -66,8 +98,10 @@ def check_rows(n: int, device: torch.device, targets: object, candidate_ids: obj
 
 
 def check_values(v: int, targets: Tensor, candidate_ids: Tensor | None, temperature: float | Tensor,
-                 shard: VocabShard | None) -> None:
-    """Value checks (host syncs): ids in ``[0, V)`` (candidates may be ``-1``), temperatures finite and ``> 0``.
+                 shard: VocabShard | None, support: bool = False, acc: torch.dtype = torch.float32) -> None:
+    """Value checks (host syncs): ids in ``[0, V)`` (candidates may be ``-1``), no id twice in a row under
+    ``support`` (the normaliser would count it twice), temperatures finite and ``> 0`` with ``1 / temperature``
+    finite in ``acc``.
 
     Under ``shard`` the global vocabulary size is not known here, so only the lower bounds are checked.
     """
@@ -83,6 +117,21 @@ def check_values(v: int, targets: Tensor, candidate_ids: Tensor | None, temperat
             raise ValueError(f"{name}: id {lo} {what}")
         if shard is None and hi >= v:
             raise ValueError(f"{name}: id {hi} is out of range for V={v}")
-    if isinstance(temperature, Tensor) and temperature.numel() \
-            and not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
+    if support and candidate_ids is not None:
+        row = first_duplicate_row(candidate_ids)
+        if row is not None:
+            raise ValueError(f"candidate_ids: row {row} holds an id twice; support=True normalises over each row's "
+                             "ids, so a repeated id would count twice (pass each id once)")
+    if isinstance(temperature, Tensor):
+        check_temperature_values(temperature, acc)
+
+
+def check_temperature_values(temperature: Tensor, acc: torch.dtype) -> None:
+    """Every entry of a temperature tensor is finite and ``> 0``, and its inverse is finite in ``acc`` (a host
+    sync)."""
+    if not temperature.numel():
+        return
+    if not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
         raise ValueError("temperature: every entry must be finite and > 0")
+    if not bool(torch.isfinite(1 / temperature.to(acc)).all()):
+        raise ValueError(f"temperature: an entry of {float(temperature.min()):.3g} is too small: {_too_small(acc)}")

@@ -94,11 +94,11 @@ def linear_sparse_log_softmax(
     _check_layer(hidden, weight, bias, budget, grad_filter)
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    input_checks.check_rows(n, dev, targets, candidate_ids, temperature, support, skip, shard)
-    if validate:
-        input_checks.check_values(v, targets, candidate_ids, temperature, shard)
     # fp32 statistics for 16/32-bit inputs; float64 inputs keep float64 throughout (gradcheck, references).
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    input_checks.check_rows(n, dev, targets, candidate_ids, temperature, support, skip, shard, acc)
+    if validate:
+        input_checks.check_values(v, targets, candidate_ids, temperature, shard, support, acc)
     ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, dev)
     plan = LinearPlan(support, shard, backend_registry.choose(backend, dev, hidden.dtype), budget,
                       None if grad_filter is None else float(grad_filter))

@@ -70,9 +70,11 @@ def sparse_log_softmax(
     Args:
         logits: ``[N, V]`` bf16/fp16/fp32/float64 (``V`` is the local shard width under ``shard``); unit stride in
             ``V``. float64 keeps float64 statistics (references, gradcheck).
-        targets: ``[N]`` int sampled token ids (global ids), in ``[0, V)``.
-        candidate_ids: ``[N, K]`` int candidate ids, ``-1`` padding; None means ``K = 0``.
-        temperature: float or ``[N]`` tensor, finite and ``> 0``.
+        targets: ``[N]`` int sampled token ids (global ids), in ``[0, V)``; ids are int8/16/32/64 or uint8.
+        candidate_ids: ``[N, K]`` int candidate ids, ``-1`` padding; None means ``K = 0``. With ``support`` an
+            id appears at most once per row.
+        temperature: float or ``[N]`` tensor, finite and ``> 0``, with ``1 / temperature`` finite in the
+            statistics' dtype (``>= 2.9e-39`` for fp32).
         support: normalise over each row's candidates (mask replay) instead of the full vocabulary; needs
             ``candidate_ids``.
         skip: ``[N]`` bool rows to leave out (their outputs are ``-inf`` log-probabilities and they cost no
@@ -81,7 +83,8 @@ def sparse_log_softmax(
         shard: vocabulary-parallel shard description, or None.
         inplace_grad: write the gradient into ``logits`` in the backward. Saves one ``[N, V]`` buffer, but
             overwrites the logits and bypasses autograd's version check: use it only when nothing else needs
-            the logits after the backward.
+            the logits after the backward. Refused on logits whose rows overlap in memory (``expand``,
+            ``as_strided``).
         backend: a name in :data:`offpolicy.ops.backend_registry.BACKENDS` (``"torch"``, ``"cpu"``,
             ``"triton"``); default by device.
         validate: check the ids' range and the temperatures' values (a host sync on GPUs; skipped while
@@ -96,12 +99,13 @@ def sparse_log_softmax(
     """
     input_checks.check_logits(logits)
     n, v = logits.shape
-    input_checks.check_rows(n, logits.device, targets, candidate_ids, temperature, support, skip, shard)
-    if validate:
-        input_checks.check_values(v, targets, candidate_ids, temperature, shard)
     # fp32 statistics for 16/32-bit logits; float64 logits keep float64 throughout (gradcheck, references).
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    input_checks.check_rows(n, logits.device, targets, candidate_ids, temperature, support, skip, shard, acc)
+    input_checks.check_inplace_grad(logits, inplace_grad)
+    if validate:
+        input_checks.check_values(v, targets, candidate_ids, temperature, shard, support, acc)
     ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, logits.device)
-    plan = LogitsPlan(support, shard, bool(inplace_grad), backend_registry.choose(backend, logits.device, logits.dtype))
+    plan = LogitsPlan(support, shard, inplace_grad, backend_registry.choose(backend, logits.device, logits.dtype))
     logp, lse, entropy = SparseLogSoftmaxFunction.apply(logits, ids, inv_temp, skip, plan)
     return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy)

@@ -44,6 +44,16 @@ def support_sum_tolerance(logprobs: Tensor) -> Tensor:
     return SUPPORT_SUM_TOL + eps * spread
 
 
+def first_duplicate_row(ids: Tensor) -> int | None:
+    """The first row of ``ids [N, K]`` (``-1`` padding) that holds a real id twice, or None (one sort of each row,
+    ``O(N K log K)``, and one host sync)."""
+    if ids.shape[1] < 2 or ids.shape[0] == 0:
+        return None
+    srt, _ = torch.sort(ids, dim=1)
+    dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1)
+    return int(dup.nonzero()[0]) if bool(dup.any()) else None
+
+
 @dataclass(frozen=True)
 class Candidates:
     """Candidate ids and sampler log-probabilities per position.
@@ -173,12 +183,9 @@ class Candidates:
             raise ValueError("candidates.logprobs: a log-probability above 0 found (probabilities are <= 1)")
         if bool(((~valid) & (lp != float("-inf"))).any()):
             raise ValueError("candidates.logprobs: padding entries (ids == -1) must hold -inf")
-        if ids.shape[1] > 1:
-            srt, _ = torch.sort(ids, dim=1)
-            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-            if bool(dup.any()):
-                row = int(dup.any(dim=1).nonzero()[0])
-                raise ValueError(f"candidates.ids: duplicate id within row {row}")
+        row = first_duplicate_row(ids)
+        if row is not None:
+            raise ValueError(f"candidates.ids: duplicate id within row {row}")
         if self.kind == "support":
             nonempty = valid.any(dim=1) & trained
             sums = torch.exp(lp.double()).sum(dim=1)
