@@ -94,6 +94,18 @@ def test_finite_logits_that_overflow_after_the_temperature(batch, peak):
         _call(batch, logits=z, tokens=y, candidates=None, temperature=1e-10)
 
 
+def test_support_without_mass_is_not_an_overflow(batch):
+    """A support whose logits are all ``-inf`` has no mass (``lse = +inf``) like an overflowing row, but its finite
+    logits lie outside the support: it is the allowed ``p(y) = 0`` case, not an error."""
+    z = torch.zeros(6, 20)
+    z[:, :2] = -float("inf")
+    y = torch.zeros(6, dtype=torch.int64)
+    ids = torch.tensor([[0, 1]] * 6)
+    cands = op.Candidates(ids, torch.log(torch.tensor([[0.5, 0.5]] * 6)), "support")
+    out = _call(batch, logits=z, tokens=y, sampler_logprobs=torch.full((6,), math.log(0.5)), candidates=cands)
+    assert torch.isfinite(out.loss)
+
+
 @pytest.mark.parametrize(
     "ids,lp,kind,match",
     [

@@ -131,13 +131,30 @@ def _policy_loss(model: ModelInputs, tokens: Tensor, temperature, candidates: Ca
     lp = _log_probs(model, tokens, cand_ids, temperature, support, ~active, shard, inplace_grad, backend)
     if check:
         # A NaN logit makes the row's log-probabilities NaN; a +inf one makes its normaliser inf - inf (NaN
-        # entropy, NaN gradient); finite logits whose z / tau overflows make the normaliser +inf: none of these is
-        # a distribution, so a trained row holding one is refused.
-        broken = (torch.isnan(lp.target) | torch.isnan(lp.entropy) | torch.isposinf(lp.lse)) & active
+        # entropy, NaN gradient): neither is a distribution, so a trained row holding one is refused.
+        broken = (torch.isnan(lp.target) | torch.isnan(lp.entropy)) & active
+        if model.logits is not None and shard is None:
+            broken |= _overflowed(model.logits, torch.isposinf(lp.lse) & active & ~broken, cand_ids, support)
         if bool(broken.any()):
             raise ValueError(_broken_row(model, int(broken.nonzero()[0]), temperature))
 
     return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data, agg, correction, cp_group)
+
+
+def _overflowed(logits: Tensor, no_mass: Tensor, cand_ids: Tensor | None, support: bool) -> Tensor:
+    """``[N]`` bool: rows among ``no_mass`` (normaliser ``+inf``) that hold a finite logit where the normaliser
+    reads (the row, or its support), so ``z / tau`` overflowed. A row of ``-inf`` logits has no mass either and is
+    allowed (``p(y) = 0``). Only the flagged rows are read."""
+    out = torch.zeros_like(no_mass)
+    if not bool(no_mass.any()):
+        return out
+    rows = no_mass.nonzero()[:, 0]
+    z = logits[rows]
+    if support:
+        ids = cand_ids[rows]
+        z = z.gather(1, ids.clamp_min(0)).masked_fill(ids < 0, -float("inf"))
+    out[rows] = torch.isfinite(z).any(dim=1)
+    return out
 
 
 def _broken_row(model: ModelInputs, row: int, temperature) -> str:
