@@ -181,3 +181,14 @@ def test_opsm_band_ends():
     seq = [0, 0, 1, 1, 2, 2, 3, 3, 3]
     mask = [True] * 8 + [False]
     assert _kept(xs, corr, seq=seq, adv=adv, mask=mask) == [True, True, False, False, True, True, True, True, False]
+
+
+@pytest.mark.parametrize("weights,normaliser", [("reject", 2), ("mis", 3)])
+def test_rejecting_trait_moves_the_band_end_out_of_the_normaliser(weights, normaliser):
+    """``rejected_in_normalizer=False``: a ``reject`` ratio just past ``L`` is a rejection (the ``rejects`` trait)
+    and leaves the token mean's normaliser, the one exactly at ``L`` stays; MIS only masks (weight 0, still
+    counted). Token losses ``-w log p``: ``(log 2, 0, 0)`` for reject, ``(log 2 / 2, 0, 0)`` for MIS."""
+    corr = op.Correction(weights=weights, rejected_in_normalizer=False)
+    out = _run([LOG_HALF, _below(LOG_HALF), 0.0], corr)
+    w0 = 1.0 if weights == "reject" else 0.5
+    assert float(out.loss) == pytest.approx(w0 * math.log(2.0) / normaliser, rel=1e-15)
