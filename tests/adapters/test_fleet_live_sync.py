@@ -65,3 +65,7 @@ def test_bad_arguments_are_named(tmp_path):
         LiveFleet(groups, "m", tmp_path, timeout_s=0)
     with pytest.raises(RuntimeError, match="publish a weight version first"):
         LiveFleet(groups, "m", tmp_path).rollout([[1, 2]], {"temperature": 1.0})
+    from offpolicy.adapters.fleet_live.toy_run import RunConfig, train
+
+    with pytest.raises(RuntimeError, match="publish the model's weights first"):
+        train(LiveFleet(groups, "m", tmp_path), torch.nn.Linear(1, 1), RunConfig())

@@ -95,6 +95,8 @@ def train(
     so each group serves whatever version it last loaded: staleness from the real clock. After each optimizer step
     the weights are published as the next version.
     """
+    if fleet.version is None:
+        raise RuntimeError("train: publish the model's weights first (fleet.publish(model.state_dict(), 0))")
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     sp = build_sampling_params(max_tokens=cfg.turn_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
