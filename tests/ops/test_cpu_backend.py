@@ -312,20 +312,20 @@ def test_block_totals_summed_in_double_at_v_2_20():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dname)
 def test_per_worker_scratch_under_threads(dtype):
     """16-bit gradients are assembled in an fp32 scratch row per worker: four workers give the serial gradient bit
-    for bit (a row shared between workers would mix rows), and both match float64."""
+    for bit, 40 times (with a row shared between the workers, 60% of such calls mixed rows on a loaded 2-core
+    machine), and the serial one matches float64."""
     gen = torch.Generator().manual_seed(31)
-    z, ids, inv_temp, lse, grad, grad_sum = grad_case(64, 8191, 6, dtype, gen)
+    z, ids, inv_temp, lse, grad, grad_sum = grad_case(256, 4096, 6, dtype, gen)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         serial = cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z))
         torch.set_num_threads(4)
-        threaded = [cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z))
-                    for _ in range(3)]
+        differ = sum(not torch.equal(cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z)),
+                                     serial) for _ in range(40))
     finally:
         torch.set_num_threads(before)
-    for got in threaded:
-        assert torch.equal(got, serial)
+    assert differ == 0, f"{differ} of 40 threaded gradients differ from the serial one"
     want = ref_grad(z, ids, inv_temp, lse, grad, grad_sum)
     x = z.double() * inv_temp.double()[:, None]
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)

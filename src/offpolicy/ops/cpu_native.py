@@ -268,7 +268,7 @@ def _trusted_folder() -> Path | None:
     except OSError as err:
         why, where = f"{err.strerror or err}", folder
     if why is not None:
-        warnings.warn(f"offpolicy: the native CPU kernels' cache folder {where} is not safe to load from ({why}); "
+        warnings.warn(f"offpolicy: the native CPU kernels' cache folder {where} cannot be trusted or used ({why}); "
                       f"building in a private temporary folder instead (set {CACHE_ENV_VAR} to a folder of your own)",
                       RuntimeWarning, stacklevel=4)
         return None
