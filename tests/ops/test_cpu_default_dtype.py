@@ -1,7 +1,9 @@
 """The native CPU backward under ``torch.set_default_dtype(torch.bfloat16)`` / ``float16`` (common in LLM scripts):
 its per-worker fp32 scratch row must not follow the default dtype (a 2-byte row that the C loop fills with 4-byte
 floats overflowed the heap). Run in a subprocess, so that memory corruption fails this test instead of killing the
-test run. The gradient must equal, bit for bit, the one computed under the default fp32."""
+test run. The gradient must equal, bit for bit, the one computed under the default fp32. Run again with the
+kernels built under AddressSanitizer and UBSan (where GCC's ``libasan`` is installed), so that an out-of-bounds
+access that happens not to crash still fails."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from offpolicy.ops import cpu_backend
+from offpolicy.ops import cpu_backend, cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_backend.available(), reason="no C compiler: the CPU default is torch")
 
@@ -48,8 +51,28 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_policy_loss_under_a_16_bit_default_dtype():
+def run_script(env: dict[str, str]) -> None:
     res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OFFPOLICY_CPU_NATIVE": "1"})
+                         env={**os.environ, cpu_native.ENV_VAR: "1", **env})
     assert res.returncode == 0 and "same gradients" in res.stdout, (
         f"exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+
+
+def test_policy_loss_under_a_16_bit_default_dtype():
+    run_script({})
+
+
+def _libasan() -> str | None:
+    try:
+        found = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    path = Path(found.stdout.strip())
+    return str(path.resolve()) if found.returncode == 0 and path.is_absolute() and path.exists() else None
+
+
+@pytest.mark.skipif(_libasan() is None, reason="no libasan for the C compiler")
+def test_policy_loss_under_a_16_bit_default_dtype_with_sanitizers(tmp_path):
+    run_script({"LD_PRELOAD": _libasan(), "ASAN_OPTIONS": "detect_leaks=0", cpu_native.CACHE_ENV_VAR: str(tmp_path),
+                cpu_native.ARCH_ENV_VAR: "-march=native -fsanitize=address,undefined -fno-sanitize-recover=all "
+                                         "-fno-omit-frame-pointer"})
