@@ -26,9 +26,9 @@
  * declare the functions), which the loader compares with its ctypes declarations before any call;
  * offpolicy_dtypes() names the logits dtypes built. fp16 is built only where the compiler has _Float16 (GCC >= 12
  * on x86-64, Clang; -DOFFPOLICY_NO_FLOAT16 simulates a compiler without it): elsewhere fp16 logits take the
- * PyTorch backend and fp32/bf16 stay native. The gradient takes its scratch row's size in bytes and the candidate columns
- * are checked against V before anything is written: a short scratch row or a column outside [0, V) returns an
- * error code instead of writing out of bounds.
+ * PyTorch backend and fp32/bf16 stay native. The gradient takes its scratch row's size in bytes, and checks it and
+ * the candidate columns against V before anything is written: a short scratch row or a column outside [0, V)
+ * returns an error code instead of writing out of bounds.
  */
 #include <stdint.h>
 #include <string.h>

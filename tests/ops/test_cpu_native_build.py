@@ -180,8 +180,8 @@ def test_garbage_with_a_matching_hash_is_rebuilt(cache, built):
 def test_library_missing_a_symbol_is_rebuilt(cache, built, tmp_path):
     lib = seed(built)
     other = tmp_path / "other.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(other), "-x", "c", "-"], input=b"int unrelated(void) {return 0;}",
-                   check=True)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(other), "-x", "c", "-"],
+                   input=b"int unrelated(void) { return 0; }", check=True)
     replace(lib, other.read_bytes())
     Path(f"{lib}.sha256").write_bytes(sha256_file(lib))
     with pytest.warns(RuntimeWarning, match="lacks a symbol"):

@@ -402,7 +402,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, frozenset[str]]:
             raise Unavailable(f"its ABI {canonical_abi(abi)!r} is not the loader's {declared_abi()!r}")
         built = frozenset(lib.offpolicy_dtypes().decode().split())
         if not set(REQUIRED_DTYPES) <= built <= set(DTYPES):
-            raise Unavailable(f"it has kernels for {sorted(built)}, expected {list(REQUIRED_DTYPES)} and optionally f16")
+            raise Unavailable(f"it has kernels for {sorted(built)}, expected {list(REQUIRED_DTYPES)} (and maybe f16)")
         for dtype in built:
             for name, (ret, params) in SIGNATURES.items():
                 fn = getattr(lib, f"{name}_{dtype}")
