@@ -277,7 +277,7 @@ def test_hanging_compiler_times_out(cache, monkeypatch, tmp_path):
     start = time.monotonic()
     with pytest.warns(RuntimeWarning, match="did not finish within 1 s"):
         assert cpu_native.load() is None
-    assert time.monotonic() - start < 10  # 1 s, and the fallback's warning (not the 60 s the child holds its pipes)
+    assert time.monotonic() - start < 20  # 1 s and the fallback on a loaded machine, not the 60 s of the child
     assert cpu_native.TIMEOUT_ENV_VAR in cpu_native.unavailable_reason()
     assert gone(int(pid_file.read_text()))  # the compiler's child too: it held the output pipes
     folder = cache / f"cpu-{os.geteuid()}"
