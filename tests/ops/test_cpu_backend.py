@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import platform
+import threading
 
 import pytest
 import torch
@@ -310,22 +311,36 @@ def test_block_totals_summed_in_double_at_v_2_20():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dname)
-def test_per_worker_scratch_under_threads(dtype):
-    """16-bit gradients are assembled in an fp32 scratch row per worker: four workers give the serial gradient bit
-    for bit, 40 times (with a row shared between the workers, 60% of such calls mixed rows on a loaded 2-core
-    machine), and the serial one matches float64."""
+def test_per_worker_scratch_under_threads(dtype, monkeypatch):
+    """16-bit gradients are assembled in an fp32 scratch row per worker: every thread that runs the C gradient
+    passes its own row (and keeps it across its chunks), four workers give the serial gradient bit for bit, 20
+    times, and the serial one matches float64."""
     gen = torch.Generator().manual_seed(31)
     z, ids, inv_temp, lse, grad, grad_sum = grad_case(256, 4096, 6, dtype, gen)
+    lib = cpu_native.load()
+    name = f"grad_{'bf16' if dtype == torch.bfloat16 else 'f16'}"
+    kernel, rows_of = getattr(lib, name), {}
+
+    def recording(*args):
+        rows_of.setdefault(threading.get_ident(), set()).add(args[13])  # the scratch row's address
+        return kernel(*args)
+
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         serial = cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z))
         torch.set_num_threads(4)
+        monkeypatch.setattr(lib, name, recording)
+        threaded = cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z))
+        monkeypatch.undo()
         differ = sum(not torch.equal(cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z)),
-                                     serial) for _ in range(40))
+                                     serial) for _ in range(20))
     finally:
         torch.set_num_threads(before)
-    assert differ == 0, f"{differ} of 40 threaded gradients differ from the serial one"
+    assert len(rows_of) >= 2 and all(len(r) == 1 for r in rows_of.values()), rows_of
+    assert len(set().union(*rows_of.values())) == len(rows_of), f"threads share a scratch row: {rows_of}"
+    assert torch.equal(threaded, serial)
+    assert differ == 0, f"{differ} of 20 threaded gradients differ from the serial one"
     want = ref_grad(z, ids, inv_temp, lse, grad, grad_sum)
     x = z.double() * inv_temp.double()[:, None]
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
