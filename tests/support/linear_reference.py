@@ -28,7 +28,8 @@ def make_inputs(n=23, d=16, v=197, k=6, dtype=torch.float32, seed=0, scale=1.0, 
     c = distinct_ids(n, v, k, gen, pad_frac)
     if n > 2 and k > 1:
         c[1] = -1  # an empty candidate row
-        c[2, 0] = y[2]  # the target inside its candidates
+        if not bool((c[2] == y[2]).any()):
+            c[2, 0] = y[2]  # the target inside its candidates (once: a support holds each id once)
     tau = (0.3 + 2.0 * torch.rand(n, generator=gen)) if per_token_temp else 0.7
     return h, w, b, y, c, tau
 
