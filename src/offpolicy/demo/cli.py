@@ -84,7 +84,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--calibrate-steps", type=int, default=30, help="on-policy steps per learning rate")
     p.add_argument("--calibrate-seeds", type=int, default=0,
                    help="--calibrate also runs the quick configurations for this many seeds and --steps steps, "
-                        "for the seed-to-seed spread the power calculation needs (default 0: none)")
+                        "for the spread between seeds that the power calculation needs (default 0: none)")
     p.add_argument("--workers", type=int, help="worker processes, one thread each (default 2)")
     p.add_argument("--out", default="demo_out", help="output folder (default ./demo_out)")
     p.add_argument("--cache-dir", default=None,
