@@ -28,7 +28,8 @@ class TrainerScores:
         candidate_logprobs: ``[N, K]`` float64 tempered full-vocabulary log-probs at the record's candidate ids
             (``-inf`` at padding), or ``None``.
         hypotheses: ``{name: [N] float64}``: ``log p(y)`` under each reading of the record that diagnose tests
-            (from a model only; see :func:`score_model`), and ``best_temperature`` ``[G]`` grid errors.
+            (from a model only; see :func:`score_model`), ``declared_support_size [N]`` int64 and
+            ``grid_abs_error [G, N]`` fp32.
     """
 
     logprobs: Tensor
@@ -89,8 +90,8 @@ def score_model(model: torch.nn.Module, rollouts: RecordedRollouts, *, semantics
     Besides the trainer log-probs it computes, per token, ``log p(y)`` under each reading of the record:
     ``declared`` (the declared temperature and filter, renormalised: what the record should be), ``raw`` (T = 1, no
     filter), ``temperature_twice`` (T^2, filtered, renormalised), ``not_renormalised`` (T, no division by the
-    support mass) and, for the grid :data:`TEMPERATURE_GRID`, the median absolute error of the record at each
-    temperature (``grid_error [G]``). ``semantics`` is the engine's filter order (``"vllm"`` or ``"sglang"``).
+    support mass), the size of the declared filter's kept set (``declared_support_size``) and, for the grid
+    :data:`TEMPERATURE_GRID`, the record's absolute error at each temperature (``grid_abs_error [G, N]``). ``semantics`` is the engine's filter order (``"vllm"`` or ``"sglang"``).
     """
     was = model.training
     model.eval()
@@ -99,7 +100,8 @@ def score_model(model: torch.nn.Module, rollouts: RecordedRollouts, *, semantics
     lp = torch.empty(n, dtype=torch.float64)
     names = ("declared", "raw", "temperature_twice", "not_renormalised")
     hyp = {k: torch.empty(n, dtype=torch.float64) for k in names}
-    grid_err = torch.zeros(len(TEMPERATURE_GRID), n, dtype=torch.float64)
+    size = torch.zeros(n, dtype=torch.int64)
+    grid_err = torch.zeros(len(TEMPERATURE_GRID), n, dtype=torch.float32)
     cand = None
     if r.candidates is not None:
         cand = torch.full(r.candidates.ids.shape, float("-inf"), dtype=torch.float64)
@@ -117,6 +119,7 @@ def score_model(model: torch.nn.Module, rollouts: RecordedRollouts, *, semantics
             lt = _tempered(z, t)
             renorm = _filtered(lt, p, k, semantics)
             hyp["declared"][sel] = renorm.gather(1, y)[:, 0]
+            size[sel] = (renorm > float("-inf")).sum(1)
             hyp["raw"][sel] = torch.log_softmax(z, -1).gather(1, y)[:, 0]
             hyp["temperature_twice"][sel] = _filtered(_tempered(z, t * t), p, k, semantics).gather(1, y)[:, 0]
             hyp["not_renormalised"][sel] = lt.gather(1, y)[:, 0]
@@ -132,10 +135,11 @@ def score_model(model: torch.nn.Module, rollouts: RecordedRollouts, *, semantics
             lq = r.sampler_logprobs[sel].double()
             for g, tg in enumerate(TEMPERATURE_GRID.double()):
                 at = _filtered(torch.log_softmax(z / tg, -1), p, k, semantics).gather(1, y)[:, 0]
-                grid_err[g, sel] = (at - lq).abs()
+                grid_err[g, sel] = (at - lq).abs().float()
     finally:
         model.train(was)
-    hyp["grid_error"] = grid_err.nan_to_num(float("inf")).median(dim=1).values
+    hyp["declared_support_size"] = size
+    hyp["grid_abs_error"] = grid_err
     return TrainerScores(lp, cand, hyp)
 
 
@@ -143,4 +147,11 @@ def load_model(path: str | Path) -> torch.nn.Module:
     """A ``transformers`` causal LM from a local directory, in float32 (nothing is downloaded)."""
     from transformers import AutoModelForCausalLM
 
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"--model {path}: no such folder; pass a local transformers model directory (with "
+                         "config.json and the weights; diagnose downloads nothing)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {path}: the folder holds no config.json; pass the directory a transformers "
+                         "model was saved to (save_pretrained)")
     return AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32, local_files_only=True)
