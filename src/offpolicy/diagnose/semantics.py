@@ -125,6 +125,20 @@ def _median_error(pred: Tensor, lq: Tensor) -> float:
     return float((pred - lq).abs().nan_to_num(float("inf")).median())
 
 
+def best_grid_temperature(errors: Tensor) -> float:
+    """The temperature of least error over :data:`TEMPERATURE_GRID` (``errors [G]``), refined by the parabola
+    through the best point and its neighbours (in log T, moved at most one grid step)."""
+    g = int(errors.argmin())
+    log_t = torch.log(TEMPERATURE_GRID.double())
+    if 0 < g < len(errors) - 1 and bool(torch.isfinite(errors[g - 1: g + 2]).all()):
+        lo, mid, hi = (float(e) for e in errors[g - 1: g + 2])
+        curve = lo - 2 * mid + hi
+        if curve > 0:
+            step = float(log_t[1] - log_t[0])
+            return math.exp(float(log_t[g]) + max(-step, min(step, 0.5 * step * (lo - hi) / curve)))
+    return float(TEMPERATURE_GRID[g])
+
+
 def best_reading(rollouts: RecordedRollouts, scores: TrainerScores) -> Finding | None:
     """Which recomputed reading of the record explains it best (model scores only)."""
     h = scores.hypotheses
@@ -133,8 +147,7 @@ def best_reading(rollouts: RecordedRollouts, scores: TrainerScores) -> Finding |
     lq = rollouts.sampler_logprobs.double()
     err = {k: _median_error(h[k], lq) for k in ("declared", "raw", "temperature_twice", "not_renormalised")}
     err["log_base_2"] = _median_error(h["declared"] / LN2, lq)
-    grid = h["grid_abs_error"].double().nan_to_num(float("inf")).median(dim=1).values
-    t_best = float(TEMPERATURE_GRID[int(grid.argmin())])
+    t_best = best_grid_temperature(h["grid_abs_error"].double().nan_to_num(float("inf")).median(dim=1).values)
     t = declared_temperature(rollouts)
     filtered = bool(((rollouts.top_p < 1.0) | (rollouts.top_k >= 0)).any())
     ev: dict[str, float | int | str] = {f"median_abs_error_{k}": round(v, 5) for k, v in err.items()}
