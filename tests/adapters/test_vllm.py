@@ -428,3 +428,14 @@ def test_token_strings_with_a_tokenizer():
         vllm.parse_completion_response(text, req, tokenizer={**strings, first: None})
     with pytest.raises(RecordError, match="not a token string of the tokenizer"):
         vllm.parse_completion_response(text, req, tokenizer={k: v for k, v in strings.items() if k != first})
+
+
+def test_token_string_ids_marks_ambiguous_strings():
+    class Tok:
+        def __len__(self):
+            return 4
+
+        def decode(self, ids):
+            return {0: "a", 1: "\ufffd", 2: "\ufffd", 3: "b"}[ids[0]]
+
+    assert vllm.token_string_ids(Tok()) == {"a": 0, "\ufffd": None, "b": 3}

@@ -12,8 +12,7 @@ import torch
 
 from offpolicy import Candidates
 from offpolicy.__main__ import main as cli
-from offpolicy.diagnose import diagnose, from_lines, save_safetensors
-from offpolicy.diagnose.record_checks import neighbours
+from offpolicy.diagnose import TrainerScores, diagnose, from_lines, save_safetensors
 from support.diagnose_records import TinyLM, concat, record
 
 PER_TOKEN = ("tokens", "sampler_logprobs", "group_index", "versions", "seq_ids", "temperature", "top_p", "top_k",
@@ -116,6 +115,29 @@ def test_log_base_2_named(model, kind, top_p):
     assert next(f for f in rep.findings if f.check == "reading").mistake == "log_base_2"
     if kind == "support":  # the record alone shows it: rows sum to one as powers of 2
         assert next(f for f in rep.findings if f.check == "support_sum").mistake == "log_base_2"
+        # without candidates only the reading sees the base; on a flatter model the ratio signs it skews (all
+        # above 1, as a missing renormalisation would) are its consequence
+        flat = TinyLM(scale=1.0)
+        bare = diagnose(replace(_base2(record(flat, kind=kind, top_p=0.95)), candidates=None), model=flat)
+        assert bare.mistakes == ["log_base_2"], bare.text()
+        assert "explained by log_base_2" in next(f for f in bare.findings if f.check == "ratio_sign").message
+
+
+def test_log_base_2_from_tensors_alone(model):
+    """No model: the trainer's token and candidate log-probs from a file; the temperature check names base 2."""
+    rec = record(model)
+    with torch.no_grad():
+        lt = torch.log_softmax(model(rec.sequences)[rec.rows, rec.cols - 1].double() / 0.7, -1)
+    ids = rec.candidates.ids
+    scores = TrainerScores(lt.gather(1, rec.tokens[:, None])[:, 0],
+                           torch.where(ids >= 0, lt.gather(1, ids.clamp(min=0)), float("-inf")))
+    assert diagnose(rec, trainer_logprobs=scores).ok
+    rep = diagnose(_base2(rec), trainer_logprobs=scores)
+    assert rep.mistakes == ["log_base_2"], rep.text()
+    assert next(f for f in rep.findings if f.check == "temperature").mistake == "log_base_2"
+    twice = record(model, temperature=0.49, declared_temperature=0.7)
+    assert next(f for f in diagnose(twice, model=model).findings
+                if f.check == "temperature").mistake == "temperature_twice"
 
 
 def test_temperature_twice_is_not_base_2(model):
@@ -157,9 +179,11 @@ def test_declared_top_k_against_narrower_rows_named(model):
 
 def _shift(rec):
     """Each position's record (lq and candidate row) is the next position's; each sequence's last token dropped."""
-    _, nxt = neighbours(rec)
-    keep = (nxt >= 0).nonzero().flatten()
-    src = nxt[keep]
+    at = {(int(r), int(c)): i for i, (r, c) in enumerate(zip(rec.rows, rec.cols))}
+    pairs = [(i, at[(int(r), int(c) + 1)]) for i, (r, c) in enumerate(zip(rec.rows, rec.cols))
+             if (int(r), int(c) + 1) in at]
+    keep = torch.tensor([i for i, _ in pairs])
+    src = torch.tensor([j for _, j in pairs])
     c = rec.candidates
     return subset(rec, keep, sampler_logprobs=rec.sampler_logprobs[src],
                   candidates=Candidates(c.ids[src], c.logprobs[src], c.kind))
@@ -320,3 +344,19 @@ def test_temperature_grid_matches_a_direct_recomputation(semantics):
                 assert abs(float(got[gi, i]) - float(want)) < 2e-4, (gi, i)
             else:
                 assert not torch.isfinite(got[gi, i])
+
+
+def test_log_base_2_support_named_by_the_temperature_check_from_tensors():
+    """A base-2 support record, trainer values from a file: the spread's slope is 1/ln 2 and the full values match
+    the trainer's renormalised over each row."""
+    m = TinyLM()
+    rec = record(m, kind="support", top_p=0.9)
+    with torch.no_grad():
+        lt = torch.log_softmax(m(rec.sequences)[rec.rows, rec.cols - 1].double() / 0.7, -1)
+    ids = rec.candidates.ids
+    cand = torch.where(ids >= 0, lt.gather(1, ids.clamp(min=0)), float("-inf"))
+    lp = (cand - torch.logsumexp(cand, 1, keepdim=True)).gather(1, (ids == rec.tokens[:, None]).int().argmax(
+        1, keepdim=True))[:, 0]
+    rep = diagnose(_base2(rec), trainer_logprobs=TrainerScores(lp, cand))
+    temp = next(f for f in rep.findings if f.check == "temperature")
+    assert temp.mistake == "log_base_2" and "explained by" not in temp.message, rep.text()

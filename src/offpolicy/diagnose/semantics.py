@@ -76,7 +76,8 @@ def effective_temperature(rollouts: RecordedRollouts, scores: TrainerScores) -> 
 
     A temperature (or log base) is named only when rescaling explains the gap: the residual at the fitted slope
     is below ``1 / ERROR_RATIO^2`` of the residual at the declared one. A slope of ``1 / ln 2`` whose *full*
-    values (not only their spreads) match ``trainer / ln 2`` is base-2 log-probs, not a temperature.
+    values (not only their spreads) match ``trainer / ln 2`` (renormalised over the row for support records) is
+    base-2 log-probs, not a temperature.
     """
     if rollouts.candidates is None or scores.candidate_logprobs is None:
         return None
@@ -99,6 +100,8 @@ def effective_temperature(rollouts: RecordedRollouts, scores: TrainerScores) -> 
                        "it remains): sampler-trainer mismatch (stale weights or other numerics)", evidence=ev,
                        mismatch=True)
     if abs(slope * LN2 - 1.0) <= TEMPERATURE_RTOL:
+        if rollouts.candidates.kind == "support":  # support values are renormalised over the row's finite ids
+            tr = tr - torch.logsumexp(torch.where(ok, tr, float("-inf")), 1, keepdim=True)
         full = float((rec[ok] * LN2 - tr[ok]).abs().median())
         spread = math.sqrt(sq_fit / max(int(ok.sum()), 1))
         ev["median_abs_error_base_2"] = round(full, 6)
