@@ -4,7 +4,7 @@ parameters (temperature, top_p, top_k).
 A check that pooled every token would let a minority of stale tokens (or of another group's, or unfiltered ones
 beside filtered ones) move its median and flip the verdict; per slice, stale tokens are judged on their own, where
 their gap shows as mismatch, and filtered tokens are tried under the readings a filter allows. Versions
-with fewer than :data:`MIN_SLICE_TOKENS` tokens are pooled with the next older version of the same group and
+with fewer than :data:`MIN_SLICE_TOKENS` tokens are pooled with the next newer versions of the same group and
 sampling parameters; tokens of unknown version (-1) form their own slice.
 """
 
