@@ -21,6 +21,14 @@
  * largest term is 1, that no sum or 16-bit gradient can show.
  * Sums: fp32 lanes over blocks of 1024 elements (at most 128 adds per lane), block totals in double: a relative
  * error of about 130 fp32 ulps at worst, whatever V is.
+ *
+ * The boundary: offpolicy_abi() returns every exported prototype as text (stringified from the same macros that
+ * declare the functions), which the loader compares with its ctypes declarations before any call;
+ * offpolicy_dtypes() names the logits dtypes built. fp16 is built only where the compiler has _Float16 (GCC >= 12
+ * on x86-64, Clang; -DOFFPOLICY_NO_FLOAT16 simulates a compiler without it): elsewhere fp16 logits take the
+ * PyTorch backend and fp32/bf16 stay native. The gradient takes its scratch row's size in bytes, and checks it and
+ * the candidate columns against V before anything is written: a short scratch row or a column outside [0, V)
+ * returns an error code instead of writing out of bounds.
  */
 #include <stdint.h>
 #include <string.h>
@@ -41,7 +49,29 @@ typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
 typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
+#if defined(__FLT16_MAX__) && !defined(OFFPOLICY_NO_FLOAT16) /* the compiler has _Float16 */
+#define HAVE_F16 1
 typedef _Float16 vhf __attribute__((vector_size(2 * LANES)));
+#else
+#define HAVE_F16 0
+#endif
+
+/* The exported prototypes' parameters, used both to declare the functions and to build offpolicy_abi(). */
+#define STATS_PARAMS                                                                                               \
+    const void *z, int64_t z_stride, int64_t v, const int64_t *rows, int64_t n_rows, const float *a, float *m_out, \
+        float *s_out, float *t_out, uint8_t *bad
+#define GRAD_PARAMS                                                                                                \
+    const void *z, int64_t z_stride, void *out, int64_t out_stride, int64_t v, const int64_t *rows, int64_t n_rows, \
+        const float *shift, const float *a, const float *c, const int64_t *cols, const float *g, int64_t m_ids,    \
+        float *scratch, int64_t scratch_bytes
+#define TEXT_(...) #__VA_ARGS__
+#define TEXT(...) TEXT_(__VA_ARGS__)
+#define ABI_VERSION "2"
+
+const char *offpolicy_abi(void) {
+    return ABI_VERSION ";void stats(" TEXT(STATS_PARAMS) ");int64_t grad(" TEXT(GRAD_PARAMS) ")";
+}
+const char *offpolicy_dtypes(void) { return HAVE_F16 ? "f32 bf16 f16" : "f32 bf16"; }
 
 static inline vf vsplat(float x) { return (vf){0} + x; }
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
@@ -53,6 +83,7 @@ static inline vf load_bf16(const void *p, int64_t i) {
     memcpy(&h, (const uint16_t *)p + i, sizeof h);
     return (vf)(__builtin_convertvector(h, vu) << 16);
 }
+#if HAVE_F16
 static inline vf load_f16(const void *p, int64_t i) {
 #if defined(__AVX512F__) && LANES == 16
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
@@ -64,6 +95,7 @@ static inline vf load_f16(const void *p, int64_t i) {
     return __builtin_convertvector(h, vf);
 #endif
 }
+#endif
 static inline void store_f32(void *p, int64_t i, vf x) { memcpy((float *)p + i, &x, sizeof x); }
 static inline void store_bf16(void *p, int64_t i, vf x) { /* round to nearest even; NaN stays NaN */
 #if defined(__AVX512BF16__) && LANES == 16
@@ -77,6 +109,7 @@ static inline void store_bf16(void *p, int64_t i, vf x) { /* round to nearest ev
     memcpy((uint16_t *)p + i, &h, sizeof h);
 #endif
 }
+#if HAVE_F16
 static inline void store_f16(void *p, int64_t i, vf x) { /* round to nearest even */
 #if defined(__AVX512F__) && LANES == 16
     _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT));
@@ -87,6 +120,7 @@ static inline void store_f16(void *p, int64_t i, vf x) { /* round to nearest eve
     memcpy((_Float16 *)p + i, &h, sizeof h);
 #endif
 }
+#endif
 
 /* max(a, b), and b where either is NaN (as x86's max instructions). */
 #if defined(__AVX512F__) && LANES == 16
@@ -133,8 +167,7 @@ static inline float hmax(vf x) { float m = x[0]; for (int j = 1; j < LANES; j++)
 /* Row statistics of rows[0..n_rows): m[r], s[r], t2[r] (t in log2 units), bad[r] = 1 if the row holds NaN or +inf
  * (then s is NaN: y = NaN at a NaN logit, and z - m = NaN throughout when m = +inf; its statistics are meaningless). */
 #define DEFINE_STATS(NAME, LOAD, ELEM)                                                                             \
-    void NAME(const void *z, int64_t z_stride, int64_t v, const int64_t *rows, int64_t n_rows, const float *a,   \
-              float *m_out, float *s_out, float *t_out, uint8_t *bad) {                                           \
+    void NAME(STATS_PARAMS) {                                                                                      \
         const int64_t v_main = v - v % LANES;                                                                      \
         const vf lowest = vsplat(-127.0f);                                                                         \
         for (int64_t k = 0; k < n_rows; k++) {                                                                     \
@@ -174,18 +207,24 @@ static inline float hmax(vf x) { float m = x[0]; for (int j = 1; j < LANES; j++)
 
 DEFINE_STATS(stats_f32, load_f32, float)
 DEFINE_STATS(stats_bf16, load_bf16, uint16_t)
+#if HAVE_F16
 DEFINE_STATS(stats_f16, load_f16, _Float16)
+#endif
 
 /* The dense term c 2^((z - shift) a) of the gradient. */
 static inline vf dense_grad(vf z, vf shift, vf a, vf c) { return c * vexp2(vmax(vsplat(-127.0f), (z - shift) * a)); }
 
 /* Gradient of rows rows[0..n_rows): out[r, v] = c[r] 2^((z[r, v] - shift[r]) a[r]) + sum_{j: cols[r, j] = v} g[r, j]
- * (g is 0 at padding, cols >= 0). scratch: V floats, the fp32 row of a 16-bit output. out may be z (in place). */
+ * (g is 0 at padding). scratch: scratch_bytes >= 4 V bytes, the fp32 row of a 16-bit output (unused for fp32). out
+ * may be z (in place). Returns 0; 1 (nothing written) if the scratch row is shorter than V for a 16-bit output;
+ * 2 (nothing written) if a column lies outside [0, V). */
 #define DEFINE_GRAD(NAME, LOAD, STORE, ELEM, DIRECT)                                                               \
-    void NAME(const void *z, int64_t z_stride, void *out, int64_t out_stride, int64_t v, const int64_t *rows,    \
-              int64_t n_rows, const float *shift, const float *a, const float *c, const int64_t *cols,            \
-              const float *g, int64_t m_ids, float *scratch) {                                                     \
+    int64_t NAME(GRAD_PARAMS) {                                                                                    \
         const int64_t v_main = v - v % LANES;                                                                      \
+        if (!DIRECT && scratch_bytes < v * (int64_t)sizeof(float)) return 1;                                       \
+        for (int64_t k = 0; k < n_rows; k++)                                                                       \
+            for (int64_t j = 0; j < m_ids; j++)                                                                    \
+                if ((uint64_t)cols[rows[k] * m_ids + j] >= (uint64_t)v) return 2;                                  \
         for (int64_t k = 0; k < n_rows; k++) {                                                                     \
             const int64_t r = rows[k];                                                                             \
             const ELEM *zr = (const ELEM *)((const char *)z + r * z_stride);                                       \
@@ -209,8 +248,11 @@ static inline vf dense_grad(vf z, vf shift, vf a, vf c) { return c * vexp2(vmax(
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
+        return 0;                                                                                                  \
     }
 
 DEFINE_GRAD(grad_f32, load_f32, store_f32, float, 1)
 DEFINE_GRAD(grad_bf16, load_bf16, store_bf16, uint16_t, 0)
+#if HAVE_F16
 DEFINE_GRAD(grad_f16, load_f16, store_f16, _Float16, 0)
+#endif

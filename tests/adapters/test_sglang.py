@@ -422,3 +422,64 @@ def test_every_malformed_field_gives_a_clear_error_or_a_valid_record(which):
                 rec.candidates.validate(fake.V, len(rec), rec.tokens)
             outcomes["record"] += 1
     assert outcomes["error"] > 50 and outcomes["record"] > 0, outcomes
+
+
+# ---------------------------------------------------------------- engine conventions for "off" (issue 29, class 2)
+def test_top_k_all_sentinel_is_sglangs_own_default():
+    """SGLang's ``SamplingParams`` defaults to ``top_k = TOP_K_ALL = 1 << 30`` and rewrites ``-1`` to it; its
+    ``verify`` refuses ``top_k = 0`` (0 is *not* "off" in SGLang, unlike vLLM)."""
+    mod = pytest.importorskip("sglang.srt.sampling.sampling_params")
+    assert sglang.TOP_K_ALL == mod.TOP_K_ALL == mod.SamplingParams().top_k and mod.SamplingParams().top_p == 1.0
+    assert mod.SamplingParams(top_k=-1).top_k == mod.TOP_K_ALL
+    with pytest.raises(ValueError, match="top_k"):
+        mod.SamplingParams(top_k=0).verify(1000)
+    with pytest.raises(ValueError, match="top_k must be None, -1 or an integer >= 1"):
+        sglang.build_request([1], max_new_tokens=2, top_k=0, record="head")
+
+
+@pytest.mark.parametrize("off", [None, -1, sglang.TOP_K_ALL])
+def test_top_k_off_conventions(off):
+    """``top_k`` absent, ``-1`` or ``TOP_K_ALL`` is the unfiltered sampler: a head request (no ``top_k`` field
+    sent), and a head response whose request states that value parses as a head record with the filter off;
+    a support request needs a real filter."""
+    body = sglang.build_request([1, 2], max_new_tokens=2, top_k=off, record="head")
+    assert "top_k" not in body["sampling_params"] and body["sampling_params"]["top_p"] == 1.0
+    with pytest.raises(ValueError, match="needs top_p < 1 or a top_k"):
+        sglang.build_request([1], max_new_tokens=2, top_k=off, record="support")
+    req, resp = load("sglang_head_request.json"), load("sglang_head_response.json")
+    if off is not None:
+        req["sampling_params"]["top_k"] = off
+    rec = sglang.parse_response(resp, req, vocab_size=fake.V)
+    assert rec.kind == "head" and rec.top_k is None and rec.top_p == 1.0
+    for filtered in ({"top_k": 4}, {"top_p": 0.999}):
+        bad = copy.deepcopy(load("sglang_head_request.json"))
+        bad["sampling_params"].update(filtered)
+        with pytest.raises(RecordError, match="recorded no sampling support"):
+            sglang.parse_response(resp, bad, vocab_size=fake.V)
+
+
+def test_sampling_mask_needs_a_finite_top_k():
+    """``return_sampling_mask`` with the all-tokens sentinel (or ``-1``, or no ``top_k``: SGLang's default) is
+    refused before it reaches the server."""
+    pytest.importorskip("sglang.srt.sampling.sampling_params")
+    for off in (sglang.TOP_K_ALL, -1, None):
+        body = sglang.build_request([1], max_new_tokens=3, top_p=0.9, top_k=5, record="support")
+        if off is None:
+            del body["sampling_params"]["top_k"]
+        else:
+            body["sampling_params"]["top_k"] = off
+        with pytest.raises(ValueError, match="finite top_k"):
+            sglang.validate_request(body, vocab_size=1000)
+
+
+def test_head_record_is_the_returned_top_k_and_the_sampled_token_is_separate():
+    """SGLang returns the sampled token in ``output_token_logprobs`` and the top-K by value in
+    ``output_top_logprobs``: the head record is exactly the latter (token 0's sampled id 4 at -3.46 is not in its
+    head; token 1's sampled id 4 is, at rank 2), and ``lq`` is the former."""
+    req, resp = load("sglang_head_request.json"), load("sglang_head_response.json")
+    rec = sglang.parse_response(resp, req, vocab_size=fake.V)
+    meta = resp["meta_info"]
+    assert rec.sampler_logprobs.tolist() == pytest.approx([e[0] for e in meta["output_token_logprobs"]], abs=1e-7)
+    assert rec.candidates.ids.tolist() == [[e[1] for e in row] for row in meta["output_top_logprobs"]]
+    assert rec.candidates.ids[0].tolist() == [2, 0, 6, 13] and rec.tokens[0] == 4
+    assert rec.candidates.ids[1].tolist() == [15, 4, 0, 13] and rec.tokens[1] == 4

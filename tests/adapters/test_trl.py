@@ -387,3 +387,76 @@ def test_ppo_clip_disagreeing_with_grpo_config_raises():
     assert resolve_correction(op.Correction(weights="tis"), _config(num_iterations=2, delta=1.5,
                                                                     importance_sampling_level="sequence")) == \
         op.Correction(weights="tis", ppo_clip=(0.2, 0.2), ppo_delta=1.5, ppo_ratio="gspo_token")
+
+
+# ---------------------------------------------------------------- record boundaries (issue 29, class 6)
+#: Fixed completions of the fake generate (4 rows, 5 steps; EOS ids 1 and 9, padding 0 after a stop):
+#: the first EOS ends a row and is part of it, a second EOS id stops it too, a row without EOS runs to the end.
+FIXED = torch.tensor([[4, 5, 1, 0, 0],    # EOS (1) at step 2: 3 tokens
+                      [4, 9, 6, 1, 0],    # the generation config's other EOS id 9 at step 1: 2 tokens
+                      [4, 5, 6, 7, 8],    # no EOS: all 5 (truncated)
+                      [1, 0, 0, 0, 0]])   # EOS first: 1 token
+LENGTHS = [3, 2, 5, 1]
+
+
+def _boundary_trainer(record):
+    model = _model()
+    model.generation_config.eos_token_id = [1, 9]
+    ds = Dataset.from_dict({"prompt": ["w0 w1", "w2 w3"]})
+    args = trl.GRPOConfig(output_dir=SCRATCH["out"], use_cpu=True, per_device_train_batch_size=4,
+                          gradient_accumulation_steps=1, num_generations=4, max_completion_length=5, max_steps=1,
+                          report_to=[], top_p=1.0 if record == "head" else 0.9, save_strategy="no", seed=0)
+    trainer = OffPolicyGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=ds,
+                                   processing_class=_tokenizer(), record=record, head_k=3)
+    g = torch.Generator().manual_seed(3)
+    scores = [torch.randn(4, len(WORDS), generator=g) for _ in range(FIXED.shape[1])]
+    if record == "support":  # a filtered sampler: -inf outside a random support that holds the sampled token
+        for t, s in enumerate(scores):
+            s[torch.rand(s.shape, generator=g) < 0.5] = float("-inf")
+            s[torch.arange(4), FIXED[:, t]] = torch.randn(4, generator=g)
+
+    def generate(input_ids, generation_config=None, **kwargs):
+        seq = torch.cat([input_ids, FIXED[: input_ids.shape[0]]], 1)
+        if generation_config is not None and generation_config.return_dict_in_generate:
+            return type("Out", (), {"sequences": seq, "scores": tuple(s[: input_ids.shape[0]] for s in scores)})
+        return seq
+
+    model.generate = generate
+    return trainer, scores
+
+
+@pytest.mark.parametrize("record", ["support", "head"])
+def test_completion_and_records_end_where_trls_completion_ends(record):
+    """The adapter's completions, the sampler log-probs and the candidate records end exactly where TRL 1.16's own
+    ``_generate_single_turn`` ends the same generated ids: after the first token of any of the generation config's
+    EOS ids, that token included; a row without EOS keeps every step. Each ``lq_t`` is
+    ``log_softmax(scores_t)[y_t]`` of the post-warper scores of its own step."""
+    trainer, scores = _boundary_trainer(record)
+    prompts = [[2, 3], [2, 3], [4, 5], [4, 5]]
+    ours, lqs = trainer._generate_single_turn(prompts, None, {}, 4)
+    records = trainer._offpolicy_pending
+    theirs, _ = trl.GRPOTrainer._generate_single_turn(trainer, prompts, None, {}, 4)
+    assert ours == theirs == [FIXED[b, :n].tolist() for b, n in enumerate(LENGTHS)]
+    for b, n in enumerate(LENGTHS):
+        assert len(lqs[b]) == n and records[b][0].shape[0] == n and records[b][1].shape[0] == n
+        for t in range(n):
+            want = torch.log_softmax(scores[t][b].double(), -1)[FIXED[b, t]]
+            assert lqs[b][t] == pytest.approx(float(want), abs=1e-5)
+            ids = records[b][0][t]
+            assert int(FIXED[b, t]) in ids.tolist() or record == "head"
+            if record == "support":
+                assert set(ids[ids >= 0].tolist()) == set(torch.isfinite(scores[t][b]).nonzero().flatten().tolist())
+
+
+def test_generation_batch_records_cover_the_completion_mask_exactly():
+    """Through TRL's ``_generate_and_score_completions``: the ``[B, T, K]`` records hold a real row exactly where
+    TRL's ``completion_mask`` is 1 (EOS included), and ``sampling_per_token_logps`` carries the step's ``lq``."""
+    trainer, scores = _boundary_trainer("support")
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([{"prompt": "w0 w1"}] * 4)
+    mask = out["completion_mask"].bool()
+    assert mask.sum(1).tolist() == LENGTHS
+    assert torch.equal((out[IDS_KEY] >= 0).any(-1), mask)
+    for b, n in enumerate(LENGTHS):
+        want = [float(torch.log_softmax(scores[t][b], -1)[FIXED[b, t]]) for t in range(n)]
+        assert out["sampling_per_token_logps"][b, :n].tolist() == pytest.approx(want, abs=1e-5)

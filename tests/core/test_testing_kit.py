@@ -497,3 +497,32 @@ def test_example_check_my_loss_runs():
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     assert example.main(max_examples=10) == 0
+
+
+def test_the_kit_keeps_examples_off_the_jumps_a_trait_names():
+    """``_near_discontinuity`` reads the registry's traits: a ratio on a MIS bound is flagged (``masks_outside``:
+    the weight jumps there), the same ratio under TIS (continuous clamp) is not; a one-sided KL threshold jumps at
+    its threshold only, not at an implicit lower end 0; the veto jumps at ``log veto``."""
+    from offpolicy.testing.checks import _Fed, _near_discontinuity
+
+    def fed(log_r, seq=None):
+        # V = 2 uniform logits: log p(y) = log 1/2 at every token; lq puts log p - lq at log_r.
+        n = len(log_r)
+        return _Fed(logits=torch.zeros(n, 2, dtype=torch.float64), tokens=torch.zeros(n, dtype=torch.long),
+                    lq=math.log(0.5) - torch.tensor(log_r, dtype=torch.float64), cands=None,
+                    adv=torch.ones(n, dtype=torch.float64), tau=1.0,
+                    seq_ids=None if seq is None else torch.tensor(seq))
+
+    on_bound, inside = fed([math.log(5.0), 0.0]), fed([math.log(4.0), 0.0])
+    for weights, flagged in (("mis", True), ("reject", True), ("tis", False), ("none", False)):
+        bounds = None if weights == "none" else (0.5, 5.0)
+        cfg = LossConfig(weights=weights, bounds=bounds, record=None, dtype=torch.float64)
+        assert _near_discontinuity(on_bound, cfg) is flagged, weights
+        assert _near_discontinuity(inside, cfg) is False, weights
+    one_sided = LossConfig(weights="none", record=None, dtype=torch.float64,
+                           kl_rejection=op.KLRejection(0.5, "k1"))
+    assert _near_discontinuity(fed([0.0, 0.25]), one_sided) is False  # k1 = 0 is no jump of a one-sided band
+    assert _near_discontinuity(fed([-0.5, 0.25]), one_sided) is True
+    veto = LossConfig(weights="tis", record=None, dtype=torch.float64, veto=0.5)
+    assert _near_discontinuity(fed([math.log(0.5), 0.0], seq=[0, 0]), veto) is True
+    assert _near_discontinuity(fed([math.log(0.25), 0.0], seq=[0, 0]), veto) is False

@@ -292,3 +292,29 @@ def test_documented_examples_script(capsys):
     assert verdicts == ["offpolicy diagnose: OK", "offpolicy diagnose: MISTAKES FOUND: raw_logprobs",
                         "offpolicy diagnose: MISTAKES FOUND: temperature_twice",
                         "offpolicy diagnose: MISTAKES FOUND: missing_renormalisation"]
+
+
+def _line(**sampling):
+    return {"group": "a", "version": 0, "input_ids": [1], "tokens": [2, 3], "sampler_logprobs": [-0.5, -1.0],
+            "temperature": 1.0, **sampling}
+
+
+@pytest.mark.parametrize("sampling,top_p,top_k", [
+    ({}, 1.0, -1), ({"top_p": None, "top_k": None}, 1.0, -1),
+    ({"top_k": 0}, 1.0, -1),    # vLLM's "all tokens" (its default)
+    ({"top_k": -1}, 1.0, -1),   # vLLM's and SGLang's request-side "off"
+    ({"top_p": 0.9, "top_k": 16}, 0.9, 16), ({"top_p": 1.0, "top_k": 1}, 1.0, 1),
+])
+def test_record_reader_maps_each_engines_off_to_minus_one(sampling, top_p, top_k):
+    """The JSONL reader stores the declared filter per token, ``top_k = -1`` for "off" whichever way the line
+    says it; a real top-k (1 included) is kept, so diagnose then treats the tokens as filtered."""
+    rec = from_lines([_line(**sampling)])
+    assert rec.top_p.tolist() == pytest.approx([top_p] * 2) and rec.top_k.tolist() == [top_k] * 2
+
+
+def test_record_reader_maps_the_other_off_sentinels_to_minus_one():
+    """SGLang's all-tokens top_k (1 << 30) in a JSONL line and vLLM's top_k = 0 passed to from_token_batch are
+    "off", not filters."""
+    assert from_lines([_line(top_k=1 << 30)]).top_k.tolist() == [-1, -1]
+    batch = sample(TinyLM(), prompts(1), 2, record="head").flatten()
+    assert from_token_batch(batch, torch.zeros(1, 5, dtype=torch.long), top_k=0).top_k.tolist() == [-1, -1]

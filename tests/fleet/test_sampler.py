@@ -250,3 +250,20 @@ def test_docs_examples_run():
     assert blocks
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/samplers.md#{i}", "exec"), {})
+
+
+@pytest.mark.parametrize("semantics", ["sglang", "vllm"])
+def test_top_k_off_conventions(semantics):
+    """``top_k = -1`` is ``None`` (off) in both engines' semantics, and so is a ``top_k`` of the whole
+    vocabulary; ``top_p = 1`` keeps every token of positive probability; 0 is refused (it is "off" only in vLLM's
+    request fields, which its adapter maps to ``None``)."""
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+    for top_p in (1.0, 0.75, 0.5):
+        off = support_mask(lp, None, top_p, semantics)
+        assert torch.equal(support_mask(lp, -1, top_p, semantics), off)
+        assert torch.equal(support_mask(lp, 4, top_p, semantics), off)
+    assert support_mask(lp, -1, 1.0, semantics).tolist() == [[True] * 4]
+    with pytest.raises(ValueError, match="top_k must be None, -1"):
+        support_mask(lp, 0, 1.0, semantics)
+    r = sample(ToyLM(), [[1]], 2, top_k=-1, record="head", k=3, filter_semantics=semantics)
+    assert r.flatten().candidates.kind == "head"

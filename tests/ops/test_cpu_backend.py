@@ -1,7 +1,7 @@
 """The native CPU backend (``kernels/vocab_pass_cpu.c`` through :mod:`offpolicy.ops.cpu_backend`) against a float64
 reference: its two contract functions directly, on hostile logits and odd shapes (``V`` below, at and past the
-vector width, so every tail path runs), and end to end through ``sparse_log_softmax``. Also its build cache and its
-fallbacks.
+vector width, so every tail path runs), and end to end through ``sparse_log_softmax``. Also its fallbacks; the build
+cache is tested in ``test_cpu_native_build.py``.
 
 Tolerances: :mod:`support.vocab_reference` (the same model as the Triton kernels'): ``arg_tol`` covers the fp32
 arithmetic (the C ``2^y`` is within 0.8 ulp, its sums within about 130 ulps), and the gradient is rounded once to
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import platform
+import threading
 
 import pytest
 import torch
@@ -235,27 +236,6 @@ def test_default_cpu_backend_agrees_with_torch_backend():
     torch.testing.assert_close(results[0][1], results[1][1], rtol=2.0**-7, atol=1e-7)
 
 
-def test_build_cache_is_reused_and_keyed_by_source(monkeypatch, tmp_path):
-    """The first load compiles into the cache; a second process-level load reuses the file; another source gets
-    another file."""
-    monkeypatch.setenv(cpu_native.CACHE_ENV_VAR, str(tmp_path))
-    monkeypatch.setattr(cpu_native, "_STATE", {})
-    assert cpu_native.load() is not None
-    built = list(tmp_path.glob("vocab_pass_cpu-*.so"))
-    assert len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(cpu_native, "_STATE", {})
-    assert cpu_native.load() is not None
-    assert list(tmp_path.glob("vocab_pass_cpu-*.so")) == built and built[0].stat().st_mtime_ns == stamp
-    changed = tmp_path / "src.c"
-    changed.write_bytes(cpu_native.source_path().read_bytes() + b"\n/* changed */\n")
-    monkeypatch.setattr(cpu_native, "source_path", lambda: changed)
-    monkeypatch.setattr(cpu_native, "_STATE", {})
-    assert cpu_native.load() is not None
-    assert len(list(tmp_path.glob("vocab_pass_cpu-*.so"))) == 2
-    assert not list(tmp_path.glob("tmp*"))  # no temporary left behind
-
-
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
     assert cpu_native.load() is None and cpu_native.unavailable_reason() == "OFFPOLICY_CPU_NATIVE=0"
@@ -312,3 +292,81 @@ def test_second_backward_through_a_retained_graph(dtype):
     x = z.double() / 0.7
     bound = grad_tol(ref.grad, torch.full((9,), 1 / 0.7), g_t[:, None], x, dtype)
     assert_close_inf(first.double(), ref.grad, bound, "dz")
+
+
+def test_block_totals_summed_in_double_at_v_2_20():
+    """V = 2^20, a row whose fp32 lane sums are exact: a first block of zeros (1024 terms of 1) and 1023 blocks at
+    ``x = -24 ln 2`` (terms of 2^-24, block totals of 2^-14, half an fp32 ulp of the running total 1024). Stated
+    bound: ``|lse - lse_ref| <= 1e-5`` (about 170 fp32 ulps of ``s``: at most 128 lane adds and 16 horizontal adds
+    per block, and the 0.8-ulp exponential; the double block totals add nothing visible). Block totals summed in
+    fp32 would drop or double every block after the first, an error of 1023 * 2^-14 / 1024 = 6.1e-5 in lse."""
+    v = 2**20
+    z = torch.full((1, v), -24 * math.log(2), dtype=torch.float32)
+    z[0, :1024] = 0.0
+    inv_temp = torch.ones(1)
+    lse_ref, ent_ref, _ = ref_stats(z, inv_temp)
+    lse, ent = lse_entropy(*cpu_backend.full_stats(z, inv_temp, None))
+    assert_close_inf(lse, lse_ref, torch.tensor([1e-5]), "lse")
+    assert_close_inf(ent, ent_ref, torch.tensor([1e-5]), "entropy")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dname)
+def test_per_worker_scratch_under_threads(dtype, monkeypatch):
+    """16-bit gradients are assembled in an fp32 scratch row per worker: every thread that runs the C gradient
+    passes its own row (and keeps it across its chunks), four workers give the serial gradient bit for bit, 20
+    times, and the serial one matches float64."""
+    gen = torch.Generator().manual_seed(31)
+    z, ids, inv_temp, lse, grad, grad_sum = grad_case(256, 4096, 6, dtype, gen)
+    lib = cpu_native.load()
+    name = f"grad_{'bf16' if dtype == torch.bfloat16 else 'f16'}"
+    kernel, rows_of = getattr(lib, name), {}
+
+    def recording(*args):
+        rows_of.setdefault(threading.get_ident(), set()).add(args[13])  # the scratch row's address
+        return kernel(*args)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z))
+        torch.set_num_threads(4)
+        monkeypatch.setattr(lib, name, recording)
+        threaded = cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z))
+        monkeypatch.undo()
+        differ = sum(not torch.equal(cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z)),
+                                     serial) for _ in range(20))
+    finally:
+        torch.set_num_threads(before)
+    assert len(rows_of) >= 2 and all(len(r) == 1 for r in rows_of.values()), rows_of
+    assert len(set().union(*rows_of.values())) == len(rows_of), f"threads share a scratch row: {rows_of}"
+    assert torch.equal(threaded, serial)
+    assert differ == 0, f"{differ} of 20 threaded gradients differ from the serial one"
+    want = ref_grad(z, ids, inv_temp, lse, grad, grad_sum)
+    x = z.double() * inv_temp.double()[:, None]
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+    assert_close_inf(serial, want, grad_tol(want, inv_temp, grad, x, dtype), "dz")
+
+
+@pytest.mark.parametrize("case", ["short scratch row", "column past V", "negative column"])
+def test_grad_kernel_refuses_out_of_bounds_writes(case):
+    """The C gradient checks its scratch row's size and every column before writing anything (return codes 1, 2)."""
+    lib = cpu_native.load()
+    n, v, m_ids = 3, 100, 2
+    z = torch.randn(n, v).bfloat16()
+    out = torch.full((n, v), 5.0, dtype=torch.bfloat16)
+    rows = torch.arange(n, dtype=torch.int64)
+    shift, a, c = torch.zeros(n), torch.ones(n), torch.ones(n)
+    cols = torch.zeros(n, m_ids, dtype=torch.int64)
+    g = torch.ones(n, m_ids)
+    scratch = torch.empty(v, dtype=torch.float32)
+    size, want = scratch.numel() * 4, 0
+    if case == "short scratch row":
+        size, want = 4 * v - 1, 1
+    elif case == "column past V":
+        cols[2, 1], want = v, 2
+    else:
+        cols[1, 0], want = -1, 2
+    status = lib.grad_bf16(z.data_ptr(), v * 2, out.data_ptr(), v * 2, v, rows.data_ptr(), n, shift.data_ptr(),
+                           a.data_ptr(), c.data_ptr(), cols.data_ptr(), g.data_ptr(), m_ids, scratch.data_ptr(), size)
+    assert status == want
+    assert bool((out == 5).all())  # nothing written

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.adapters.common import TurnRecord
+from offpolicy.adapters.sglang import TOP_K_ALL
 from offpolicy.records.candidates import Candidates
 from offpolicy.records.token_batch import TokenBatch
 
@@ -97,6 +98,14 @@ def turn_to_json(record: TurnRecord, *, group: str, version: int | None = None, 
 
 def _num(v: float) -> float | None:
     return v if math.isfinite(v) else None
+
+
+def declared_top_k(top_k: int | None) -> int:
+    """The stored top-k: ``-1`` for every engine's "off" (``None``; vLLM's ``0`` and ``-1``; SGLang's all-tokens
+    ``TOP_K_ALL = 1 << 30`` and above), else the integer."""
+    if top_k is None or int(top_k) in (0, -1) or int(top_k) >= TOP_K_ALL:
+        return -1
+    return int(top_k)
 
 
 def save_jsonl(lines: Iterable[dict], path: str | Path) -> Path:
@@ -185,8 +194,7 @@ def from_lines(lines: Sequence[dict]) -> RecordedRollouts:
         sids += [sid] * t
         temps += [float(_req(line, "temperature", n))] * t
         tps += [float(line.get("top_p", 1.0) or 1.0)] * t
-        tk = line.get("top_k")
-        tks += [-1 if tk in (None, 0, -1) else int(tk)] * t
+        tks += [declared_top_k(line.get("top_k"))] * t
         c = line.get("candidates")
         if c is not None:
             kinds.add(c["kind"])
@@ -290,6 +298,6 @@ def from_token_batch(
         tokens=batch.tokens, sampler_logprobs=batch.sampler_logprobs.float(), candidates=batch.candidates,
         group_names=tuple(group_names), group_index=gi, versions=batch.versions.to(torch.int64),
         seq_ids=batch.seq_ids.to(torch.int64), temperature=batch.temperature.float(),
-        top_p=torch.full((n,), float(top_p)), top_k=torch.full((n,), -1 if top_k is None else int(top_k)),
+        top_p=torch.full((n,), float(top_p)), top_k=torch.full((n,), declared_top_k(top_k)),
         sequences=sequences, rows=batch.rows, cols=batch.cols,
     )

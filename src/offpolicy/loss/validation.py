@@ -106,9 +106,11 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
     if current is not None:
         if isinstance(current, bool) or not isinstance(current, numbers.Integral):
             raise TypeError(f"current_version must be an int, got {type(current).__name__} {current!r}")
-        if data.versions is not None and n and int(data.versions.max()) > int(current):
-            raise ValueError(f"current_version={int(current)} is older than the batch's newest version "
-                             f"{int(data.versions.max())} (versions are the policies that sampled the tokens)")
+        # Over trained tokens only: untrained rows may hold any version (padding), like every other value.
+        trained_versions = data.versions[active] if data.versions is not None else None
+        if trained_versions is not None and trained_versions.numel() and int(trained_versions.max()) > int(current):
+            raise ValueError(f"current_version={int(current)} is older than the batch's newest trained version "
+                             f"{int(trained_versions.max())} (versions are the policies that sampled the tokens)")
     return active
 
 

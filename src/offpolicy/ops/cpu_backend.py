@@ -10,10 +10,16 @@ rows; each C call works on one row at a time:
 * ``full_stats``: per row, one read of the logits from memory (the max) and one from L2 (``exp2`` and the two
   sums), and nothing written but ``3 N`` floats. Against the PyTorch backend's eight passes over a chunk.
 * ``full_grad``: per row, one read of the logits and one write of the gradient; 16-bit gradients are assembled
-  in an fp32 row (in L2) and rounded once.
+  in an fp32 row (in L2, one per worker, its length passed to C and checked there) and rounded once.
+
+fp16 logits go to the PyTorch backend, with one warning, where the library was built without fp16 kernels (a
+compiler without ``_Float16``, :func:`offpolicy.ops.cpu_native.dtypes`). Every buffer here has an explicit dtype:
+none follows ``torch.set_default_dtype``.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -24,6 +30,7 @@ from offpolicy.ops.torch_backend import LN2, LOG2E
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 #: Rows per C call: a call's work is then milliseconds, against microseconds of ctypes overhead.
 ROWS_PER_CALL = 8
+_WARNED: set[str] = set()
 
 
 def available() -> bool:
@@ -32,6 +39,7 @@ def available() -> bool:
 
 
 def _kernels(logits: Tensor):
+    """The library and the kernels' dtype suffix for ``logits``; None where this dtype was not built."""
     lib = cpu_native.load()
     if lib is None:
         reason = cpu_native.unavailable_reason()
@@ -40,17 +48,28 @@ def _kernels(logits: Tensor):
         raise ValueError(f"backend 'cpu' takes CPU fp32/bf16/fp16 logits, got {logits.dtype} on {logits.device}")
     if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
         raise ValueError(f"backend 'cpu' needs logits with unit stride along V, got strides {logits.stride()}")
-    return lib, _SUFFIX[logits.dtype]
+    suffix = _SUFFIX[logits.dtype]
+    if suffix not in cpu_native.dtypes():
+        if suffix not in _WARNED:
+            _WARNED.add(suffix)
+            warnings.warn(f"offpolicy: the native CPU kernels were built without {logits.dtype} (the compiler lacks "
+                          "_Float16: GCC >= 12 or Clang has it); those logits use the chunked PyTorch backend",
+                          RuntimeWarning, stacklevel=3)
+        return None
+    return lib, suffix
 
 
 def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row ``(m, s, t)`` of ``x = logits * inv_temp``: the contract of :func:`torch_backend.full_stats`, for
     CPU fp32/bf16/fp16 logits and fp32 ``inv_temp``; results in fp32."""
-    lib, suffix = _kernels(logits)
+    kernels = _kernels(logits)
+    if kernels is None:
+        return torch_backend.full_stats(logits, inv_temp, skip)
+    lib, suffix = kernels
     n, v = logits.shape
     mz, s, t2 = (torch.zeros(n, dtype=torch.float32) for _ in range(3))
     bad = torch.zeros(n, dtype=torch.uint8)
-    rows = torch.arange(n) if skip is None else (~skip).nonzero().view(-1)
+    rows = torch.arange(n, dtype=torch.int64) if skip is None else (~skip).nonzero().view(-1)
     if rows.numel() == 0 or v == 0:
         return mz, s, t2
     a = (inv_temp.float() * LOG2E).contiguous()
@@ -82,7 +101,10 @@ def full_grad(
     """Write ``dz = inv_temp * (scatter(grad at ids) - grad_sum * exp(x - lse))`` into ``out`` and return it: the
     contract of :func:`torch_backend.full_grad`, for CPU fp32/bf16/fp16 logits with fp32 ``inv_temp``, ``lse``,
     ``grad`` and ``grad_sum``. Rows whose dense part vanishes get the scatter only, without reading their logits."""
-    lib, suffix = _kernels(logits)
+    kernels = _kernels(logits)
+    if kernels is None:
+        return torch_backend.full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
+    lib, suffix = kernels
     n, v = logits.shape
     if n == 0 or v == 0:
         return out
@@ -98,15 +120,21 @@ def full_grad(
     shift = (lse / inv_temp).float().contiguous()
     a = (inv_temp.float() * LOG2E).contiguous()
     c = coef.float().contiguous()
-    cols, g_scaled = cols.contiguous(), g_scaled.float().contiguous()
+    cols, g_scaled = cols.to(torch.int64).contiguous(), g_scaled.float().contiguous()
     call = getattr(lib, f"grad_{suffix}")
     z_stride, out_stride = logits.stride(0) * logits.element_size(), out.stride(0) * out.element_size()
-    scratch = row_threads.per_worker(lambda: torch.empty(v if suffix != "f32" else 1))  # a 16-bit gradient's fp32 row
+    # a 16-bit gradient's fp32 row, one per worker (fp32 gradients are assembled in place and need none)
+    scratch = row_threads.per_worker(lambda: torch.empty(v if suffix != "f32" else 1, dtype=torch.float32))
 
     def body(lo: int, hi: int) -> None:
-        call(logits.data_ptr(), z_stride, out.data_ptr(), out_stride, v, rows[lo:].data_ptr(), hi - lo,
-             shift.data_ptr(), a.data_ptr(), c.data_ptr(), cols.data_ptr(), g_scaled.data_ptr(), ids.shape[1],
-             scratch().data_ptr())
+        row = scratch()
+        status = call(logits.data_ptr(), z_stride, out.data_ptr(), out_stride, v, rows[lo:].data_ptr(), hi - lo,
+                      shift.data_ptr(), a.data_ptr(), c.data_ptr(), cols.data_ptr(), g_scaled.data_ptr(),
+                      ids.shape[1], row.data_ptr(), row.numel() * row.element_size())
+        if status != 0:
+            why = (f"a scratch row of {row.numel() * row.element_size()} bytes, V = {v} needs {4 * v}" if status == 1
+                   else f"a candidate column outside [0, {v})")
+            raise RuntimeError(f"backend 'cpu': grad_{suffix} wrote nothing: {why}")
 
     row_threads.for_chunks(rows.numel(), ROWS_PER_CALL, body)
     return out

@@ -1,0 +1,87 @@
+"""A live heterogeneous fleet: engine groups of different numerics (vLLM on CPU, one Ray actor and one process
+each) sample a tiny Qwen3's sessions; the trainer in this process learns from whatever they return, publishes its
+weights after every step, and prints the per-group mismatch table as it goes. Needs ``ray`` and ``vllm``:
+
+    bash tools/setup_vllm_env.sh
+    PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --steps 30 --groups cpu-bf16:bf16,cpu-nvfp4:nvfp4
+    PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --address auto      # an existing Ray cluster
+
+Writes ``history.json`` (one entry per step: reward, loss, the trainer's version, turns per group, per-group and
+per-staleness KL, extreme-ratio share and ESS; the final table, each process's memory and the run's time) under
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from offpolicy.adapters.fleet_live import EngineSettings, LiveFleet
+from offpolicy.adapters.fleet_live.toy_run import RunConfig, build_tiny_qwen3, train
+from offpolicy.fleet import SamplerGroup
+
+
+def parse_groups(spec: str) -> list[SamplerGroup]:
+    """``name:format[:capacity],...`` into groups (accelerator ``"CPU"``, fp32 KV cache)."""
+    groups = []
+    for item in spec.split(","):
+        parts = item.split(":")
+        if len(parts) not in (2, 3):
+            raise SystemExit(f"--groups: expected name:format[:capacity], got {item!r}")
+        groups.append(SamplerGroup(parts[0], "CPU", parts[1], "fp32", float(parts[2]) if len(parts) == 3 else 1.0))
+    return groups
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--groups", default="cpu-bf16:bf16,cpu-nvfp4:nvfp4")
+    ap.add_argument("--address", default=None, help="Ray cluster address; default a local instance")
+    ap.add_argument("--kv-cache-mib", type=int, default=64)
+    ap.add_argument("--out", default=None, help="output directory (default a temporary one)")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    out = Path(args.out or tempfile.mkdtemp(prefix="live_fleet_"))
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_qwen3(out / "model")
+    groups = parse_groups(args.groups)
+    cfg = RunConfig(steps=args.steps)
+    fleet = LiveFleet(groups, out / "model", out, settings=EngineSettings(kv_cache_mib=args.kv_cache_mib),
+                      address=args.address)
+    try:
+        start_s = fleet.start()
+        print(f"{len(groups)} engine groups started in {start_s:.1f} s", flush=True)
+        fleet.publish(model.state_dict(), 0)
+        memory: dict[str, float] = {}
+
+        def on_step(log, batch, metrics):
+            stale = sorted({int(k.split("/")[1]) for k in log.metrics if k.startswith("staleness/")})
+            print(f"step {log.step:3d}  version {log.version:3d}  reward {log.reward:.3f}  loss {log.loss:+.4f}  "
+                  f"turns {log.served}  staleness {stale}  {log.seconds:.2f} s", flush=True)
+            if log.step == 0 or (log.step + 1) % 10 == 0 or log.step + 1 == cfg.steps:
+                print(metrics.table(), flush=True)
+                memory.update({k: max(v, memory.get(k, 0.0)) for k, v in fleet.memory_mib().items()})
+
+        history, metrics = train(fleet, model, cfg, on_step)
+        print(fleet.status())
+        wall = time.monotonic() - t0
+        print(f"resident memory (MiB, the largest seen): {json.dumps({k: round(v) for k, v in memory.items()})}")
+        print(f"run time {wall:.1f} s (engine start {start_s:.1f} s)")
+        kept = ("kl_k3", "extreme_ratio_frac", "num_tokens", "ess")
+        steps = [dict(vars(h), metrics={k: v for k, v in h.metrics.items() if k.split("/")[-1] in kept})
+                 for h in history]
+        (out / "history.json").write_text(json.dumps({
+            "command": " ".join(sys.argv), "steps": steps, "table": metrics.table().to_dict(), "memory_mib": memory,
+            "run_s": wall, "start_s": start_s, "groups": [vars(g) for g in groups],
+            "events": [vars(e) for e in fleet.events]}, indent=1, default=str))
+        print(f"history: {out / 'history.json'}")
+    finally:
+        fleet.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The live fleet's toy run: a tiny Qwen3 learns a verifiable task from two or more engine groups of different
+numerics, the trainer in the driver, the engines as Ray actors (``examples/live_fleet.py`` and the live test).
+
+Task: every prompt is ``PROMPT_LEN`` random tokens; a session samples ``turns`` turns of ``turn_tokens`` tokens
+with one fixed *tool* token (``TOOL_TOKEN``, not trained) between turns; the reward is the share of sampled tokens
+in the target set (ids divisible by ``TARGET_MOD``), about ``1 / TARGET_MOD`` for the random model. Advantages are
+GRPO's over the ``samples`` sessions of one prompt; the loss is ``op.policy_loss`` with masked importance sampling,
+score centering and mask replay of the recorded top-p/top-k supports, with per-group and per-staleness metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import offpolicy as op
+from offpolicy.advantages import grpo, per_token
+from offpolicy.adapters.fleet_live.fleet_runner import LiveBatch, LiveFleet
+from offpolicy.adapters.vllm import build_sampling_params
+from offpolicy.fleet.table import FleetMetrics
+
+TARGET_MOD = 4
+TOOL_TOKEN = 1
+PROMPT_LEN = 4
+
+
+def build_tiny_qwen3(path: Path | None, vocab: int = 128, seed: int = 0) -> torch.nn.Module:
+    """A random 2-layer Qwen3 (hidden 128, 2 heads of 64: vLLM's CPU attention needs head_dim 64), untied, fp32,
+    its output layer scaled by 8 so top-p / top-k filtering matters; saved with ``save_pretrained`` to ``path``
+    (when given) for the engines to start from."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    if path is not None:
+        model.save_pretrained(path)
+    return model
+
+
+def rewards_of(batch: LiveBatch) -> torch.Tensor:
+    """``[B]`` float32: each session's share of trained sampled tokens in the target set."""
+    b = batch.batch
+    hit = ((b.tokens % TARGET_MOD) == 0) & b.loss_mask
+    n = torch.zeros(len(batch.session_ids)).index_add_(0, b.seq_ids, b.loss_mask.float())
+    return torch.zeros(len(batch.session_ids)).index_add_(0, b.seq_ids, hit.float()) / n.clamp_min(1)
+
+
+@dataclass
+class RunConfig:
+    """The toy run's knobs (defaults: the example's few dozen steps)."""
+
+    steps: int = 30
+    prompts: int = 4
+    samples: int = 4
+    turns: int = 2
+    turn_tokens: int = 6
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int = 24
+    lr: float = 2e-3
+    seed: int = 0
+
+
+@dataclass
+class StepLog:
+    """What one step produced (the run's history)."""
+
+    step: int
+    version: int
+    reward: float
+    loss: float
+    seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    served: dict[str, int] = field(default_factory=dict)
+
+
+def train(
+    fleet: LiveFleet,
+    model: torch.nn.Module,
+    cfg: RunConfig,
+    on_step: Callable[[StepLog, LiveBatch, FleetMetrics], None] | None = None,
+) -> tuple[list[StepLog], FleetMetrics]:
+    """Train ``model`` for ``cfg.steps`` steps on batches from ``fleet`` (started, version 0 published).
+
+    Rollouts run one step ahead of the trainer (the batch of step ``k + 1`` is sampled while step ``k`` trains),
+    so each group serves whatever version it last loaded: staleness from the real clock. After each optimizer step
+    the weights are published as the next version.
+    """
+    if fleet.version is None:
+        raise RuntimeError("train: publish the model's weights first (fleet.publish(model.state_dict(), 0))")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    sp = build_sampling_params(max_tokens=cfg.turn_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                               top_k=cfg.top_k, record="support", max_logprobs=fleet.settings_max_logprobs)
+    corr = op.Correction(weights="mis", score_centering=True)
+    vocab = model.config.vocab_size
+    metrics = FleetMetrics(fleet.groups)
+
+    def submit():
+        prompts = torch.randint(2, vocab, (cfg.prompts, PROMPT_LEN), generator=gen).tolist()
+        return fleet.submit([p for p in prompts for _ in range(cfg.samples)], sp, turns=cfg.turns,
+                            between=[TOOL_TOKEN])
+
+    history: list[StepLog] = []
+    version = fleet.version
+    pending = submit()
+    for step in range(cfg.steps):
+        t0 = time.monotonic()
+        batch = pending.result()
+        if step + 1 < cfg.steps:
+            pending = submit()
+        rewards = rewards_of(batch)
+        prompt_of = torch.arange(len(batch.session_ids)) // cfg.samples
+        adv = per_token(grpo(rewards, prompt_of), batch.batch.seq_ids)
+        b = batch.batch
+        model.train()
+        logits = b.gather(model(batch.sequences).logits)
+        out = op.policy_loss(logits, b.tokens, b.sampler_logprobs, adv, candidates=b.candidates,
+                             loss_mask=b.loss_mask, temperature=cfg.temperature, correction=corr,
+                             seq_ids=b.seq_ids, groups=batch.group_ids, versions=b.versions,
+                             current_version=version)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        metrics.update_from_metrics(out.metrics)
+        version += 1
+        fleet.publish(model.state_dict(), version)
+        log = StepLog(step, version - 1, float(rewards.mean()), float(out.loss.detach()), time.monotonic() - t0,
+                      {k: float(v) for k, v in out.metrics.items()}, batch.served_counts())
+        history.append(log)
+        if on_step is not None:
+            on_step(log, batch, metrics)
+    return history, metrics

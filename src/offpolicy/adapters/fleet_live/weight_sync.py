@@ -1,0 +1,127 @@
+"""Weight sync with versions: the trainer publishes each step's weights on a channel, every engine group fetches
+the newest version when it is free and applies its own numerics before loading it.
+
+A channel has three operations (:class:`WeightChannel`): ``publish(state_dict, version)`` on the trainer,
+``latest()`` and ``fetch(version)`` on the engines. :class:`DiskWeightChannel` is the one implemented here: one
+directory per version (``v000007/model.safetensors``, written whole, then renamed into place) and a ``LATEST`` file
+replaced atomically after it, so a reader never sees a half-written version. An NCCL channel (a broadcast from the
+trainer rank into each engine's weights, as vLLM's ``collective_rpc`` and SGLang's ``update_weights_from_distributed``
+allow) fits the same three calls: ``publish`` broadcasts, ``fetch`` receives.
+
+:func:`group_checkpoint` is the group's numerics at sync: every weight matrix (each 2-D floating tensor except the
+token embeddings, that is every ``nn.Linear`` weight of a Hugging Face causal LM, ``lm_head`` included) rounded
+through the group's weight format (:func:`offpolicy.fleet.quant.fake_quantize`) and stored in the engine's dtype,
+the same tensors :func:`offpolicy.fleet.quant.fake_quantize_module` gives with its defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from offpolicy.fleet.quant import FAKE_FORMATS, fake_quantize
+
+#: The file every version directory holds (what vLLM's loader reads).
+WEIGHTS_FILE = "model.safetensors"
+
+
+class WeightChannel(Protocol):
+    """How weights travel from the trainer to the engine groups (disk here; NCCL fits the same calls)."""
+
+    def publish(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Make ``state_dict`` (the trainer's full-precision weights) the newest version ``version``."""
+
+    def latest(self) -> int | None:
+        """The newest published version, or ``None`` before the first ``publish``."""
+
+    def fetch(self, version: int) -> dict[str, Tensor]:
+        """The weights of ``version`` (on CPU, as published)."""
+
+
+class DiskWeightChannel:
+    """Versions as directories under ``root`` (shared by the trainer and every engine: a local or network disk).
+
+    Args:
+        root: the channel's directory (created if missing).
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, version: int) -> Path:
+        """The directory of ``version``."""
+        return self.root / f"v{_check_version(version):06d}"
+
+    def publish(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        from safetensors.torch import save_file
+
+        version = _check_version(version)
+        newest = self.latest()
+        if newest is not None and version <= newest:
+            raise ValueError(f"publish: version must grow, got {version} after {newest}")
+        if not state_dict:
+            raise ValueError("publish: state_dict is empty")
+        final = self.path(version)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}, str(tmp / WEIGHTS_FILE))
+        os.replace(tmp, final)
+        latest_tmp = self.root / "LATEST.tmp"
+        latest_tmp.write_text(str(version))
+        os.replace(latest_tmp, self.root / "LATEST")
+
+    def latest(self) -> int | None:
+        try:
+            return int((self.root / "LATEST").read_text())
+        except FileNotFoundError:
+            return None
+
+    def fetch(self, version: int) -> dict[str, Tensor]:
+        from safetensors.torch import load_file
+
+        path = self.path(version) / WEIGHTS_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"fetch: version {version} was never published under {self.root}")
+        return load_file(str(path))
+
+
+def _check_version(version: int) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version must be an integer >= 0, got {version!r}")
+    return version
+
+
+def is_quantized_weight(name: str, tensor: Tensor) -> bool:
+    """Whether :func:`group_checkpoint` rounds ``name``: a 2-D floating weight that is not a token embedding."""
+    return tensor.dim() == 2 and tensor.is_floating_point() and "embed" not in name
+
+
+def group_checkpoint(
+    state_dict: Mapping[str, Tensor], weight_format: str, dtype: torch.dtype = torch.float32
+) -> dict[str, Tensor]:
+    """The checkpoint a group of ``weight_format`` loads: weight matrices fake-quantised, everything in ``dtype``.
+
+    Args:
+        state_dict: the trainer's weights (Hugging Face names), any floating dtype.
+        weight_format: one of :data:`offpolicy.fleet.quant.FAKE_FORMATS` (a group's ``weight_format``).
+        dtype: the engine's dtype (``torch.float32`` for vLLM on CPU).
+
+    Returns:
+        A new dict with the same keys; rounded matrices hold exactly the format's representable values (times
+        their block scales), so the engine computes with the group's weight precision.
+    """
+    if weight_format not in FAKE_FORMATS:
+        raise ValueError(f"group_checkpoint: weight_format must be one of {FAKE_FORMATS}, got {weight_format!r}")
+    out = {}
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu", torch.float32)
+        out[name] = (fake_quantize(t, weight_format) if is_quantized_weight(name, t) else t).to(dtype).contiguous()
+    return out
