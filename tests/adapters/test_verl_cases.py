@@ -5,6 +5,7 @@ import itertools
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from verl.workers.utils.losses import ppo_loss
 
 import offpolicy as op
 from offpolicy.adapters import verl as adapter
+from offpolicy.adapters.guard import Guard, GuardWarning
 
 AGG_MODES = sorted(adapter.AGGREGATIONS)
 EXACT = 1e30  # a rollout_is_threshold that truncates nothing (verl clamps the log-ratio to +-20 first)
@@ -173,6 +175,29 @@ def test_data_parallel_exactness_under_global_batch_info(agg, mode):
     assert math.isclose(float(sum(shards) / 2), float(full), rel_tol=1e-5, abs_tol=1e-7)
     assert torch.allclose(torch.cat(grads), lp.grad, rtol=1e-5, atol=1e-7)
     assert t == lp.shape[1]
+
+
+@pytest.mark.parametrize("threshold", [2.0, 1.5])
+def test_guard_warns_when_verl_truncated_the_weights(threshold, monkeypatch):
+    """verl's rollout_is_threshold left at its default 2.0 (or any finite one that bites) under the offpolicy loss:
+    lq recovered from the truncated weights is wrong, and the loss differs; the guard warns once, naming the fix,
+    and logs offpolicy/guard/rollout_is_threshold. The exact threshold is silent."""
+    monkeypatch.setattr(adapter, "GUARD", Guard([adapter.TRUNCATED_WEIGHTS], first_batches=3))
+    x = _batch(2, drift=0.6, step=0.1)
+    loss_fn = get_policy_loss_fn("offpolicy")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exact, clean = loss_fn(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean", _config(), _weights(x, EXACT))
+        assert [w for w in caught if issubclass(w.category, GuardWarning)] == []
+        assert not any(k.startswith("offpolicy/guard/") for k in clean)
+        for _ in range(2):
+            cut, metrics = loss_fn(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean", _config(),
+                                   _weights(x, threshold))
+            assert metrics["offpolicy/guard/rollout_is_threshold"] == 1.0
+    assert abs(float(cut) - float(exact)) > 1e-5  # the silently different loss
+    messages = [str(w.message) for w in caught if issubclass(w.category, GuardWarning)]
+    assert len(messages) == 1 and "rollout_is_threshold=1e30" in messages[0], messages
+    assert f"have weight exactly {threshold:g}" in messages[0]
 
 
 def test_bad_configurations_are_named():

@@ -123,12 +123,32 @@ def test_missing_support_logprobs_and_missing_mask_detected():
     resp = fake.vllm_generate(req, torch.Generator().manual_seed(0))
     with pytest.raises(RecordError, match="without a finite log-prob"):
         vllm.parse_generate_response(resp, req)
-    # without a mask, logprobs = top_k = 3 cannot prove a 3-token support complete
+    # without a mask, logprobs = top_k = 3 returns rows with no -inf entry, yet each holds the whole mass of
+    # its 3-token support: complete, decided per row (no longer a rejected completion)
     req = vllm.build_request([2, 7], max_tokens=5, temperature=0.8, top_k=3, record="support",
                              support_source="mask")
     full = fake.vllm_generate(req, torch.Generator().manual_seed(0), mask=False)
-    with pytest.raises(RecordError, match="may extend past them.*--return-sampling-mask"):
-        vllm.parse_generate_response(full, req)
+    rec = vllm.parse_generate_response(full, req)
+    assert rec.kind == "support" and (rec.candidates.ids >= 0).sum(1).tolist() == [3] * len(rec)
+    assert all(-9999.0 not in [e["logprob"] for e in c["top_logprobs"]] for c in full["choices"][0]["logprobs"]["content"])
+    # top-p supports cut at logprobs = 2: rows short of the whole mass cannot be proven complete
+    req = vllm.build_request([2, 7], max_tokens=5, temperature=0.8, top_p=0.99, record="support")
+    req["sampling_params"]["logprobs"] = 2
+    cut = fake.vllm_generate(req, torch.Generator().manual_seed(0), mask=False)
+    with pytest.raises(RecordError, match=r"tokens \[0, .*may extend past them.*--return-sampling-mask.*"
+                                          "incomplete_support='sampled_only'"):
+        vllm.parse_generate_response(cut, req)
+    only = vllm.parse_generate_response(cut, req, incomplete_support="sampled_only")
+    assert only.candidates is None and only.top_p == 0.99
+    lq = [c["logprob"] for c in cut["choices"][0]["logprobs"]["content"]]
+    assert only.sampler_logprobs.tolist() == pytest.approx(lq, abs=1e-6)
+    with pytest.raises(ValueError, match="incomplete_support must be one of"):
+        vllm.parse_generate_response(cut, req, incomplete_support="drop")
+    nolp = vllm.build_request([2, 7], max_tokens=3, temperature=0.8, top_p=0.9, record="support")
+    nolp["sampling_params"]["logprobs"] = 0
+    with pytest.raises(RecordError, match="asked for no log-probs.*sampled_only"):
+        vllm.parse_generate_response(cut, nolp)
+    assert vllm.parse_generate_response(cut, nolp, incomplete_support="sampled_only").candidates is None
     resp = load("vllm_generate_support_response.json")
     choice = resp["choices"][0]
     t = next(i for i, m in enumerate(choice["sampling_mask"]) if len(m) >= 2)
@@ -427,3 +447,48 @@ def test_captured_head_is_the_top_k_by_value_not_the_returned_order():
         want = [lp["top_logprobs"][t][f"token_id:{i}"] for i in row]
         assert rec.candidates.logprobs[t].tolist() == pytest.approx(want, abs=0.0)
     assert rec.sampler_logprobs.tolist() == pytest.approx(lp["token_logprobs"], abs=0.0)
+
+def test_token_strings_with_a_tokenizer():
+    """A /v1/completions response without return_tokens_as_token_ids renders tokens as tokenizer.decode([id]):
+    with tokenizer= they map back to the same record; strings several ids render to, or unknown ones, are refused."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    wl = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    wl.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=wl, unk_token="t0")
+    for name in ("completions_head", "completions_support"):
+        req, resp = load(f"vllm_live_{name}_request.json"), load(f"vllm_live_{name}_response.json")
+        want = vllm.parse_completion_response(resp, req, vocab_size=512)
+        text = copy.deepcopy(resp)
+        lp = text["choices"][0]["logprobs"]
+
+        def render(s):
+            return tok.decode([int(s[len("token_id:"):])])
+
+        lp["tokens"] = [render(s) for s in lp["tokens"]]
+        lp["top_logprobs"] = [{render(k): v for k, v in d.items()} for d in lp["top_logprobs"]]
+        req = dict(req, return_tokens_as_token_ids=False)
+        with pytest.raises(RecordError, match="return_tokens_as_token_ids.*or pass tokenizer="):
+            vllm.parse_completion_response(text, req)
+        strings = vllm.token_string_ids(tok)
+        for t in (tok, strings):
+            got = vllm.parse_completion_response(text, req, vocab_size=512, tokenizer=t)
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.candidates.ids, want.candidates.ids)
+            assert torch.equal(got.sampler_logprobs, want.sampler_logprobs)
+    first = lp["tokens"][0]
+    with pytest.raises(RecordError, match="rendering of several token ids"):
+        vllm.parse_completion_response(text, req, tokenizer={**strings, first: None})
+    with pytest.raises(RecordError, match="not a token string of the tokenizer"):
+        vllm.parse_completion_response(text, req, tokenizer={k: v for k, v in strings.items() if k != first})
+
+
+def test_token_string_ids_marks_ambiguous_strings():
+    class Tok:
+        def __len__(self):
+            return 4
+
+        def decode(self, ids):
+            return {0: "a", 1: "\ufffd", 2: "\ufffd", 3: "b"}[ids[0]]
+
+    assert vllm.token_string_ids(Tok()) == {"a": 0, "\ufffd": None, "b": 3}

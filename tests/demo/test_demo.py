@@ -46,6 +46,26 @@ def test_reward_exact_sorted_answer_only():
     assert TASK.reward(prompts, right).dtype == torch.float32
 
 
+def test_scratchpad_is_unscored_and_warmed_up_on_the_tail():
+    task = SortTask(n_items=4, max_value=10, vocab=20, scratch=3)
+    assert task.answer_len == 7 and task.seq_len == task.prompt_len + 7
+    numbers = task.sample_numbers(6, torch.Generator().manual_seed(0))
+    prompts, targets = task.prompts(numbers), task.targets(numbers, torch.Generator().manual_seed(1))
+    # the warm-up's scratchpad is drawn from the tail ids, the rest is the sorted answer
+    assert bool((targets[:, :3] >= task.tail_start).all()) and torch.equal(targets[:, 3:], task.answers(numbers))
+    assert task.reward(prompts, targets).tolist() == [1.0] * 6
+    # any scratchpad keeps the reward; one wrong scored token loses it
+    other = targets.clone()
+    other[:, :3] = torch.randint(0, task.vocab, (6, 3), generator=torch.Generator().manual_seed(2))
+    assert task.reward(prompts, other).tolist() == [1.0] * 6
+    other[:, 3] = (other[:, 3] + 1) % task.max_value
+    assert task.reward(prompts, other).tolist() == [0.0] * 6
+    with pytest.raises(ValueError, match="tail"):
+        SortTask(n_items=4, max_value=10, vocab=12, scratch=1)
+    with pytest.raises(ValueError, match="scratch"):
+        SortTask(scratch=-1)
+
+
 def test_reward_matches_python_sort_on_random_lists():
     gen = torch.Generator().manual_seed(0)
     numbers = TASK.sample_numbers(200, gen)
@@ -181,11 +201,16 @@ def test_run_is_reproducible_and_records_every_metric(tmp_path):
     assert [h["kl_full"] for h in a["history"]] == [h["kl_full"] for h in b["history"]]
     assert [e["step"] for e in a["evals"]] == [0, 2, 3]
     row = a["history"][-1]
-    for key in ("reward", "kl_full", "extreme_full", "tv", "step_kl", "kl_k3_loss", "extreme_loss", "grad_norm",
-                "entropy", "staleness"):
+    for key in ("reward", "kl_full", "extreme_full", "tv", "step_kl", "kl_k3_loss", "extreme_loss",
+                "grad_norm_preclip", "entropy", "staleness"):
         assert math.isfinite(row[key]), key
     assert row["support_size"] >= 1 and row["step_kl"] >= 0
-    for key in ("success_exact", "pass@1", "drift_along", "drift_masked_mass", "drift_tail_mass"):
+    # per-group extreme-ratio shares: one per group, nan only for a group that sampled nothing this step
+    assert len(row["extreme_by_group"]) == len(a["groups"])
+    assert all(0 <= x <= 1 or math.isnan(x) for x in row["extreme_by_group"])
+    for key in ("success_exact", "pass@1", "drift_kl_qp", *(f"drift_{k}_{s}" for k in ("along", "masked_mass",
+                                                                                       "tail_mass")
+                                                          for s in ("pos", "neg"))):
         assert math.isfinite(a["evals"][-1][key]), key
     # the run starts from the warm-up weights: its first exact success is the warm-up's on the same prompts
     numbers = TASK.sample_numbers(4, torch.Generator().manual_seed(EVAL_PROMPT_SEED), heldout=True)
@@ -195,6 +220,13 @@ def test_run_is_reproducible_and_records_every_metric(tmp_path):
     assert sum(g["share_samples"] for g in a["groups"]) == pytest.approx(1.0)
 
 
+def test_per_group_means_are_over_each_groups_own_tokens():
+    from offpolicy.demo.train import _per_group_mean
+
+    out = _per_group_mean(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1, 1]), 3)
+    assert out[:2] == pytest.approx([0.5, 2 / 3]) and math.isnan(out[2])
+
+
 def test_onpolicy_control_has_no_mismatch(tmp_path):
     state, _ = warmup(TASK, TINY_MODEL, WarmupConfig(max_steps=5), tmp_path)
     cfg = RunConfig(arm="grpo", fleet="onpolicy", steps=3, prompts=3, samples=2, eval_every=3, eval_prompts=4,
@@ -202,13 +234,13 @@ def test_onpolicy_control_has_no_mismatch(tmp_path):
     res = run(cfg, TASK, TINY_MODEL, state)
     assert all(h["staleness"] == 0 for h in res["history"])
     assert all(abs(h["kl_full"]) < 1e-6 and h["extreme_full"] == 0 for h in res["history"])
-    assert all(e["drift_along"] == 0 for e in res["evals"])
+    assert all(e["drift_along_pos"] == 0 == e["drift_along_neg"] for e in res["evals"])
 
 
 def test_runconfig_defaults_match_the_cli():
     args = build_parser().parse_args([])
     assert args.lr == RunConfig.lr and args.staleness == RunConfig.staleness
-    assert RunConfig.lr == 5e-5
+    assert RunConfig.lr == 1e-4 and RunConfig.staleness == 4.0
 
 
 TINY_FLAGS = ["--steps", "3", "--prompts", "3", "--samples", "2", "--eval-prompts", "4", "--eval-samples", "4",
@@ -236,7 +268,7 @@ def test_tiny_demo_writes_tables_csv_histories_and_figures(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert len(rows) == 6 and all(r["seeds"] == "2" for r in rows)
     if importlib.util.find_spec("matplotlib") is not None:
-        for name in ("collapse.png", "mismatch.png", "drift.png", "groups.png"):
+        for name in ("training.png", "collapse.png", "mismatch.png", "drift.png", "groups.png"):
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert not (out / "runs.partial.json.gz").exists()
     assert "Pre-registered predictions" in (out / "tables.md").read_text()

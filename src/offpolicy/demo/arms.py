@@ -2,16 +2,21 @@
 
 Every arm shares everything else (learning rate, seeds, steps, batch, fleet); only these fields differ.
 
-=================  ================================  =========  ==========================================
-arm                correction                        top-p      sampler record
-=================  ================================  =========  ==========================================
-``grpo``           none (plain GRPO)                 1          head (top-K, unused by the loss)
-``grpo_mis``       MIS [0.5, 5]                      1          head
-``sc``             score centering, no weights       1          head (tail modelled as ``rho * p``)
-``grpo_topp``      none, with mask replay            ``top_p``  support
-``sc_mis``         SC + MIS [0.5, 5]                 1          head
-``sc_mis_topp``    SC + MIS [0.5, 5], mask replay    ``top_p``  support
-=================  ================================  =========  ==========================================
+======================  ================================  =========  ======================================
+arm                     correction                        top-p      sampler record
+======================  ================================  =========  ======================================
+``grpo``                none (plain GRPO)                 1          head (top-K, unused by the loss)
+``grpo_mis``            MIS [0.5, 5]                      1          head
+``sc``                  score centering, no weights       1          head (tail modelled as ``rho * p``)
+``grpo_topp_noreplay``  none, no mask replay              ``top_p``  the support, given as a head: the
+                                                                     trainer scores the full vocabulary
+``grpo_topp``           none, with mask replay            ``top_p``  support
+``sc_mis``              SC + MIS [0.5, 5]                 1          head
+``sc_mis_topp``         SC + MIS [0.5, 5], mask replay    ``top_p``  support
+======================  ================================  =========  ======================================
+
+Without mask replay the trainer's ``p`` is the full-vocabulary distribution while the sampler drew from its
+top-p support: the study's "discrepancies in action spaces".
 """
 
 from __future__ import annotations
@@ -26,12 +31,18 @@ MIS_BOUNDS = (0.5, 5.0)
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm: a label, the correction, and whether samplers filter with top-p (and record the support)."""
+    """One arm: a label, the correction, whether samplers filter with top-p, and whether the trainer replays
+    their top-p mask (the record is then kind ``"support"``; without replay the same ids go in as a ``"head"``)."""
 
     key: str
     label: str
     correction: Correction
     top_p: bool
+    mask_replay: bool = False
+
+    @property
+    def record_kind(self) -> str:
+        return "support" if self.mask_replay else "head"
 
 
 ARMS: dict[str, Arm] = {
@@ -40,10 +51,11 @@ ARMS: dict[str, Arm] = {
         Arm("grpo", "GRPO", Correction(), False),
         Arm("grpo_mis", "GRPO+MIS", Correction(weights="mis", bounds=MIS_BOUNDS), False),
         Arm("sc", "SC", Correction(score_centering=True), False),
-        Arm("grpo_topp", "GRPO+top-p", Correction(), True),
+        Arm("grpo_topp_noreplay", "GRPO+top-p (no replay)", Correction(), True),
+        Arm("grpo_topp", "GRPO+top-p", Correction(), True, mask_replay=True),
         Arm("sc_mis", "SC+MIS", Correction(weights="mis", bounds=MIS_BOUNDS, score_centering=True), False),
         Arm("sc_mis_topp", "SC+MIS+top-p",
-            Correction(weights="mis", bounds=MIS_BOUNDS, score_centering=True), True),
+            Correction(weights="mis", bounds=MIS_BOUNDS, score_centering=True), True, mask_replay=True),
     )
 }
 

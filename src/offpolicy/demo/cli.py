@@ -1,7 +1,7 @@
 """``offpolicy demo``: the mixed-fleet RL demonstration on CPU, mismatch from numerics (docs/demo.md).
 
-    offpolicy demo                      # --quick: on-policy GRPO, GRPO and SC+MIS on the mixed fleet, 1 seed
-    offpolicy demo --full               # the pre-registered grid: controls, arms, weight-format sweep, 3 seeds
+    offpolicy demo                      # --quick: on-policy GRPO, GRPO and SC+MIS+top-p on the mixed fleet, 1 seed
+    offpolicy demo --full               # the pre-registered grid: control, 7 arms x (mixed, homogeneous), 13 seeds
     offpolicy demo --calibrate          # numerics KL of every fleet and step KL per learning rate, no RL
     offpolicy demo --arms grpo,sc_mis --fleets mixed --formats nvfp4 --seeds 2 --out my_run
 
@@ -32,15 +32,11 @@ from offpolicy.demo.train import RunConfig
 
 #: Presets; any flag given explicitly overrides its preset value.
 PRESETS = {
-    "quick": {"arms": "grpo,sc_mis", "fleets": "onpolicy,mixed", "sweep_arms": "", "sweep_formats": "",
-              "seeds": 1, "steps": 40, "eval_every": 20, "workers": 2},
-    "full": {"arms": "grpo,sc_mis,grpo_mis,sc_mis_topp", "fleets": "onpolicy,mixed,homogeneous",
-             "sweep_arms": "grpo", "sweep_formats": "bf16,fp8,nvfp4,mxfp4", "seeds": 3, "steps": 100,
-             "eval_every": 25, "workers": 2},
+    "quick": {"arms": "grpo,sc_mis_topp", "fleets": "onpolicy,mixed", "sweep_arms": "", "sweep_formats": "",
+              "seeds": 1, "steps": 100, "eval_every": 25, "workers": 2},
+    "full": {"arms": "all", "fleets": "onpolicy,mixed,homogeneous", "sweep_arms": "", "sweep_formats": "",
+             "seeds": 13, "steps": 100, "eval_every": 25, "workers": 2},
 }
-#: Arms run on the homogeneous fleet in --full: uncorrected GRPO only (the study's question there is whether
-#: a small mismatch also degrades it; the compute of this machine allows no more).
-HOMOGENEOUS_ARMS = ("grpo",)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -48,10 +44,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="the default: on-policy GRPO, GRPO and SC+MIS on the mixed fleet, 1 seed, 40 steps "
-                           "(under 5 minutes on 2 cores)")
+                      help="the default: on-policy GRPO, GRPO and SC+MIS+top-p on the mixed fleet, 1 seed, "
+                           "100 steps (a picture, not evidence; minutes on 2 cores)")
     mode.add_argument("--full", dest="mode", action="store_const", const="full",
-                      help="the pre-registered grid (docs/demo.md): 3 seeds, 100 steps")
+                      help="the pre-registered grid (docs/demo.md): every arm on the mixed and homogeneous "
+                           "fleets and the on-policy control, 13 seeds, 100 steps (hours)")
     mode.add_argument("--calibrate", dest="mode", action="store_const", const="calibrate",
                       help="no RL: numerics KL of every fleet at equal weights, step KL per --calibrate-lrs")
     p.set_defaults(mode="quick")
@@ -85,6 +82,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--calibrate-lrs", default="3e-5,5e-5,1e-4,3e-4",
                    help="learning rates whose step KL --calibrate measures")
     p.add_argument("--calibrate-steps", type=int, default=30, help="on-policy steps per learning rate")
+    p.add_argument("--calibrate-seeds", type=int, default=0,
+                   help="--calibrate also runs the quick configurations for this many seeds and --steps steps, "
+                        "for the spread between seeds that the power calculation needs (default 0: none)")
     p.add_argument("--workers", type=int, help="worker processes, one thread each (default 2)")
     p.add_argument("--out", default="demo_out", help="output folder (default ./demo_out)")
     p.add_argument("--cache-dir", default=None,
@@ -97,6 +97,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     size.add_argument("--n-items", type=int, default=12, help="numbers to sort (default 12)")
     size.add_argument("--max-value", type=int, default=32, help="numbers lie in [0, max-value) (default 32)")
     size.add_argument("--vocab", type=int, default=256, help="vocabulary; ids past max-value+1 are the tail")
+    size.add_argument("--scratch", type=int, default=0,
+                      help="unscored scratchpad tokens before the answer (the task variant whose tail is "
+                           "unscored; default 0)")
     size.add_argument("--d-model", type=int, default=64)
     size.add_argument("--layers", type=int, default=2)
     size.add_argument("--heads", type=int, default=4)
@@ -191,8 +194,6 @@ def _configs(args: argparse.Namespace, base) -> list:
             continue
         for fmt in formats if fleet == "mixed" else ["seed"]:
             for a in arms:
-                if args.mode == "full" and fleet == "homogeneous" and a.key not in HOMOGENEOUS_ARMS:
-                    continue
                 per_seed.append((a.key, fleet, fmt))
     for a in sweep_arms:
         for fmt in sweep_formats:
@@ -229,7 +230,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     # The model is tiny: its ops are far too small to gain from intra-op threads, and on a shared machine
     # spinning threads lose badly; parallelism comes from running configurations in worker processes.
     torch.set_num_threads(1)
-    task = SortTask(n_items=args.n_items, max_value=args.max_value, vocab=args.vocab)
+    task = SortTask(n_items=args.n_items, max_value=args.max_value, vocab=args.vocab, scratch=args.scratch)
     model_cfg = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=args.d_model,
                             n_layers=args.layers, n_heads=args.heads, d_ff=4 * args.d_model)
     cache = Path(args.cache_dir or os.environ.get("OFFPOLICY_CACHE") or Path.home() / ".cache/offpolicy/demo")
@@ -256,13 +257,28 @@ def run_demo(args: argparse.Namespace) -> dict:
     if args.mode == "calibrate":
         lrs = [float(x) for x in args.calibrate_lrs.split(",") if x.strip()]
         calibration["step_kl"] = step_kl_table(task, model_cfg, state, lrs, args.calibrate_steps, args.seed)
+        spread = ""
+        if args.calibrate_seeds > 0:
+            from offpolicy.demo.report import seed_spread_table
+
+            cal_configs = _configs(argparse.Namespace(**dict(vars(args), seeds=args.calibrate_seeds)),
+                                   _base_config(args))
+            runs = _execute(cal_configs, task, model_cfg, state, args.workers,
+                            _Progress(len(cal_configs) * args.steps, len(cal_configs)), lambda done: None)
+            calibration["seed_spread"] = seed_spread_table(runs)
+            # The calibration runs' histories, so that the spread table can be re-derived from the files.
+            with gzip.open(out / "calibration_runs.json.gz", "wt") as f:
+                json.dump({"meta": meta, "runs": runs}, f)
+            spread = ("\n\nSeed-to-seed spread of the primary outcome (mean exact success after the start), "
+                      f"{args.calibrate_seeds} seeds of {args.steps} steps, and the seeds a paired test needs:\n"
+                      + markdown_table(calibration["seed_spread"], SPREAD_COLS))
         text = ("Numerics mismatch at equal weights, per group:\n" + markdown_table(numerics, cols)
                 + "\n\nStep KL of the on-policy GRPO control:\n"
                 + markdown_table(calibration["step_kl"], [("lr", "lr"), ("steps", "steps"),
                                                           ("step_kl_mean", "mean step KL"),
                                                           ("step_kl_max", "max step KL"),
                                                           ("success_start", "exact success, start"),
-                                                          ("success_end", "end")]) + "\n")
+                                                          ("success_end", "end")]) + spread + "\n")
         print(text)
         meta["seconds"] = time.perf_counter() - t_start
         (out / "calibration.json").write_text(json.dumps({"meta": meta, "calibration": calibration}, indent=1))
@@ -270,12 +286,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         return {"results": [], "files": {"calibration.json": out / "calibration.json"}, "meta": meta,
                 "calibration": calibration}
 
-    base = RunConfig(arm="grpo", fleet="onpolicy", steps=args.steps, prompts=args.prompts,
-                     samples=args.samples, lr=args.lr, grad_clip=args.grad_clip, top_p=args.top_p,
-                     head_k=args.head_k, staleness=args.staleness, max_staleness=args.max_staleness,
-                     kv_format=args.kv_format, eval_every=args.eval_every,
-                     eval_prompts=args.eval_prompts, eval_samples=args.eval_samples, pass_k=args.pass_k)
-    configs = _configs(args, base)
+    configs = _configs(args, _base_config(args))
     print(f"offpolicy demo ({args.mode}): {len(configs)} runs of {args.steps} steps ({args.seeds} seed(s)), "
           f"{args.workers} worker(s); lr {args.lr:g}, staleness {args.staleness:g}", flush=True)
     bar = _Progress(len(configs) * args.steps, len(configs))
@@ -300,6 +311,21 @@ def run_demo(args: argparse.Namespace) -> dict:
     print(tables_text(results))
     print(f"wrote {', '.join(sorted(files))} to {out}/ in {meta['seconds']:.0f} s")
     return {"results": results, "files": files, "meta": meta, "calibration": calibration}
+
+
+def _base_config(args: argparse.Namespace) -> RunConfig:
+    """The settings every run of the invocation shares (the arm, fleet and seed are set per run)."""
+    return RunConfig(arm="grpo", fleet="onpolicy", steps=args.steps, prompts=args.prompts,
+                     samples=args.samples, lr=args.lr, grad_clip=args.grad_clip, top_p=args.top_p,
+                     head_k=args.head_k, staleness=args.staleness, max_staleness=args.max_staleness,
+                     kv_format=args.kv_format, eval_every=args.eval_every,
+                     eval_prompts=args.eval_prompts, eval_samples=args.eval_samples, pass_k=args.pass_k)
+
+
+#: Columns of the calibration's seed-spread table.
+SPREAD_COLS = [("a", "configuration"), ("b", "minus"), ("seeds", "seeds"), ("diff", "mean difference"),
+               ("sd", "sd of the paired difference"), ("seeds_needed", "seeds: detect ±delta"),
+               ("seeds_needed_equiv", "seeds: equivalence ±margin")]
 
 
 def _report_only(paths: list[Path], out: Path, plots: bool) -> dict:

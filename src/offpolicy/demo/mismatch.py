@@ -6,8 +6,8 @@
   per group and capacity-weighted per fleet.
 * :func:`step_kl_table`: the exact on-policy GRPO control for a few steps at each candidate learning rate; the
   mean exact ``KL(p_v || p_{v+1})`` between consecutive trainer versions. A sampler ``k`` versions behind adds
-  mismatch of the order of ``k**2`` times this, so the design rule is: step KL at most a fifth of the mixed
-  fleet's numerics KL, and staleness 0.
+  mismatch of the order of ``k**2`` times this, which sets how much of a run's mismatch staleness contributes
+  beside the fleet's numerics (docs/demo.md, "Calibration of the current regime").
 """
 
 from __future__ import annotations

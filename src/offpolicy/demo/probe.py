@@ -18,8 +18,12 @@ Two read-outs, both first-order in the step:
   MIS band, or the mixed-fleet study's band [0.2, 5] for arms without MIS): ``sum_{y in M} p_y (u_y - <p, u>)``
   (``dp = p * (dz - <p, dz>)``); ``tail_mass``: the same on the task's never-correct ids.
 
-The probe uses ``a = -1``, the prefixes where drift acts: a negative expected advantage. Every update is linear in
-``a``, so ``a = +1`` flips every sign.
+The probe has prefixes of both advantage signs, each update taken at the sign its prefixes really have:
+*correct* prefixes (the prompt and a correct start of the answer) with ``a = +1`` (what follows a correct start
+succeeds more often than the group mean), and *wrong* prefixes (the first scored answer token already wrong, so the
+reward is 0 whatever follows) with ``a = -1``. Read-outs are suffixed ``_pos`` / ``_neg``. Drift moves ``p``
+toward ``q`` under ``a > 0`` and away from it under ``a < 0`` (the study's "Drift"), so uncorrected GRPO has
+``along_pos > 0 > along_neg``.
 """
 
 from __future__ import annotations
@@ -40,22 +44,32 @@ EXTREME_BAND = (0.2, 5.0)
 
 
 class ProbeSet(NamedTuple):
-    """Fixed prefixes: ``seqs [P, S]`` correct answers to held-out prompts, ``pos [P]`` the answer position probed
-    (the prefix is the prompt and the first ``pos`` answer tokens)."""
+    """Fixed prefixes: ``seqs [P, S]`` answers to held-out prompts, ``pos [P]`` the answer position probed (the
+    prefix is the prompt and the first ``pos`` answer tokens), ``advantage [P]`` the prefix's sign: +1 where the
+    prefix is correct, -1 where its first scored token is wrong."""
 
     seqs: Tensor
     pos: Tensor
+    advantage: Tensor
 
 
 def make_probe_set(task: SortTask, n: int, seed: int) -> ProbeSet:
-    """``n`` held-out prompts with their correct answers and a uniformly drawn answer position each."""
+    """``n`` correct prefixes (``a = +1``, position uniform over the answer) and ``n`` wrong ones (``a = -1``: the
+    first scored token replaced by another number, position uniform after it) on held-out prompts, scratchpads
+    drawn as in the warm-up."""
     if n < 1:
         raise ValueError(f"probe set size must be >= 1, got {n}")
+    if task.n_items < 2:
+        raise ValueError(f"the drift probe's wrong prefixes need n_items >= 2, got {task.n_items}")
     gen = torch.Generator().manual_seed(seed)
-    numbers = task.sample_numbers(n, gen, heldout=True)
-    seqs = torch.cat([task.prompts(numbers), task.answers(numbers)], dim=1)
-    pos = torch.randint(0, task.answer_len, (n,), generator=gen)
-    return ProbeSet(seqs, pos)
+    numbers = task.sample_numbers(2 * n, gen, heldout=True)
+    seqs = torch.cat([task.prompts(numbers), task.targets(numbers, gen)], dim=1)
+    first = task.prompt_len + task.scratch
+    seqs[n:, first] = (seqs[n:, first] + 1) % task.max_value
+    pos = torch.cat([torch.randint(0, task.answer_len, (n,), generator=gen),
+                     torch.randint(task.scratch + 1, task.answer_len, (n,), generator=gen)])
+    advantage = torch.cat([torch.ones(n), -torch.ones(n)])
+    return ProbeSet(seqs, pos, advantage)
 
 
 def probe_logits(model: TinyLM, task: SortTask, probes: ProbeSet) -> Tensor:
@@ -69,8 +83,8 @@ def expected_update(z: Tensor, logq: Tensor, arm: Arm, top_p: float, head_k: int
     """``[P, V]`` exact expected logit update ``u`` of ``arm`` at trainer logits ``z [P, V]`` (fp32) when the
     sampler's full log-probabilities are ``logq [P, V]`` (fp32) and every sample has advantage ``advantage``.
 
-    A top-p arm samples from ``q`` filtered to its top-``top_p`` support and records that support; the others
-    sample the full ``q`` and record its top-``head_k`` head.
+    A top-p arm samples from ``q`` filtered to its top-``top_p`` support and records that support (replayed as a
+    mask, or given as a head without replay); the others sample the full ``q`` and record its top-``head_k`` head.
     """
     if z.shape != logq.shape or z.dim() != 2:
         raise ValueError(f"z and logq must both be [P, V], got {tuple(z.shape)} and {tuple(logq.shape)}")
@@ -84,7 +98,7 @@ def expected_update(z: Tensor, logq: Tensor, arm: Arm, top_p: float, head_k: int
         cand_ids = torch.where(torch.gather(keep, 1, order), order, -1)
         cand_lp = torch.gather(lq_s, 1, order).masked_fill(cand_ids < 0, -torch.inf)
         draw_lp = lq_s
-        kind = "support"
+        kind = arm.record_kind
     else:
         cand_lp, cand_ids = torch.topk(logq, min(head_k, v), dim=-1)
         draw_lp = logq

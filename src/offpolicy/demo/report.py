@@ -33,7 +33,7 @@ KL_FLOOR = 1e-6
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 #: One colour per arm across every figure (the on-policy control is its own arm here).
 ARM_COLORS = {"onpolicy": "#000000", "grpo": "#d62728", "grpo_mis": "#ff7f0e", "sc": "#9467bd",
-              "grpo_topp": "#8c564b", "sc_mis": "#1f77b4", "sc_mis_topp": "#2ca02c"}
+              "grpo_topp": "#8c564b", "grpo_topp_noreplay": "#e377c2", "sc_mis": "#1f77b4", "sc_mis_topp": "#2ca02c"}
 
 
 def config_key(cfg: dict) -> str:
@@ -73,16 +73,32 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), t * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
+def _grad_norms(col: dict) -> list[float]:
+    """The pre-clip gradient norms of a history (the earlier regime's histories call them ``grad_norm``)."""
+    return col["grad_norm_preclip"] if "grad_norm_preclip" in col else col["grad_norm"]
+
+
+def is_earlier_regime(results: list[dict]) -> bool:
+    """Whether ``results`` are the earlier regime's histories (staleness 0.5, drift probe at a = -1 only), judged
+    against that regime's registration; they carry ``grad_norm`` where the current ones carry
+    ``grad_norm_preclip``."""
+    return bool(results) and "grad_norm" in results[0]["history"][0]
+
+
 def summarize(result: dict) -> dict:
-    """One row of scalars for one run."""
+    """One row of scalars for one run. ``success_mean`` is the registered primary outcome: the mean exact
+    held-out success over the evaluations after the start (step > 0)."""
     h, ev, cfg = result["history"], result["evals"], result["config"]
     col = {k: [r[k] for r in h] for k in h[0]}
     start, end = ev[0]["success_exact"], ev[-1]["success_exact"]
     kl_first, kl_last = _mean(_tenth(col["kl_full"], False)), _mean(_tenth(col["kl_full"], True))
+    gn = _grad_norms(col)
+    gn_first = _mean(_tenth(gn, False))
     return {
         "run_id": result["run_id"], "config": config_key(cfg), "arm": cfg["arm"], "label": result["label"],
         "fleet": cfg["fleet"], "weight_format": cfg["weight_format"], "seed": cfg["seed"], "steps": len(h),
         "success_start": start, "success_end": end, "success_change": end - start,
+        "success_mean": _mean([e["success_exact"] for e in ev if e["step"] > 0]),
         "success_min": min(e["success_exact"] for e in ev),
         "pass1_end": ev[-1]["pass@1"], "train_reward_end": _mean(_tenth(col["reward"], True)),
         "collapsed": end < COLLAPSE_FRACTION * start,
@@ -91,16 +107,15 @@ def summarize(result: dict) -> dict:
         "extreme_full": _mean(col["extreme_full"]), "tv": _mean(col["tv"]),
         "kl_k3_loss": _mean(col["kl_k3_loss"]), "extreme_loss": _mean(col["extreme_loss"]),
         "step_kl": _mean(col["step_kl"]), "staleness": _mean(col["staleness"]),
-        "drift_along": _mean([e["drift_along"] for e in ev]),
-        "drift_masked_mass": _mean([e["drift_masked_mass"] for e in ev]),
-        "drift_tail_mass": _mean([e["drift_tail_mass"] for e in ev]),
-        "peak_grad_norm": max(col["grad_norm"]), "final_entropy": _mean(_tenth(col["entropy"], True)),
+        **{k: _mean([e[k] for e in ev]) for k in ev[0] if k.startswith("drift_")},
+        "peak_grad_norm": max(gn), "grad_growth": max(gn) / gn_first if gn_first > 0 else float("nan"),
+        "entropy_start": _mean(_tenth(col["entropy"], False)), "final_entropy": _mean(_tenth(col["entropy"], True)),
     }
 
 
-AGG_KEYS = ("success_start", "success_end", "success_change", "pass1_end", "train_reward_end", "kl_full",
-            "kl_growth", "extreme_full", "kl_k3_loss", "extreme_loss", "step_kl", "drift_along",
-            "drift_masked_mass", "drift_tail_mass", "peak_grad_norm", "final_entropy")
+AGG_KEYS = ("success_start", "success_end", "success_change", "success_mean", "pass1_end", "train_reward_end",
+            "kl_full", "kl_growth", "extreme_full", "kl_k3_loss", "extreme_loss", "step_kl", "peak_grad_norm",
+            "grad_growth", "entropy_start", "final_entropy")
 
 
 def aggregate(summary: list[dict]) -> list[dict]:
@@ -113,10 +128,14 @@ def aggregate(summary: list[dict]) -> list[dict]:
         row = {"config": key, "arm": rows[0]["arm"], "label": rows[0]["label"], "fleet": rows[0]["fleet"],
                "weight_format": rows[0]["weight_format"], "seeds": len(rows),
                "collapsed": sum(r["collapsed"] for r in rows), "kl_blowup": sum(r["kl_blowup"] for r in rows)}
-        for k in AGG_KEYS:
+        for k in AGG_KEYS + _drift_keys(rows):
             row[k], row[f"{k}_ci"] = mean_ci([r[k] for r in rows])
         out.append(row)
     return out
+
+
+def _drift_keys(rows: list[dict]) -> tuple[str, ...]:
+    return tuple(k for k in rows[0] if k.startswith("drift_")) if rows else ()
 
 
 def paired(summary: list[dict], a: str, b: str, key: str = "success_end") -> dict | None:
@@ -129,6 +148,48 @@ def paired(summary: list[dict], a: str, b: str, key: str = "success_end") -> dic
         return None
     mean, ci = mean_ci([va[s] - vb[s] for s in seeds])
     return {"a": a, "b": b, "key": key, "seeds": len(seeds), "diff": mean, "ci": ci}
+
+
+#: The smallest difference of the primary outcome worth showing, and the equivalence margin of "holds" claims
+#: (exact held-out success); both registered in docs/demo.md.
+DELTA = 0.01
+#: Normal quantiles of the power calculation: two-sided 95 % (z_0.975), 80 % power (z_0.8), and z_0.9 for the
+#: equivalence test's two one-sided halves.
+_Z975, _Z80, _Z90 = 1.959964, 0.841621, 1.281552
+
+
+def seeds_needed(sd: float, delta: float, equivalence: bool = False) -> int:
+    """Seeds a paired comparison needs, from the sd of the per-seed difference. Difference (95 % two-sided, 80 %
+    power, Guenther's t correction): ``n = ((z_0.975 + z_0.8) sd / delta)^2 + z_0.975^2 / 2``. Equivalence (the
+    95 % interval inside ``±delta`` with 80 % power when the true difference is 0):
+    ``n = ((z_0.975 + z_0.9) sd / delta)^2 + z_0.975^2 / 2``."""
+    if not (sd >= 0 and delta > 0):
+        raise ValueError(f"seeds_needed: expected sd >= 0 and delta > 0, got sd={sd}, delta={delta}")
+    z = _Z975 + (_Z90 if equivalence else _Z80)
+    return max(2, math.ceil((z * sd / delta) ** 2 + _Z975 ** 2 / 2))
+
+
+def seed_spread_table(results: list[dict]) -> list[dict]:
+    """Per pair (every configuration against the on-policy control and against GRPO on its fleet): the paired
+    differences of the primary outcome over the seeds both ran, their sd, and :func:`seeds_needed` for
+    :data:`DELTA`."""
+    summary = [summarize(r) for r in results]
+    configs = list(dict.fromkeys(s["config"] for s in summary))
+    pairs = [(c, "grpo@onpolicy") for c in configs if c != "grpo@onpolicy"]
+    pairs += [(c, c.replace(c.split("@")[0] + "@", "grpo@", 1)) for c in configs
+              if not c.startswith("grpo@") and c.replace(c.split("@")[0] + "@", "grpo@", 1) in configs]
+    out = []
+    for a, b in pairs:
+        va = {s["seed"]: s["success_mean"] for s in summary if s["config"] == a}
+        vb = {s["seed"]: s["success_mean"] for s in summary if s["config"] == b}
+        d = [va[k] - vb[k] for k in sorted(set(va) & set(vb))]
+        if len(d) < 2:
+            continue
+        sd = statistics.stdev(d)
+        out.append({"a": a, "b": b, "seeds": len(d), "diff": statistics.fmean(d), "sd": sd, "delta": DELTA,
+                    "seeds_needed": seeds_needed(sd, DELTA),
+                    "seeds_needed_equiv": seeds_needed(sd, DELTA, equivalence=True)})
+    return out
 
 
 def group_table(results: list[dict]) -> list[dict]:
@@ -177,9 +238,11 @@ def tables_text(results: list[dict]) -> str:
     differences against uncorrected GRPO on the same fleet and format."""
     summary = [summarize(r) for r in results]
     agg = aggregate(summary)
+    key = "success_end" if is_earlier_regime(results) else "success_mean"
     parts = ["Outcome (exact held-out success by teacher forcing; mean ± 95 % interval over seeds):",
              markdown_table(agg, [("config", "configuration"), ("seeds", "seeds"), ("success_start", "start"),
                                   ("success_end", "end"), ("success_change", "change"),
+                                  ("success_mean", "mean after start (primary)"),
                                   ("pass1_end", "sampled pass@1"), ("collapsed", "collapsed"),
                                   ("kl_blowup", "KL x3")], ci=True),
              "", "Mismatch on full distributions (every arm alike) and the loss's own view (top-p: support):",
@@ -187,19 +250,25 @@ def tables_text(results: list[dict]) -> str:
                                   ("extreme_full", "ratio outside [0.2, 5]"), ("kl_growth", "KL last/first"),
                                   ("kl_k3_loss", "loss KL k3"), ("extreme_loss", "loss extreme"),
                                   ("step_kl", "step KL")], ci=True),
-             "", "Drift probe (a = -1; mean over evaluations): <u, q - p>, mass moved onto masked ids, onto the tail:",
-             markdown_table(agg, [("config", "configuration"), ("drift_along", "<u, q-p>"),
-                                  ("drift_masked_mass", "d mass(masked)"), ("drift_tail_mass", "d mass(tail)")],
+             "", "Gradient norm (before clipping) and entropy:",
+             markdown_table(agg, [("config", "configuration"), ("peak_grad_norm", "peak grad norm"),
+                                  ("grad_growth", "peak / first tenth"), ("entropy_start", "entropy, first tenth"),
+                                  ("final_entropy", "last tenth")], ci=True),
+             "", "Drift probe (mean over evaluations; _pos: correct prefixes, a = +1; _neg: wrong prefixes, a = -1; "
+                 "a = -1 only in the earlier regime): <u, q - p>, mass moved onto masked ids, onto the tail:",
+             markdown_table(agg, [("config", "configuration")]
+                            + [(k, k.removeprefix("drift_")) for k in _drift_keys(summary) if k != "drift_kl_qp"],
                             ci=True)]
     pairs = []
     for row in agg:
         base = row["config"].replace(f"{row['arm']}@", "grpo@", 1)
         if row["arm"] != "grpo" and any(a["config"] == base for a in agg):
-            d = paired(summary, row["config"], base)
+            d = paired(summary, row["config"], base, key)
             if d is not None:
                 pairs.append(d)
     if pairs:
-        parts += ["", "Paired differences of final exact success against GRPO on the same fleet (same seeds):",
+        parts += ["", f"Paired differences of {'final' if key == 'success_end' else 'mean'} exact success against "
+                      "GRPO on the same fleet (same seeds):",
                   markdown_table([dict(p, diff_ci=p["ci"]) for p in pairs],
                                  [("a", "configuration"), ("b", "minus"), ("seeds", "seeds"), ("diff", "difference")],
                                  ci=True)]
@@ -220,7 +289,15 @@ def _interval_sign(d: dict | None) -> int:
 
 
 def predictions_text(results: list[dict]) -> str:
-    """The pre-registered predictions of docs/demo.md, each judged hit / miss / not run from the histories."""
+    """The pre-registered predictions of docs/demo.md judged from the histories: the current registration's, or
+    the earlier regime's for its histories."""
+    from offpolicy.demo.predictions import judge
+
+    return _earlier_predictions_text(results) if is_earlier_regime(results) else judge(results)
+
+
+def _earlier_predictions_text(results: list[dict]) -> str:
+    """The earlier regime's registration (docs/demo.md, "Earlier regime"), each judged hit / miss / not run."""
     summary = [summarize(r) for r in results]
     agg = {a["config"]: a for a in aggregate(summary)}
     runs = {c: [s for s in summary if s["config"] == c] for c in agg}
@@ -342,7 +419,8 @@ def write_outputs(results: list[dict], out: Path, meta: dict, calibration: dict 
 
 
 def write_plots(results: list[dict], out: Path, calibration: dict | None = None) -> dict[str, Path]:
-    """One figure per question: ``collapse.png`` (exact held-out success over steps), ``mismatch.png``
+    """One figure per question: ``training.png`` (reward, held-out success, KL, pre-clip gradient norm, entropy and
+    GRPO's per-group extreme-ratio shares over steps), ``collapse.png`` (exact held-out success over steps), ``mismatch.png``
     (numerics KL by fleet and group from the calibration; KL over training), ``drift.png`` (the probe's
     ``<u, q - p>`` and mass moved onto masked ids), ``groups.png`` (share of samples vs share of extreme-ratio
     tokens per group). Mean over seeds with a min-max band; one colour per arm. Empty without matplotlib."""
@@ -374,6 +452,55 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
         name = "on-policy GRPO" if cfg["fleet"] == "onpolicy" else runs[0]["label"]
         fmt = cfg["weight_format"]
         return f"{name} ({cfg['fleet']}{', ' + fmt if fmt != 'seed' and cfg['fleet'] == 'mixed' else ''})"
+
+    # What a person looks at first: reward and held-out success per arm; KL and pre-clip gradient norm; entropy;
+    # per-group extreme-ratio shares over steps (10-step moving averages of the per-step records).
+    main = [k for k in by if ":" not in k]
+    fig, axes = plt.subplots(2, 3, figsize=(19, 10))
+    per_step = ((axes[0, 0], "reward", "training reward (mean over the batch)", False),
+                (axes[1, 0], "kl_full", "KL(q || p) per token, full distributions", True),
+                (axes[1, 1], "grad_norm_preclip", "gradient norm before clipping", True),
+                (axes[1, 2], "entropy", "trainer entropy per token", False))
+    for ax, key, ylabel, log in per_step:
+        for k in main:
+            runs = by[k]
+            if key == "kl_full" and runs[0]["config"]["fleet"] == "onpolicy":
+                continue
+            n = min(len(r["history"]) for r in runs)
+            smooth = {id(r): _moving(_grad_norms({c: [h[c] for h in r["history"]] for c in r["history"][0]})
+                                     if key == "grad_norm_preclip" else [h[key] for h in r["history"]], 10)
+                      for r in runs}
+            band(ax, list(range(1, n + 1)), runs, lambda r, i: smooth[id(r)][i], runs[0]["config"], label_of(runs))
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    for k in main:
+        runs = by[k]
+        xs = [e["step"] for e in runs[0]["evals"]]
+        band(axes[0, 1], xs, runs, lambda r, i: r["evals"][i]["success_exact"], runs[0]["config"], label_of(runs))
+    axes[0, 1].set_xlabel("optimizer step")
+    axes[0, 1].set_ylabel("held-out success, exact")
+    axes[0, 1].grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    pick = next((k for k in main if k.startswith("grpo@mixed")), None)
+    if pick is not None and "extreme_by_group" in by[pick][0]["history"][0]:
+        r0 = by[pick][0]
+        for gi, g in enumerate(r0["groups"]):
+            ys = _moving([_mean([r["history"][t]["extreme_by_group"][gi] for r in by[pick]])
+                          for t in range(len(r0["history"]))], 10)
+            axes[0, 2].plot(range(1, len(ys) + 1), ys, lw=1.5, label=f"{g['group']} ({g['weights']})")
+        axes[0, 2].set_title(f"share of each group's tokens with ratio outside [0.2, 5], {pick}")
+        axes[0, 2].set_xlabel("optimizer step")
+        axes[0, 2].grid(alpha=0.3)
+        axes[0, 2].legend(fontsize=8)
+    fig.suptitle("One seed is a picture, not evidence" if max(len(v) for v in by.values()) < 2
+                 else "Mean over seeds, min-max band")
+    fig.tight_layout()
+    files["training.png"] = out / "training.png"
+    fig.savefig(files["training.png"], dpi=100)
+    plt.close(fig)
 
     sweep = [k for k in by if ":" in k]
     panels = [("main configurations", [k for k in by if ":" not in k])] + ([("weight-format sweep", sweep)]
@@ -434,11 +561,15 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
     fig.savefig(files["mismatch.png"], dpi=110)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
-    for ax, key, ylabel, title in (
-            (axes[0], "drift_along", "<u, q - p> (> 0: p moves toward q)", "Drift probe: update along q - p"),
-            (axes[1], "drift_masked_mass", "d p(masked ids) per unit step",
-             "Drift probe: probability moved onto masked ids")):
+    signs = ("",) if is_earlier_regime(results) else ("_pos", "_neg")
+    fig, axes = plt.subplots(len(signs), 2, figsize=(15, 5 * len(signs)), squeeze=False)
+    for ax, key, ylabel, title in [
+            (axes[i, j], key + sfx, ylabel, f"{title} ({'a = -1' if not sfx else sfx[1:]})")
+            for i, sfx in enumerate(signs)
+            for j, (key, ylabel, title) in enumerate((
+                ("drift_along", "<u, q - p> (> 0: p moves toward q)", "Drift probe: update along q - p"),
+                ("drift_masked_mass", "d p(masked ids) per unit step",
+                 "Drift probe: probability moved onto masked ids")))]:
         for k in by:
             if ":" in k:
                 continue
@@ -449,9 +580,9 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
         ax.set_yscale("symlog", linthresh=1e-6)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{title} (advantage -1)")
+        ax.set_title(title)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0, 0].legend(fontsize=8)
     fig.tight_layout()
     files["drift.png"] = out / "drift.png"
     fig.savefig(files["drift.png"], dpi=110)

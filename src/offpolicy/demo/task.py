@@ -9,6 +9,14 @@ sampled at an answer position, so the reward check is exact: ``y == sorted(x)``,
 the ids ``max_value + 2 .. vocab - 1`` never appear in a correct answer: they play the part of a language model's
 long vocabulary tail, the rare tokens whose importance ratios are the extreme ones.
 
+Scratchpad variant (``scratch > 0``): the policy first writes ``scratch`` unscored tokens, then the sorted list:
+
+    BOS x_1 ... x_n SEP s_1 ... s_k y_1 ... y_n       s_j any id (unscored), reward from y alone
+
+The supervised warm-up teaches the scratchpad as uniform over the tail ids (``max_value + 2 .. vocab - 1``), so
+the tail carries real probability at unscored positions: a rare scratch token inside a successful answer is
+reinforced, never punished by the reward, and the numerics mismatch alone can bias uncorrected GRPO there.
+
 Held-out split: a prompt belongs to the evaluation set iff a fixed hash of its numbers is ``0 mod heldout_mod``;
 training prompts are drawn from the complement, so the held-out pass@k is measured on prompts never trained on.
 """
@@ -30,12 +38,14 @@ class SortTask:
         max_value: numbers are ``0 .. max_value - 1``; they are also their own token ids.
         vocab: vocabulary size; the ids past ``max_value + 1`` are never a correct answer (the tail).
         heldout_mod: one prompt in about ``heldout_mod`` is held out for evaluation.
+        scratch: unscored scratchpad tokens written before the answer (0: none, the plain task).
     """
 
     n_items: int = 12
     max_value: int = 32
     vocab: int = 256
     heldout_mod: int = 16
+    scratch: int = 0
 
     def __post_init__(self) -> None:
         if self.n_items < 1:
@@ -46,6 +56,11 @@ class SortTask:
             raise ValueError(f"vocab must be >= max_value + 2 = {self.max_value + 2}, got {self.vocab}")
         if self.heldout_mod < 2:
             raise ValueError(f"heldout_mod must be >= 2, got {self.heldout_mod}")
+        if self.scratch < 0:
+            raise ValueError(f"scratch must be >= 0, got {self.scratch}")
+        if self.scratch and self.vocab < self.max_value + 3:
+            raise ValueError(f"scratch > 0 needs tail ids: vocab must be >= max_value + 3 = {self.max_value + 3}, "
+                             f"got {self.vocab}")
 
     @property
     def sep(self) -> int:
@@ -64,8 +79,14 @@ class SortTask:
         return self.n_items + 2
 
     @property
+    def tail_start(self) -> int:
+        """First id that is never part of a correct answer (the tail: ``tail_start .. vocab - 1``)."""
+        return self.max_value + 2
+
+    @property
     def answer_len(self) -> int:
-        return self.n_items
+        """Tokens the policy writes: the scratchpad, then the ``n_items`` scored ones."""
+        return self.scratch + self.n_items
 
     @property
     def seq_len(self) -> int:
@@ -108,12 +129,22 @@ class SortTask:
         self._check_numbers(numbers, "numbers")
         return torch.sort(numbers.to(torch.int64), dim=1).values
 
+    def targets(self, numbers: Tensor, generator: torch.Generator) -> Tensor:
+        """``[B, answer_len]`` supervised targets: a scratchpad of uniform tail ids (from ``generator``), then the
+        sorted numbers."""
+        sorted_ = self.answers(numbers)
+        if not self.scratch:
+            return sorted_
+        pad = torch.randint(self.tail_start, self.vocab, (numbers.shape[0], self.scratch), generator=generator)
+        return torch.cat([pad, sorted_], dim=1)
+
     def reward(self, prompts: Tensor, responses: Tensor) -> Tensor:
-        """``[B]`` float32 binary reward: 1 iff ``responses [B, n]`` is exactly the sorted prompt numbers.
+        """``[B]`` float32 binary reward: 1 iff the scored part of ``responses [B, answer_len]`` (after the
+        scratchpad) is exactly the sorted prompt numbers.
 
         Args:
             prompts: ``[B, n + 2]`` ids as built by :meth:`prompts`.
-            responses: ``[B, n]`` sampled answer ids (any vocabulary ids).
+            responses: ``[B, answer_len]`` sampled answer ids (any vocabulary ids).
         """
         if prompts.dim() != 2 or prompts.shape[1] != self.prompt_len:
             raise ValueError(f"prompts must be [B, {self.prompt_len}], got {tuple(prompts.shape)}")
@@ -124,7 +155,7 @@ class SortTask:
         if bool((prompts[:, 0] != self.bos).any()) or bool((prompts[:, -1] != self.sep).any()):
             raise ValueError("prompts must start with BOS and end with SEP (build them with SortTask.prompts)")
         target = self.answers(prompts[:, 1:-1])
-        return (responses.to(torch.int64) == target).all(dim=1).to(torch.float32)
+        return (responses[:, self.scratch:].to(torch.int64) == target).all(dim=1).to(torch.float32)
 
     def _check_numbers(self, numbers: Tensor, name: str) -> None:
         if numbers.dim() != 2 or numbers.shape[1] != self.n_items:

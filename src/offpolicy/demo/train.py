@@ -76,12 +76,12 @@ class RunConfig:
     steps: int = 150
     prompts: int = 16
     samples: int = 8
-    lr: float = 5e-5
+    lr: float = 1e-4
     grad_clip: float = 1.0
     top_p: float = 0.95
     head_k: int = 8
     temperature: float = 1.0
-    staleness: float = 0.5
+    staleness: float = 4.0
     max_staleness: int | None = None
     weight_format: str = "seed"
     kv_format: str = "fp8"
@@ -134,7 +134,8 @@ def evaluate(model: TinyLM, task: SortTask, cfg: RunConfig, numbers: Tensor, gen
              sampled: bool = True) -> dict:
     """Held-out success of ``model`` (the trainer's weights): exact (teacher forcing), and with ``sampled``
     pass@1 / pass@k by full-vocabulary sampling at temperature 1 (nan without)."""
-    exact = float(expected_success(model, task, numbers).mean())
+    # The scratchpad (if any) is drawn from a fixed generator: every arm and step sees the same random numbers.
+    exact = float(expected_success(model, task, numbers, torch.Generator().manual_seed(EVAL_PROMPT_SEED + 1)).mean())
     if not sampled:
         return {"success_exact": exact, "pass@1": math.nan, f"pass@{cfg.pass_k}": math.nan}
     prompts = task.prompts(numbers).repeat_interleave(cfg.eval_samples, dim=0)
@@ -145,19 +146,23 @@ def evaluate(model: TinyLM, task: SortTask, cfg: RunConfig, numbers: Tensor, gen
 
 
 def probe_drift(trainer: TinyLM, groups: list, task: SortTask, cfg: RunConfig, probes) -> dict[str, float]:
-    """The drift probe's read-outs for this run's arm, averaged over the groups by capacity; each group's ``q`` is
-    its numerics applied to the trainer's current weights (staleness aside)."""
+    """The drift probe's read-outs for this run's arm at both advantage signs (``<name>_pos`` at correct prefixes
+    with a = +1, ``<name>_neg`` at wrong ones with a = -1), averaged over the groups by capacity; each group's
+    ``q`` is its numerics applied to the trainer's current weights (staleness aside)."""
     arm = ARMS[cfg.arm]
     with torch.no_grad():
-        z = probe_logits(trainer, task, probes)
+        z = probe_logits(trainer, task, probes) / cfg.temperature
     total = sum(g.group.capacity for g in groups)
     out: dict[str, float] = {}
     for g in groups:
         with torch.no_grad():
             logq = torch.log_softmax(probe_logits(sampler_copy(trainer, g), task, probes) / cfg.temperature, -1)
-        u = expected_update(z / cfg.temperature, logq, arm, cfg.top_p, cfg.head_k)
-        for key, val in drift_readouts(z / cfg.temperature, logq, u, arm, task.max_value).items():
-            out[key] = out.get(key, 0.0) + val * g.group.capacity / total
+        for sign, suffix in ((1.0, "_pos"), (-1.0, "_neg")):
+            rows = probes.advantage == sign
+            u = expected_update(z[rows], logq[rows], arm, cfg.top_p, cfg.head_k, advantage=sign)
+            for key, val in drift_readouts(z[rows], logq[rows], u, arm, task.max_value).items():
+                key = key if key == "kl_qp" else key + suffix
+                out[key] = out.get(key, 0.0) + val * g.group.capacity / total / (2 if key == "kl_qp" else 1)
     return out
 
 
@@ -232,13 +237,14 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
         res = op.policy_loss(
             logits, tokens.reshape(-1), lq.reshape(-1), adv[seq_ids],
             candidates=op.Candidates(cand_ids.reshape(b * L, -1), cand_lp.reshape(b * L, -1),
-                                     kind="support" if arm.top_p else "head"),
+                                     kind=arm.record_kind),
             temperature=cfg.temperature, correction=arm.correction, seq_ids=seq_ids, groups=tok_group,
             versions=versions_g[tok_group], current_version=step,
         )
         opt.zero_grad(set_to_none=True)
         res.loss.backward()
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        # clip_grad_norm_ returns the total norm *before* clipping: the record is the pre-clip norm.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trainer.parameters(), max_norm))
         finite = math.isfinite(grad_norm)
         if finite:
@@ -270,11 +276,13 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
             "reward": float(rewards.mean()),
             "kl_full": float(kl_full.mean()),
             "extreme_full": float(extreme.mean()),
+            "extreme_by_group": _per_group_mean(extreme, tok_group, n_groups),
             "tv": float(tv.mean()),
             "step_kl": float(step_kl.mean()),
             "kl_k3_loss": float(m["kl_k3"]),
             "extreme_loss": float(m["extreme_ratio_frac"]),
-            "grad_norm": grad_norm,
+            "grad_norm_preclip": grad_norm,
+            "clipped": finite and grad_norm > max_norm,
             "entropy": float(entropy.mean()),
             "weight_mean": float(m["weight_mean"]),
             "masked_frac": float(m["ratio_below_lower_frac"] + m["ratio_above_upper_frac"])
@@ -310,6 +318,13 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
     return {"config": asdict(cfg), "run_id": cfg.run_id, "label": arm.label, "groups": group_rows,
             "fleet_table": table.format(),
             "history": history, "evals": evals, "seconds": time.perf_counter() - t0}
+
+
+def _per_group_mean(x: Tensor, group: Tensor, n_groups: int) -> list[float]:
+    """Mean of ``x [N]`` over each group's entries of ``group [N]`` (nan for a group with none this step)."""
+    n = torch.bincount(group, minlength=n_groups).to(torch.float64)
+    s = torch.bincount(group, weights=x.to(torch.float64), minlength=n_groups)
+    return [float(v) for v in torch.where(n > 0, s / n.clamp_min(1), torch.full_like(s, math.nan))]
 
 
 def _rescore(model: TinyLM, prompts: Tensor, tokens: Tensor, temperature: float) -> Tensor:

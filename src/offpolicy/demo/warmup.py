@@ -54,13 +54,26 @@ class WarmupConfig:
                 raise ValueError(f"WarmupConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
-def expected_success(model: TinyLM, task: SortTask, numbers: torch.Tensor) -> torch.Tensor:
-    """``[B]`` exact probability that temperature-1 full-vocabulary sampling answers each prompt correctly."""
-    seq = torch.cat([task.prompts(numbers), task.answers(numbers)], dim=1)
+def expected_success(model: TinyLM, task: SortTask, numbers: torch.Tensor,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """``[B]`` fp32 probability that temperature-1 full-vocabulary sampling answers each prompt of
+    ``numbers [B, n]`` correctly: exact for the plain task; with a scratchpad (``task.scratch > 0``) the scratchpad
+    is sampled from ``model`` with ``generator`` (required) and the scored answer's probability after it is exact,
+    an unbiased one-draw estimate."""
+    prefix = task.prompts(numbers)
+    if task.scratch:
+        if generator is None:
+            raise ValueError("expected_success: generator is required when task.scratch > 0")
+        with torch.no_grad():
+            for _ in range(task.scratch):
+                probs = torch.softmax(model(prefix)[:, -1].float(), dim=-1)
+                prefix = torch.cat([prefix, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    seq = torch.cat([prefix, task.answers(numbers)], dim=1)
     with torch.no_grad():
         logits = model(seq[:, :-1]).float()
-    logp = torch.log_softmax(logits[:, task.prompt_len - 1:], dim=-1)
-    tgt = seq[:, task.prompt_len:]
+    start = task.prompt_len + task.scratch
+    logp = torch.log_softmax(logits[:, start - 1:], dim=-1)
+    tgt = seq[:, start:]
     return logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).sum(1).exp()
 
 
@@ -92,11 +105,15 @@ def warmup(task: SortTask, model_cfg: ModelConfig, cfg: WarmupConfig, cache_dir:
     model = TinyLM(model_cfg)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     probe = task.sample_numbers(cfg.probe, gen)
-    success = float(expected_success(model, task, probe).mean())
+
+    def probe_success() -> float:
+        return float(expected_success(model, task, probe, torch.Generator().manual_seed(cfg.seed + 1)).mean())
+
+    success = probe_success()
     step = 0
     while step < cfg.max_steps and success < cfg.target_success:
         numbers = task.sample_numbers(cfg.batch, gen)
-        seq = torch.cat([task.prompts(numbers), task.answers(numbers)], dim=1)
+        seq = torch.cat([task.prompts(numbers), task.targets(numbers, gen)], dim=1)
         logits = model(seq[:, :-1])[:, task.prompt_len - 1:]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, task.prompt_len:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -104,7 +121,7 @@ def warmup(task: SortTask, model_cfg: ModelConfig, cfg: WarmupConfig, cache_dir:
         opt.step()
         step += 1
         if step % cfg.check_every == 0:
-            success = float(expected_success(model, task, probe).mean())
+            success = probe_success()
     info = {"steps": step, "success": success, "seconds": time.perf_counter() - t0, "cached": False}
     log(f"warm-up: {step} supervised steps, expected sampled success {success:.3f} ({info['seconds']:.1f} s)")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.diagnose.divergence import Divergence, divergence, split
+from offpolicy.diagnose.findings import Finding
 from offpolicy.diagnose.recommend import recommend
 from offpolicy.diagnose.recorded import (
     RecordedRollouts,
@@ -29,13 +30,15 @@ from offpolicy.diagnose.recorded import (
     turn_to_json,
 )
 from offpolicy.diagnose.scoring import TrainerScores, load_model, load_trainer_logprobs, score_model
+from offpolicy.diagnose.record_checks import record_checks
 from offpolicy.diagnose.semantics import (
-    Finding,
     best_reading,
     effective_temperature,
     one_sided_ratios,
-    record_checks,
+    shifted_logprobs,
+    support_truncation,
 )
+from offpolicy.diagnose.slices import EXPLAINING, per_slice
 from offpolicy.diagnose.summary import DiagnoseReport
 
 __all__ = [
@@ -87,10 +90,13 @@ def diagnose(
     if current is not None and bool((rollouts.versions[known] > current).any()):
         findings.append(Finding("versions_future", False, f"versions newer than the trainer's ({current}) were "
                                 "recorded", "versions_backwards", {"current_version": current}))
-    for extra in (effective_temperature(rollouts, scores), *best_reading(rollouts, scores),
-                  one_sided_ratios(rollouts, log_ratio)):
-        if extra is not None:
-            findings.append(extra)
+    shift = shifted_logprobs(rollouts, scores)
+    if shift is not None:
+        findings.append(shift)
+    cause = next((f.mistake for f in findings if not f.ok and f.mistake in EXPLAINING), None)
+    findings += per_slice(rollouts, scores, log_ratio, [
+        lambda r, s, lr: effective_temperature(r, s), lambda r, s, lr: best_reading(r, s),
+        lambda r, s, lr: support_truncation(r, s), lambda r, s, lr: one_sided_ratios(r, lr)], explained_by=cause)
     overall = divergence(log_ratio)
     mistakes = [f.mistake for f in findings if not f.ok and f.mistake]
     kind = rollouts.candidates.kind if rollouts.candidates is not None else None

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.adapters.common import TurnRecord
+from offpolicy.adapters.sglang import TOP_K_ALL
 from offpolicy.records.candidates import Candidates
 from offpolicy.records.token_batch import TokenBatch
 
@@ -99,6 +100,14 @@ def _num(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def declared_top_k(top_k: int | None) -> int:
+    """The stored top-k: ``-1`` for every engine's "off" (``None``; vLLM's ``0`` and ``-1``; SGLang's all-tokens
+    ``TOP_K_ALL = 1 << 30`` and above), else the integer."""
+    if top_k is None or int(top_k) in (0, -1) or int(top_k) >= TOP_K_ALL:
+        return -1
+    return int(top_k)
+
+
 def save_jsonl(lines: Iterable[dict], path: str | Path) -> Path:
     path = Path(path)
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -112,11 +121,39 @@ def _req(line: dict, key: str, n: int) -> object:
 
 
 def load_jsonl(path: str | Path) -> RecordedRollouts:
-    """Read a JSONL file written by :func:`save_jsonl` / :func:`turn_to_json`."""
-    lines = [json.loads(s) for s in Path(path).read_text().splitlines() if s.strip()]
+    """Read a JSONL file written by :func:`save_jsonl` / :func:`turn_to_json`; an engine response (one JSON
+    document with ``choices``) is refused with the way to convert it."""
+    text = Path(path).read_text()
+    lines = []
+    for n, s in enumerate(text.splitlines()):
+        if not s.strip():
+            continue
+        try:
+            lines.append(json.loads(s))
+        except json.JSONDecodeError:
+            lines = [_whole_document(text, path, n)]
+            break
     if not lines:
         raise ValueError(f"{path}: no rollouts")
+    for n, line in enumerate(lines):
+        if not isinstance(line, dict):
+            raise ValueError(f"{path}: line {n} is a JSON {type(line).__name__}, not a rollouts object")
+        if "choices" in line and "tokens" not in line:
+            raise ValueError(
+                f"{path}: this is an engine response (a JSON object with 'choices', e.g. vLLM's /v1/completions or "
+                "/inference/v1/generate), not offpolicy rollouts: parse it with offpolicy.adapters.vllm "
+                "(parse_completion_response / parse_generate_response, with its request) and write the records "
+                "with offpolicy.diagnose.turn_to_json + save_jsonl (docs/diagnose.md#inputs)")
     return from_lines(lines)
+
+
+def _whole_document(text: str, path: str | Path, n: int) -> object:
+    """A file that is not JSONL: one (pretty-printed) JSON document, else a clear error."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: line {n} is not JSON ({exc.msg}); rollouts are JSONL, one JSON object per line"
+                         ) from exc
 
 
 def from_lines(lines: Sequence[dict]) -> RecordedRollouts:
@@ -157,8 +194,7 @@ def from_lines(lines: Sequence[dict]) -> RecordedRollouts:
         sids += [sid] * t
         temps += [float(_req(line, "temperature", n))] * t
         tps += [float(line.get("top_p", 1.0) or 1.0)] * t
-        tk = line.get("top_k")
-        tks += [-1 if tk in (None, 0, -1) else int(tk)] * t
+        tks += [declared_top_k(line.get("top_k"))] * t
         c = line.get("candidates")
         if c is not None:
             kinds.add(c["kind"])
@@ -205,7 +241,8 @@ _TENSORS = ("tokens", "sampler_logprobs", "group_index", "versions", "seq_ids", 
 def save_safetensors(rollouts: RecordedRollouts, path: str | Path) -> Path:
     from safetensors.torch import save_file
 
-    tensors = {k: getattr(rollouts, k).contiguous() for k in _TENSORS}
+    # columns may share storage (a TokenBatch's rows and seq_ids often do); safetensors refuses shared tensors
+    tensors = {k: getattr(rollouts, k).clone(memory_format=torch.contiguous_format) for k in _TENSORS}
     meta = {"groups": json.dumps(list(rollouts.group_names)), "candidate_kind": ""}
     if rollouts.candidates is not None:
         tensors["candidate_ids"] = rollouts.candidates.ids.contiguous()
@@ -261,6 +298,6 @@ def from_token_batch(
         tokens=batch.tokens, sampler_logprobs=batch.sampler_logprobs.float(), candidates=batch.candidates,
         group_names=tuple(group_names), group_index=gi, versions=batch.versions.to(torch.int64),
         seq_ids=batch.seq_ids.to(torch.int64), temperature=batch.temperature.float(),
-        top_p=torch.full((n,), float(top_p)), top_k=torch.full((n,), -1 if top_k is None else int(top_k)),
+        top_p=torch.full((n,), float(top_p)), top_k=torch.full((n,), declared_top_k(top_k)),
         sequences=sequences, rows=batch.rows, cols=batch.cols,
     )

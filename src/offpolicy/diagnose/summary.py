@@ -8,7 +8,7 @@ from pathlib import Path
 
 from offpolicy.corrections.correction import Correction
 from offpolicy.diagnose.divergence import Divergence
-from offpolicy.diagnose.semantics import Finding
+from offpolicy.diagnose.findings import Finding
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,20 @@ class DiagnoseReport:
         rows += [(f"staleness {k}", v) for k, v in sorted(self.by_staleness.items())]
         return rows
 
+    @property
+    def headline(self) -> str:
+        """The verdict line: ``offpolicy diagnose: OK`` or ``offpolicy diagnose: MISTAKES FOUND: a, b``."""
+        return f"offpolicy diagnose: {'OK' if self.ok else 'MISTAKES FOUND: ' + ', '.join(self.mistakes)}"
+
     def text(self) -> str:
         """Plain-text summary (what a non-TTY terminal gets)."""
-        lines = [f"offpolicy diagnose: {'OK' if self.ok else 'MISTAKES FOUND: ' + ', '.join(self.mistakes)}", "",
+        lines = [self.headline, "",
                  f"{'slice':<20}{'tokens':>8}{'k1':>10}{'k3':>10}{'extreme':>9}"]
         for name, d in self._rows():
             lines.append(f"{name:<20}{d.tokens:>8}{d.k1:>10.4f}{d.k3:>10.4f}{d.extreme_share:>9.2%}")
         lines += ["", "semantics:"]
-        lines += [f"  [{'ok' if f.ok else 'XX'}] {f.check}: {f.message}" for f in self.findings]
+        lines += [f"  [{'XX' if not f.ok else '~~' if f.mismatch else 'ok'}] {f.check}: {f.message}"
+                  for f in self.findings]
         lines += ["", f"recommended correction: {self.correction!r}" if self.correction else
                   "recommended correction: none until the record is fixed"]
         lines += [f"  - {r}" for r in self.reasons]
@@ -76,7 +82,8 @@ class DiagnoseReport:
         out += ["", "## Semantics", "", "| check | verdict | finding | evidence |", "|---|---|---|---|"]
         for f in self.findings:
             ev = ", ".join(f"{k}={v}" for k, v in f.evidence.items())
-            out.append(f"| {f.check} | {'ok' if f.ok else '**' + str(f.mistake) + '**'} | {f.message} | {ev} |")
+            verdict = "**" + str(f.mistake) + "**" if not f.ok else "mismatch" if f.mismatch else "ok"
+            out.append(f"| {f.check} | {verdict} | {f.message} | {ev} |")
         out += ["", "## Recommended correction", "",
                 f"`{self.correction!r}`" if self.correction else "None until the record is fixed.", ""]
         out += [f"- {r}" for r in self.reasons]
@@ -97,6 +104,7 @@ class DiagnoseReport:
                 Console = None
             if Console is not None:
                 con = Console(file=stream)
+                con.print(self.headline, style="bold green" if self.ok else "bold red", highlight=False)
                 tab = Table(title="offpolicy diagnose: sampler vs trainer")
                 for col in ("slice", "tokens", "k1", "k3", "extreme"):
                     tab.add_column(col, justify="left" if col == "slice" else "right")
@@ -104,7 +112,8 @@ class DiagnoseReport:
                     tab.add_row(name, str(d.tokens), f"{d.k1:.4f}", f"{d.k3:.4f}", f"{d.extreme_share:.2%}")
                 con.print(tab)
                 for f in self.findings:
-                    con.print(f"[{'green' if f.ok else 'bold red'}]{'ok' if f.ok else f.mistake}[/] {f.check}: "
+                    tag = f.mistake if not f.ok else "mismatch" if f.mismatch else "ok"
+                    con.print(f"[{'bold red' if not f.ok else 'yellow' if f.mismatch else 'green'}]{tag}[/] {f.check}: "
                               f"{f.message}", highlight=False)
                 con.print(f"recommended correction: {self.correction!r}" if self.correction else
                           "recommended correction: none until the record is fixed", highlight=False)

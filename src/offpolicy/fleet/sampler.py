@@ -83,7 +83,16 @@ def support_mask(
         keep[torch.arange(b, device=logprobs.device), logprobs.argmax(dim=1)] = True
         return keep
     sorted_lp, order = torch.sort(logprobs.float(), dim=1, descending=True, stable=True)
-    rank = torch.arange(v, device=logprobs.device).expand(b, v)
+    keep_sorted = support_mask_sorted(sorted_lp, top_k, top_p, semantics)
+    keep = torch.zeros(b, v, dtype=torch.bool, device=logprobs.device)
+    return keep.scatter(1, order, keep_sorted)
+
+
+def support_mask_sorted(sorted_lp: Tensor, top_k: int | None, top_p: float, semantics: str) -> Tensor:
+    """:func:`support_mask` on rows already sorted in descending order (``[B, V]`` fp32): the kept mask in that
+    order. The order of a row does not change with the temperature, so a caller scanning temperatures sorts once."""
+    b, v = sorted_lp.shape
+    rank = torch.arange(v, device=sorted_lp.device).expand(b, v)
     if semantics == "sglang":
         probs = sorted_lp.exp()
         mass_before = torch.cumsum(probs, dim=1) - probs
@@ -91,7 +100,7 @@ def support_mask(
         if top_k is not None:
             keep_sorted &= rank < top_k
     else:
-        keep_sorted = torch.ones(b, v, dtype=torch.bool, device=logprobs.device)
+        keep_sorted = torch.ones(b, v, dtype=torch.bool, device=sorted_lp.device)
         if top_k is not None:
             kth = sorted_lp[:, min(top_k, v) - 1 : min(top_k, v)]
             keep_sorted &= sorted_lp >= kth
@@ -104,8 +113,7 @@ def support_mask(
     # underflowed tokens drop out too), vLLM's the finite filtered logits
     keep_sorted &= sorted_lp.exp() > 0 if semantics == "sglang" else sorted_lp > float("-inf")
     keep_sorted[:, 0] = True
-    keep = torch.zeros(b, v, dtype=torch.bool, device=logprobs.device)
-    return keep.scatter(1, order, keep_sorted)
+    return keep_sorted
 
 
 @dataclass(frozen=True)

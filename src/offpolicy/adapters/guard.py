@@ -1,0 +1,139 @@
+"""Trainer-adapter guards: the sampler's record checked against the trainer's distribution on the first batches
+(then at a low rate), each silent mistake warned about once, naming its cause and its fix.
+
+A trainer adapter lists what its configuration makes suspect (:class:`Suspect`: a sampler temperature the loss does
+not use, a logits processor the trainer does not apply, mismatched compute dtypes ...) and calls
+:meth:`Guard.observe` with the trainer's and the sampler's log-probabilities of the sampled tokens. A suspect fires
+when the measured mismatch reaches its ``min_abs_log_ratio_max`` (0: the configuration alone makes the result
+wrong); with no suspect firing, a mean ``|log p - log q|`` above ``unexplained_abs_mean`` on a batch that no optimizer
+step separates from its generation fires ``unexplained_mismatch`` (a stale or mis-synced sampler). Each finding is
+issued once per guard through :mod:`warnings` (:class:`GuardWarning`) and the ``offpolicy`` logger, and appears in
+the returned metrics as ``guard/<code> = 1`` on every checked batch where it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import torch
+from torch import Tensor
+
+LOGGER = logging.getLogger("offpolicy")
+
+
+class GuardWarning(UserWarning):
+    """A trainer adapter's guard found a silent mistake in the sampler / trainer pairing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Suspect:
+    """One mistake the configuration makes possible.
+
+    Attributes:
+        code: the metric and warning name (``guard/<code>``).
+        cause: what the configuration does, in the user's option names.
+        fix: the change that removes it.
+        min_abs_log_ratio_max: the measured ``max |log p - log q|`` from which it fires (0: always).
+    """
+
+    code: str
+    cause: str
+    fix: str
+    min_abs_log_ratio_max: float = 0.0
+
+
+def mismatch_stats(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """``k1 = mean(log q - log p)``, ``abs_log_ratio_mean`` / ``_max`` of ``log p - log q`` over ``mask``, in float64.
+
+    Args:
+        trainer_logprobs: ``[N]`` float ``log p(y_t)``.
+        sampler_logprobs: ``[N]`` float ``log q(y_t)``.
+        mask: ``[N]`` bool, the tokens to compare.
+    """
+    m = mask.reshape(-1).bool()
+    d = (trainer_logprobs.reshape(-1).detach().double() - sampler_logprobs.reshape(-1).detach().double())[m]
+    if d.numel() == 0:
+        return {"tokens": 0.0, "k1": 0.0, "abs_log_ratio_mean": 0.0, "abs_log_ratio_max": 0.0}
+    return {"tokens": float(d.numel()), "k1": float(-d.mean()), "abs_log_ratio_mean": float(d.abs().mean()),
+            "abs_log_ratio_max": float(d.abs().max())}
+
+
+class Guard:
+    """Warn-once checks of a trainer adapter (see the module docstring).
+
+    Args:
+        suspects: what the configuration makes suspect.
+        first_batches: batches checked from the start.
+        every: afterwards, one batch in ``every``.
+        unexplained_abs_mean: the mean ``|log p - log q|`` above which a synced batch with no suspect firing is
+            ``unexplained_mismatch``.
+    """
+
+    UNEXPLAINED = Suspect(
+        "unexplained_mismatch",
+        "the sampler's log-probs disagree with the trainer's on a batch no optimizer step separates from its "
+        "generation, beyond numerics: a stale or partial weight sync (e.g. tied embeddings the engine does not "
+        "update), a logits processor, or a different model or temperature in the sampler",
+        "run `offpolicy diagnose` on the recorded batch and compare the sampler's configuration with the trainer's")
+
+    def __init__(self, suspects: list[Suspect], *, first_batches: int = 2, every: int = 50,
+                 unexplained_abs_mean: float = 1e-2) -> None:
+        if first_batches < 0 or every < 1:
+            raise ValueError(f"first_batches must be >= 0 and every >= 1, got {first_batches}, {every}")
+        self.suspects = list(suspects)
+        self.first_batches, self.every = first_batches, every
+        self.unexplained_abs_mean = unexplained_abs_mean
+        self.calls = 0
+        #: codes already warned about
+        self.issued: set[str] = set()
+
+    def due(self) -> bool:
+        """Whether the next :meth:`observe` call checks its batch."""
+        n = self.calls + 1
+        return n <= self.first_batches or (n - self.first_batches) % self.every == 0
+
+    def observe(self, trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, *,
+                synced: bool = True) -> dict[str, float]:
+        """Check one batch when :meth:`due`; returns ``{"guard/<code>": 1.0}`` for each finding that holds.
+
+        Args:
+            trainer_logprobs, sampler_logprobs, mask: ``[N]`` as in :func:`mismatch_stats`.
+            synced: no optimizer step separates the trainer's log-probs from the generation (else drift is
+                expected and only the configuration's suspects are checked).
+        """
+        if not self.tick():
+            return {}
+        stats = mismatch_stats(trainer_logprobs, sampler_logprobs, mask)
+        if not stats["tokens"]:
+            return {}
+        found = [s for s in self.suspects if stats["abs_log_ratio_max"] >= s.min_abs_log_ratio_max]
+        if not found and synced and stats["abs_log_ratio_mean"] > self.unexplained_abs_mean:
+            found = [self.UNEXPLAINED]
+        measured = (f"{int(stats['tokens'])} tokens: mean |log p - log q| {stats['abs_log_ratio_mean']:.2e}, max "
+                    f"{stats['abs_log_ratio_max']:.2e}, k1 {stats['k1']:.2e}")
+        metrics: dict[str, float] = {}
+        for s in found:
+            metrics.update(self.flag(s, measured))
+        return metrics
+
+    def tick(self) -> bool:
+        """Count one batch; whether it is checked (:meth:`due` before counting)."""
+        due = self.due()
+        self.calls += 1
+        return due
+
+    def flag(self, suspect: Suspect, measured: str) -> dict[str, float]:
+        """Record that ``suspect`` holds on the current batch (``measured``: what was seen); warn the first time.
+        Returns ``{"guard/<code>": 1.0}``."""
+        if suspect.code not in self.issued:
+            self.issued.add(suspect.code)
+            message = (f"offpolicy guard [{suspect.code}]: {suspect.cause}. Measured on batch {self.calls} "
+                       f"({measured}). Fix: {suspect.fix}")
+            LOGGER.warning(message)
+            warnings.warn(message, GuardWarning, stacklevel=3)
+        return {f"guard/{suspect.code}": 1.0}
+
+
+__all__ = ["Guard", "GuardWarning", "Suspect", "mismatch_stats"]

@@ -1,0 +1,73 @@
+"""Reference-sampler records for the diagnose tests: a tiny peaked causal model and rollouts as diagnose reads
+them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from offpolicy import Candidates
+from offpolicy.diagnose import from_token_batch
+from offpolicy.fleet.sampler import sample
+
+V = 48
+
+
+class TinyLM(torch.nn.Module):
+    """A causal bigram-plus-position model: ``logits[b, l] = E[ids[b, l]] + P[l]`` ``[B, L, V]`` (peaked)."""
+
+    def __init__(self, seed: int = 0, scale: float = 2.5):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.nn.Parameter(torch.randn(V, V, generator=g) * scale)
+        self.pos = torch.nn.Parameter(torch.randn(64, V, generator=g) * 0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb[ids] + self.pos[: ids.shape[1]]
+
+
+def prompts(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, V, (n, 3), generator=torch.Generator().manual_seed(seed))
+
+
+def record(model, *, temperature=0.7, top_p=1.0, top_k=None, kind="head", n=48, new=6, seed=2, versions=(0,),
+           declared_temperature=None):
+    """Reference-sampler rollouts (``versions``: one version per block of rows), as diagnose reads them."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for v in versions:
+        ro = sample(model, prompts(n // len(versions), seed + v), new, temperature, top_p, top_k, record=kind,
+                    k=6, version=v, filter_semantics="vllm", generator=g)
+        rows.append(ro)
+    parts = [from_token_batch(ro.flatten(), ro.sequences, top_p=top_p, top_k=top_k) for ro in rows]
+    rec = parts[0] if len(parts) == 1 else concat(parts)
+    if declared_temperature is not None:
+        rec = replace(rec, temperature=torch.full_like(rec.temperature, declared_temperature))
+    return rec
+
+
+def support_of_ids(ids):
+    """``[n, V]`` bool of the padded support ids ``[n, K]`` (one-hot sum, padding masked)."""
+    return (torch.nn.functional.one_hot(ids.clamp(min=0), V) * (ids >= 0)[..., None]).sum(1) > 0
+
+
+def concat(parts):
+    """Stack rollouts with disjoint sequence rows."""
+    off, seqs, out = 0, [], {k: [] for k in ("tokens", "sampler_logprobs", "group_index", "versions", "seq_ids",
+                                               "temperature", "top_p", "top_k", "rows", "cols")}
+    ids, lps = [], []
+    length = max(p.sequences.shape[1] for p in parts)
+    for p in parts:
+        seqs.append(torch.nn.functional.pad(p.sequences, (0, length - p.sequences.shape[1])))
+        for k in out:
+            v = getattr(p, k)
+            out[k].append(v + off if k in ("rows", "seq_ids") else v)
+        ids.append(p.candidates.ids)
+        lps.append(p.candidates.logprobs)
+        off += p.sequences.shape[0]
+    w = max(i.shape[1] for i in ids)
+    cands = Candidates(torch.cat([torch.nn.functional.pad(i, (0, w - i.shape[1]), value=-1) for i in ids]),
+                       torch.cat([torch.nn.functional.pad(x, (0, w - x.shape[1]), value=float("-inf")) for x in lps]),
+                       parts[0].candidates.kind)
+    return replace(parts[0], candidates=cands, sequences=torch.cat(seqs), **{k: torch.cat(v) for k, v in out.items()})
