@@ -81,3 +81,37 @@ def test_forked_child_after_first_use(monkeypatch, backend, start):
     finally:
         torch.set_num_threads(before)
     assert code == 0, f"the child exited with {code} (1: results unlike the parent's, 2: it raised)"
+
+
+def test_forked_child_while_another_thread_holds_the_build_lock():
+    """A fork while a thread is inside ``cpu_native.load`` (the first build holds its lock): the child's own
+    ``load()`` must not wait on a lock whose holder does not exist in the child."""
+    import threading
+
+    from offpolicy.ops import cpu_native
+
+    cpu_native.load()  # the library is built; the child only has to take the lock
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with cpu_native._LOCK:
+            held.set()
+            release.wait(TIMEOUT_S)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(TIMEOUT_S)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 2
+            try:
+                cpu_native.load()
+                code = 0
+            finally:
+                os._exit(code)
+        code = _wait_os_fork(pid)
+    finally:
+        release.set()
+        holder.join()
+    assert code == 0, f"the child exited with {code}"

@@ -81,6 +81,16 @@ _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 
 
+def _reset_after_fork() -> None:
+    """A child forked while another thread held ``_LOCK`` (a first build in progress) would wait on it forever: the
+    child gets a fresh lock, and builds (or waits on the build file's ``flock``) itself if the library is not loaded."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 class Unavailable(Exception):
     """Why the kernels cannot be built or loaded (the message is the reason :func:`unavailable_reason` gives)."""
 
