@@ -5,10 +5,13 @@ weights after every step, and prints the per-group mismatch table as it goes. Ne
     bash tools/setup_vllm_env.sh
     PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --steps 30 --groups cpu-bf16:bf16,cpu-nvfp4:nvfp4
     PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --address auto      # an existing Ray cluster
+    PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --sync-every 3 --max-staleness 1
+    PYTHONPATH=src .venv/bin/python examples/live_fleet.py --replot docs/fleet_results/live/history.json
 
 Writes ``history.json`` (one entry per step: reward, loss, the trainer's version, turns per group, per-group and
-per-staleness KL, extreme-ratio share and ESS; the final table, each process's memory and the run's time) under
-``--out``.
+per-staleness KL, extreme-ratio share and ESS; the final table, each process's memory, the run's time and the
+fleet's events) and ``history.png`` (reward, per-group KL, per-staleness KL and step time per step; needs
+matplotlib) under ``--out``. ``--replot`` only redraws ``history.png`` beside an existing ``history.json``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 from offpolicy.adapters.fleet_live import EngineSettings, LiveFleet
+from offpolicy.adapters.fleet_live.plots import write_history_plot
 from offpolicy.adapters.fleet_live.toy_run import RunConfig, build_tiny_qwen3, train
 from offpolicy.fleet import SamplerGroup
 
@@ -42,8 +46,15 @@ def main() -> None:
     ap.add_argument("--groups", default="cpu-bf16:bf16,cpu-nvfp4:nvfp4")
     ap.add_argument("--address", default=None, help="Ray cluster address; default a local instance")
     ap.add_argument("--kv-cache-mib", type=int, default=64)
+    ap.add_argument("--sync-every", type=int, default=1, help="a group loads new weights when this many behind")
+    ap.add_argument("--max-staleness", type=int, default=None, help="drain and reload a group further behind")
     ap.add_argument("--out", default=None, help="output directory (default a temporary one)")
+    ap.add_argument("--replot", default=None, metavar="HISTORY_JSON", help="only redraw history.png beside it")
     args = ap.parse_args()
+    if args.replot is not None:
+        src = Path(args.replot)
+        print(f"plot: {write_history_plot(json.loads(src.read_text()), src.with_name('history.png'))}")
+        return
     t0 = time.monotonic()
     out = Path(args.out or tempfile.mkdtemp(prefix="live_fleet_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -51,7 +62,7 @@ def main() -> None:
     groups = parse_groups(args.groups)
     cfg = RunConfig(steps=args.steps)
     fleet = LiveFleet(groups, out / "model", out, settings=EngineSettings(kv_cache_mib=args.kv_cache_mib),
-                      address=args.address)
+                      address=args.address, sync_every=args.sync_every, max_staleness=args.max_staleness)
     try:
         start_s = fleet.start()
         print(f"{len(groups)} engine groups started in {start_s:.1f} s", flush=True)
@@ -74,11 +85,12 @@ def main() -> None:
         kept = ("kl_k3", "extreme_ratio_frac", "num_tokens", "ess")
         steps = [dict(vars(h), metrics={k: v for k, v in h.metrics.items() if k.split("/")[-1] in kept})
                  for h in history]
-        (out / "history.json").write_text(json.dumps({
-            "command": " ".join(sys.argv), "steps": steps, "table": metrics.table().to_dict(), "memory_mib": memory,
-            "run_s": wall, "start_s": start_s, "groups": [vars(g) for g in groups],
-            "events": [vars(e) for e in fleet.events]}, indent=1, default=str))
+        record = {"command": " ".join(sys.argv), "steps": steps, "table": metrics.table().to_dict(),
+                  "memory_mib": memory, "run_s": wall, "start_s": start_s, "groups": [vars(g) for g in groups],
+                  "events": [vars(e) for e in fleet.events]}
+        (out / "history.json").write_text(json.dumps(record, indent=1, default=str))
         print(f"history: {out / 'history.json'}")
+        print(f"plot: {write_history_plot(json.loads(json.dumps(record, default=str)), out / 'history.png')}")
     finally:
         fleet.close()
 

@@ -69,3 +69,23 @@ def test_bad_arguments_are_named(tmp_path):
 
     with pytest.raises(RuntimeError, match="publish the model's weights first"):
         train(LiveFleet(groups, "m", tmp_path), torch.nn.Linear(1, 1), RunConfig())
+
+
+def test_history_plot_series_and_png(tmp_path):
+    from offpolicy.adapters.fleet_live.plots import history_series, write_history_plot
+
+    steps = [{"reward": 0.5, "seconds": 2.0, "metrics": {"group/0/kl_k3": 0.1, "group/1/kl_k3": 0.3,
+                                                         "staleness/0/kl_k3": 0.2}},
+             {"reward": 0.75, "seconds": 1.0, "metrics": {"group/0/kl_k3": 0.0, "staleness/1/kl_k3": 0.4}}]
+    history = {"command": "x", "steps": steps, "groups": [{"name": "g-bf16"}, {"name": "g-nvfp4"}]}
+    s = history_series(history)
+    assert s["reward"] == {"reward": [0.5, 0.75]} and s["step time"] == {"seconds": [2.0, 1.0]}
+    assert s["group KL"]["g-bf16"] == [0.1, 0.0]
+    assert s["group KL"]["g-nvfp4"][0] == 0.3 and s["group KL"]["g-nvfp4"][1] != s["group KL"]["g-nvfp4"][1]
+    assert list(s["staleness KL"]) == ["staleness 0", "staleness 1"]
+    assert s["staleness KL"]["staleness 1"][1] == 0.4
+    with pytest.raises(ValueError, match=r"history\['steps'\] is empty"):
+        history_series({"steps": [], "groups": []})
+    pytest.importorskip("matplotlib")
+    path = write_history_plot(history, tmp_path / "h.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
