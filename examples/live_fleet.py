@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from offpolicy.adapters.fleet_live import EngineSettings, LiveFleet
-from offpolicy.adapters.fleet_live.plots import write_history_plot
+from offpolicy.adapters.fleet_live.history_plot import write_history_plot
 from offpolicy.adapters.fleet_live.toy_run import RunConfig, build_tiny_qwen3, train
 from offpolicy.fleet import SamplerGroup
 

@@ -72,7 +72,7 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 def test_history_plot_series_and_png(tmp_path):
-    from offpolicy.adapters.fleet_live.plots import history_series, write_history_plot
+    from offpolicy.adapters.fleet_live.history_plot import history_series, write_history_plot
 
     steps = [{"reward": 0.5, "seconds": 2.0, "metrics": {"group/0/kl_k3": 0.1, "group/1/kl_k3": 0.3,
                                                          "staleness/0/kl_k3": 0.2}},
