@@ -6,7 +6,9 @@ driver, weight sync with versions, per-group records (docs/fleet.md#live-engine-
     fleet.start(); fleet.publish(model.state_dict(), 0)
     batch = fleet.rollout(prompts, sampling_params, turns=2, between=[tool_id])
 
-Needs ``ray`` and ``vllm`` (``bash tools/setup_vllm_env.sh`` builds ``.venv-vllm`` with both); importing this
+``LiveFleet(sync_every=k, max_staleness=m)`` amortises reloads and bounds staleness (a group further behind is
+drained and reloaded); ``LiveFleet.start_in_process(engines)`` serves the groups with in-process objects instead
+of Ray actors (the engine-free tests). Needs ``ray`` and ``vllm`` (``bash tools/setup_vllm_env.sh`` builds ``.venv-vllm`` with both); importing this
 package does not import either.
 """
 
