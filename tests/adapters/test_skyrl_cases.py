@@ -103,3 +103,53 @@ def test_errors_are_named():
                             x["rollout"])
     with pytest.raises(ValueError, match="score_centering"):
         adapter.register("bad", op.Correction(weights="mis", score_centering=True))
+
+
+# ---- guards (offpolicy.adapters.guard) ----
+
+@pytest.fixture
+def fresh_guard(monkeypatch):
+    from offpolicy.adapters.guard import Guard
+    monkeypatch.setattr(adapter, "GUARD", Guard([adapter.SKYRL_CORRECTION_IGNORED]))
+    if "offpolicy_test_guard" not in PolicyLossRegistry.list_available():
+        adapter.register("offpolicy_test_guard", op.Correction(weights="mis", bounds=(0.5, 5.0)))
+
+
+def _guard_run(config, x=None):
+    import warnings
+    from offpolicy.adapters.guard import GuardWarning
+    x = x if x is not None else _batch(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = [_run(config.policy_loss_type, x, config, x["adv"])[2] for _ in range(3)]
+    return [str(w.message) for w in caught if issubclass(w.category, GuardWarning)], metrics
+
+
+def test_guard_warns_once_that_skyrl_off_policy_correction_is_not_applied(fresh_guard):
+    """SkyRL's own token TIS set beside the offpolicy loss: warned once (cause, setting, fix) and in the metrics;
+    the default config is silent."""
+    from skyrl.train.config.config import OffPolicyCorrectionConfig
+    config = AlgorithmConfig(policy_loss_type="offpolicy_test_guard",
+                             off_policy_correction=OffPolicyCorrectionConfig(tis_ratio_type="token"))
+    messages, metrics = _guard_run(config)
+    assert len(messages) == 1 and "[skyrl_off_policy_correction]" in messages[0]
+    assert "off_policy_correction.tis_ratio_type='token'" in messages[0] and "Fix: unset it" in messages[0]
+    assert metrics[0]["guard/skyrl_off_policy_correction"] == 1.0
+
+
+def test_guard_stays_silent_on_a_correct_run(fresh_guard):
+    messages, metrics = _guard_run(AlgorithmConfig(policy_loss_type="offpolicy_test_guard"))
+    assert messages == [] and not any(k.startswith("guard/") for m in metrics for k in m)
+
+
+def test_guard_on_rollout_logprobs_that_are_not_log_probs(fresh_guard, monkeypatch):
+    """All-zero rollout_logprobs (a placeholder) warn; a positive one (probabilities passed) is an error."""
+    config = AlgorithmConfig(policy_loss_type="offpolicy_test_guard")
+    x = _batch(8)
+    messages, metrics = _guard_run(config, {**x, "rollout": torch.zeros_like(x["rollout"])})
+    assert len(messages) == 1 and "[sampler_logprobs_zero]" in messages[0]
+    assert metrics[0]["guard/sampler_logprobs_zero"] == 1.0
+    from offpolicy.adapters.guard import Guard
+    monkeypatch.setattr(adapter, "GUARD", Guard([adapter.SKYRL_CORRECTION_IGNORED]))
+    with pytest.raises(ValueError, match=r"rollout_logprobs must be the sampler's log-probabilities"):
+        _guard_run(config, {**x, "rollout": x["rollout"].exp()})

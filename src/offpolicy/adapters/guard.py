@@ -136,4 +136,41 @@ class Guard:
         return {f"guard/{suspect.code}": 1.0}
 
 
-__all__ = ["Guard", "GuardWarning", "Suspect", "mismatch_stats"]
+#: The largest trained ``lq`` taken for rounding of a log-probability at 0; above it the record is not log-probs.
+LOGPROB_POSITIVE_TOL = 1e-4
+ZERO_SAMPLER_LOGPROBS = Suspect(
+    "sampler_logprobs_zero",
+    "every trained token's sampler log-prob is exactly 0 (q = 1): the sampler returned no log-probs and a "
+    "placeholder was passed, or it sampled greedily; the importance weights are then pi itself",
+    "enable log-prob return in the rollout engine (and pass the sampler's values); a greedy sampler has no "
+    "importance weights to correct")
+
+
+def check_sampler_logprobs(guard: Guard, sampler_logprobs: Tensor, mask: Tensor, *, name: str) -> dict[str, float]:
+    """The record-only checks of a trainer adapter that sees no sampler configuration, on a batch :meth:`Guard.due`
+    (counted by this call): a trained ``lq > LOGPROB_POSITIVE_TOL`` is an error (not a log-probability); all trained
+    ``lq`` exactly 0 warns :data:`ZERO_SAMPLER_LOGPROBS`.
+
+    Args:
+        sampler_logprobs: ``[N]`` float ``lq``; mask: ``[N]`` bool trained tokens; name: the argument's name in the
+            trainer's terms (for the error).
+
+    Returns:
+        ``{"guard/<code>": 1.0}`` for each finding.
+    """
+    if not guard.tick():
+        return {}
+    lq = sampler_logprobs.reshape(-1).detach()[mask.reshape(-1).bool()]
+    if lq.numel() == 0:
+        return {}
+    top = float(lq.max())
+    if top > LOGPROB_POSITIVE_TOL:
+        raise ValueError(f"{name} must be the sampler's log-probabilities (<= 0); a trained token has {top:.4g}: "
+                         "probabilities, logits or another quantity were passed")
+    if bool((lq == 0).all()):
+        return guard.flag(ZERO_SAMPLER_LOGPROBS, f"{lq.numel()} trained tokens, all lq = 0")
+    return {}
+
+
+__all__ = ["Guard", "GuardWarning", "LOGPROB_POSITIVE_TOL", "Suspect", "ZERO_SAMPLER_LOGPROBS",
+           "check_sampler_logprobs", "mismatch_stats"]
