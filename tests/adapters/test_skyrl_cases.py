@@ -153,3 +153,20 @@ def test_guard_on_rollout_logprobs_that_are_not_log_probs(fresh_guard, monkeypat
     monkeypatch.setattr(adapter, "GUARD", Guard([adapter.SKYRL_CORRECTION_IGNORED]))
     with pytest.raises(ValueError, match=r"rollout_logprobs must be the sampler's log-probabilities"):
         _guard_run(config, {**x, "rollout": x["rollout"].exp()})
+
+
+def test_guard_warns_on_a_top_p_sampler_the_loss_cannot_replay(fresh_guard):
+    """Rollouts at top_p = 0.9 (SkyRL passes no support): lq > log p on every token, warned as narrower_sampler."""
+    g = torch.Generator().manual_seed(9)
+    z = 2.0 * torch.randn(4, 16, 50, generator=g, dtype=torch.float64)
+    p = torch.softmax(z, -1)
+    sp, order = p.sort(-1, descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, (sp.cumsum(-1) - sp) < 0.9)
+    lq_all = torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1)
+    tok = torch.multinomial(lq_all.exp().reshape(-1, 50), 1, generator=g).reshape(4, 16, 1)
+    lp = torch.log_softmax(z, -1).gather(-1, tok)[..., 0].float()
+    x = {"rollout": lq_all.gather(-1, tok)[..., 0].float(), "old": lp, "lp": lp, "adv": torch.ones(4, 16),
+         "mask": torch.ones(4, 16)}
+    messages, metrics = _guard_run(AlgorithmConfig(policy_loss_type="offpolicy_test_guard"), x)
+    assert len(messages) == 1 and "[narrower_sampler]" in messages[0]
+    assert metrics[0]["guard/narrower_sampler"] == 1.0

@@ -14,7 +14,9 @@ for ``Correction.ppo_clip``. The :class:`~offpolicy.Correction` is looked up by 
 Guards (:mod:`offpolicy.adapters.guard`, on the first batches then one in 50, warned once, ``guard/<code>`` in the
 metrics): SkyRL applies ``algorithm.off_policy_correction`` (and the deprecated ``use_tis``) inside its own losses
 only, so under this loss a configured one is silently not applied (``skyrl_off_policy_correction``); trained
-``rollout_logprobs`` above 0 are an error, all exactly 0 warn (``sampler_logprobs_zero``).
+``rollout_logprobs`` above 0 are an error, all exactly 0 warn (``sampler_logprobs_zero``), and above the trainer's
+on almost every token warn (``narrower_sampler``: a top_p / top_k filter, which this loss cannot replay, or a lower
+sampler temperature).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, co
     correction = _CORRECTIONS[name]
     b, t = log_probs.shape
     mask = torch.ones(b, t, dtype=torch.bool, device=log_probs.device) if loss_mask is None else loss_mask.bool()
-    flags = check_sampler_logprobs(GUARD, rollout_logprobs, mask, name="rollout_logprobs")
+    flags = check_sampler_logprobs(GUARD, rollout_logprobs, mask, name="rollout_logprobs", trainer_logprobs=log_probs)
     if GUARD.calls == 1 and (configured := skyrl_corrections_set(config)):
         flags.update(GUARD.flag(SKYRL_CORRECTION_IGNORED, f"set: {', '.join(configured)}"))
     out = policy_loss_from_logprobs(
