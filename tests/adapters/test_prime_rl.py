@@ -105,13 +105,13 @@ def test_guard_warns_once_on_a_filter_the_loss_cannot_replay(monkeypatch):
     messages, metrics = _guarded(monkeypatch, *_filtered_sequence(0))
     assert len(messages) == 1 and "[narrower_sampler]" in messages[0] and "Fix: sample with top_p=1" in messages[0]
     assert "lq > log p on 100.0%" in messages[0]
-    assert float(metrics["guard/narrower_sampler"]) == 1.0
+    assert float(metrics["offpolicy/guard/narrower_sampler"]) == 1.0
 
 
 @pytest.mark.parametrize("stale", [0.0, 0.3])
 def test_guard_stays_silent_on_an_unfiltered_fresh_or_stale_sampler(monkeypatch, stale):
     messages, metrics = _guarded(monkeypatch, *_filtered_sequence(1, top_p=1.0 + 1e-9, stale=stale))
-    assert messages == [] and not any(k.startswith("guard/") for k in metrics)
+    assert messages == [] and not any(k.startswith("offpolicy/guard/") for k in metrics)
 
 
 def test_guard_on_inference_logprobs_that_are_not_log_probs(monkeypatch):

@@ -134,12 +134,12 @@ def test_guard_warns_once_that_skyrl_off_policy_correction_is_not_applied(fresh_
     messages, metrics = _guard_run(config)
     assert len(messages) == 1 and "[skyrl_off_policy_correction]" in messages[0]
     assert "off_policy_correction.tis_ratio_type='token'" in messages[0] and "Fix: unset it" in messages[0]
-    assert metrics[0]["guard/skyrl_off_policy_correction"] == 1.0
+    assert metrics[0]["offpolicy/guard/skyrl_off_policy_correction"] == 1.0
 
 
 def test_guard_stays_silent_on_a_correct_run(fresh_guard):
     messages, metrics = _guard_run(AlgorithmConfig(policy_loss_type="offpolicy_test_guard"))
-    assert messages == [] and not any(k.startswith("guard/") for m in metrics for k in m)
+    assert messages == [] and not any(k.startswith("offpolicy/guard/") for m in metrics for k in m)
 
 
 def test_guard_on_rollout_logprobs_that_are_not_log_probs(fresh_guard, monkeypatch):
@@ -148,7 +148,7 @@ def test_guard_on_rollout_logprobs_that_are_not_log_probs(fresh_guard, monkeypat
     x = _batch(8)
     messages, metrics = _guard_run(config, {**x, "rollout": torch.zeros_like(x["rollout"])})
     assert len(messages) == 1 and "[sampler_logprobs_zero]" in messages[0]
-    assert metrics[0]["guard/sampler_logprobs_zero"] == 1.0
+    assert metrics[0]["offpolicy/guard/sampler_logprobs_zero"] == 1.0
     from offpolicy.adapters.guard import Guard
     monkeypatch.setattr(adapter, "GUARD", Guard([adapter.SKYRL_CORRECTION_IGNORED]))
     with pytest.raises(ValueError, match=r"rollout_logprobs must be the sampler's log-probabilities"):
@@ -169,4 +169,4 @@ def test_guard_warns_on_a_top_p_sampler_the_loss_cannot_replay(fresh_guard):
          "mask": torch.ones(4, 16)}
     messages, metrics = _guard_run(AlgorithmConfig(policy_loss_type="offpolicy_test_guard"), x)
     assert len(messages) == 1 and "[narrower_sampler]" in messages[0]
-    assert metrics[0]["guard/narrower_sampler"] == 1.0
+    assert metrics[0]["offpolicy/guard/narrower_sampler"] == 1.0

@@ -188,7 +188,7 @@ def test_tis_hook_weights_equal_offpolicy_weights(fresh_guard):
     assert torch.allclose(out.double(), pg.double() * w, rtol=1e-5, atol=1e-7)
     assert bool(((w == 0) & mask).any()) and bool((w > 0).any())  # both sides of the band are exercised
     assert masks is not batch["loss_masks"] and all(torch.equal(a, b) for a, b in zip(masks, batch["loss_masks"]))
-    assert "offpolicy/rejected_frac" in metrics and not any(k.startswith("guard/") for k in metrics)
+    assert "offpolicy/rejected_frac" in metrics and not any(k.startswith("offpolicy/guard/") for k in metrics)
     args.offpolicy_correction = None
     with pytest.raises(ValueError, match="weights only"):
         slime.tis_function(args, pg, batch["log_probs"], batch["rollout_log_probs"], batch["loss_masks"],
@@ -253,14 +253,14 @@ def test_guard_warns_once_on_a_narrower_sampler_and_stays_silent_on_a_correct_on
     messages = [str(w.message) for w in caught if issubclass(w.category, GuardWarning)]
     assert len(messages) == 1 and "[narrower_sampler]" in messages[0]
     # Checked on the first two batches (Guard's first_batches), flagged on each, warned once.
-    assert [float(m.get("guard/narrower_sampler", 0)) for m in metrics] == [1.0, 1.0, 0.0]
+    assert [float(m.get("offpolicy/guard/narrower_sampler", 0)) for m in metrics] == [1.0, 1.0, 0.0]
     monkeypatch.setattr(slime, "GUARD", slime.GUARD.__class__([]))
     args, batch, logits, _ = make_case(6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, metrics = slime.policy_loss(args, batch, logits.float()[None])
     assert not [w for w in caught if issubclass(w.category, GuardWarning)]
-    assert not any(k.startswith("guard/") for k in metrics)
+    assert not any(k.startswith("offpolicy/guard/") for k in metrics)
 
 
 def test_guard_on_rollout_log_probs_that_are_not_log_probs(fresh_guard, monkeypatch):
@@ -273,7 +273,7 @@ def test_guard_on_rollout_log_probs_that_are_not_log_probs(fresh_guard, monkeypa
         _, metrics = slime.policy_loss(args, zeros, logits.float()[None])
     assert [str(w.message) for w in caught if issubclass(w.category, GuardWarning)][0].startswith(
         "offpolicy guard [sampler_logprobs_zero]")
-    assert float(metrics["guard/sampler_logprobs_zero"]) == 1.0
+    assert float(metrics["offpolicy/guard/sampler_logprobs_zero"]) == 1.0
     monkeypatch.setattr(slime, "GUARD", Guard([]))
     probs = dict(batch, rollout_log_probs=[x.exp() for x in batch["rollout_log_probs"]])
     with pytest.raises(ValueError, match=r"batch\['rollout_log_probs'\] must be the sampler's log-probabilities"):

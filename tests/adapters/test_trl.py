@@ -225,8 +225,9 @@ def _support_reference(scores: torch.Tensor, tokens: torch.Tensor):
 
 @pytest.mark.parametrize("path", ["topk", "sort"])
 def test_records_from_scores_support_matches_the_float64_reference(path, monkeypatch):
-    """The topk extraction and the sort fallback give the same ids (exactly) and log q (fp32: 1e-6 absolute + 1e-6 relative, a few ulps) as a float64
-    recomputation, on supports of varied size per row (top_p, top_k, min_p shapes, a row with one id)."""
+    """The topk extraction and the sort fallback give the same ids (exactly) and log q (fp32: 1e-6 absolute + 1e-6
+    relative, a few ulps) as a float64 recomputation, on supports of varied size per row (top_p, top_k, min_p
+    shapes, a row with one id)."""
     if path == "sort":
         monkeypatch.setattr(trl_adapter, "TOPK_SUPPORT_MAX", 0)
     g = torch.Generator().manual_seed(3)

@@ -167,8 +167,9 @@ def check_sampler_logprobs(guard: Guard, sampler_logprobs: Tensor, mask: Tensor,
     """The record checks of a trainer adapter that sees no sampler configuration and no support record, on a batch
     :meth:`Guard.due` (counted by this call): a trained ``lq > LOGPROB_POSITIVE_TOL`` is an error (not a
     log-probability); all trained ``lq`` exactly 0 warns :data:`ZERO_SAMPLER_LOGPROBS`; with ``trainer_logprobs``,
-    ``lq > log p`` on at least :data:`NARROWER_SHARE` of at least :data:`NARROWER_MIN_TOKENS` tokens with mean ``lq - log p >=``
-    :data:`NARROWER_MEAN` warns :data:`NARROWER_SAMPLER` (a stale sampler's differences take both signs).
+    ``lq > log p`` on at least :data:`NARROWER_SHARE` of at least :data:`NARROWER_MIN_TOKENS` tokens, with mean
+    ``lq - log p >=`` :data:`NARROWER_MEAN`, warns :data:`NARROWER_SAMPLER` (a stale sampler's differences take
+    both signs).
 
     Args:
         sampler_logprobs: ``[N]`` float ``lq``; mask: ``[N]`` bool trained tokens; name: the argument's name in the

@@ -15,11 +15,11 @@ sum). ``loss_weights`` scale the advantages (the per-token loss is linear in the
 and is not on PyPI: inputs are read by attribute and the output is prime-rl's ``LossOutputs`` when it is importable,
 else a dataclass with its two fields.
 
-Guards (:mod:`offpolicy.adapters.guard`, on the first sequences then one in 50, warned once, ``guard/<code>`` in the
-metrics): trained ``inference_logprobs`` above 0 are an error, all exactly 0 warn (``sampler_logprobs_zero``), and
-above ``trainer_logprobs`` on almost every token of a sequence of at least 32 trained tokens warn
-(``narrower_sampler``: a top_p / top_k filter, which prime-rl passes no support to replay, or a lower sampler
-temperature).
+Guards (:mod:`offpolicy.adapters.guard`, on the first sequences then one in 50, warned once,
+``offpolicy/guard/<code>`` in the metrics): trained ``inference_logprobs`` above 0 are an error, all exactly 0 warn
+(``sampler_logprobs_zero``), and above ``trainer_logprobs`` on almost every token of a sequence of at least 32
+trained tokens warn (``narrower_sampler``: a top_p / top_k filter, which prime-rl passes no support to replay, or a
+lower sampler temperature).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def policy_loss(inputs: Any, **kwargs: Any) -> LossOutputs:
         constant_normalizer=1.0,
     )
     metrics = {f"offpolicy/{k}": v.detach() for k, v in out.metrics.items()}
-    metrics.update({k: torch.tensor(v, device=logp.device) for k, v in flags.items()})
+    metrics.update({f"offpolicy/{k}": torch.tensor(v, device=logp.device) for k, v in flags.items()})
     return LossOutputs(loss=out.loss, metrics=metrics)
 
 

@@ -11,12 +11,12 @@ per-token loss is linear in the advantage, so the sum over tokens with pre-scale
 The sampler's log-probabilities arrive as ``rollout_logprobs`` (required); ``old_log_probs`` is the proximal policy
 for ``Correction.ppo_clip``. The :class:`~offpolicy.Correction` is looked up by ``config.policy_loss_type``.
 
-Guards (:mod:`offpolicy.adapters.guard`, on the first batches then one in 50, warned once, ``guard/<code>`` in the
-metrics): SkyRL applies ``algorithm.off_policy_correction`` (and the deprecated ``use_tis``) inside its own losses
-only, so under this loss a configured one is silently not applied (``skyrl_off_policy_correction``); trained
-``rollout_logprobs`` above 0 are an error, all exactly 0 warn (``sampler_logprobs_zero``), and above the trainer's
-on almost every token warn (``narrower_sampler``: a top_p / top_k filter, which this loss cannot replay, or a lower
-sampler temperature).
+Guards (:mod:`offpolicy.adapters.guard`, on the first batches then one in 50, warned once,
+``offpolicy/guard/<code>`` in the metrics): SkyRL applies ``algorithm.off_policy_correction`` (and the deprecated
+``use_tis``) inside its own losses only, so under this loss a configured one is silently not applied
+(``skyrl_off_policy_correction``); trained ``rollout_logprobs`` above 0 are an error, all exactly 0 warn
+(``sampler_logprobs_zero``), and above the trainer's on almost every token warn (``narrower_sampler``: a top_p /
+top_k filter, which this loss cannot replay, or a lower sampler temperature).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, co
         aggregation="constant", constant_normalizer=1.0,
         proximal_logprobs=old_log_probs.reshape(-1) if correction.ppo_clip is not None else None,
     )
-    return out.loss, {**{f"offpolicy/{k}": float(v) for k, v in out.metrics.items()}, **flags}
+    return out.loss, {f"offpolicy/{k}": float(v) for k, v in {**out.metrics, **flags}.items()}
 
 
 def skyrl_corrections_set(config: Any) -> list[str]:

@@ -33,10 +33,11 @@ fields, e.g. set by a ``--custom-config-path`` YAML), default token MIS ``[0.5, 
 
 Guards (:mod:`offpolicy.adapters.guard`): a filter with no support to replay is an error, ``--rollout-top-k > 0``
 without the support keys in ``policy_loss``, and ``--rollout-top-p < 1`` or ``--rollout-top-k > 0`` in the TIS hook
-(slime's loss is over the full vocabulary: every weight would be off by ``-log P(S_t)``). On the first micro-batches,
-then one in 50 (warned once, ``guard/<code>`` in the metrics): trained ``rollout_log_probs`` above 0 are an error,
-all exactly 0 warn (``sampler_logprobs_zero``), and, where no support is replayed, above the trainer's
-(``batch["log_probs"]``, or the hook's ``train_log_probs``) on almost every token warn (``narrower_sampler``).
+(slime's loss is over the full vocabulary: every weight would be off by ``-log P(S_t)``). On the first micro-
+batches, then one in 50 (warned once, ``offpolicy/guard/<code>`` in the metrics): trained ``rollout_log_probs``
+above 0 are an error, all exactly 0 warn (``sampler_logprobs_zero``), and, where no support is replayed, above the
+trainer's (``batch["log_probs"]``, or the hook's ``train_log_probs``) on almost every token warn
+(``narrower_sampler``).
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ def policy_loss(args, batch: Mapping[str, Any], logits: Tensor,
     for name, value in report.items():
         v = value.detach().float().reshape(-1)
         metrics[f"offpolicy/{name}"] = v[0] / v[1].clamp_min(1) if v.numel() == 2 else v[0]
-    metrics.update({k: torch.tensor(v, device=logits.device) for k, v in flags.items()})
+    metrics.update({f"offpolicy/{k}": torch.tensor(v, device=logits.device) for k, v in flags.items()})
     return loss, metrics
 
 
@@ -316,7 +317,7 @@ def tis_function(args, pg_loss: Tensor, train_log_probs: Sequence[Tensor], rollo
     metrics = {f"offpolicy/{k}": v.detach() for k, v in out.metrics.items()}
     flags = check_sampler_logprobs(GUARD, torch.cat(lq), flat_mask, name="rollout_log_probs",
                                    trainer_logprobs=torch.cat(logp))
-    metrics.update({k: torch.tensor(v, device=device) for k, v in flags.items()})
+    metrics.update({f"offpolicy/{k}": torch.tensor(v, device=device) for k, v in flags.items()})
     return pg_loss * out.token_weight.to(pg_loss.dtype), list(loss_masks), metrics
 
 
