@@ -231,10 +231,10 @@ def test_records_from_scores_support_matches_the_float64_reference(path, monkeyp
     if path == "sort":
         monkeypatch.setattr(trl_adapter, "TOPK_SUPPORT_MAX", 0)
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(6, 300, generator=g) * 3
+    logits = torch.randn(6, 400, generator=g) * 3  # widest support 300 < V: the topk path applies
     scores = logits.clone()
     order = logits.argsort(-1, descending=True)
-    for i, k in enumerate([1, 5, 37, 120, 300, 64]):
+    for i, k in enumerate([1, 5, 37, 120, 300, 64]):  # top_k-like prefixes of the score order
         scores[i].scatter_(0, order[i, k:], float("-inf"))
     tokens = torch.stack([torch.multinomial(torch.softmax(r, -1), 1, generator=g)[0] for r in scores])
     lq, c = records_from_scores(scores, tokens, "support", 4)
