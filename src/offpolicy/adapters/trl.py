@@ -19,7 +19,8 @@ What is recorded where (transformers generation, ``use_vllm=False``; for vLLM co
   filters nothing (``top_p=1``, ``top_k=0``, no ``min_p`` or masking option) the support is the whole vocabulary and
   the ``"logprobs"`` record is exact: the trainer then records no support (with score centering that is an error
   naming ``"head"``). Memory: ``12 K`` bytes per token (int64 id, fp32 log-prob), ``K`` the largest support of the
-  generation batch, plus one ``[B, V]`` fp32 transient per generated position.
+  generation batch, plus ``[B, V]`` transients per generated position: a bool mask and ``topk``'s work (a stable
+  sort's int64 order past :data:`TOPK_SUPPORT_MAX` ids).
 
 transformers runs a user ``logits_processor`` *before* its temperature/top-k/top-p warpers, so a processor cannot
 see the support; the record is taken from ``generate(..., output_scores=True)``, whose scores are post-warper
