@@ -103,3 +103,70 @@ def test_errors_are_named():
                             x["rollout"])
     with pytest.raises(ValueError, match="score_centering"):
         adapter.register("bad", op.Correction(weights="mis", score_centering=True))
+
+
+# ---- guards (offpolicy.adapters.guard) ----
+
+@pytest.fixture
+def fresh_guard(monkeypatch):
+    from offpolicy.adapters.guard import Guard
+    monkeypatch.setattr(adapter, "GUARD", Guard([adapter.SKYRL_CORRECTION_IGNORED]))
+    if "offpolicy_test_guard" not in PolicyLossRegistry.list_available():
+        adapter.register("offpolicy_test_guard", op.Correction(weights="mis", bounds=(0.5, 5.0)))
+
+
+def _guard_run(config, x=None):
+    import warnings
+    from offpolicy.adapters.guard import GuardWarning
+    x = x if x is not None else _batch(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = [_run(config.policy_loss_type, x, config, x["adv"])[2] for _ in range(3)]
+    return [str(w.message) for w in caught if issubclass(w.category, GuardWarning)], metrics
+
+
+def test_guard_warns_once_that_skyrl_off_policy_correction_is_not_applied(fresh_guard):
+    """SkyRL's own token TIS set beside the offpolicy loss: warned once (cause, setting, fix) and in the metrics;
+    the default config is silent."""
+    from skyrl.train.config.config import OffPolicyCorrectionConfig
+    config = AlgorithmConfig(policy_loss_type="offpolicy_test_guard",
+                             off_policy_correction=OffPolicyCorrectionConfig(tis_ratio_type="token"))
+    messages, metrics = _guard_run(config)
+    assert len(messages) == 1 and "[skyrl_off_policy_correction]" in messages[0]
+    assert "off_policy_correction.tis_ratio_type='token'" in messages[0] and "Fix: unset it" in messages[0]
+    assert metrics[0]["offpolicy/guard/skyrl_off_policy_correction"] == 1.0
+
+
+def test_guard_stays_silent_on_a_correct_run(fresh_guard):
+    messages, metrics = _guard_run(AlgorithmConfig(policy_loss_type="offpolicy_test_guard"))
+    assert messages == [] and not any(k.startswith("offpolicy/guard/") for m in metrics for k in m)
+
+
+def test_guard_on_rollout_logprobs_that_are_not_log_probs(fresh_guard, monkeypatch):
+    """All-zero rollout_logprobs (a placeholder) warn; a positive one (probabilities passed) is an error."""
+    config = AlgorithmConfig(policy_loss_type="offpolicy_test_guard")
+    x = _batch(8)
+    messages, metrics = _guard_run(config, {**x, "rollout": torch.zeros_like(x["rollout"])})
+    assert len(messages) == 1 and "[sampler_logprobs_zero]" in messages[0]
+    assert metrics[0]["offpolicy/guard/sampler_logprobs_zero"] == 1.0
+    from offpolicy.adapters.guard import Guard
+    monkeypatch.setattr(adapter, "GUARD", Guard([adapter.SKYRL_CORRECTION_IGNORED]))
+    with pytest.raises(ValueError, match=r"rollout_logprobs must be the sampler's log-probabilities"):
+        _guard_run(config, {**x, "rollout": x["rollout"].exp()})
+
+
+def test_guard_warns_on_a_top_p_sampler_the_loss_cannot_replay(fresh_guard):
+    """Rollouts at top_p = 0.9 (SkyRL passes no support): lq > log p on every token, warned as narrower_sampler."""
+    g = torch.Generator().manual_seed(9)
+    z = 2.0 * torch.randn(4, 16, 50, generator=g, dtype=torch.float64)
+    p = torch.softmax(z, -1)
+    sp, order = p.sort(-1, descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, (sp.cumsum(-1) - sp) < 0.9)
+    lq_all = torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1)
+    tok = torch.multinomial(lq_all.exp().reshape(-1, 50), 1, generator=g).reshape(4, 16, 1)
+    lp = torch.log_softmax(z, -1).gather(-1, tok)[..., 0].float()
+    x = {"rollout": lq_all.gather(-1, tok)[..., 0].float(), "old": lp, "lp": lp, "adv": torch.ones(4, 16),
+         "mask": torch.ones(4, 16)}
+    messages, metrics = _guard_run(AlgorithmConfig(policy_loss_type="offpolicy_test_guard"), x)
+    assert len(messages) == 1 and "[narrower_sampler]" in messages[0]
+    assert metrics[0]["offpolicy/guard/narrower_sampler"] == 1.0

@@ -174,8 +174,8 @@ def test_response_rows_cover_each_response_once_across_cp_ranks():
             assert torch.equal(torch.cat(seen).sort().values, torch.arange(resp))
 
 
-def test_tis_hook_weights_equal_offpolicy_weights():
-    args, batch, _, pieces = make_case(2)
+def test_tis_hook_weights_equal_offpolicy_weights(fresh_guard):
+    args, batch, _, pieces = make_case(2, record="none")
     args.offpolicy_correction = {"weights": "mis", "bounds": [0.8, 1.25]}
     pg = torch.randn(sum(batch["response_lengths"]))
     out, masks, metrics = slime.tis_function(
@@ -188,7 +188,7 @@ def test_tis_hook_weights_equal_offpolicy_weights():
     assert torch.allclose(out.double(), pg.double() * w, rtol=1e-5, atol=1e-7)
     assert bool(((w == 0) & mask).any()) and bool((w > 0).any())  # both sides of the band are exercised
     assert masks is not batch["loss_masks"] and all(torch.equal(a, b) for a, b in zip(masks, batch["loss_masks"]))
-    assert "offpolicy/rejected_frac" in metrics
+    assert "offpolicy/rejected_frac" in metrics and not any(k.startswith("offpolicy/guard/") for k in metrics)
     args.offpolicy_correction = None
     with pytest.raises(ValueError, match="weights only"):
         slime.tis_function(args, pg, batch["log_probs"], batch["rollout_log_probs"], batch["loss_masks"],
@@ -208,6 +208,76 @@ def test_bad_batches_are_named():
         slime.policy_loss(args, bad, logits.float()[None])
     with pytest.raises(ValueError, match="local logits rows"):
         slime.policy_loss(args, batch, logits.float()[None, :10])
+
+
+# ---- guards (offpolicy.adapters.guard) ----
+
+@pytest.fixture
+def fresh_guard(monkeypatch):
+    from offpolicy.adapters.guard import Guard
+    monkeypatch.setattr(slime, "GUARD", Guard([]))
+
+
+def test_a_filter_with_no_support_to_replay_is_an_error(fresh_guard):
+    """--rollout-top-k > 0 with no support record (policy_loss), and any filter under the TIS hook (slime's loss is
+    full-vocabulary): errors naming the option and the fix."""
+    args, batch, logits, _ = make_case(4, record="none")
+    args.rollout_top_k = 20
+    with pytest.raises(ValueError, match=r"args.rollout_top_k=20 filters the sampler .* --rollout-top-k -1"):
+        slime.policy_loss(args, batch, logits.float()[None])
+    args, batch, _, _ = make_case(4)
+    args.offpolicy_correction = {"weights": "mis", "bounds": [0.5, 2.0]}
+    pg = torch.randn(sum(batch["response_lengths"]))
+    with pytest.raises(ValueError, match=r"cannot replay the sampler's filter \(rollout_top_p=0.9.*custom_loss"):
+        slime.tis_function(args, pg, batch["log_probs"], batch["rollout_log_probs"], batch["loss_masks"],
+                           batch["total_lengths"], batch["response_lengths"])
+
+
+def test_guard_warns_once_on_a_narrower_sampler_and_stays_silent_on_a_correct_one(fresh_guard, monkeypatch):
+    """The TIS hook fed rollouts drawn at top_p = 0.9 while args say 1 (the engine's own default filter): lq > log p
+    on every token, warned once as narrower_sampler; the full loss on a correct support replay stays silent."""
+    import warnings
+    from offpolicy.adapters.guard import GuardWarning
+    g = torch.Generator().manual_seed(5)
+    z = 2.0 * torch.randn(2, 40, V, generator=g, dtype=torch.float64)
+    keep = _support(z, 0.9)
+    lq_all = torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1)
+    tok = torch.multinomial(lq_all.exp().reshape(-1, V), 1, generator=g).reshape(2, 40, 1)
+    train = list(torch.log_softmax(z, -1).gather(-1, tok)[..., 0].float())
+    rollout = list(lq_all.gather(-1, tok)[..., 0].float())
+    args = SimpleNamespace(rollout_top_p=1.0, offpolicy_correction={"weights": "mis", "bounds": [0.5, 2.0]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = [slime.tis_function(args, torch.randn(80), train, rollout, [torch.ones(40)] * 2, [41, 41],
+                                      [40, 40])[2] for _ in range(3)]
+    messages = [str(w.message) for w in caught if issubclass(w.category, GuardWarning)]
+    assert len(messages) == 1 and "[narrower_sampler]" in messages[0]
+    # Checked on the first two batches (Guard's first_batches), flagged on each, warned once.
+    assert [float(m.get("offpolicy/guard/narrower_sampler", 0)) for m in metrics] == [1.0, 1.0, 0.0]
+    monkeypatch.setattr(slime, "GUARD", slime.GUARD.__class__([]))
+    args, batch, logits, _ = make_case(6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, metrics = slime.policy_loss(args, batch, logits.float()[None])
+    assert not [w for w in caught if issubclass(w.category, GuardWarning)]
+    assert not any(k.startswith("offpolicy/guard/") for k in metrics)
+
+
+def test_guard_on_rollout_log_probs_that_are_not_log_probs(fresh_guard, monkeypatch):
+    import warnings
+    from offpolicy.adapters.guard import Guard, GuardWarning
+    args, batch, logits, _ = make_case(7, record="none")
+    zeros = dict(batch, rollout_log_probs=[torch.zeros_like(x) for x in batch["rollout_log_probs"]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, metrics = slime.policy_loss(args, zeros, logits.float()[None])
+    assert [str(w.message) for w in caught if issubclass(w.category, GuardWarning)][0].startswith(
+        "offpolicy guard [sampler_logprobs_zero]")
+    assert float(metrics["offpolicy/guard/sampler_logprobs_zero"]) == 1.0
+    monkeypatch.setattr(slime, "GUARD", Guard([]))
+    probs = dict(batch, rollout_log_probs=[x.exp() for x in batch["rollout_log_probs"]])
+    with pytest.raises(ValueError, match=r"batch\['rollout_log_probs'\] must be the sampler's log-probabilities"):
+        slime.policy_loss(args, probs, logits.float()[None])
 
 
 # ---- gloo: TP 2 (vocabulary split) and CP 2 (zigzag split), megatron-core's parallel_state ----

@@ -23,6 +23,7 @@ except ImportError as exc:
 
 import offpolicy as op
 from offpolicy.adapters.guard import GuardWarning
+from offpolicy.adapters import trl as trl_adapter
 from offpolicy.adapters.trl import (IDS_KEY, LOGPROBS_KEY, PROXIMAL_KEY, OffPolicyGRPOTrainer, records_from_scores,
                                     resolve_correction)
 from offpolicy.reference import reference_policy_loss
@@ -213,6 +214,49 @@ def test_records_from_scores_support_and_head():
     _, h = records_from_scores(logits, tokens, "head", 4)
     assert h.kind == "head" and h.width == 4
     assert torch.equal(h.ids, logits.topk(4, -1).indices)
+
+
+def _support_reference(scores: torch.Tensor, tokens: torch.Tensor):
+    """float64: each row's finite-score ids ascending, their renormalised log q, the sampled token's."""
+    logq = torch.log_softmax(scores.double(), -1)
+    rows = [torch.isfinite(r).nonzero()[:, 0] for r in scores]
+    return rows, [logq[i, r] for i, r in enumerate(rows)], logq.gather(1, tokens[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("path", ["topk", "sort"])
+def test_records_from_scores_support_matches_the_float64_reference(path, monkeypatch):
+    """The topk extraction and the sort fallback give the same ids (exactly) and log q (fp32: 1e-6 absolute + 1e-6
+    relative, a few ulps) as a float64 recomputation, on supports of varied size per row (top_p, top_k, min_p
+    shapes, a row with one id)."""
+    if path == "sort":
+        monkeypatch.setattr(trl_adapter, "TOPK_SUPPORT_MAX", 0)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 400, generator=g) * 3  # widest support 300 < V: the topk path applies
+    scores = logits.clone()
+    order = logits.argsort(-1, descending=True)
+    for i, k in enumerate([1, 5, 37, 120, 300, 64]):  # top_k-like prefixes of the score order
+        scores[i].scatter_(0, order[i, k:], float("-inf"))
+    tokens = torch.stack([torch.multinomial(torch.softmax(r, -1), 1, generator=g)[0] for r in scores])
+    lq, c = records_from_scores(scores, tokens, "support", 4)
+    ids_ref, lq_ref_rows, lq_ref = _support_reference(scores, tokens)
+    assert c.width == 300 and c.kind == "support"
+    for i in range(6):
+        n = len(ids_ref[i])
+        assert torch.equal(c.ids[i, :n], ids_ref[i]) and bool((c.ids[i, n:] == -1).all())
+        assert torch.allclose(c.logprobs[i, :n].double(), lq_ref_rows[i], atol=1e-6, rtol=1e-6)
+        assert bool(torch.isneginf(c.logprobs[i, n:]).all())
+    assert torch.allclose(lq.double(), lq_ref, atol=1e-6, rtol=1e-6)
+
+
+def test_records_from_scores_topk_path_falls_back_when_a_non_finite_score_displaces_the_support():
+    """A +inf or nan score outside the support ranks above it in ``topk``; the extraction then sorts instead and the
+    record is still the finite ids."""
+    scores = torch.full((2, 50), float("-inf"))
+    scores[0, [3, 9]] = torch.tensor([1.0, 2.0])
+    scores[1, [4, 7, 8]] = torch.tensor([0.5, 0.1, 0.2])
+    scores[0, 20], scores[1, 30] = float("inf"), float("nan")
+    _, c = records_from_scores(scores, torch.tensor([3, 7]), "support", 4)
+    assert c.ids.tolist() == [[3, 9, -1], [4, 7, 8]]
 
 
 def test_rejects_unsupported_options():

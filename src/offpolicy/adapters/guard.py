@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import warnings
 
 import torch
@@ -136,4 +137,68 @@ class Guard:
         return {f"guard/{suspect.code}": 1.0}
 
 
-__all__ = ["Guard", "GuardWarning", "Suspect", "mismatch_stats"]
+#: The largest trained ``lq`` taken for rounding of a log-probability at 0; above it the record is not log-probs.
+LOGPROB_POSITIVE_TOL = 1e-4
+ZERO_SAMPLER_LOGPROBS = Suspect(
+    "sampler_logprobs_zero",
+    "every trained token's sampler log-prob is exactly 0 (q = 1): the sampler returned no log-probs and a "
+    "placeholder was passed, or it sampled greedily; the importance weights are then pi itself",
+    "enable log-prob return in the rollout engine (and pass the sampler's values); a greedy sampler has no "
+    "importance weights to correct")
+
+
+#: ``narrower_sampler`` fires when at least this share of the trained tokens has ``lq > log p`` ...
+NARROWER_SHARE = 0.98
+#: ... and their mean ``lq - log p`` is at least this (``-log 0.99``: a support holding under 99% of the mass).
+NARROWER_MEAN = 1e-2
+#: ... over at least this many trained tokens (fewer could all take one sign by chance).
+NARROWER_MIN_TOKENS = 32
+NARROWER_SAMPLER = Suspect(
+    "narrower_sampler",
+    "the sampler's log-prob exceeds the trainer's on almost every trained token: the sampler's distribution is "
+    "narrower than the one the loss uses, a top_p / top_k / min_p filter whose support this adapter cannot replay "
+    "(every ratio is then off by -log P(S_t)) or a sampler temperature below the trainer's",
+    "sample with top_p=1 and no top_k / min_p (this trainer passes no support record to the loss), and the same "
+    "temperature in the sampler and the trainer")
+
+
+def check_sampler_logprobs(guard: Guard, sampler_logprobs: Tensor, mask: Tensor, *, name: str,
+                           trainer_logprobs: Tensor | None = None) -> dict[str, float]:
+    """The record checks of a trainer adapter that sees no sampler configuration and no support record, on a batch
+    :meth:`Guard.due` (counted by this call): a trained ``lq > LOGPROB_POSITIVE_TOL`` is an error (not a
+    log-probability); all trained ``lq`` exactly 0 warns :data:`ZERO_SAMPLER_LOGPROBS`; with ``trainer_logprobs``,
+    ``lq > log p`` on at least :data:`NARROWER_SHARE` of at least :data:`NARROWER_MIN_TOKENS` tokens, with mean
+    ``lq - log p >=`` :data:`NARROWER_MEAN`, warns :data:`NARROWER_SAMPLER` (a stale sampler's differences take
+    both signs).
+
+    Args:
+        sampler_logprobs: ``[N]`` float ``lq``; mask: ``[N]`` bool trained tokens; name: the argument's name in the
+            trainer's terms (for the error); trainer_logprobs: ``[N]`` float ``log p`` of the same tokens.
+
+    Returns:
+        ``{"guard/<code>": 1.0}`` for each finding.
+    """
+    if not guard.tick():
+        return {}
+    m = mask.reshape(-1).bool()
+    lq = sampler_logprobs.reshape(-1).detach()[m]
+    if lq.numel() == 0:
+        return {}
+    top = float(lq.max())
+    if top > LOGPROB_POSITIVE_TOL:
+        raise ValueError(f"{name} must be the sampler's log-probabilities (<= 0); a trained token has {top:.4g}: "
+                         "probabilities, logits or another quantity were passed")
+    if bool((lq == 0).all()):
+        return guard.flag(ZERO_SAMPLER_LOGPROBS, f"{lq.numel()} trained tokens, all lq = 0")
+    if trainer_logprobs is None or lq.numel() < NARROWER_MIN_TOKENS:
+        return {}
+    d = lq.double() - trainer_logprobs.reshape(-1).detach()[m].double()
+    share, mean = float((d > 0).double().mean()), float(d.mean())
+    if share >= NARROWER_SHARE and mean >= NARROWER_MEAN:
+        return guard.flag(NARROWER_SAMPLER, f"{lq.numel()} trained tokens: lq > log p on {share:.1%}, mean "
+                                            f"lq - log p {mean:.3e} (-log P(S) of a support at {math.exp(-mean):.3f})")
+    return {}
+
+__all__ = ["Guard", "GuardWarning", "LOGPROB_POSITIVE_TOL", "NARROWER_MEAN", "NARROWER_MIN_TOKENS", "NARROWER_SAMPLER",
+           "NARROWER_SHARE", "Suspect", "ZERO_SAMPLER_LOGPROBS",
+           "check_sampler_logprobs", "mismatch_stats"]

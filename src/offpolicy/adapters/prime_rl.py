@@ -14,6 +14,12 @@ and optional ``loss_weights``, and aggregates the returned sums itself (its docu
 sum). ``loss_weights`` scale the advantages (the per-token loss is linear in them). prime-rl needs Python >= 3.12
 and is not on PyPI: inputs are read by attribute and the output is prime-rl's ``LossOutputs`` when it is importable,
 else a dataclass with its two fields.
+
+Guards (:mod:`offpolicy.adapters.guard`, on the first sequences then one in 50, warned once,
+``offpolicy/guard/<code>`` in the metrics): trained ``inference_logprobs`` above 0 are an error, all exactly 0 warn
+(``sampler_logprobs_zero``), and above ``trainer_logprobs`` on almost every token of a sequence of at least 32
+trained tokens warn (``narrower_sampler``: a top_p / top_k filter, which prime-rl passes no support to replay, or a
+lower sampler temperature).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offpolicy.adapters.guard import Guard, check_sampler_logprobs
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.logprobs import policy_loss_from_logprobs
 
@@ -36,6 +43,10 @@ except ImportError:
 
         loss: Tensor
         metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+#: One guard per process (prime-rl calls the loss per sequence).
+GUARD = Guard([])
 
 
 def correction_from_kwargs(kwargs: dict[str, Any]) -> Correction:
@@ -61,12 +72,16 @@ def policy_loss(inputs: Any, **kwargs: Any) -> LossOutputs:
     if getattr(inputs, "loss_weights", None) is not None:
         adv = adv * inputs.loss_weights
     n = logp.shape[0]
+    flags = check_sampler_logprobs(GUARD, inputs.inference_logprobs, inputs.loss_mask, name="inference_logprobs",
+                                   trainer_logprobs=logp)
     out = policy_loss_from_logprobs(
         logp, inputs.inference_logprobs, adv, loss_mask=inputs.loss_mask, correction=correction,
         seq_ids=torch.zeros(n, dtype=torch.long, device=logp.device), aggregation="constant",
         constant_normalizer=1.0,
     )
-    return LossOutputs(loss=out.loss, metrics={f"offpolicy/{k}": v.detach() for k, v in out.metrics.items()})
+    metrics = {f"offpolicy/{k}": v.detach() for k, v in out.metrics.items()}
+    metrics.update({f"offpolicy/{k}": torch.tensor(v, device=logp.device) for k, v in flags.items()})
+    return LossOutputs(loss=out.loss, metrics=metrics)
 
 
-__all__ = ["LossOutputs", "correction_from_kwargs", "policy_loss"]
+__all__ = ["GUARD", "LossOutputs", "correction_from_kwargs", "policy_loss"]

@@ -10,6 +10,13 @@ scaled the advantages by its ``loss_reduction`` (``apply_loss_reduction_to_advan
 per-token loss is linear in the advantage, so the sum over tokens with pre-scaled advantages is SkyRL's reduction.
 The sampler's log-probabilities arrive as ``rollout_logprobs`` (required); ``old_log_probs`` is the proximal policy
 for ``Correction.ppo_clip``. The :class:`~offpolicy.Correction` is looked up by ``config.policy_loss_type``.
+
+Guards (:mod:`offpolicy.adapters.guard`, on the first batches then one in 50, warned once,
+``offpolicy/guard/<code>`` in the metrics): SkyRL applies ``algorithm.off_policy_correction`` (and the deprecated
+``use_tis``) inside its own losses only, so under this loss a configured one is silently not applied
+(``skyrl_off_policy_correction``); trained ``rollout_logprobs`` above 0 are an error, all exactly 0 warn
+(``sampler_logprobs_zero``), and above the trainer's on almost every token warn (``narrower_sampler``: a top_p /
+top_k filter, which this loss cannot replay, or a lower sampler temperature).
 """
 
 from __future__ import annotations
@@ -19,10 +26,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offpolicy.adapters.guard import Guard, Suspect, check_sampler_logprobs
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.logprobs import policy_loss_from_logprobs
 
 _CORRECTIONS: dict[str, Correction] = {}
+#: ``algorithm.off_policy_correction`` fields -> their neutral value (SkyRL 0.3's OffPolicyCorrectionConfig).
+_SKYRL_CORRECTION_OFF = {"tis_ratio_type": None, "sequence_mask_metric": None,
+                         "outlier_token_is_threshold_low": None, "outlier_token_is_threshold_high": None,
+                         "token_mask_is_threshold_low": None, "token_mask_is_threshold_high": None}
+SKYRL_CORRECTION_IGNORED = Suspect(
+    "skyrl_off_policy_correction",
+    "SkyRL applies algorithm.off_policy_correction (and use_tis / tis_imp_ratio_cap) inside its own policy losses "
+    "only: under the offpolicy loss the configured truncation / masking is silently not applied",
+    "unset it and express it in the registered Correction (e.g. tis_ratio_type=token with "
+    "token_tis_ratio_clip_high=c is Correction(weights='tis', bounds=(0, c)))")
+#: One guard per process (SkyRL calls the loss per micro-batch).
+GUARD = Guard([SKYRL_CORRECTION_IGNORED])
 
 
 def register(name: str = "offpolicy", correction: Correction = Correction(weights="mis", bounds=(0.5, 5.0))) -> None:
@@ -49,13 +69,30 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, co
     correction = _CORRECTIONS[name]
     b, t = log_probs.shape
     mask = torch.ones(b, t, dtype=torch.bool, device=log_probs.device) if loss_mask is None else loss_mask.bool()
+    flags = check_sampler_logprobs(GUARD, rollout_logprobs, mask, name="rollout_logprobs", trainer_logprobs=log_probs)
+    if GUARD.calls == 1 and (configured := skyrl_corrections_set(config)):
+        flags.update(GUARD.flag(SKYRL_CORRECTION_IGNORED, f"set: {', '.join(configured)}"))
     out = policy_loss_from_logprobs(
         log_probs.reshape(-1), rollout_logprobs.reshape(-1), advantages.reshape(-1), loss_mask=mask.reshape(-1),
         correction=correction, seq_ids=torch.arange(b, device=log_probs.device)[:, None].expand(b, t).reshape(-1),
         aggregation="constant", constant_normalizer=1.0,
         proximal_logprobs=old_log_probs.reshape(-1) if correction.ppo_clip is not None else None,
     )
-    return out.loss, {f"offpolicy/{k}": float(v) for k, v in out.metrics.items()}
+    return out.loss, {f"offpolicy/{k}": float(v) for k, v in {**out.metrics, **flags}.items()}
 
 
-__all__ = ["policy_loss", "register"]
+def skyrl_corrections_set(config: Any) -> list[str]:
+    """The SkyRL off-policy-correction options of ``config`` (``algorithm``) that are not at their neutral value,
+    as ``name=value``."""
+    opc = getattr(config, "off_policy_correction", None)
+    found = [f"off_policy_correction.{k}={getattr(opc, k)!r}" for k, off in _SKYRL_CORRECTION_OFF.items()
+             if opc is not None and getattr(opc, k, off) != off]
+    if getattr(config, "use_tis", False):
+        found.append("use_tis=True")
+    cap = getattr(config, "tis_imp_ratio_cap", -1.0)
+    if cap is not None and cap > 0:
+        found.append(f"tis_imp_ratio_cap={cap}")
+    return found
+
+
+__all__ = ["GUARD", "SKYRL_CORRECTION_IGNORED", "policy_loss", "register", "skyrl_corrections_set"]

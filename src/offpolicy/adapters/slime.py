@@ -30,6 +30,14 @@ are the uniform ``-log |S_t|``: they enter nothing but score centering, which th
 The :class:`~offpolicy.Correction` comes from ``args.offpolicy_correction`` (a Correction, or a dict of its
 fields, e.g. set by a ``--custom-config-path`` YAML), default token MIS ``[0.5, 5]`` with decoupled PPO at
 ``(args.eps_clip, args.eps_clip_high)`` on ``batch["log_probs"]``.
+
+Guards (:mod:`offpolicy.adapters.guard`): a filter with no support to replay is an error, ``--rollout-top-k > 0``
+without the support keys in ``policy_loss``, and ``--rollout-top-p < 1`` or ``--rollout-top-k > 0`` in the TIS hook
+(slime's loss is over the full vocabulary: every weight would be off by ``-log P(S_t)``). On the first micro-
+batches, then one in 50 (warned once, ``offpolicy/guard/<code>`` in the metrics): trained ``rollout_log_probs``
+above 0 are an error, all exactly 0 warn (``sampler_logprobs_zero``), and, where no support is replayed, above the
+trainer's (``batch["log_probs"]``, or the hook's ``train_log_probs``) on almost every token warn
+(``narrower_sampler``).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offpolicy.adapters.guard import Guard, check_sampler_logprobs
 from offpolicy.adapters.megatron import make_loss_func
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.logprobs import policy_loss_from_logprobs
@@ -49,6 +58,8 @@ from offpolicy.records.candidates import Candidates
 SUPPORT_KEYS = ("rollout_top_p_token_ids", "rollout_top_p_token_offsets")
 SUPPORT_LOGPROBS_KEY = "rollout_top_p_token_logprobs"
 HEAD_KEYS = ("rollout_head_token_ids", "rollout_head_token_logprobs")
+#: One guard per process (slime calls the loss per micro-batch).
+GUARD = Guard([])
 
 
 def _parallel():
@@ -167,6 +178,10 @@ def megatron_batch(args, batch: Mapping[str, Any], t: int, device, cp_size: int 
             raise ValueError(f"args.rollout_top_p={top_p} < 1 needs batch{list(SUPPORT_KEYS)} (the realised "
                              "support) for mask replay")
         kind = "support"
+    elif int(getattr(args, "rollout_top_k", -1) or -1) > 0:
+        raise ValueError(f"args.rollout_top_k={args.rollout_top_k} filters the sampler but the batch holds no "
+                         f"support record {list(SUPPORT_KEYS)} to replay: every ratio would be off by -log P(S_t); "
+                         "sample with --rollout-top-k -1 (or record the realised support under those keys)")
     elif all(k in batch for k in HEAD_KEYS):
         kind = "head"
     labels = torch.zeros(t, dtype=torch.long, device=device)
@@ -238,6 +253,8 @@ def policy_loss(args, batch: Mapping[str, Any], logits: Tensor,
     correction = correction_from_args(args)
     tp_group, _, cp_group, cp_size, cp_rank = _parallel()
     mb, kind = megatron_batch(args, batch, logits.shape[1], logits.device, cp_size, cp_rank)
+    flags = check_sampler_logprobs(GUARD, mb["sampler_logprobs"], mb["loss_mask"], name="batch['rollout_log_probs']",
+                                   trainer_logprobs=mb.get("proximal_logprobs") if kind != "support" else None)
     if correction.ppo_clip is None:
         mb.pop("proximal_logprobs", None)
     elif "proximal_logprobs" not in mb:
@@ -254,6 +271,7 @@ def policy_loss(args, batch: Mapping[str, Any], logits: Tensor,
     for name, value in report.items():
         v = value.detach().float().reshape(-1)
         metrics[f"offpolicy/{name}"] = v[0] / v[1].clamp_min(1) if v.numel() == 2 else v[0]
+    metrics.update({f"offpolicy/{k}": torch.tensor(v, device=logits.device) for k, v in flags.items()})
     return loss, metrics
 
 
@@ -274,6 +292,12 @@ def tis_function(args, pg_loss: Tensor, train_log_probs: Sequence[Tensor], rollo
     if correction.ppo_clip is not None or correction.score_centering or correction.opsm_delta is not None:
         raise ValueError("the TIS hook applies weights only: ppo_clip, score_centering and opsm_delta (which needs "
                          "advantages) belong to the full loss (offpolicy.adapters.slime.policy_loss)")
+    top_p, top_k = float(getattr(args, "rollout_top_p", 1.0)), int(getattr(args, "rollout_top_k", -1) or -1)
+    if top_p < 1.0 or top_k > 0:
+        raise ValueError(f"the TIS hook weights slime's full-vocabulary log-probs, which cannot replay the sampler's "
+                         f"filter (rollout_top_p={top_p}, rollout_top_k={top_k}): every weight would be off by "
+                         "-log P(S_t); use the full loss (--loss-type custom_loss --custom-loss-function-path "
+                         "offpolicy.adapters.slime.policy_loss) with the support record, or sample unfiltered")
     _, _, cp_group, cp_size, cp_rank = _parallel()
     device = pg_loss.device
     logp, lq, mask, seq = [], [], [], []
@@ -291,7 +315,10 @@ def tis_function(args, pg_loss: Tensor, train_log_probs: Sequence[Tensor], rollo
         correction=correction, seq_ids=torch.cat(seq), cp_group=cp_group,
     )
     metrics = {f"offpolicy/{k}": v.detach() for k, v in out.metrics.items()}
+    flags = check_sampler_logprobs(GUARD, torch.cat(lq), flat_mask, name="rollout_log_probs",
+                                   trainer_logprobs=torch.cat(logp))
+    metrics.update({f"offpolicy/{k}": torch.tensor(v, device=device) for k, v in flags.items()})
     return pg_loss * out.token_weight.to(pg_loss.dtype), list(loss_masks), metrics
 
 
-__all__ = ["correction_from_args", "megatron_batch", "policy_loss", "response_rows", "tis_function"]
+__all__ = ["GUARD", "correction_from_args", "megatron_batch", "policy_loss", "response_rows", "tis_function"]

@@ -19,7 +19,8 @@ What is recorded where (transformers generation, ``use_vllm=False``; for vLLM co
   filters nothing (``top_p=1``, ``top_k=0``, no ``min_p`` or masking option) the support is the whole vocabulary and
   the ``"logprobs"`` record is exact: the trainer then records no support (with score centering that is an error
   naming ``"head"``). Memory: ``12 K`` bytes per token (int64 id, fp32 log-prob), ``K`` the largest support of the
-  generation batch, plus one ``[B, V]`` fp32 transient per generated position.
+  generation batch, plus ``[B, V]`` transients per generated position: a bool mask and ``topk``'s work (a stable
+  sort's int64 order past :data:`TOPK_SUPPORT_MAX` ids).
 
 transformers runs a user ``logits_processor`` *before* its temperature/top-k/top-p warpers, so a processor cannot
 see the support; the record is taken from ``generate(..., output_scores=True)``, whose scores are post-warper
@@ -122,8 +123,17 @@ _FILTERS = frozenset({"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", 
                       "bad_words", "allowed_token_ids"})
 
 
+#: Widest support taken with one ``topk`` of the row; a wider one (an unpeaked sampler) takes a stable sort.
+TOPK_SUPPORT_MAX = 1024
+
+
 def records_from_scores(scores: Tensor, tokens: Tensor, record: str, head_k: int) -> tuple[Tensor, Candidates | None]:
     """The sampler's records of one generation step from its post-warper scores.
+
+    The support's ids come from one ``topk`` of width ``K`` (its largest size in the batch; the finite scores are
+    the largest) sorted back to ascending id, not from a sort of the whole row, unless ``K`` exceeds
+    :data:`TOPK_SUPPORT_MAX` or a non-finite score would displace a support entry. Its log-probabilities are
+    normalised over the gathered ``[B, K]`` scores (the entries outside the support contribute ``exp(-inf) = 0``).
 
     Args:
         scores: ``[B, V]`` float post-warper scores (``-inf`` outside the realised support).
@@ -133,26 +143,44 @@ def records_from_scores(scores: Tensor, tokens: Tensor, record: str, head_k: int
 
     Returns:
         ``(lq [B] fp32, candidates)``: ``candidates`` is ``None`` for ``"logprobs"``, else a ``[B, K]`` record
-        (``K = head_k`` for ``"head"``, the largest support size for ``"support"``; ``-1`` / ``-inf`` padding).
+        (``K = head_k`` for ``"head"``, the largest support size for ``"support"``; ``-1`` / ``-inf`` padding,
+        support ids ascending).
     """
-    logq = torch.log_softmax(scores.float(), dim=-1)
-    lq = logq.gather(1, tokens.long()[:, None])[:, 0]
-    if record == "logprobs":
-        return lq, None
-    finite = torch.isfinite(scores)
-    if record == "head":
-        if not bool(finite.all()):
+    tokens = tokens.long()[:, None]
+    if record != "support":
+        lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
+        lq = (scores.float().gather(1, tokens) - lse)[:, 0]
+        if record == "logprobs":
+            return lq, None
+        if not bool(torch.isfinite(scores).all()):
             raise ValueError("record='head' needs unfiltered sampling (top_p=1, top_k=0, min_p=None): the sampler "
                              "masked tokens; use record='support' to replay its support")
-        vals, ids = logq.topk(min(head_k, logq.shape[1]), dim=-1)
-        return lq, Candidates(ids, vals, kind="head")
-    width = int(finite.sum(dim=1).max())
-    # Finite entries first (stable), so each row's support fills its first |S_t| columns.
+        vals, ids = scores.topk(min(head_k, scores.shape[1]), dim=-1)
+        return lq, Candidates(ids, vals.float() - lse, kind="head")
+    ids, valid = _support_ids(scores)
+    gathered = torch.where(valid, scores.gather(1, ids.clamp(min=0)).float(), float("-inf"))
+    vals = torch.log_softmax(gathered, dim=-1)
+    lq = torch.where(ids == tokens, vals, float("-inf")).amax(dim=1)
+    return lq, Candidates(ids, vals, kind="support")
+
+
+def _support_ids(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """``(ids [B, K] int64, valid [B, K] bool)``: each row's finite-score ids ascending, then ``-1`` padding;
+    ``K`` the largest support of the batch."""
+    finite = torch.isfinite(scores)
+    sizes = finite.sum(dim=1)
+    width, v = int(sizes.max()), scores.shape[1]
+    if width <= TOPK_SUPPORT_MAX and width < v:
+        vals, ids = scores.topk(width, dim=1)
+        valid = torch.isfinite(vals)
+        if bool((valid.sum(dim=1) == sizes).all()):  # no +inf / nan displaced a support entry
+            key = torch.where(valid, ids, v).sort(dim=1).values
+            valid = key < v
+            return torch.where(valid, key, -1), valid
+    # Finite entries first (stable), so each row's support fills its first |S_t| columns in ascending id.
     order = torch.argsort((~finite).to(torch.int8), dim=1, stable=True)[:, :width]
     valid = finite.gather(1, order)
-    ids = torch.where(valid, order, torch.full_like(order, -1))
-    vals = torch.where(valid, logq.gather(1, order), torch.full_like(logq[:, :width], float("-inf")))
-    return lq, Candidates(ids, vals, kind="support")
+    return torch.where(valid, order, -1), valid
 
 
 def trl_surrogate(args: Any) -> dict[str, Any] | None:
@@ -443,20 +471,24 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         eos = torch.isin(generated, torch.tensor(self.eos_token_ids, device=device))
         lengths = torch.where(eos.any(1), eos.int().argmax(1) + 1, torch.full_like(eos[:, 0], eos.shape[1],
                                                                                  dtype=torch.long))
+        lq_rows = (torch.stack([lq for lq, _ in steps], dim=1).tolist() if steps
+                   else [[] for _ in range(generated.shape[0])])
+        if self.offpolicy_record != "logprobs":
+            # One [B, T, K] copy per step, then each row's [n, K_n] view (K_n: the widest of its n steps).
+            widths = [c.width for _, c in steps]
+            ids_all = torch.full((*generated.shape, max(widths, default=1)), -1, dtype=torch.long, device=device)
+            vals_all = torch.full(ids_all.shape, float("-inf"), device=device)
+            for t, (_, c) in enumerate(steps):
+                ids_all[:, t, :c.width] = c.ids
+                vals_all[:, t, :c.width] = c.logprobs
         completion_ids, lqs, records = [], [], []
         for b in range(generated.shape[0]):
             n = int(lengths[b])
             completion_ids.append(generated[b, :n].tolist())
-            lqs.append([float(steps[t][0][b]) for t in range(n)])
+            lqs.append(lq_rows[b][:n])
             if self.offpolicy_record != "logprobs":
-                width = max(steps[t][1].width for t in range(n)) if n else 1
-                ids = torch.full((n, width), -1, dtype=torch.long, device=device)
-                vals = torch.full((n, width), float("-inf"), device=device)
-                for t in range(n):
-                    c = steps[t][1]
-                    ids[t, :c.width] = c.ids[b]
-                    vals[t, :c.width] = c.logprobs[b]
-                records.append((ids, vals))
+                width = max(widths[:n]) if n else 1
+                records.append((ids_all[b, :n, :width].clone(), vals_all[b, :n, :width].clone()))
         self._offpolicy_pending = records if self.offpolicy_record != "logprobs" else None
         return completion_ids, lqs
 
