@@ -345,3 +345,19 @@ def test_nan_entropy_on_a_trained_token_is_refused():
     out = op.policy_loss_from_logprobs(lp, lq, adv, entropy=torch.tensor([float("nan"), 1.0]),
                                        loss_mask=torch.tensor([False, True]))
     assert float(out.metrics["entropy"]) == 1.0
+
+
+def test_hidden_whose_logit_overflows_to_plus_inf_is_refused(batch):
+    """The fused-linear path has no logits to read for an overflow, so its NaN entropy is what flags a row whose
+    ``hidden @ weight.T`` reaches ``+inf`` (finite inputs, fp32 overflow): the sampled token, not the one at
+    ``+inf``, would otherwise get ``log p = -inf`` without a word."""
+    _, y, lq, adv, cands = batch
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(6, 4, generator=gen), torch.randn(20, 4, generator=gen)
+    hidden[2] = torch.tensor([3e38, 0.0, 0.0, 0.0])
+    weight[:, 0] = -1.0
+    tok = int(y[2])
+    weight[(tok + 1) % 20, 0] = 10.0  # row 2's logit there is 3e39: +inf in fp32; every other logit is -3e38
+    assert torch.isposinf(hidden[2] @ weight.T).sum() == 1
+    with pytest.raises(ValueError, match="hidden @ weight.T .* in row 2"):
+        op.policy_loss(hidden=hidden, weight=weight, tokens=y, sampler_logprobs=lq, advantages=adv, candidates=cands)
