@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
 from offpolicy.demo.report import mean_ci, paired, predictions_text, seed_spread_table, seeds_needed, summarize
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mean_ci_is_the_student_t_interval():
@@ -31,13 +34,13 @@ def _run(arm: str, fleet: str, seed: int, success: list[float], kl: list[float],
 
 def test_collapse_and_kl_blowup_flags():
     s = summarize(_run("grpo", "mixed", 0, [0.25, 0.2, 0.12], [0.01] * 10 + [0.03] * 10))
-    assert s["collapsed"] and s["success_change"] == pytest.approx(-0.13)
-    assert s["kl_blowup"] and s["kl_growth"] == pytest.approx(3.0)
+    assert s.collapsed and s.success_change == pytest.approx(-0.13)
+    assert s.kl_blowup and s.kl_growth == pytest.approx(3.0)
     s = summarize(_run("grpo", "mixed", 0, [0.25, 0.2, 0.13], [0.01] * 20))
-    assert not s["collapsed"] and not s["kl_blowup"]
+    assert not s.collapsed and not s.kl_blowup
     # float noise (the on-policy control's KL) tripling is no blow-up
     s = summarize(_run("grpo", "onpolicy", 0, [0.25, 0.3], [1e-11] * 10 + [3e-11] * 10))
-    assert not s["kl_blowup"] and math.isnan(s["kl_growth"])
+    assert not s.kl_blowup and math.isnan(s.kl_growth)
 
 
 def test_paired_differences_use_shared_seeds_only():
@@ -45,8 +48,8 @@ def test_paired_differences_use_shared_seeds_only():
                for s, v in enumerate([0.30, 0.32, 0.31])]
     summary += [summarize(_run("grpo", "mixed", s, [0.25, v], [0.01] * 10)) for s, v in enumerate([0.28, 0.31])]
     d = paired(summary, "sc_mis@mixed", "grpo@mixed")
-    assert d["seeds"] == 2 and d["diff"] == pytest.approx(0.015)
-    assert d["ci"] == pytest.approx(12.706 * statistics.stdev([0.02, 0.01]) / math.sqrt(2))
+    assert d.seeds == 2 and d.diff == pytest.approx(0.015)
+    assert d.ci == pytest.approx(12.706 * statistics.stdev([0.02, 0.01]) / math.sqrt(2))
     assert paired(summary, "sc_mis@mixed", "grpo@homogeneous") is None
 
 
@@ -91,10 +94,10 @@ def test_seed_spread_uses_the_primary_outcome_paired():
     (row,) = seed_spread_table(runs)
     # success_mean averages the evaluations after the start: per seed 0.28 + 0.01 s and 0.30 + 0.005 s
     diffs = [(0.28 + 0.01 * s) - (0.30 + 0.005 * s) for s in range(3)]
-    assert (row["a"], row["b"], row["seeds"]) == ("grpo@mixed", "grpo@onpolicy", 3)
-    assert row["diff"] == pytest.approx(statistics.fmean(diffs))
-    assert row["sd"] == pytest.approx(statistics.stdev(diffs))
-    assert row["seeds_needed"] == seeds_needed(row["sd"], 0.01)
+    assert (row.a, row.b, row.seeds) == ("grpo@mixed", "grpo@onpolicy", 3)
+    assert row.diff == pytest.approx(statistics.fmean(diffs))
+    assert row.sd == pytest.approx(statistics.stdev(diffs))
+    assert row.seeds_needed == seeds_needed(row.sd, 0.01)
 
 
 def test_current_predictions_headline_margins_and_void_rule():
@@ -117,3 +120,36 @@ def test_current_predictions_headline_margins_and_void_rule():
     flat = [_run_now("grpo", "onpolicy", s, [0.25, 0.24 + 0.001 * s]) for s in range(3)] + runs[3:]
     text = predictions_text(flat)
     assert "VOID" in text.splitlines()[0] and "| hit |" not in text and "| void |" in text
+
+
+@pytest.mark.parametrize("folder", ["quick", "earlier_quick", "earlier_full"])
+def test_report_only_regenerates_the_committed_tables_byte_for_byte(folder, tmp_path, capsys):
+    from offpolicy.__main__ import main as cli_main
+
+    committed = ROOT / "docs" / "demo_results" / folder
+    assert cli_main(["demo", "--report-only", str(committed / "runs.json.gz"), "--out", str(tmp_path),
+                     "--no-plots"]) == 0
+    names = [n for n in ("tables.md", "summary.csv", "configs.csv", "groups.csv") if (committed / n).exists()]
+    assert "tables.md" in names
+    for name in names:
+        assert (tmp_path / name).read_bytes() == (committed / name).read_bytes(), f"{folder}/{name} differs"
+
+
+def test_registered_claims_name_real_configurations():
+    """Every claim of both registrations has its own label and names configurations the demo can run."""
+    from dataclasses import fields
+
+    from offpolicy.demo.arms import ARMS
+    from offpolicy.demo.predictions import CURRENT, EARLIER
+    from offpolicy.demo.simulated_fleet import FLEETS, WEIGHT_FORMATS
+
+    for registration in (CURRENT, EARLIER):
+        labels = [c.label for c in registration.claims]
+        assert len(set(labels)) == len(labels)
+        for claim in registration.claims:
+            for f in fields(claim):
+                value = getattr(claim, f.name)
+                if f.name in ("a", "b", "config", "base"):
+                    arm, _, fleet = value.partition("@")
+                    fleet, _, fmt = fleet.partition(":")
+                    assert arm in ARMS and fleet in FLEETS and (not fmt or fmt in WEIGHT_FORMATS), (claim, value)

@@ -265,7 +265,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                                    _base_config(args))
             runs = _execute(cal_configs, task, model_cfg, state, args.workers,
                             _Progress(len(cal_configs) * args.steps, len(cal_configs)), lambda done: None)
-            calibration["seed_spread"] = seed_spread_table(runs)
+            calibration["seed_spread"] = [asdict(row) for row in seed_spread_table(runs)]
             # The calibration runs' histories, so that the spread table can be re-derived from the files.
             with gzip.open(out / "calibration_runs.json.gz", "wt") as f:
                 json.dump({"meta": meta, "runs": runs}, f)

@@ -10,6 +10,10 @@ pre-registered criterion (see :data:`COLLAPSE_FRACTION`, :data:`KL_GROWTH`); mis
 probe's mean read-outs; the mean step KL; peak gradient norm; final entropy.
 Per configuration (:func:`aggregate`): mean and 95 % t-interval over seeds. Paired (:func:`paired`): the mean
 per-seed difference of the final exact success between two configurations, with its 95 % t-interval.
+
+Each table's rows are a dataclass (:class:`RunSummary`, :class:`ConfigSummary`, :class:`PairedDifference`,
+:class:`GroupRow`, :class:`SeedSpread`); their ``columns()`` name the CSV and markdown columns. The pre-registered
+predictions are data in :mod:`offpolicy.demo.predictions`, judged by :mod:`offpolicy.demo.claims`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import gzip
 import json
 import math
 import statistics
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 #: A run *collapses* when its final exact held-out success falls below this fraction of its start.
@@ -85,32 +90,91 @@ def is_earlier_regime(results: list[dict]) -> bool:
     return bool(results) and "grad_norm" in results[0]["history"][0]
 
 
-def summarize(result: dict) -> dict:
-    """One row of scalars for one run. ``success_mean`` is the registered primary outcome: the mean exact
-    held-out success over the evaluations after the start (step > 0)."""
+def _columns(row) -> dict:
+    """A row's named columns in field order, for the CSV files and the markdown tables; a ``dict`` field (the drift
+    read-outs, a configuration's estimates) spreads into its own columns in place, an :class:`Estimate` into
+    ``<key>`` and ``<key>_ci``."""
+    out: dict = {}
+    for f in fields(row):
+        value = getattr(row, f.name)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                out.update({k: v.mean, f"{k}_ci": v.ci} if isinstance(v, Estimate) else {k: v})
+        else:
+            out[f.name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run's scalars (:func:`summarize`). ``success_mean`` is the registered primary outcome: the mean exact
+    held-out success over the evaluations after the start (step > 0); ``drift`` holds the drift probe's mean
+    read-outs by their record names (``drift_along_pos`` ..., or the earlier regime's ``drift_along`` ...)."""
+
+    run_id: str
+    config: str
+    arm: str
+    label: str
+    fleet: str
+    weight_format: str
+    seed: int
+    steps: int
+    success_start: float
+    success_end: float
+    success_change: float
+    success_mean: float
+    success_min: float
+    pass1_end: float
+    train_reward_end: float
+    collapsed: bool
+    kl_full: float
+    kl_growth: float
+    kl_blowup: bool
+    extreme_full: float
+    tv: float
+    kl_k3_loss: float
+    extreme_loss: float
+    step_kl: float
+    staleness: float
+    drift: dict[str, float]
+    peak_grad_norm: float
+    grad_growth: float
+    entropy_start: float
+    final_entropy: float
+
+    def value(self, key: str) -> float:
+        """The scalar named ``key`` (a field, or a ``drift_*`` read-out)."""
+        return self.drift[key] if key.startswith("drift_") else getattr(self, key)
+
+    def columns(self) -> dict:
+        return _columns(self)
+
+
+def summarize(result: dict) -> RunSummary:
+    """One row of scalars for one run (a per-run result dict of :func:`offpolicy.demo.train.run`)."""
     h, ev, cfg = result["history"], result["evals"], result["config"]
     col = {k: [r[k] for r in h] for k in h[0]}
     start, end = ev[0]["success_exact"], ev[-1]["success_exact"]
     kl_first, kl_last = _mean(_tenth(col["kl_full"], False)), _mean(_tenth(col["kl_full"], True))
     gn = _grad_norms(col)
     gn_first = _mean(_tenth(gn, False))
-    return {
-        "run_id": result["run_id"], "config": config_key(cfg), "arm": cfg["arm"], "label": result["label"],
-        "fleet": cfg["fleet"], "weight_format": cfg["weight_format"], "seed": cfg["seed"], "steps": len(h),
-        "success_start": start, "success_end": end, "success_change": end - start,
-        "success_mean": _mean([e["success_exact"] for e in ev if e["step"] > 0]),
-        "success_min": min(e["success_exact"] for e in ev),
-        "pass1_end": ev[-1]["pass@1"], "train_reward_end": _mean(_tenth(col["reward"], True)),
-        "collapsed": end < COLLAPSE_FRACTION * start,
-        "kl_full": _mean(col["kl_full"]), "kl_growth": kl_last / kl_first if kl_first > KL_FLOOR else float("nan"),
-        "kl_blowup": kl_first > KL_FLOOR and kl_last >= KL_GROWTH * kl_first,
-        "extreme_full": _mean(col["extreme_full"]), "tv": _mean(col["tv"]),
-        "kl_k3_loss": _mean(col["kl_k3_loss"]), "extreme_loss": _mean(col["extreme_loss"]),
-        "step_kl": _mean(col["step_kl"]), "staleness": _mean(col["staleness"]),
-        **{k: _mean([e[k] for e in ev]) for k in ev[0] if k.startswith("drift_")},
-        "peak_grad_norm": max(gn), "grad_growth": max(gn) / gn_first if gn_first > 0 else float("nan"),
-        "entropy_start": _mean(_tenth(col["entropy"], False)), "final_entropy": _mean(_tenth(col["entropy"], True)),
-    }
+    return RunSummary(
+        run_id=result["run_id"], config=config_key(cfg), arm=cfg["arm"], label=result["label"],
+        fleet=cfg["fleet"], weight_format=cfg["weight_format"], seed=cfg["seed"], steps=len(h),
+        success_start=start, success_end=end, success_change=end - start,
+        success_mean=_mean([e["success_exact"] for e in ev if e["step"] > 0]),
+        success_min=min(e["success_exact"] for e in ev),
+        pass1_end=ev[-1]["pass@1"], train_reward_end=_mean(_tenth(col["reward"], True)),
+        collapsed=end < COLLAPSE_FRACTION * start,
+        kl_full=_mean(col["kl_full"]), kl_growth=kl_last / kl_first if kl_first > KL_FLOOR else float("nan"),
+        kl_blowup=kl_first > KL_FLOOR and kl_last >= KL_GROWTH * kl_first,
+        extreme_full=_mean(col["extreme_full"]), tv=_mean(col["tv"]),
+        kl_k3_loss=_mean(col["kl_k3_loss"]), extreme_loss=_mean(col["extreme_loss"]),
+        step_kl=_mean(col["step_kl"]), staleness=_mean(col["staleness"]),
+        drift={k: _mean([e[k] for e in ev]) for k in ev[0] if k.startswith("drift_")},
+        peak_grad_norm=max(gn), grad_growth=max(gn) / gn_first if gn_first > 0 else float("nan"),
+        entropy_start=_mean(_tenth(col["entropy"], False)), final_entropy=_mean(_tenth(col["entropy"], True)),
+    )
 
 
 AGG_KEYS = ("success_start", "success_end", "success_change", "success_mean", "pass1_end", "train_reward_end",
@@ -118,36 +182,81 @@ AGG_KEYS = ("success_start", "success_end", "success_change", "success_mean", "p
             "grad_growth", "entropy_start", "final_entropy")
 
 
-def aggregate(summary: list[dict]) -> list[dict]:
-    """Per configuration: seeds, collapses, and ``<key>`` / ``<key>_ci`` (mean, 95 % half-width) per key."""
-    by: dict[str, list[dict]] = {}
+@dataclass(frozen=True)
+class Estimate:
+    """A mean over seeds and the half-width of its 95 % interval (nan for one seed)."""
+
+    mean: float
+    ci: float
+
+
+@dataclass(frozen=True)
+class ConfigSummary:
+    """One configuration over its seeds (:func:`aggregate`): how many seeds collapsed or blew up, and an
+    :class:`Estimate` per key of :data:`AGG_KEYS` and per drift read-out."""
+
+    config: str
+    arm: str
+    label: str
+    fleet: str
+    weight_format: str
+    seeds: int
+    collapsed: int
+    kl_blowup: int
+    estimates: dict[str, Estimate]
+
+    def mean(self, key: str) -> float:
+        return self.estimates[key].mean
+
+    def ci(self, key: str) -> float:
+        return self.estimates[key].ci
+
+    def columns(self) -> dict:
+        return _columns(self)
+
+
+def aggregate(summary: list[RunSummary]) -> list[ConfigSummary]:
+    """Per configuration, in the order of first appearance: seeds, collapses and the estimates."""
+    by: dict[str, list[RunSummary]] = {}
     for s in summary:
-        by.setdefault(s["config"], []).append(s)
+        by.setdefault(s.config, []).append(s)
     out = []
     for key, rows in by.items():
-        row = {"config": key, "arm": rows[0]["arm"], "label": rows[0]["label"], "fleet": rows[0]["fleet"],
-               "weight_format": rows[0]["weight_format"], "seeds": len(rows),
-               "collapsed": sum(r["collapsed"] for r in rows), "kl_blowup": sum(r["kl_blowup"] for r in rows)}
-        for k in AGG_KEYS + _drift_keys(rows):
-            row[k], row[f"{k}_ci"] = mean_ci([r[k] for r in rows])
-        out.append(row)
+        first = rows[0]
+        out.append(ConfigSummary(
+            config=key, arm=first.arm, label=first.label, fleet=first.fleet, weight_format=first.weight_format,
+            seeds=len(rows), collapsed=sum(r.collapsed for r in rows), kl_blowup=sum(r.kl_blowup for r in rows),
+            estimates={k: Estimate(*mean_ci([r.value(k) for r in rows])) for k in AGG_KEYS + _drift_keys(rows)}))
     return out
 
 
-def _drift_keys(rows: list[dict]) -> tuple[str, ...]:
-    return tuple(k for k in rows[0] if k.startswith("drift_")) if rows else ()
+def _drift_keys(rows: list[RunSummary]) -> tuple[str, ...]:
+    return tuple(rows[0].drift) if rows else ()
 
 
-def paired(summary: list[dict], a: str, b: str, key: str = "success_end") -> dict | None:
+@dataclass(frozen=True)
+class PairedDifference:
+    """The mean per-seed difference ``a - b`` of ``key`` over ``seeds`` shared seeds, with the half-width ``ci`` of
+    its 95 % interval (:func:`paired`)."""
+
+    a: str
+    b: str
+    key: str
+    seeds: int
+    diff: float
+    ci: float
+
+
+def paired(summary: list[RunSummary], a: str, b: str, key: str = "success_end") -> PairedDifference | None:
     """Mean per-seed difference ``a - b`` of ``key`` over the seeds both configurations ran, with its 95 %
     interval; None when they share no seed."""
-    va = {s["seed"]: s[key] for s in summary if s["config"] == a}
-    vb = {s["seed"]: s[key] for s in summary if s["config"] == b}
+    va = {s.seed: s.value(key) for s in summary if s.config == a}
+    vb = {s.seed: s.value(key) for s in summary if s.config == b}
     seeds = sorted(set(va) & set(vb))
     if not seeds:
         return None
     mean, ci = mean_ci([va[s] - vb[s] for s in seeds])
-    return {"a": a, "b": b, "key": key, "seeds": len(seeds), "diff": mean, "ci": ci}
+    return PairedDifference(a=a, b=b, key=key, seeds=len(seeds), diff=mean, ci=ci)
 
 
 #: The smallest difference of the primary outcome worth showing, and the equivalence margin of "holds" claims
@@ -169,30 +278,70 @@ def seeds_needed(sd: float, delta: float, equivalence: bool = False) -> int:
     return max(2, math.ceil((z * sd / delta) ** 2 + _Z975 ** 2 / 2))
 
 
-def seed_spread_table(results: list[dict]) -> list[dict]:
+@dataclass(frozen=True)
+class SeedSpread:
+    """One pair of :func:`seed_spread_table`: the paired differences' mean and sd over ``seeds`` seeds, and the
+    seeds a paired test needs to detect ``delta`` and to show equivalence within it."""
+
+    a: str
+    b: str
+    seeds: int
+    diff: float
+    sd: float
+    delta: float
+    seeds_needed: int
+    seeds_needed_equiv: int
+
+
+def seed_spread_table(results: list[dict]) -> list[SeedSpread]:
     """Per pair (every configuration against the on-policy control and against GRPO on its fleet): the paired
     differences of the primary outcome over the seeds both ran, their sd, and :func:`seeds_needed` for
     :data:`DELTA`."""
     summary = [summarize(r) for r in results]
-    configs = list(dict.fromkeys(s["config"] for s in summary))
+    configs = list(dict.fromkeys(s.config for s in summary))
     pairs = [(c, "grpo@onpolicy") for c in configs if c != "grpo@onpolicy"]
     pairs += [(c, c.replace(c.split("@")[0] + "@", "grpo@", 1)) for c in configs
               if not c.startswith("grpo@") and c.replace(c.split("@")[0] + "@", "grpo@", 1) in configs]
     out = []
     for a, b in pairs:
-        va = {s["seed"]: s["success_mean"] for s in summary if s["config"] == a}
-        vb = {s["seed"]: s["success_mean"] for s in summary if s["config"] == b}
+        va = {s.seed: s.success_mean for s in summary if s.config == a}
+        vb = {s.seed: s.success_mean for s in summary if s.config == b}
         d = [va[k] - vb[k] for k in sorted(set(va) & set(vb))]
         if len(d) < 2:
             continue
         sd = statistics.stdev(d)
-        out.append({"a": a, "b": b, "seeds": len(d), "diff": statistics.fmean(d), "sd": sd, "delta": DELTA,
-                    "seeds_needed": seeds_needed(sd, DELTA),
-                    "seeds_needed_equiv": seeds_needed(sd, DELTA, equivalence=True)})
+        out.append(SeedSpread(a=a, b=b, seeds=len(d), diff=statistics.fmean(d), sd=sd, delta=DELTA,
+                              seeds_needed=seeds_needed(sd, DELTA),
+                              seeds_needed_equiv=seeds_needed(sd, DELTA, equivalence=True)))
     return out
 
 
-def group_table(results: list[dict]) -> list[dict]:
+@dataclass(frozen=True)
+class GroupRow:
+    """One sampler group of one mixed-fleet configuration (:func:`group_table`), averaged over its ``runs``."""
+
+    config: str
+    group: str
+    weights: str
+    runs: int
+    capacity_share: float
+    share_samples: float
+    share_extreme: float
+    extreme_frac: float
+    kl_full: float
+    tv: float
+    share_extreme_loss: float
+    kl_k3_loss: float
+
+    def columns(self) -> dict:
+        return _columns(self)
+
+
+_GROUP_KEYS = ("capacity_share", "share_samples", "share_extreme", "extreme_frac", "kl_full", "tv",
+               "share_extreme_loss", "kl_k3_loss")
+
+
+def group_table(results: list[dict]) -> list[GroupRow]:
     """The study's per-group table for every run on the mixed fleet, averaged over seeds per configuration."""
     by: dict[tuple[str, str], list[dict]] = {}
     for r in results:
@@ -200,14 +349,8 @@ def group_table(results: list[dict]) -> list[dict]:
             continue
         for g in r["groups"]:
             by.setdefault((config_key(r["config"]), g["group"]), []).append(g)
-    out = []
-    for (cfg, group), gs in by.items():
-        row = {"config": cfg, "group": group, "weights": gs[0]["weights"], "runs": len(gs)}
-        for k in ("capacity_share", "share_samples", "share_extreme", "extreme_frac", "kl_full", "tv",
-                  "share_extreme_loss", "kl_k3_loss"):
-            row[k] = _mean([g[k] for g in gs])
-        out.append(row)
-    return out
+    return [GroupRow(config=cfg, group=group, weights=gs[0]["weights"], runs=len(gs),
+                     **{k: _mean([g[k] for g in gs]) for k in _GROUP_KEYS}) for (cfg, group), gs in by.items()]
 
 
 def _fmt(x, ci=None, digits: int = 3) -> str:
@@ -226,7 +369,8 @@ def _fmt(x, ci=None, digits: int = 3) -> str:
 
 
 def markdown_table(rows: list[dict], cols: list[tuple[str, str]], ci: bool = False) -> str:
-    """A markdown table of ``rows`` with ``(key, header)`` columns; ``ci``: append ``± <key>_ci`` when present."""
+    """A markdown table of ``rows`` (named columns: a row's ``columns()``, or a record of a JSON file) with
+    ``(key, header)`` columns; ``ci``: append ``± <key>_ci`` when present."""
     lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(k), r.get(f"{k}_ci") if ci else None) for k, _ in cols) + " |")
@@ -238,139 +382,64 @@ def tables_text(results: list[dict]) -> str:
     differences against uncorrected GRPO on the same fleet and format."""
     summary = [summarize(r) for r in results]
     agg = aggregate(summary)
+    table = [a.columns() for a in agg]
     key = "success_end" if is_earlier_regime(results) else "success_mean"
     parts = ["Outcome (exact held-out success by teacher forcing; mean ± 95 % interval over seeds):",
-             markdown_table(agg, [("config", "configuration"), ("seeds", "seeds"), ("success_start", "start"),
+             markdown_table(table, [("config", "configuration"), ("seeds", "seeds"), ("success_start", "start"),
                                   ("success_end", "end"), ("success_change", "change"),
                                   ("success_mean", "mean after start (primary)"),
                                   ("pass1_end", "sampled pass@1"), ("collapsed", "collapsed"),
                                   ("kl_blowup", "KL x3")], ci=True),
              "", "Mismatch on full distributions (every arm alike) and the loss's own view (top-p: support):",
-             markdown_table(agg, [("config", "configuration"), ("kl_full", "KL(q||p)"),
+             markdown_table(table, [("config", "configuration"), ("kl_full", "KL(q||p)"),
                                   ("extreme_full", "ratio outside [0.2, 5]"), ("kl_growth", "KL last/first"),
                                   ("kl_k3_loss", "loss KL k3"), ("extreme_loss", "loss extreme"),
                                   ("step_kl", "step KL")], ci=True),
              "", "Gradient norm (before clipping) and entropy:",
-             markdown_table(agg, [("config", "configuration"), ("peak_grad_norm", "peak grad norm"),
+             markdown_table(table, [("config", "configuration"), ("peak_grad_norm", "peak grad norm"),
                                   ("grad_growth", "peak / first tenth"), ("entropy_start", "entropy, first tenth"),
                                   ("final_entropy", "last tenth")], ci=True),
              "", "Drift probe (mean over evaluations; _pos: correct prefixes, a = +1; _neg: wrong prefixes, a = -1; "
                  "a = -1 only in the earlier regime): <u, q - p>, mass moved onto masked ids, onto the tail:",
-             markdown_table(agg, [("config", "configuration")]
+             markdown_table(table, [("config", "configuration")]
                             + [(k, k.removeprefix("drift_")) for k in _drift_keys(summary) if k != "drift_kl_qp"],
                             ci=True)]
     pairs = []
     for row in agg:
-        base = row["config"].replace(f"{row['arm']}@", "grpo@", 1)
-        if row["arm"] != "grpo" and any(a["config"] == base for a in agg):
-            d = paired(summary, row["config"], base, key)
+        base = row.config.replace(f"{row.arm}@", "grpo@", 1)
+        if row.arm != "grpo" and any(a.config == base for a in agg):
+            d = paired(summary, row.config, base, key)
             if d is not None:
                 pairs.append(d)
     if pairs:
         parts += ["", f"Paired differences of {'final' if key == 'success_end' else 'mean'} exact success against "
                       "GRPO on the same fleet (same seeds):",
-                  markdown_table([dict(p, diff_ci=p["ci"]) for p in pairs],
+                  markdown_table([dict(_columns(p), diff_ci=p.ci) for p in pairs],
                                  [("a", "configuration"), ("b", "minus"), ("seeds", "seeds"), ("diff", "difference")],
                                  ci=True)]
     return "\n".join(parts) + "\n"
 
 
-def _pair_text(d: dict | None) -> str:
+def _pair_text(d: PairedDifference | None) -> str:
     if d is None:
         return "not run"
-    return f"{d['diff']:+.4f} ± {d['ci']:.4f} (n = {d['seeds']})"
+    return f"{d.diff:+.4f} ± {d.ci:.4f} (n = {d.seeds})"
 
 
-def _interval_sign(d: dict | None) -> int:
+def _interval_sign(d: PairedDifference | None) -> int:
     """+1 / -1 when the paired interval lies entirely above / below 0, 0 when it contains 0 (or is missing)."""
-    if d is None or math.isnan(d["ci"]):
+    if d is None or math.isnan(d.ci):
         return 0
-    return 1 if d["diff"] - d["ci"] > 0 else -1 if d["diff"] + d["ci"] < 0 else 0
+    return 1 if d.diff - d.ci > 0 else -1 if d.diff + d.ci < 0 else 0
 
 
 def predictions_text(results: list[dict]) -> str:
     """The pre-registered predictions of docs/demo.md judged from the histories: the current registration's, or
-    the earlier regime's for its histories."""
-    from offpolicy.demo.predictions import judge
+    the earlier regime's for its histories (both listed in :mod:`offpolicy.demo.predictions`)."""
+    from offpolicy.demo.claims import judge
+    from offpolicy.demo.predictions import CURRENT, EARLIER
 
-    return _earlier_predictions_text(results) if is_earlier_regime(results) else judge(results)
-
-
-def _earlier_predictions_text(results: list[dict]) -> str:
-    """The earlier regime's registration (docs/demo.md, "Earlier regime"), each judged hit / miss / not run."""
-    summary = [summarize(r) for r in results]
-    agg = {a["config"]: a for a in aggregate(summary)}
-    runs = {c: [s for s in summary if s["config"] == c] for c in agg}
-    rows: list[tuple[str, str, str]] = []
-
-    def verdict(ok: bool | None, ci: float = 0.0) -> str:
-        if ok is None:
-            return "not run"
-        if math.isnan(ci):
-            return "undecided (one seed: no interval)"
-        return "hit" if ok else "miss"
-
-    c = agg.get("grpo@onpolicy")
-    rows.append(("1 on-policy control does not degrade, rises",
-                 "not run" if c is None else
-                 f"exact success change {_fmt(c['success_change'], c['success_change_ci'], 4)}",
-                 verdict(None if c is None else c["success_change"] - c["success_change_ci"] > 0,
-                         0.0 if c is None else c["success_change_ci"])))
-    n_col = sum(s["collapsed"] for s in summary)
-    n_kl = sum(s["kl_blowup"] for s in summary)
-    rows.append(("2 no run collapses, no KL blow-up", f"{n_col} of {len(summary)} runs collapse, {n_kl} blow up",
-                 verdict(n_col == 0 and n_kl == 0)))
-    for label, a, b, want in (("3 GRPO mixed below on-policy", "grpo@mixed", "grpo@onpolicy", -1),
-                              ("4 SC+MIS mixed above GRPO mixed", "sc_mis@mixed", "grpo@mixed", 1),
-                              ("7 GRPO homogeneous within interval of on-policy", "grpo@homogeneous",
-                               "grpo@onpolicy", 0)):
-        d = paired(summary, a, b) if a in agg and b in agg else None
-        rows.append((label, f"paired final exact success {a} - {b}: {_pair_text(d)}",
-                     verdict(None if d is None else _interval_sign(d) == want, 0.0 if d is None else d["ci"])))
-    g_m, g_h = agg.get("grpo@mixed"), agg.get("grpo@homogeneous")
-    m_mis = agg.get("grpo_mis@mixed")
-    sc = [agg[k] for k in ("sc_mis@mixed", "sc_mis_topp@mixed") if k in agg]
-    if g_m is not None and g_h is not None and m_mis is not None and sc:
-        along_neg = all(s["drift_along"] < 0 for k in ("grpo@mixed", "grpo@homogeneous") for s in runs[k])
-        mis_up = all(s["drift_masked_mass"] > 0 for s in runs["grpo_mis@mixed"])
-        sc_small = all(abs(a["drift_along"]) < 0.05 * abs(g_m["drift_along"]) for a in sc)
-        text = (f"<u, q-p>: GRPO mixed {_fmt(g_m['drift_along'], None, 3)}, homogeneous "
-                f"{_fmt(g_h['drift_along'], None, 3)}; GRPO+MIS d p(masked) {_fmt(m_mis['drift_masked_mass'])}; "
-                + ", ".join(f"{a['config']} <u, q-p> {_fmt(a['drift_along'])}" for a in sc))
-        rows.append(("5 drift probe", text, verdict(along_neg and abs(g_m["drift_along"]) > abs(g_h["drift_along"])
-                                                    and mis_up and sc_small)))
-    else:
-        rows.append(("5 drift probe", "not run", "not run"))
-    fmts = ("bf16", "fp8", "nvfp4", "mxfp4")
-    sweep = [agg.get(f"grpo@mixed:{f}") for f in fmts]
-    if all(x is not None for x in sweep):
-        kls = [x["kl_full"] for x in sweep]
-        d = paired(summary, "grpo@mixed:mxfp4", "grpo@mixed:bf16")
-        rows.append(("6 dose-response",
-                     "KL " + " < ".join(f"{f} {_fmt(k)}" for f, k in zip(fmts, kls))
-                     + f"; paired final exact success mxfp4 - bf16: {_pair_text(d)}",
-                     verdict(all(a < b for a, b in zip(kls, kls[1:])) and _interval_sign(d) == -1, d["ci"])))
-    else:
-        rows.append(("6 dose-response", "not run (sweep incomplete)", "not run"))
-    if g_m is not None and g_h is not None:
-        ratio = g_m["kl_full"] / g_h["kl_full"]
-        rows.append(("8 mixed KL >= 5x homogeneous (GRPO)",
-                     f"{_fmt(g_m['kl_full'])} / {_fmt(g_h['kl_full'])} = {ratio:.1f}x", verdict(ratio >= 5)))
-    gt = [g for g in group_table(results) if g["config"] == "sc_mis_topp@mixed"]
-    if gt:
-        nv = [g for g in gt if g["weights"] == "nvfp4"]
-        bf = [g for g in gt if g["weights"] == "bf16"]
-        nv_s, nv_e = sum(g["share_samples"] for g in nv), sum(g["share_extreme"] for g in nv)
-        bf_s, bf_e = sum(g["share_samples"] for g in bf), sum(g["share_extreme"] for g in bf)
-        rows.append(("9 per group: NVFP4 over, BF16 under their sample share",
-                     f"NVFP4 samples {nv_s:.3f} extreme {nv_e:.3f}; BF16 samples {bf_s:.3f} extreme {bf_e:.3f}",
-                     verdict(nv_e > nv_s and bf_e < bf_s)))
-    else:
-        rows.append(("9 per group", "not run", "not run"))
-    rows.sort(key=lambda r: int(r[0].split()[0]))
-    lines = ["| prediction | measured | verdict |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    return "\n".join(lines) + "\n"
+    return judge(results, EARLIER if is_earlier_regime(results) else CURRENT)
 
 
 def _rounded(x, digits: int = 6):
@@ -408,9 +477,9 @@ def write_outputs(results: list[dict], out: Path, meta: dict, calibration: dict 
     files = {name: out / name for name in ("runs.json.gz", "summary.csv", "configs.csv", "groups.csv", "tables.md")}
     with gzip.open(files["runs.json.gz"], "wt") as f:
         json.dump(stored, f)
-    _write_csv(files["summary.csv"], summary)
-    _write_csv(files["configs.csv"], aggregate(summary))
-    _write_csv(files["groups.csv"], group_table(results))
+    _write_csv(files["summary.csv"], [s.columns() for s in summary])
+    _write_csv(files["configs.csv"], [a.columns() for a in aggregate(summary)])
+    _write_csv(files["groups.csv"], [g.columns() for g in group_table(results)])
     files["tables.md"].write_text(tables_text(results) + "\nPre-registered predictions (docs/demo.md):\n"
                                   + predictions_text(results))
     if plots:
@@ -589,17 +658,17 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
     plt.close(fig)
 
     gt = group_table(results)
-    cfgs = list(dict.fromkeys(g["config"] for g in gt if ":" not in g["config"]))
+    cfgs = list(dict.fromkeys(g.config for g in gt if ":" not in g.config))
     if cfgs:
         pick = next((c for c in cfgs if c.startswith("sc_mis_topp@")), cfgs[0])
-        rows = [g for g in gt if g["config"] == pick]
+        rows = [g for g in gt if g.config == pick]
         fig, ax = plt.subplots(figsize=(9, 5))
         x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [g["share_samples"] for g in rows], 0.4, color="#90a4ae",
+        ax.bar([i - 0.2 for i in x], [g.share_samples for g in rows], 0.4, color="#90a4ae",
                label="share of samples")
-        ax.bar([i + 0.2 for i in x], [g["share_extreme"] for g in rows], 0.4, color="#c62828",
+        ax.bar([i + 0.2 for i in x], [g.share_extreme for g in rows], 0.4, color="#c62828",
                label="share of tokens with ratio outside [0.2, 5]")
-        ax.set_xticks(list(x), [g["group"] for g in rows], rotation=20)
+        ax.set_xticks(list(x), [g.group for g in rows], rotation=20)
         ax.set_title(f"Per sampler group, {pick} (full distributions)")
         ax.legend()
         fig.tight_layout()
