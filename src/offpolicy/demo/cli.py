@@ -17,7 +17,6 @@ import argparse
 import gzip
 import json
 import multiprocessing as mp
-import os
 import platform
 import queue
 import statistics
@@ -88,7 +87,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--workers", type=int, help="worker processes, one thread each (default 2)")
     p.add_argument("--out", default="demo_out", help="output folder (default ./demo_out)")
     p.add_argument("--cache-dir", default=None,
-                   help="warm-up cache (default $OFFPOLICY_CACHE or ~/.cache/offpolicy/demo)")
+                   help="warm-up cache (default $OFFPOLICY_CACHE_DIR/demo, ~/.cache/offpolicy/demo when unset)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--report-only", metavar="RUNS_JSON_GZ", nargs="+",
                    help="run nothing: rewrite the tables, figures and one merged runs.json.gz into --out from one "
@@ -219,7 +218,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     from offpolicy.demo.model import ModelConfig
     from offpolicy.demo.report import markdown_table, tables_text, write_outputs
     from offpolicy.demo.task import SortTask
-    from offpolicy.demo.warmup import WarmupConfig, warmup
+    from offpolicy.demo.warmup import WarmupConfig, default_cache_dir, warmup
 
     args = _resolve(args)
     if args.report_only:
@@ -233,7 +232,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     task = SortTask(n_items=args.n_items, max_value=args.max_value, vocab=args.vocab, scratch=args.scratch)
     model_cfg = ModelConfig(vocab_size=task.vocab_size, max_len=task.seq_len, d_model=args.d_model,
                             n_layers=args.layers, n_heads=args.heads, d_ff=4 * args.d_model)
-    cache = Path(args.cache_dir or os.environ.get("OFFPOLICY_CACHE") or Path.home() / ".cache/offpolicy/demo")
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     wcfg = WarmupConfig(target_success=args.warmup_target, max_steps=args.warmup_max_steps)
     state, winfo = warmup(task, model_cfg, wcfg, cache)
     out = Path(args.out)

@@ -6,13 +6,17 @@ target (about a third). The expected success of full-vocabulary sampling at temp
 sampling: ``P(correct | x) = prod_t p(y*_t | x, y*_<t) = exp(sum_t log p(y*_t))``, averaged over a fixed probe set.
 
 The result depends only on the task, the model shape and this config, so it is cached under a key derived from
-them (``<cache_dir>/warmup-<key>.pt``); every arm and every RL seed starts from the same weights.
+them (``<cache_dir>/warmup-<key>.pt``); every arm and every RL seed starts from the same weights. The cache folder
+(:func:`default_cache_dir`) is ``$OFFPOLICY_CACHE_DIR/demo``, beside the CPU kernels' builds.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,6 +27,29 @@ from offpolicy.demo.model import ModelConfig, TinyLM
 from offpolicy.demo.task import SortTask
 
 CACHE_FORMAT = 1
+#: The library's cache root (the CPU kernels build under it too); the demo's warm-ups go to its ``demo/`` folder.
+CACHE_ENV_VAR = "OFFPOLICY_CACHE_DIR"
+#: The demo's former variable (the warm-up folder itself): still honoured, with a warning naming the new one.
+OLD_CACHE_ENV_VAR = "OFFPOLICY_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """The warm-up cache folder: ``$OFFPOLICY_CACHE_DIR/demo`` (``~/.cache/offpolicy/demo`` when unset). Where the
+    former ``$OFFPOLICY_CACHE`` is set, its folder is used as before and a ``FutureWarning`` (once per process)
+    asks for the new variable, so that no one's cache moves silently."""
+    old = os.environ.get(OLD_CACHE_ENV_VAR)
+    if old:
+        _warn_old_variable(old)
+        return Path(old)
+    root = os.environ.get(CACHE_ENV_VAR)
+    return (Path(root) if root else Path.home() / ".cache" / "offpolicy") / "demo"
+
+
+@functools.cache
+def _warn_old_variable(old: str) -> None:
+    warnings.warn(f"{OLD_CACHE_ENV_VAR} is deprecated: set {CACHE_ENV_VAR} instead (the demo caches its warm-ups "
+                  f"in $OFFPOLICY_CACHE_DIR/demo); using {OLD_CACHE_ENV_VAR}={old} this time", FutureWarning,
+                  stacklevel=3)
 
 
 @dataclass(frozen=True)
