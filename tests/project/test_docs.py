@@ -77,3 +77,17 @@ def test_architecture_page_lists_every_top_level_part_in_its_layer_table():
     parts = {p.stem for p in src.glob("*.py")} | {p.name for p in src.iterdir() if (p / "__init__.py").exists()}
     assert (ROOT / "kernels" / "__init__.py").exists() and "kernels" in named
     assert parts <= named, f"parts missing from the layer table of docs/architecture.md: {sorted(parts - named)}"
+
+
+def test_the_docs_install_only_declared_extras():
+    """Every extra a pip command in README.md or docs/*.md names (``.[test,demo]``, ``offpolicy[test]``) is one that
+    pyproject.toml declares, so the README's set-up (the CI test command) cannot name a renamed extra."""
+    import tomllib
+
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for group in re.findall(r"(?:\.|offpolicy)\[([\w,-]+)\]", doc.read_text(encoding="utf-8")):
+            named |= set(group.split(","))
+    assert {"test", "demo"} <= named
+    assert named <= declared, f"extras named in the docs but not declared in pyproject.toml: {sorted(named - declared)}"
