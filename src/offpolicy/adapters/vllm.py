@@ -69,6 +69,9 @@ from offpolicy.adapters.common import (
     check_support_rows,
     check_temperature,
     head_record,
+    json_float,
+    json_int,
+    json_list,
 )
 from offpolicy.records.candidates import Candidates
 
@@ -193,16 +196,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 
 def _list(obj: object, key: str, where: str) -> Sequence:
-    value = _field(obj, key, where, Sequence)
-    if isinstance(value, (str, bytes)):
-        raise RecordError(f"{where}: field {key!r} must be a list, got {type(value).__name__}")
-    return value
-
-
-def _int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RecordError(f"{what} must be an integer, got {value!r}")
-    return int(value)
+    return json_list(_field(obj, key, where, Sequence), f"{where}: field {key!r}")
 
 
 def token_string_ids(tokenizer: object) -> dict[str, int | None]:
@@ -238,16 +232,14 @@ def _token_id(token: object, what: str = "token", strings: Mapping[str, int | No
 def _lp(value: object, what: str = "log-prob") -> float:
     if value is None:
         return float("-inf")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RecordError(f"{what} must be a number, got {type(value).__name__} {value!r}")
-    v = float(value)
+    v = json_float(value, what)
     return float("-inf") if v <= JSON_NEG_INF else v
 
 
 def _entry_id(entry: Mapping[str, object], at: str) -> int:
     """A generate log-prob entry's token id: integer ``token_id`` (vLLM 0.32) or ``"token": "token_id:<id>"``."""
     if "token_id" in entry:
-        return _int(entry["token_id"], f"{at}.token_id")
+        return json_int(entry["token_id"], f"{at}.token_id")
     return _token_id(_field(entry, "token", at, str), f"{at}.token")
 
 
@@ -262,8 +254,8 @@ def _weight_versions(spans: object, n: int, where: str) -> tuple[str, ...] | Non
     for j, span in enumerate(spans):
         at = f"{where} weight_versions[{j}]"
         version = _field(span, "version", at, (str, int))
-        start = _int(_field(span, "start", at, int), f"{at}.start")
-        end = _int(_field(span, "end", at, int), f"{at}.end")
+        start = json_int(_field(span, "start", at, int), f"{at}.start")
+        end = json_int(_field(span, "end", at, int), f"{at}.end")
         if not 0 <= start <= end <= n:
             raise RecordError(f"{at}: span [{start}, {end}) lies outside the {n} output tokens")
         for t in range(start, end):
@@ -465,14 +457,8 @@ def _mask_rows(mask: object, where: str) -> list[list[int]] | None:
     if mask is None:
         return None
     rows = _list(mask, "token_ids", f"{where} sampling_mask") if hasattr(mask, "token_ids") else mask
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
-        raise RecordError(f"{where}: field 'sampling_mask' must be a list of id lists, got {type(rows).__name__}")
-    out = []
-    for t, r in enumerate(rows):
-        if isinstance(r, (str, bytes)) or not isinstance(r, Sequence):
-            raise RecordError(f"{where}: sampling_mask[{t}] must be a list of token ids, got {type(r).__name__}")
-        out.append([_int(v, f"{where}: sampling_mask[{t}] entry") for v in r])
-    return out
+    return [[json_int(v, f"{where}: sampling_mask[{t}] entry") for v in json_list(r, f"{where}: sampling_mask[{t}]")]
+            for t, r in enumerate(json_list(rows, f"{where}: field 'sampling_mask'"))]
 
 
 def _choice(response: object, index: int, where: str) -> Mapping[str, object]:
@@ -484,7 +470,7 @@ def _choice(response: object, index: int, where: str) -> Mapping[str, object]:
     for j, c in enumerate(choices):
         if not isinstance(c, Mapping):
             raise RecordError(f"{where}: choices[{j}] must be an object, got {type(c).__name__}")
-        if _int(c.get("index", 0), f"{where}: choices[{j}].index") == index:
+        if json_int(c.get("index", 0), f"{where}: choices[{j}].index") == index:
             return c
     raise RecordError(f"{where}: response has no choice with index {index}")
 
@@ -508,7 +494,7 @@ def parse_generate_response(
         raise RecordError(f"{where}: the request has no 'sampling_params': the sampling distribution is unknown")
     sp = _sampling_fields(request["sampling_params"], where)
     c = _choice(response, choice, where)
-    token_ids = [_int(t, f"{where}: token_ids entry") for t in _list(c, "token_ids", where)]
+    token_ids = [json_int(t, f"{where}: token_ids entry") for t in _list(c, "token_ids", where)]
     logprobs = c.get("logprobs")
     if not isinstance(logprobs, Mapping) or logprobs.get("content") is None:
         raise RecordError(f"{where}: the choice carries no logprobs.content (request sampling_params.logprobs)")
@@ -525,11 +511,8 @@ def parse_generate_response(
             raise RecordError(f"{where}: token {t}: logprobs entry {tid} differs from token_ids {token_ids[t]}")
         sampled.append(tid)
         sampled_lp.append(_lp(_field(item, "logprob", at, (int, float, type(None))), f"{at}.logprob"))
-        top = item.get("top_logprobs") or []
-        if not isinstance(top, Sequence) or isinstance(top, (str, bytes)):
-            raise RecordError(f"{at}.top_logprobs must be a list, got {type(top).__name__}")
         row = {}
-        for j, e in enumerate(top):
+        for j, e in enumerate(json_list(item.get("top_logprobs") or [], f"{at}.top_logprobs")):
             ej = f"{at}.top_logprobs[{j}]"
             if not isinstance(e, Mapping):
                 raise RecordError(f"{ej} must be an object, got {type(e).__name__}")
@@ -579,8 +562,8 @@ def parse_completion_response(
     top = lp.get("top_logprobs")
     if top is None:
         top = [None] * len(toks)
-    elif not isinstance(top, Sequence) or isinstance(top, (str, bytes)):
-        raise RecordError(f"{where}: field 'top_logprobs' must be a list, got {type(top).__name__}")
+    else:
+        json_list(top, f"{where}: field 'top_logprobs'")
     if not len(toks) == len(vals) == len(top):
         raise RecordError(f"{where}: logprobs.tokens / token_logprobs / top_logprobs lengths differ")
     strings = tokenizer if tokenizer is None or isinstance(tokenizer, Mapping) else token_string_ids(tokenizer)
@@ -616,7 +599,7 @@ def parse_request_output(
     if not 0 <= choice < len(outputs):
         raise RecordError(f"{where}: RequestOutput.outputs holds {len(outputs)} completions, no index {choice}")
     comp = outputs[choice]
-    token_ids = [_int(t, f"{where}: token_ids entry") for t in _list(comp, "token_ids", f"{where} output")]
+    token_ids = [json_int(t, f"{where}: token_ids entry") for t in _list(comp, "token_ids", f"{where} output")]
     steps = getattr(comp, "logprobs", None)
     if steps is None or len(steps) != len(token_ids):
         raise RecordError(f"{where}: CompletionOutput.logprobs must hold one dict per generated token (set logprobs)")
@@ -624,8 +607,8 @@ def parse_request_output(
     for t, step in enumerate(steps):
         if not isinstance(step, Mapping):
             raise RecordError(f"{where}: CompletionOutput.logprobs[{t}] must be a dict, got {type(step).__name__}")
-        d = {_int(k, f"{where}: logprobs[{t}] key"): _lp(getattr(v, "logprob", v), f"{where}: logprobs[{t}][{k}]")
-             for k, v in step.items()}
+        d = {json_int(k, f"{where}: logprobs[{t}] key"):
+             _lp(getattr(v, "logprob", v), f"{where}: logprobs[{t}][{k}]") for k, v in step.items()}
         if token_ids[t] not in d:
             raise RecordError(f"{where}: token {t}: the sampled id {token_ids[t]} is missing from its logprobs dict")
         sampled_lp.append(d[token_ids[t]])
