@@ -4,7 +4,6 @@ record contract, the semantic checks, multi-turn trajectories."""
 from __future__ import annotations
 
 import copy
-import json
 import math
 
 import pytest

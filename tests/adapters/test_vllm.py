@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-import json
 
 import pytest
 import torch

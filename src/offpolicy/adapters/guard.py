@@ -18,7 +18,6 @@ import logging
 import math
 import warnings
 
-import torch
 from torch import Tensor
 
 LOGGER = logging.getLogger("offpolicy")

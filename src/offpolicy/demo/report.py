@@ -504,7 +504,6 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
     by: dict[str, list[dict]] = {}
     for r in results:
         by.setdefault(config_key(r["config"]), []).append(r)
-    fleets = list(dict.fromkeys(r["config"]["fleet"] for r in results))
     styles = {"mixed": "-", "homogeneous": "--", "onpolicy": ":"}
     files: dict[str, Path] = {}
 

@@ -187,7 +187,7 @@ def policy_metrics(
         groups, versions: ``[N]`` int sampler group and policy version of each token, or None.
         current_version: the trainer's version for staleness; default ``versions.max()``.
     """
-    lr, w = view.lr, view.w
+    lr = view.lr
     out = token_stats(view, active, corr)
     if seg is not None:
         out.update(_sequence_stats(lr, seg, corr))
