@@ -264,6 +264,9 @@ def test_tiny_demo_writes_tables_csv_histories_and_figures(tmp_path, capsys):
     assert len(data["runs"]) == 12 and all(len(r["history"]) == 3 for r in data["runs"])
     assert data["calibration"]["numerics"] and data["calibration"]["step_kl"]
     assert data["meta"]["command"].startswith("offpolicy demo --arms grpo,sc_mis_topp")
+    # what decides bit-reproducibility (docs/demo.md#run-it): the CPU and the instruction set torch dispatches to
+    assert data["meta"]["cpu"] and data["meta"]["cpu"] != "unknown"
+    assert data["meta"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     with open(out / "configs.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 6 and all(r["seeds"] == "2" for r in rows)
