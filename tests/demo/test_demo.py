@@ -306,3 +306,19 @@ def test_cli_errors_and_help(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["demo", "--help"])
     assert e.value.code == 0
+
+
+def test_histories_do_not_depend_on_workers_or_run_order(tmp_path):
+    """docs/demo.md#run-it: on one machine the histories are bit-identical whatever the worker count and whichever
+    configuration a worker process ran before."""
+    flags = [*TINY_FLAGS[:-2], "--steps", "2", "--cache-dir", str(tmp_path / "cache"), "--no-plots"]
+    runs = {}
+    for name, extra in (("both", ["--arms", "grpo,sc_mis_topp", "--workers", "1"]),
+                        ("alone", ["--arms", "sc_mis_topp", "--workers", "1"]),
+                        ("two_workers", ["--arms", "grpo,sc_mis_topp", "--workers", "2"])):
+        assert cli_main(["demo", "--fleets", "mixed", *flags, *extra, "--out", str(tmp_path / name)]) == 0
+        with gzip.open(tmp_path / name / "runs.json.gz", "rt") as f:
+            runs[name] = {r["run_id"]: (r["history"], r["evals"]) for r in json.load(f)["runs"]}
+    key = "sc_mis_topp@mixed/s0"
+    assert runs["both"][key] == runs["alone"][key] == runs["two_workers"][key]
+    assert runs["both"]["grpo@mixed/s0"] == runs["two_workers"]["grpo@mixed/s0"]
