@@ -382,6 +382,26 @@ def test_skyrl_masks_that_compose_not_supported():
                      num_loss_tokens=float(mask.sum())), reference)
 
 
+@pytest.mark.parametrize("loss_type", ["cispo_old", "cispo_rollout", "gspo"])
+def test_skyrl_cispo_and_gspo(loss_type):
+    """``policy_loss_type="cispo"``: ``-A sg(clamp(p / anchor, 1 - cispo_eps_clip_low, 1 + cispo_eps_clip_high))
+    log p`` with ``cispo.cispo_anchor="old"`` (``old``) or ``"rollout"`` (the sampler's); ``"gspo"``: GSPO-token,
+    ``s = sg(exp(masked_mean_t log(p / old))) p / sg(p)`` in PPO's surrogate; both summed over the mask on
+    token_mean-scaled advantages."""
+    logp, old, roll, mask, adv = _batch(97)
+    anchor = roll if loss_type == "cispo_rollout" else old
+
+    def theirs(lp):
+        if loss_type == "gspo":
+            s = (lp - lp.detach() + _geo(lp.detach() - old, mask)).exp()
+            return _ppo(s, adv, 3e-3, 4e-3), torch.ones_like(mask)
+        return -torch.exp(lp.detach() - anchor).clamp(0.8, 1.28) * adv * lp, torch.ones_like(mask)
+
+    corr = (op.Correction(ppo_clip=(3e-3, 4e-3), ppo_ratio="gspo_token") if loss_type == "gspo"
+            else op.Correction(cispo=(0.8, 1.28)))
+    _check(_ours(logp, anchor, roll, mask, adv, corr), _theirs(theirs, logp, ("constant", float(mask.sum())), mask))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # NeMo-RL (NVIDIA-NeMo/RL at 7ea279a, nemo_rl/algorithms/loss/loss_functions.py: ClippedPGLossFn)
 # ---------------------------------------------------------------------------------------------------------------
@@ -466,6 +486,20 @@ def test_nemo_rl_cispo_and_force_on_policy_ratio():
 
     _check(_ours(logp, logp.detach(), roll, mask, adv, op.Correction(ppo_clip=(0.2, 0.28))),
            _theirs(on_policy, logp, "token-mean", mask))
+
+
+def test_nemo_rl_disable_ppo_ratio():
+    """``disable_ppo_ratio=True`` (REINFORCE) with ``truncated_importance_sampling_type="tis"``: the per-token loss
+    is ``-w A log p`` with ``w = clamp(prev / generation, 0, C)``; with ``prev`` the current policy (one update per
+    rollout) that is offpolicy's TIS weight on the current ``p / q``, no ``proximal_logprobs``."""
+    logp, _, roll, mask, adv = _batch(112)
+    w = (logp - roll).exp().clamp(0.0, 1.5)
+
+    def theirs(lp):
+        return -w * adv * lp, torch.ones_like(mask)
+
+    _check(_ours(logp, None, roll, mask, adv, op.Correction(weights="tis", bounds=(0.0, 1.5)), proximal=None),
+           _theirs(theirs, logp, "token-mean", mask))
 
 
 # ---------------------------------------------------------------------------------------------------------------
