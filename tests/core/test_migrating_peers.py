@@ -612,7 +612,7 @@ def test_openrlhf_divergence_gating_not_supported(gating):
     _differs(_ours(logp, old, roll, mask, adv, corr), (loss.detach(), leaf.grad))
 
 
-PEERS_VENV = Path(os.environ.get("OFFPOLICY_PEERS_VENV", "/tmp/migr-venv"))
+PEERS_VENV = Path(os.environ.get("OFFPOLICY_PEERS_VENV", Path(__file__).resolve().parents[2] / ".venv-trainers"))
 
 _DRIVER = r"""
 import importlib, json, os, site, sys, types
@@ -636,13 +636,13 @@ print(json.dumps(out))
 
 
 def test_openrlhf_transcription_matches_the_package(tmp_path):
-    """The transcription above against openrlhf 0.11.2's own ``PolicyLoss`` (loaded from a side venv built with
-    ``pip install --no-deps openrlhf==0.11.2 torch==2.13.0 numpy``; ``OFFPOLICY_PEERS_VENV`` names it), every
+    """The transcription above against openrlhf 0.11.2's own ``PolicyLoss`` (loaded from ``.venv-trainers``, where
+    ``tools/setup_test_envs.sh`` installs it without its dependencies; ``OFFPOLICY_PEERS_VENV`` names another), every
     row's configuration plus the GSPO and divergence-gating rows: loss 1e-12 relative, gradient 1e-10."""
     python = PEERS_VENV / "bin" / "python"
     if not python.exists():
-        pytest.skip(f"{PEERS_VENV} is missing (set OFFPOLICY_PEERS_VENV to a venv with openrlhf==0.11.2 installed "
-                    "--no-deps beside torch and numpy)")
+        pytest.skip(f"{PEERS_VENV} is missing: run tools/setup_test_envs.sh (or set OFFPOLICY_PEERS_VENV to a venv "
+                    "with openrlhf==0.11.2 installed --no-deps beside torch and numpy)")
     logp, old, roll, mask, adv = _batch(140)
     torch.save({"logp": logp, "old": old, "roll": roll, "mask": mask, "adv": adv}, tmp_path / "batch.pt")
     configs = []
