@@ -270,6 +270,11 @@ def reference_metrics(
     out["rejected_frac"] = _mean([float(not st["keep"][t]) for t in range(n) if mask[t]])
     if seq_ids is not None:
         out.update(_sequence_metrics(st, corr))
+        if reg.LEVELS[corr.level].per_sequence:
+            # One weight per sequence: the mean of its trained tokens' final weights.
+            ws = [sum(float(st["w"][t]) for t in idx.tolist()) / idx.numel() for idx in st["seqs"]]
+            sq = sum(x * x for x in ws)
+            out["seq_ess"] = sum(ws) ** 2 / (len(ws) * sq) if sq > 0 else 0.0
         for name, dropped in st["dropped_by"].items():
             out[f"rejected_frac/{name}"] = _mean([float(dropped[t]) for t in range(n) if mask[t]])
     if candidates is not None:
@@ -301,6 +306,15 @@ def reference_metrics(
             else:
                 stats["share_samples"] = stats["share_tokens"]
             out.update({f"{name}/{value}/{k}": v for k, v in stats.items()})
+    if versions is not None and seq_ids is not None and bool(mask.any()):
+        now = int(versions[mask].max()) if current_version is None else current_version
+        flight, queue = [], []
+        for idx in st["seqs"]:
+            v_end = max(int(versions[t]) for t in idx.tolist())
+            flight += [v_end - int(versions[t]) for t in idx.tolist()]
+            queue += [now - v_end] * idx.numel()
+        out["staleness_in_flight"] = _mean([float(x) for x in flight])
+        out["staleness_in_queue"] = _mean([float(x) for x in queue])
     return out
 
 
@@ -362,6 +376,15 @@ def _token_metrics(st: dict, sel: Tensor, corr: Correction) -> dict[str, float]:
         "ppl_sampler": _saturating_exp(neg_lq),
         "ppl_ratio": _saturating_exp(neg_logp - neg_lq),
     }
+    extra["weight_before_bound_max"] = max([min(max(x, math.exp(-corr.max_log_ratio)), math.exp(corr.max_log_ratio))
+                                            for x in b], default=0.0)
+    # KL(q||p) = E_q[r - 1 - log r]; KL(p||q) = E_q[r log r], less E_q[r - 1] = 0 for the k3 form.
+    extra["kl_sampler_trainer"] = _mean([math.exp(x) - 1 - x for x in lr])
+    extra["kl_trainer_sampler"] = _mean([math.exp(x) * x - math.exp(x) + 1 for x in lr])
+    extra["kl_trainer_sampler_k1"] = _mean([math.exp(x) * x for x in lr])
+    for key, sign in (("masked_share_pos_adv", 1), ("masked_share_neg_adv", -1)):
+        side = [t for t in rows if float(st["adv"][t]) * sign > 0]
+        extra[key] = _mean([float(float(st["w"][t]) == 0.0) for t in side])
     if corr.veto is not None:
         extra["veto_catastrophic_frac"] = _mean([float(float(st["r"][t]) < corr.veto) for t in rows])
     return extra | {

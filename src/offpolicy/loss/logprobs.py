@@ -169,7 +169,8 @@ def loss_from_logprobs(
                      agg.constant_normalizer, cp_group)
     # 7. Metrics.
     view = token_view(log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, corr), impossible=impossible,
-                      weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, corr=corr)
+                      weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, corr=corr,
+                      advantages=adv)
     metrics = policy_metrics(
         view=view, drops=drops, active=active, entropy=zero if entropy is None else entropy, corr=corr,
         kept=kept, centering=centering, cand_valid=(candidates.ids >= 0) if candidates is not None else None,
