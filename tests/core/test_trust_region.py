@@ -34,7 +34,7 @@ CASES = {
     "roll_sequence": (op.Correction(ppo_clip=(0.2, 0.2), trust_region=TR(0.4, 0.4, sign="none", level="sequence",
                                                                          on="weights")), True),
     "roll_geometric": (op.Correction(weights="mis", bounds=(0.2, 5.0), rejected_in_normalizer=False,
-                                     trust_region=TR(0.03, 0.02, sign="none", level="geometric", on="weights")),
+                                     trust_region=TR(0.02, 0.06, sign="none", level="geometric", on="weights")),
                        False),
     "update_with_ppo": (op.Correction(ppo_clip=(0.2, 0.2), trust_region=TR(0.05, 0.05, penalty=0.05)), True),
 }
