@@ -10,7 +10,7 @@ The definitions and contracts are in docs/spec.md; the layers in docs/architectu
 """
 
 from offpolicy import advantages
-from offpolicy.corrections import Correction, KLRejection, RatioRejection
+from offpolicy.corrections import Correction, KLRejection, RatioRejection, TrustRegion
 from offpolicy.loss import PolicyLossOutput, policy_loss, policy_loss_from_logprobs
 from offpolicy.loss.proximal import interpolated_proximal_logprobs
 from offpolicy.records import Candidates, TokenBatch
@@ -23,6 +23,7 @@ __all__ = [
     "Correction",
     "KLRejection",
     "RatioRejection",
+    "TrustRegion",
     "PolicyLossOutput",
     "SparseLogSoftmax",
     "TokenBatch",

@@ -102,7 +102,9 @@ def reference_policy_loss(
     if corr.score_centering and candidates is None:
         raise ValueError("score centering needs candidates")
     s = None
-    if surrogate.reference is not None:
+    if _trust_region_surrogate(corr):
+        s = _trust_region_ratio(logp_y, st["tr_ref"], adv, corr)
+    elif surrogate.reference is not None:
         s = surrogate.reference(logp_y, proximal_logprobs.double(), adv, st["seqs"], corr)
     token_loss = torch.zeros(n, dtype=torch.float64)
     for t in range(n):
@@ -120,10 +122,12 @@ def reference_policy_loss(
                 if cv != 0 and lp[t, v] > -math.inf:
                     term = term - st["scale"] * cv * lp[t, v]
         token_loss[t] = -adv[t] * term
+    if corr.trust_region is not None and corr.trust_region.penalty:
+        token_loss = token_loss + _trust_region_penalty(logp_y, st["tr_ref"], mask & keep, corr)
     counted, seqs = mask, st["seqs"]
     if not corr.rejected_in_normalizer:
         # Rejected tokens (sequence rules, token-level KL rejection) leave the normaliser.
-        counted = mask & keep & ~st["token_rejected"]
+        counted = mask & keep & ~st["token_rejected"] & ~st["tr_masked"]
         if reg.WEIGHT_MODES[corr.weights].rejects:
             # A ratio outside the band is a rejection for this mode: the token leaves the normaliser too.
             b = st["bounded"]
@@ -185,6 +189,9 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
                 dropped_by[name][idx] = True
                 keep[idx] = False
     w = w * (mask & keep)
+    # The trust region's mask (docs/spec.md#trust-region) zeroes the weight before the normalisation.
+    tr_masked, tr_ref = _trust_region_state(logp_y.detach(), lq, proximal_logprobs, adv, mask, seqs, corr)
+    w = w * ~tr_masked
     scale = 1.0
     norm = reg.normalisation_of(corr)
     if norm is not None:
@@ -193,7 +200,7 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
         w = w * scale
     return dict(n=n, lp=lp, logp_y=logp_y, lq=lq, adv=adv, mask=mask, keep=keep, w=w, scale=scale, seqs=seqs,
                 r_p=r_p, r=r, bounded=bounded, impossible=impossible, is_support=is_support,
-                token_rejected=token_rejected, dropped_by=dropped_by)
+                token_rejected=token_rejected, dropped_by=dropped_by, tr_masked=tr_masked, tr_ref=tr_ref)
 
 
 def _centering(lp_row: Tensor, cands: Candidates, t: int, is_support: bool, corr: Correction):
@@ -277,6 +284,11 @@ def reference_metrics(
             out["seq_ess"] = sum(ws) ** 2 / (len(ws) * sq) if sq > 0 else 0.0
         for name, dropped in st["dropped_by"].items():
             out[f"rejected_frac/{name}"] = _mean([float(dropped[t]) for t in range(n) if mask[t]])
+    if corr.trust_region is not None:
+        out["trust_region_masked_frac"] = _mean([float(st["tr_masked"][t]) for t in range(n) if mask[t]])
+        if corr.trust_region.penalty:
+            pen = _trust_region_penalty(st["logp_y"].detach(), st["tr_ref"], mask & st["keep"], corr)
+            out["trust_region_penalty"] = _mean([float(pen[t]) for t in range(n) if mask[t]])
     if candidates is not None:
         valid = candidates.ids >= 0
         out["support_size"] = _mean([float(valid[t].sum()) for t in range(n) if mask[t]])
@@ -404,3 +416,84 @@ def _token_metrics(st: dict, sel: Tensor, corr: Correction) -> dict[str, float]:
         "num_tokens": float(len(rows)),
         "zero_prob_frac": _mean([float(st["impossible"][t]) for t in rows]),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trust regions on probability differences, docs/spec.md#trust-region. Self-contained: reads the TrustRegion's
+# keyword values and nothing else of the library.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _trust_region_surrogate(corr: Correction) -> bool:
+    """Whether the surrogate is the trust region's masked ratio ``u A`` (on the update, no PPO clip, no CISPO)."""
+    tr = corr.trust_region
+    return tr is not None and tr.on == "update" and corr.ppo_clip is None and corr.cispo is None
+
+
+def _bernoulli_kl(log_a: float, log_b: float) -> float:
+    """``KL(Bern(a) || Bern(b))`` with ``0 log 0 = 0``; ``inf`` where ``b`` is 0 or 1 and ``a`` is not."""
+    a, na = math.exp(log_a), -math.expm1(log_a)
+    nb = -math.expm1(log_b)
+    head = 0.0 if a == 0 else (math.inf if log_b == -math.inf else a * (log_a - log_b))
+    tail = 0.0 if na == 0 else (math.inf if nb == 0 else na * (math.log(na) - math.log(nb)))
+    return head + tail
+
+
+def _trust_region_state(logp_y: Tensor, lq: Tensor, proximal: Tensor | None, adv: Tensor, mask: Tensor,
+                        seqs: list, corr: Correction) -> tuple[Tensor, Tensor | None]:
+    """``([N] bool masked, [N] float64 log p_ref of the update)``: the tokens the trust region masks, token by
+    token (or sequence by sequence), and the log-probabilities the update's ratio and penalty divide by."""
+    n = logp_y.shape[0]
+    tr = corr.trust_region
+    masked = torch.zeros(n, dtype=torch.bool)
+    if tr is None:
+        return masked, None
+    prox = proximal.double() if proximal is not None else None
+    upd_ref = prox if prox is not None else lq
+    if tr.on == "update":
+        num, den = logp_y, upd_ref
+    else:
+        num, den = (prox if prox is not None else logp_y), lq
+    d = [math.exp(float(num[t])) - math.exp(float(den[t])) for t in range(n)]
+    lower, upper = float(tr.lower), float(tr.upper)
+    if tr.level in ("sequence", "geometric"):
+        for idx in seqs:
+            total = sum(d[t] for t in idx.tolist())
+            stat = total if tr.level == "sequence" else total / idx.numel()
+            if stat > upper or stat < -lower:
+                masked[idx] = True
+        return masked, upd_ref
+    for t in range(n):
+        if not mask[t]:
+            continue
+        lp, lr = float(num[t]), float(den[t])
+        if tr.divergence == "difference":
+            div = abs(d[t])
+        elif tr.divergence == "binary_kl":
+            div = _bernoulli_kl(lr, lp)
+        else:
+            div = max(_bernoulli_kl(lr, lp), _bernoulli_kl(lp, lr))
+        rise = d[t] > 0 and div > upper
+        fall = d[t] < 0 and div > lower
+        if tr.sign == "advantage":
+            masked[t] = rise if adv[t] > 0 else fall
+        else:
+            masked[t] = rise or fall
+    return masked, upd_ref
+
+
+def _trust_region_ratio(logp_y: Tensor, ref: Tensor, adv: Tensor, corr: Correction) -> Tensor:
+    """``[N]`` the surrogate ``u_t A_t``, ``u = exp(clamp(log p - log p_ref, +-max_log_ratio))``, token by token."""
+    out = torch.zeros_like(logp_y)
+    for t in range(logp_y.shape[0]):
+        out[t] = torch.exp((logp_y[t] - ref[t]).clamp(-corr.max_log_ratio, corr.max_log_ratio)) * adv[t]
+    return out
+
+
+def _trust_region_penalty(logp_y: Tensor, ref: Tensor, kept: Tensor, corr: Correction) -> Tensor:
+    """``[N]`` ``c (log p - log p_ref)^2`` on kept trained tokens the trainer can produce, 0 elsewhere."""
+    out = torch.zeros_like(logp_y)
+    for t in range(logp_y.shape[0]):
+        if kept[t] and logp_y[t] > -math.inf:
+            out[t] = float(corr.trust_region.penalty) * (logp_y[t] - ref[t]) ** 2
+    return out

@@ -2,5 +2,6 @@
 selects."""
 
 from offpolicy.corrections.correction import Correction, KLRejection, RatioRejection
+from offpolicy.corrections.trust_region import TrustRegion
 
-__all__ = ["Correction", "KLRejection", "RatioRejection"]
+__all__ = ["Correction", "KLRejection", "RatioRejection", "TrustRegion"]

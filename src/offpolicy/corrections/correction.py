@@ -35,6 +35,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from offpolicy.corrections import registry as reg
+from offpolicy.corrections.trust_region import TrustRegion
 
 
 #: Largest accepted ``Correction.max_log_ratio``: ``exp(2 * 40) = 5.5e34`` (a squared ratio) is finite in fp32,
@@ -127,6 +128,8 @@ class Correction:
         rejected_in_normalizer: keep rejected tokens in the aggregation's normaliser (default) or remove them.
         rejections: more rejection rules, each a :class:`KLRejection` or :class:`RatioRejection` with its own
             threshold and level, chained (a token or sequence is dropped if any rule drops it).
+        trust_region: a :class:`~offpolicy.corrections.trust_region.TrustRegion` (a mask on probability
+            differences: DPPO, prime-rl, ROLL, KPop), or None.
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation; at most
             :data:`MAX_LOG_RATIO_LIMIT` (40) so that fp32 stays finite.
     """
@@ -147,6 +150,7 @@ class Correction:
     cispo: tuple[float, float] | None = None
     rejected_in_normalizer: bool = True
     rejections: tuple[KLRejection | RatioRejection, ...] = ()
+    trust_region: TrustRegion | None = None
     _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -188,6 +192,7 @@ class Correction:
                 and all(isinstance(r, (KLRejection, RatioRejection)) for r in self.rejections)):
             raise TypeError("Correction.rejections must be a tuple of KLRejection / RatioRejection items, got "
                             f"{self.rejections!r}")
+        self._check_trust_region()
         if self.opsm_delta is not None and not (math.isfinite(self.opsm_delta) and self.opsm_delta >= 0):
             raise ValueError(f"Correction.opsm_delta must be a finite number >= 0, got {self.opsm_delta!r}")
         if self.ppo_clip is not None:
@@ -239,6 +244,15 @@ class Correction:
             lo, hi = self.cispo
             if not (0.0 <= lo < hi and math.isfinite(hi)):
                 raise ValueError(f"Correction.cispo must be (lo, hi) with 0 <= lo < hi < inf, got {self.cispo}")
+
+    def _check_trust_region(self) -> None:
+        if self.trust_region is None:
+            return
+        if not isinstance(self.trust_region, TrustRegion):
+            raise TypeError(f"Correction.trust_region must be a TrustRegion, got {self.trust_region!r}")
+        if self.score_centering:
+            raise ValueError("score_centering=True cannot be combined with trust_region: its mask depends on the "
+                             "probabilities, not on the ratio f acts on, so the centering coefficients miss it")
 
     def _resolve_bounds(self) -> tuple[float, float]:
         mode = reg.WEIGHT_MODES[self.weights]
@@ -299,4 +313,5 @@ class Correction:
         """Whether ``seq_ids`` are required."""
         norm = reg.normalisation_of(self)
         return (self.sequence_level or bool(self.sequence_rules) or (norm is not None and norm.needs_sequences)
-                or self.surrogate.needs_sequences)
+                or self.surrogate.needs_sequences
+                or (self.trust_region is not None and self.trust_region.per_sequence))

@@ -349,10 +349,12 @@ class Surrogate:
             score-function term ``A_t log p(y_t)``, which the pipeline forms itself (it adds score centering).
         reference: ``(logp_y [N] float64 differentiable, prox [N], adv [N], sequences, corr) -> [N]``, written
             token by token (``sequences``: index tensors of each sequence's trained tokens); None for the
-            score-function term.
+            score-function term and for ``trust_region``, whose reference is its own block of
+            :mod:`offpolicy.reference`.
         centerable: score centering may be combined with it (it is of the form ``w log p``).
         needs_proximal: needs ``proximal_logprobs``.
         needs_sequences: needs ``seq_ids``.
+        proximal_optional: takes ``proximal_logprobs`` or goes without (then ``prox`` is the sampler's ``lq``).
     """
 
     name: str
@@ -363,6 +365,7 @@ class Surrogate:
     needs_proximal: bool
     needs_sequences: bool = False
     source: str = ""
+    proximal_optional: bool = False
 
 
 def _clip_fast(ratio: Tensor, adv: Tensor, corr) -> Tensor:
@@ -442,10 +445,22 @@ def _clipped_ratio(corr) -> bool:
     return corr.ppo_clip is not None
 
 
+def _trust_region_surrogate(corr) -> bool:
+    tr = corr.trust_region
+    return tr is not None and tr.on == "update" and corr.ppo_clip is None and corr.cispo is None
+
+
+def _ratio_fast(logp_y, prox, adv, seg, corr):
+    # u A with u = p / p_ref (the proximal policy, or the sampler); the trust region's mask zeroes w elsewhere.
+    return torch.exp((logp_y - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio)) * adv
+
+
+
 SURROGATES: dict[str, Surrogate] = {
     s.name: s
     for s in (
-        Surrogate("score_function", applies=lambda corr: corr.ppo_clip is None and corr.cispo is None, fast=None,
+        Surrogate("score_function", applies=lambda corr: corr.ppo_clip is None and corr.cispo is None
+                  and not _trust_region_surrogate(corr), fast=None,
                   reference=None, centerable=True, needs_proximal=False, source="REINFORCE: A_t log p(y_t)"),
         Surrogate("ppo", applies=lambda corr: _clipped_ratio(corr) and corr.dual_clip is None
                   and corr.ppo_ratio == "token",
@@ -466,6 +481,10 @@ SURROGATES: dict[str, Surrogate] = {
                   reference=_cispo_reference, centerable=False, needs_proximal=True,
                   source="CISPO (MiniMax-M1 arXiv 2506.13585; TRL loss_type='cispo', slime): "
                          "sg(clamp(u, lo, hi)) A log p"),
+        Surrogate("trust_region", applies=_trust_region_surrogate, fast=_ratio_fast, reference=None,
+                  centerable=False, needs_proximal=False, proximal_optional=True,
+                  source="DPPO (arXiv 2602.04879): the ratio u A, u = p / pi_prox (p / q without a proximal), "
+                         "under a trust-region mask instead of PPO's clip"),
     )
 }
 

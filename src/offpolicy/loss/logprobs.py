@@ -152,16 +152,30 @@ def loss_from_logprobs(
     sel = active if kept is None else active & kept
     trained = sel & (adv != 0)
     w = torch.where(sel, w, zero)
+    # 3b. Trust region (docs/spec.md#trust-region): a mask on probability differences zeroes the weight.
+    tr = corr.trust_region
+    tr_masked = None if tr is None else _trust_region_masked(tr, logp_y.detach(), lq, prox, adv, seg)
+    if tr_masked is not None:
+        w = torch.where(tr_masked, zero, w)
     # 4. Normalisation: a batch constant on the weights and the centering coefficients alike (drift stays zero).
     w, scale = _normalise(w, sel, seg, corr, cp_group)
     # 5. Surrogate (and score centering).
-    token_loss, centering = _surrogate(logp_y, w, scale, adv, prox, seg, candidates, candidate_logprobs, corr)
+    # A surrogate that goes without a proximal policy takes the sampler's (the trust region's u = p / q).
+    ref = prox if prox is not None else lq
+    token_loss, centering = _surrogate(logp_y, w, scale, adv, ref, seg, candidates, candidate_logprobs, corr)
     token_loss = torch.where(trained, token_loss, zero)
+    penalty = None
+    if tr is not None and tr.penalty:
+        # c (log p - log p_ref)^2 on every kept trained token the trainer can produce, masked or not.
+        live = sel & ~impossible
+        penalty = tr.penalty * torch.where(live, logp_y - ref, zero).square()
+        token_loss = token_loss + penalty
     # 6. Aggregation (without the rejected tokens in the normaliser when the correction says so).
     counted, seg_counted = active, seg
     if not corr.rejected_in_normalizer:
         tok_rej = token_rejected(log_w, corr)
         counted = sel if tok_rej is None else sel & ~tok_rej
+        counted = counted if tr_masked is None else counted & ~tr_masked
         if WEIGHT_MODES[corr.weights].rejects:
             counted = counted & inside_bounds(bounded_log_ratio(log_w, seg, corr), corr)
         seg_counted = replace(seg, active=counted) if seg is not None else None
@@ -179,7 +193,21 @@ def loss_from_logprobs(
     )
     if entropy is None:
         del metrics["entropy"]
+    if tr_masked is not None:
+        n_active = active.sum().clamp_min(1)
+        metrics["trust_region_masked_frac"] = (tr_masked & active).sum().to(dtype) / n_active
+        if penalty is not None:
+            metrics["trust_region_penalty"] = penalty.detach().sum() / n_active
     return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach(), view)
+
+
+def _trust_region_masked(tr, logp_y: Tensor, lq: Tensor, prox: Tensor | None, adv: Tensor,
+                         seg: Segments | None) -> Tensor:
+    """``[N]`` bool, the tokens the trust region masks: the current policy against the proximal one (the
+    sampler without it) for ``on="update"``, the weights' numerator against the sampler for ``on="weights"``."""
+    if tr.on == "update":
+        return tr.masked(logp_y, prox if prox is not None else lq, adv, seg)
+    return tr.masked(prox if prox is not None else logp_y, lq, adv, seg)
 
 
 def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, corr: Correction,

@@ -91,7 +91,7 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
     for name, val in (("num_loss_tokens", agg.num_loss_tokens), ("num_sequences", agg.num_sequences),
                       ("constant_normalizer", agg.constant_normalizer)):
         check_positive_count(name, val)
-    if corr.surrogate.needs_proximal != (proximal is not None):
+    if not corr.surrogate.proximal_optional and corr.surrogate.needs_proximal != (proximal is not None):
         raise ValueError("correction.ppo_clip and proximal_logprobs go together (decoupled PPO)")
     if proximal is not None:
         check_vector("proximal_logprobs", proximal, n, device, "float")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from offpolicy.corrections.correction import KLRejection, RatioRejection
+from offpolicy.corrections.trust_region import TrustRegion
 
 from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
 from offpolicy.corrections.correction import Correction
@@ -39,7 +40,7 @@ DEFAULT_TOLERANCES = {
 #: The :class:`LossConfig` fields that mirror :class:`~offpolicy.Correction` beyond the weights (shown by
 #: :meth:`LossConfig.describe` when not at their defaults).
 _CORRECTION_EXTRAS = ("veto", "kl_rejection", "opsm_delta", "rejections", "batch_normalize", "rejected_in_normalizer",
-                      "ppo_clip", "dual_clip", "ppo_delta", "ppo_ratio", "cispo")
+                      "ppo_clip", "dual_clip", "ppo_delta", "ppo_ratio", "cispo", "trust_region")
 
 #: Examples whose ratios fall this close (in log space) to a discontinuity of the weight function (MIS and
 #: rejection bounds, the tail ratio's bounds) are skipped: rounding alone may put them on either side.
@@ -77,6 +78,9 @@ class LossConfig:
             PPO and CISPO need a function that takes a ``proximal_logprobs`` keyword (``[N]``, ``log pi_prox`` of
             each token; the kit draws it near the trainer's own log-probability); ``ppo_ratio="gspo_token"`` also
             needs ``seq_ids``.
+        trust_region: a :class:`~offpolicy.TrustRegion` (docs/spec.md#trust-region); with a proximal surrogate
+            it compares against ``proximal_logprobs``, else against the sampler (its own ratio surrogate takes
+            none).
     """
 
     weights: str = "none"
@@ -101,6 +105,7 @@ class LossConfig:
     ppo_delta: float | None = None
     ppo_ratio: str = "token"
     cispo: tuple[float, float] | None = None
+    trust_region: TrustRegion | None = None
 
     def __post_init__(self) -> None:
         if self.record not in RECORDS:
@@ -134,7 +139,7 @@ class LossConfig:
                           kl_rejection=self.kl_rejection, opsm_delta=self.opsm_delta, rejections=self.rejections,
                           batch_normalize=self.batch_normalize, rejected_in_normalizer=self.rejected_in_normalizer,
                           ppo_clip=self.ppo_clip, dual_clip=self.dual_clip, ppo_delta=self.ppo_delta,
-                          ppo_ratio=self.ppo_ratio, cispo=self.cispo)
+                          ppo_ratio=self.ppo_ratio, cispo=self.cispo, trust_region=self.trust_region)
 
     @property
     def needs_sequences(self) -> bool:
@@ -204,6 +209,9 @@ class LossConfig:
             out += f"+rej{len(self.correction.rejection_rules) + (self.veto is not None) + (self.opsm_delta is not None)}"
         if self.batch_normalize is not False:
             out += f"+bn-{'tokens' if self.batch_normalize is True else self.batch_normalize}"
+        if self.trust_region is not None:
+            tr = self.trust_region
+            out += f"+tr-{tr.divergence}-{tr.sign}-{tr.on}" + (f"-{tr.level}" if tr.level != "token" else "")
         if not self.rejected_in_normalizer:
             out += "+rejected_out"
         if self.aggregation is not None:
@@ -226,7 +234,7 @@ class LossConfig:
             key = "score_centering" if key == "sc" else key
             if key not in names:
                 raise ValueError(f"OFFPOLICY_CONFIG: unknown key {key!r}; expected one of {sorted(names)}")
-            if key in ("kl_rejection", "rejections"):
+            if key in ("kl_rejection", "rejections", "trust_region"):
                 raise ValueError(f"OFFPOLICY_CONFIG: {key} holds rule objects; declare it in Python with "
                                  "offpolicy.testing.with_config(LossConfig(...))")
             if key == "bounds":
@@ -255,7 +263,9 @@ def family_configs(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
     """One configuration per member of the correction family beyond the weight modes: each surrogate (decoupled
     PPO, its dual clip, TRL's delta, GSPO-token, CISPO in TRL's and slime's bounds), chained token-level rejections
     (a ratio band and a two-sided ``k1`` band, with score centering), chained sequence-level rejections, veto and
-    OPSM, batch normalisation over tokens and over sequences, and rejected tokens out of the normaliser."""
+    OPSM, batch normalisation over tokens and over sequences, rejected tokens out of the normaliser, and trust
+    regions (DPPO's ratio surrogate with the squared-log-ratio penalty, KPop on the weights, ROLL's geometric
+    band)."""
     return [
         LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.28), dtype=dtype),
         LossConfig(weights="tis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0, dtype=dtype),
@@ -274,6 +284,14 @@ def family_configs(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
                    aggregation="token_mean", dtype=dtype),
         LossConfig(weights="mis", record="support", rejections=(KLRejection((-0.3, 0.3), "k1", "seq_mean"),),
                    rejected_in_normalizer=False, aggregation="seq_mean_token_mean", dtype=dtype),
+        LossConfig(weights="none", trust_region=TrustRegion(0.05, 0.08, penalty=0.01), dtype=dtype),
+        LossConfig(weights="mis", record="head", ppo_clip=(0.2, 0.2), rejected_in_normalizer=False,
+                   aggregation="token_mean", dtype=dtype,
+                   trust_region=TrustRegion(0.02, 0.02, "binary_kl_max", sign="none", on="weights")),
+        LossConfig(weights="tis", record="support", cispo=(0.0, 3.0), dtype=dtype,
+                   trust_region=TrustRegion(0.03, 0.05, "binary_kl", level="token")),
+        LossConfig(weights="tis", record=None, dtype=dtype,
+                   trust_region=TrustRegion(0.02, 0.03, sign="none", level="geometric", on="weights")),
     ]
 
 
