@@ -147,3 +147,25 @@ def check_against_reference(h, w, b, y, c, tau, *, support, skip=None, chunk_byt
         err = float((g.double() - r).abs().max())
         assert err <= gtol * max(top, 1e-2 * term), f"{name} error {err} vs largest entry {top}"
     return out
+
+
+def dense_sum_p2(h, w, b, y, c, tau, *, support=False, skip=None) -> Tensor:
+    """float64 ``sum_v p(v)^2`` per row of ``softmax((h W^T + b) / tau)`` (full vocabulary), or with ``support``
+    of the distribution renormalised over the row's candidates (``-1`` padding left out); 0 on skipped rows and
+    rows without mass. Written out directly from the logits, sharing nothing with the statistics under test."""
+    n = h.shape[0]
+    inv = 1.0 / (tau.double() if isinstance(tau, Tensor) else torch.full((n,), float(tau), dtype=torch.float64))
+    z = h.detach().double() @ w.detach().double().T
+    if b is not None:
+        z = z + b.detach().double()
+    x = z * inv[:, None]
+    if support:
+        c = c.long()
+        x = x.gather(1, c.clamp_min(0)).masked_fill(c < 0, -INF)
+    out = torch.zeros(n, dtype=torch.float64)
+    for i in range(n):
+        row = x[i][x[i] > -INF]
+        if row.numel() and not (skip is not None and bool(skip[i])):
+            p = torch.softmax(row, dim=0)
+            out[i] = (p * p).sum()
+    return out
