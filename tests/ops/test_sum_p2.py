@@ -193,3 +193,27 @@ def test_sum_p2_under_torch_compile(primitive):
     want = call(h, w, b, z)
     torch.testing.assert_close(got.sum_p2, want.sum_p2, rtol=1e-6, atol=1e-7)
     _check(got.sum_p2, dense_sum_p2(h, w, b, y, c, tau), z.double() / tau.double()[:, None], "compiled")
+
+
+@pytest.mark.parametrize("kernel", ["logits", "linear"])
+def test_triton_online_rescale_over_many_tiles(kernel):
+    """Small tiles, so the running max moves between tiles and ``q`` is rescaled by ``exp(2 (m - m'))``."""
+    gen = torch.Generator().manual_seed(8)
+    if kernel == "logits":
+        from offpolicy.kernels import logsoftmax
+
+        z = hostile_logits(4, 300, torch.float32, gen)
+        z[0] = torch.linspace(-20, 20, 300)  # the max arrives in the last tile
+        it = torch.full((4,), 1.3)
+        m, s, t, q = logsoftmax.row_stats(z, it, block=16, sum_p2=True)
+        want, x = ref_sum_p2(z, it.double()), z.double() * 1.3
+    else:
+        from offpolicy.kernels import linear_logsoftmax
+
+        h, w, b, y, c, tau = make_inputs(n=4, d=16, v=200, k=2, seed=9, scale=3.0)
+        it = 1.0 / tau.float()
+        m, s, t, q = linear_logsoftmax.merge_stats(*linear_logsoftmax.linear_row_stats(
+            h, w, b, it, splits=3, tiles=(16, 16, 16, 1, 1), sum_p2=True))
+        want = dense_sum_p2(h, w, b, y, c, tau)
+        x = (h.double() @ w.double().T + b.double()) * it.double()[:, None]
+    _check(online_softmax.sum_p2(s, q), want, x, f"triton {kernel} tiles")
