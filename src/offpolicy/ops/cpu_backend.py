@@ -8,7 +8,8 @@ routes those to it). Rows are shared out to the workers of :mod:`offpolicy.ops.r
 rows; each C call works on one row at a time:
 
 * ``full_stats``: per row, one read of the logits from memory (the max) and one from L2 (``exp2`` and the two
-  sums, three with ``sum_p2``), and nothing written but ``3 N`` floats (``4 N``). Against the PyTorch backend's eight passes over a chunk.
+  sums, three with ``sum_p2``), and nothing written but ``3 N`` floats (``4 N``). Against the PyTorch backend's
+  eight passes over a chunk.
 * ``full_grad``: per row, one read of the logits and one write of the gradient; 16-bit gradients are assembled
   in an fp32 row (in L2, one per worker, its length passed to C and checked there) and rounded once.
 
