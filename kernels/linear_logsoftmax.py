@@ -278,7 +278,8 @@ def linear_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_te
         sum_p2: also return ``q = sum exp(2 (x - m))`` (a constexpr flag: the default kernel is compiled without it).
 
     Returns:
-        ``m, s, t`` (then ``q`` with ``sum_p2``) of shape ``[splits, N]`` fp32 (fold them with :func:`merge_stats`).
+        ``m, s, t`` (then ``q`` with ``sum_p2``) of shape ``[splits, N]`` fp32 (fold them with
+        :func:`merge_stats`).
     """
     _check_rows(hidden, "hidden")
     _check_rows(weight, "weight")
@@ -300,7 +301,8 @@ def linear_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_te
     _linear_row_stats_kernel[(n_blocks, splits)](
         hidden, weight, bias if bias is not None else hidden, inv_temp, m, s, t, t if q is None else q,
         n, v, d, hidden.stride(0), weight.stride(0), per_split,
-        HAS_BIAS=bias is not None, SUM_P2=sum_p2, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PRECISION=_precision(hidden.dtype),
+        HAS_BIAS=bias is not None, SUM_P2=sum_p2, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
+        PRECISION=_precision(hidden.dtype),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False,
     )
     return stats

@@ -86,7 +86,8 @@ def linear_sparse_log_softmax(
 
     Returns:
         :class:`SparseLogSoftmax` (fp32; float64 for float64 inputs): ``target [N]``, ``candidates [N, K]``
-        (``-inf`` at padding), ``lse [N]``, ``entropy [N]`` and ``sum_p2 [N]`` or None (not differentiable). A NaN in a weight row or bias
+        (``-inf`` at padding), ``lse [N]``, ``entropy [N]`` and ``sum_p2 [N]`` or None (not
+        differentiable). A NaN in a weight row or bias
         entry that a row's normaliser reads makes that row's ``lse`` and log-probabilities NaN, as NaN logits do
         on the logits primitive. Under ``shard`` the gradient of ``hidden`` is this shard's part.
 

@@ -2,7 +2,8 @@
 
 Given logits ``z [N, V]``, per-row ids (the sampled token and ``K`` candidates), a temperature and a
 normalisation (the full vocabulary, or the row's candidate support), it returns the gathered log-probabilities
-of ``x = z / tau``, the normaliser ``lse``, the entropy and, on request, ``sum_v p(v)^2`` (:class:`SparseLogSoftmax`). Only the full-vocabulary
+of ``x = z / tau``, the normaliser ``lse``, the entropy and, on request, ``sum_v p(v)^2``
+(:class:`SparseLogSoftmax`). Only the full-vocabulary
 statistics and the backward touch ``[N, V]`` data; they run in a backend (:mod:`offpolicy.ops.backend_registry`). The
 autograd function is :mod:`offpolicy.ops.logits_function`; its fused-linear twin is
 :func:`offpolicy.ops.linear_sparse_log_softmax`.
@@ -33,8 +34,8 @@ class SparseLogSoftmax(NamedTuple):
         entropy: ``[N]`` entropy of the (full or support) distribution; 0 on skipped rows. Not differentiable.
         sum_p2: ``[N]`` ``sum_v p(v)^2`` of the same distribution (``p`` of ``z / tau``; under ``support`` the sum
             over the support of the renormalised ``p^S(v)^2``), 0 on skipped rows; None unless ``sum_p2=True`` was
-            asked. A baseline statistic (the Optimal Token Baseline's, :func:`offpolicy.advantages.optimal_token_baseline`):
-            detached, no gradient flows through it.
+            asked. A baseline statistic (the Optimal Token Baseline's,
+            :func:`offpolicy.advantages.optimal_token_baseline`): detached, no gradient flows through it.
     """
 
     target: Tensor

@@ -59,7 +59,7 @@ def combine_shards(shard: VocabShard, m: Tensor, s: Tensor, t: Tensor, x: Tensor
     a = torch.exp(m_loc - big)
     cols = [(a * s)[:, None], (a * (t + s * (m_safe - big)))[:, None]]
     if q is not None:
-        cols.append((a * q)[:, None])
+        cols.append((a * a * q)[:, None])
     packed = torch.cat([*cols, x], dim=1)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=shard.group)
     k = len(cols)
