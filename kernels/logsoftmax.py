@@ -86,7 +86,7 @@ def _row_stats_kernel(
         t_acc = a * (t_acc + s_acc * shift) + e * d
         s_acc = a * s_acc + e
         if SUM_P2:
-            q_acc = a * q_acc + e * e
+            q_acc = a * a * q_acc + e * e
         m = new_m
     tl.store(m_ptr + row, tl.where(m == neg_inf, 0.0, m))
     tl.store(s_ptr + row, tl.sum(s_acc, 0))
