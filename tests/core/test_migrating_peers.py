@@ -88,21 +88,6 @@ def test_prime_rl_default_loss_without_trust_region(kl_tau):
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-10, atol=1e-13)
 
 
-@pytest.mark.parametrize("loss_type", ["default", "ipo"])
-def test_prime_rl_probability_trust_region_not_supported(loss_type):
-    """prime-rl's DPPO-binary-TV mask (``dppo_mask_low``, ``dppo_mask_high``) and IPO's ``ipo_threshold`` drop
-    tokens by the probability difference ``p - q``: offpolicy has no such rule yet, and the surrogate without it
-    gives a different loss."""
-    logp, old, roll, mask, adv = _batch(51)
-    kw = dict(mask_low=0.02, mask_high=0.02) if loss_type == "default" else dict(ipo=0.02)
-    diff = (logp.exp() - roll.exp()).abs()[mask]
-    assert bool((diff > 0.02).any())
-    leaf = logp.clone().requires_grad_()
-    theirs = _prime_rl_loss(leaf, roll, adv, mask, 1.0, 1e-3, **kw)
-    loss, _ = _prime_rl_ours(logp, roll, mask, adv, 1.0, 1e-3)
-    assert abs(loss.item() - theirs.item()) > 1e-6 * max(1.0, abs(theirs.item()))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # AReaL (inclusionAI/AReaL at 4aef98d, areal/utils/functional/functional.py: ppo_actor_loss_fn,
 # apply_rejection_sampling; areal/utils/data.py: KLEstimator._compute_approx_kl)
@@ -277,23 +262,6 @@ def test_roll_seq_importance_sampling():
     corr = op.Correction(ppo_clip=(3e-3, 4e-3), ppo_ratio="gspo_token")
     _check(_ours(logp, old, roll, mask, adv, corr, aggregation="seq_mean_token_mean"),
            _theirs(theirs, logp, ("sample-mean", B), mask))
-
-
-def test_roll_diff_filter_not_supported():
-    """A ``filters`` entry with ``diff_enabled`` keeps ``diff_low <= exp(old) - exp(infer) <= diff_high``: a rule
-    on the probability difference, which offpolicy has not; the ratio band nearest to it differs."""
-    logp, old, roll, mask, adv = _batch(89)
-    _, diff = _roll_ratios(old, roll, mask)
-    keep = (diff >= -0.03) & (diff <= 0.03)
-    _rejected_some(keep, mask)
-
-    def theirs(lp):
-        return _ppo(torch.exp(lp - old), adv, 0.2, 0.2), keep
-
-    corr = op.Correction(ppo_clip=(0.2, 0.2), rejected_in_normalizer=False,
-                         rejections=(op.RatioRejection(0.9, 1.1, "token"),))
-    _differs(_ours(logp, old, roll, mask, adv, corr, aggregation="seq_mean_token_mean", num_sequences=float(B)),
-             _theirs(theirs, logp, ("sample-mean", B), mask))
 
 
 # ---------------------------------------------------------------------------------------------------------------
