@@ -189,7 +189,7 @@ def _vespo(logp_y: Tensor, prox: Tensor, adv: Tensor, seqs: list, corr: Correcti
     k_pos, lam_pos, k_neg, lam_neg = corr.vespo
     out = torch.zeros_like(logp_y)
     for idx in seqs:
-        log_w = sum(min(max(float(logp_y[t]) - float(prox[t]), -corr.max_log_ratio), corr.max_log_ratio)
+        log_w = sum(min(max(float(logp_y[t].detach()) - float(prox[t]), -corr.max_log_ratio), corr.max_log_ratio)
                     for t in idx.tolist())
         log_w = min(max(log_w, math.log(1e-8)), corr.max_log_ratio)
         for t in idx.tolist():
@@ -230,7 +230,7 @@ def _kl_penalty(logp_y: Tensor, ref: Tensor, old: Tensor, mask: Tensor, corr: Co
     pen = torch.zeros_like(logp_y)
     est = torch.zeros(logp_y.shape[0], dtype=torch.float64)
     for t in range(logp_y.shape[0]):
-        if not mask[t] or float(logp_y[t]) == -math.inf:
+        if not mask[t] or float(logp_y[t].detach()) == -math.inf:
             continue
         log_rho = (ref[t] - logp_y[t]).clamp(-corr.max_log_ratio, corr.max_log_ratio)
         k = {"k1": lambda: -log_rho, "k2": lambda: log_rho ** 2 / 2,

@@ -91,7 +91,8 @@ def test_every_config_covers_the_family():
     """The kit's enumeration holds each surrogate and each rule kind, normalisation and normaliser convention."""
     cfgs = every_config()
     corrs = [c.correction for c in cfgs]
-    assert {c.surrogate for c in cfgs} == {"score_function", "ppo", "ppo_dual_clip", "gspo_token", "cispo"}
+    assert {c.surrogate for c in cfgs} == {"score_function", "ppo", "ppo_dual_clip", "gspo_token", "cispo", "sapo",
+                                                 "vespo", "gmpo"}
     assert any(c.ppo_delta is not None for c in cfgs)
     kinds = {(r.kind, getattr(r, "estimator", None), r.level, isinstance(getattr(r, "threshold", 0), tuple))
              for c in corrs for _, r in c.rejection_rules}

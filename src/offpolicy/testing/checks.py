@@ -220,7 +220,8 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     * sequence rules: ratio and KL bands on each sequence's statistic, the veto on its smallest ratio, OPSM on its
       mean ``lq - log p``;
     * the clipped surrogates' kinks: ``u = p / pi_prox`` (GSPO-token: the sequence's geometric ``u``) at
-      ``1 - eps_lo``, ``1 + eps_hi``, the delta cap and the dual clip ``c`` (CISPO's clamp is continuous).
+      ``1 - eps_lo``, ``1 + eps_hi``, the delta cap and the dual clip ``c`` (CISPO's clamp is continuous), and
+      each surrogate's own ``log_u_kinks`` (GMPO's log-space clip).
     """
     corr = cfg.correction
     n = fed.tokens.shape[0]
@@ -302,6 +303,9 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
         kinks = [math.log(1 - lo), math.log(1 + hi)] if lo < 1 else [math.log(1 + hi)]
         kinks += [math.log(c) for c in (corr.ppo_delta, corr.dual_clip) if c is not None]
         pairs.append((log_u, kinks))
+    kinks_of = corr.surrogate.log_u_kinks
+    if kinks_of is not None and prox is not None:
+        pairs.append((torch.where(trained, logp_y - prox, 0.0)[trained], kinks_of(corr)))
     for stats, jumps in pairs:
         vals = stats.reshape(-1)
         vals = vals[torch.isfinite(vals)]
