@@ -318,7 +318,8 @@ def test_policy_loss_matches_the_reference(name, case, aggregation):
     if case == "hostile":
         from dataclasses import replace
         corr = replace(corr, max_log_ratio=6.0)
-    z, y, lq, prox, ref, seq, adv, mask = _logit_batch(10 * list(CORRECTIONS).index(name) + len(case), n, scale, case == "all_masked")
+    seed = 10 * list(CORRECTIONS).index(name) + len(case)
+    z, y, lq, prox, ref, seq, adv, mask = _logit_batch(seed, n, scale, case == "all_masked")
     if case == "single_token":
         mask = torch.ones(1, dtype=torch.bool)
     kw = dict(loss_mask=mask, correction=corr, seq_ids=seq, aggregation=aggregation,

@@ -281,7 +281,8 @@ class Correction:
         if len(chosen) > 1:
             raise ValueError(f"Correction.{' and '.join(chosen)} exclude each other (each selects a surrogate)")
         if self.sapo is not None and not all(math.isfinite(t) and t > 0 for t in self.sapo):
-            raise ValueError(f"Correction.sapo must be (tau_pos, tau_neg) with finite temperatures > 0, got {self.sapo}")
+            raise ValueError(f"Correction.sapo must be (tau_pos, tau_neg) with finite temperatures > 0, got "
+                             f"{self.sapo}")
         if self.vespo is not None and not (all(math.isfinite(x) for x in self.vespo) and self.vespo[0] >= 0
                                            and self.vespo[2] >= 0 and self.vespo[1] > 0 and self.vespo[3] > 0):
             raise ValueError(f"Correction.vespo must be (k_pos, lam_pos, k_neg, lam_neg) finite with k >= 0 and "

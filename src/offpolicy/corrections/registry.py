@@ -520,11 +520,12 @@ SURROGATES: dict[str, Surrogate] = {
         # The float64 references of these three are written in offpolicy.reference itself (reference=None here).
         Surrogate("sapo", applies=lambda corr: corr.sapo is not None, fast=_sapo_fast, reference=None,
                   centerable=False, needs_proximal=True,
-                  source="SAPO (Gao et al. 2025, arXiv 2511.20347; TRL loss_type='sapo'): 4/tau sigmoid(tau (u - 1)) A"),
+                  source="SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347; TRL loss_type='sapo'): "
+                         "4/tau sigmoid(tau (u - 1)) A"),
         Surrogate("vespo", applies=lambda corr: corr.vespo is not None, fast=_vespo_fast, reference=None,
                   centerable=False, needs_proximal=True, needs_sequences=True,
-                  source="VESPO (arXiv 2602.10693; TRL loss_type='vespo', get_gamma_weights): sg(phi(prod_t u_t)) A log p, "
-                         "phi(W) = exp(lam + k log W - lam W)"),
+                  source="VESPO (arXiv 2602.10693; TRL loss_type='vespo', get_gamma_weights): "
+                         "sg(phi(prod_t u_t)) A log p, phi(W) = exp(lam + k log W - lam W)"),
         Surrogate("gmpo", applies=lambda corr: corr.gmpo is not None, fast=_gmpo_fast, reference=None,
                   centerable=False, needs_proximal=True, needs_sequences=True,
                   log_u_kinks=lambda corr: [-corr.gmpo[0], corr.gmpo[1]],

@@ -260,7 +260,8 @@ class LossConfig:
 
 def family_configs(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
     """One configuration per member of the correction family beyond the weight modes: each surrogate (decoupled
-    PPO, its dual clip, TRL's delta, GSPO-token, CISPO in TRL's and slime's bounds, SAPO, VESPO, GMPO), chained token-level rejections
+    PPO, its dual clip, TRL's delta, GSPO-token, CISPO in TRL's and slime's bounds, SAPO, VESPO, GMPO), chained
+    token-level rejections
     (a ratio band and a two-sided ``k1`` band, with score centering), chained sequence-level rejections, veto and
     OPSM, batch normalisation over tokens and over sequences, and rejected tokens out of the normaliser."""
     return [
