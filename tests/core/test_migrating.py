@@ -833,4 +833,7 @@ def test_every_row_has_a_test():
     cited = {word.strip("`.,") for word in text.split() if word.strip("`").startswith("test_")}
     cited.discard("test_every_row_has_a_test")
     assert named <= cited, f"tests without a row: {named - cited}"
-    assert cited <= named, f"rows citing missing tests: {cited - named}"
+    # The SAPO / VESPO / GMPO / KL-penalty rows cite tests of tests/core/test_surrogates_and_kl_penalty.py.
+    other = (Path(__file__).parent / "test_surrogates_and_kl_penalty.py").read_text()
+    named_there = {line[4:].split("(")[0] for line in other.splitlines() if line.startswith("def test_")}
+    assert cited <= named | named_there, f"rows citing missing tests: {cited - named - named_there}"
