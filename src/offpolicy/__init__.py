@@ -10,7 +10,7 @@ The definitions and contracts are in docs/spec.md; the layers in docs/architectu
 """
 
 from offpolicy import advantages
-from offpolicy.corrections import Correction, KLRejection, RatioRejection, TrustRegion
+from offpolicy.corrections import Correction, KLPenalty, KLRejection, RatioRejection, TrustRegion
 from offpolicy.loss import PolicyLossOutput, policy_loss, policy_loss_from_logprobs
 from offpolicy.loss.proximal import interpolated_proximal_logprobs
 from offpolicy.records import Candidates, TokenBatch
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Candidates",
     "Correction",
+    "KLPenalty",
     "KLRejection",
     "RatioRejection",
     "TrustRegion",

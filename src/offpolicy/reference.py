@@ -4,7 +4,9 @@ Nothing here is fast, chunked or fused, and nothing here imports the fast path: 
 ``[N, V]`` log-softmax in float64, loops over sequences and tokens in Python and spells each formula as the spec
 does. Each correction's own formula is the ``reference`` function of its entry in
 :mod:`offpolicy.corrections.registry` (the fast path uses the same entry's ``fast`` function); this module
-enumerates those entries. Gradients come from autograd through it. Use it on small inputs.
+enumerates those entries. SAPO, VESPO, GMPO and the KL penalty are the exception: their blocks below are written
+here from the spec, read the Correction's raw fields and call no registry function. Gradients come from autograd
+through it. Use it on small inputs.
 """
 
 from __future__ import annotations
@@ -91,9 +93,11 @@ def reference_policy_loss(
     proximal_logprobs: Tensor | None = None,
     num_sequences: float | None = None,
     constant_normalizer: float | None = None,
+    reference_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Literal float64 policy loss. Returns ``(loss, token_loss [N], weight [N])``; ``loss`` is differentiable
-    with respect to ``logits`` (pass float64 logits with ``requires_grad`` for gradients)."""
+    with respect to ``logits`` (pass float64 logits with ``requires_grad`` for gradients). ``reference_logprobs``
+    goes with ``correction.kl_penalty``."""
     corr = correction
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
                 proximal_logprobs)
@@ -102,8 +106,11 @@ def reference_policy_loss(
     if corr.score_centering and candidates is None:
         raise ValueError("score centering needs candidates")
     s = None
+    own = _own_surrogate(corr)
     if _trust_region_surrogate(corr):
         s = _trust_region_ratio(logp_y, st["tr_ref"], adv, corr)
+    elif own is not None:
+        s = own(logp_y, proximal_logprobs.double(), adv, st["seqs"], corr)
     elif surrogate.reference is not None:
         s = surrogate.reference(logp_y, proximal_logprobs.double(), adv, st["seqs"], corr)
     token_loss = torch.zeros(n, dtype=torch.float64)
@@ -134,10 +141,109 @@ def reference_policy_loss(
             counted = counted & (b >= corr.lower) & (b <= corr.upper)
         seqs = [idx[counted[idx]] for idx in seqs if bool(counted[idx].any())]
     loss = _aggregate(token_loss, counted, aggregation, seqs, num_loss_tokens, num_sequences, constant_normalizer)
+    if corr.kl_penalty is not None:
+        old = proximal_logprobs.double() if proximal_logprobs is not None else st["lq"]
+        pen, _ = _kl_penalty(logp_y, reference_logprobs.double(), old, mask, corr)
+        loss = loss + _aggregate(pen, mask, aggregation, st["seqs"], num_loss_tokens, num_sequences,
+                                 constant_normalizer)
+        token_loss = token_loss + pen
     # Keep the loss attached to the logits even when every token is masked (its gradient is then zero).
     x = logits.double()
     loss = loss + torch.where(torch.isfinite(x), x, torch.zeros_like(x)).sum() * 0
     return loss, token_loss.detach(), w.detach()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SAPO, VESPO, GMPO and the KL penalty, written here from docs/spec.md alone: they read the Correction's raw fields
+# and call nothing of offpolicy.corrections (no registry function), so they check the fast path independently.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _own_surrogate(corr: Correction):
+    """The reference of the surrogate the raw fields select, among those written here; None for the others."""
+    if corr.sapo is not None:
+        return _sapo
+    if corr.vespo is not None:
+        return _vespo
+    if corr.gmpo is not None:
+        return _gmpo
+    return None
+
+
+def _ratio(log_x: Tensor, corr: Correction) -> Tensor:
+    """``exp(log_x)`` with ``log_x`` clamped to ``[-max_log_ratio, max_log_ratio]`` first."""
+    return torch.exp(log_x.clamp(-corr.max_log_ratio, corr.max_log_ratio))
+
+
+def _sapo(logp_y: Tensor, prox: Tensor, adv: Tensor, seqs: list, corr: Correction) -> Tensor:
+    """docs/spec.md#sapo, token by token: ``s_t = (4 / tau) sigmoid(tau (u_t - 1)) A_t``, ``tau`` = ``tau_pos``
+    where ``A_t > 0`` else ``tau_neg``."""
+    tau_pos, tau_neg = corr.sapo
+    out = torch.zeros_like(logp_y)
+    for t in range(logp_y.shape[0]):
+        tau = tau_pos if float(adv[t]) > 0 else tau_neg
+        u = _ratio(logp_y[t] - prox[t], corr)
+        out[t] = 4.0 / tau / (1.0 + torch.exp(-tau * (u - 1.0))) * adv[t]
+    return out
+
+
+def _vespo(logp_y: Tensor, prox: Tensor, adv: Tensor, seqs: list, corr: Correction) -> Tensor:
+    """docs/spec.md#vespo, sequence by sequence: ``log W = clamp(sum_t clamp(log u_t), log 1e-8, max)``,
+    ``phi = exp(lam + k log W - lam W)`` (detached; ``(k, lam)`` by the sign of ``A_t``), ``s_t = phi A_t log p``."""
+    k_pos, lam_pos, k_neg, lam_neg = corr.vespo
+    out = torch.zeros_like(logp_y)
+    for idx in seqs:
+        log_w = sum(min(max(float(logp_y[t].detach()) - float(prox[t]), -corr.max_log_ratio), corr.max_log_ratio)
+                    for t in idx.tolist())
+        log_w = min(max(log_w, math.log(1e-8)), corr.max_log_ratio)
+        for t in idx.tolist():
+            k, lam = (k_pos, lam_pos) if float(adv[t]) >= 0 else (k_neg, lam_neg)
+            phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+            out[t] = phi * adv[t] * logp_y[t] if phi != 0 else 0.0
+    return out
+
+
+def _gmpo(logp_y: Tensor, prox: Tensor, adv: Tensor, seqs: list, corr: Correction) -> Tensor:
+    """docs/spec.md#gmpo, sequence by sequence: ``l_t = log u_t`` (clamped), kept where it is on the pessimistic
+    side of ``[-eps_lo, eps_hi]`` for the sign of ``A_t`` and clipped to it otherwise (0 where ``A_t = 0``);
+    ``s_t = A_t exp(mean_i l)``, differentiable through every ``l`` of the sequence."""
+    eps_lo, eps_hi = corr.gmpo
+    out = torch.zeros_like(logp_y)
+    for idx in seqs:
+        terms = []
+        for t in idx.tolist():
+            lu = (logp_y[t] - prox[t]).clamp(-corr.max_log_ratio, corr.max_log_ratio)
+            a = float(adv[t])
+            if a > 0:  # objective A exp(.) increasing in l: keep the smaller of l and its clip
+                terms.append(torch.minimum(lu, lu.clamp(-eps_lo, eps_hi)))
+            elif a < 0:  # decreasing: keep the larger
+                terms.append(torch.maximum(lu, lu.clamp(-eps_lo, eps_hi)))
+            else:
+                terms.append(torch.zeros((), dtype=torch.float64))
+        geo = torch.exp(torch.stack(terms).sum() / len(terms))
+        for t in idx.tolist():
+            out[t] = adv[t] * geo
+    return out
+
+
+def _kl_penalty(logp_y: Tensor, ref: Tensor, old: Tensor, mask: Tensor, corr: Correction) -> tuple[Tensor, Tensor]:
+    """docs/spec.md#kl-penalty, token by token: ``(pen [N], est [N])``; ``rho = p_ref / p``, ``k1 = -log rho``,
+    ``k2 = (log rho)^2 / 2``, ``k3 = rho - 1 - log rho``, times the differentiable ``p / pi_old`` when
+    importance-weighted; ``pen = coef * est`` on trained tokens the trainer can produce, else 0."""
+    spec = corr.kl_penalty
+    pen = torch.zeros_like(logp_y)
+    est = torch.zeros(logp_y.shape[0], dtype=torch.float64)
+    for t in range(logp_y.shape[0]):
+        if not mask[t] or float(logp_y[t].detach()) == -math.inf:
+            continue
+        log_rho = (ref[t] - logp_y[t]).clamp(-corr.max_log_ratio, corr.max_log_ratio)
+        k = {"k1": lambda: -log_rho, "k2": lambda: log_rho ** 2 / 2,
+             "k3": lambda: torch.exp(log_rho) - 1 - log_rho}[spec.estimator]()
+        if spec.importance_weighted:
+            k = _ratio(logp_y[t] - old[t], corr) * k
+        pen[t] = spec.coef * k
+        est[t] = float(k)
+    return pen, est
 
 
 def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
@@ -262,9 +368,15 @@ def reference_metrics(
     groups: Tensor | None = None,
     versions: Tensor | None = None,
     current_version: int | None = None,
+    reference_logprobs: Tensor | None = None,
+    aggregation: str = "token_mean",
+    num_loss_tokens: float | None = None,
+    num_sequences: float | None = None,
+    constant_normalizer: float | None = None,
 ) -> dict[str, float]:
     """Every key of docs/spec.md#metrics (those of ``policy_loss``'s ``out.metrics``, entropy included), literally,
-    token by token in float64; same arguments as :func:`reference_policy_loss` plus the metric-only ones."""
+    token by token in float64; same arguments as :func:`reference_policy_loss` plus the metric-only ones (the
+    aggregation arguments matter only for the ``kl_penalty`` key)."""
     corr = correction
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
                 proximal_logprobs)
@@ -275,6 +387,12 @@ def reference_metrics(
     out = _token_metrics(st, mask, corr)
     out["entropy"] = _mean([float(ent[t]) for t in range(n) if mask[t]])
     out["rejected_frac"] = _mean([float(not st["keep"][t]) for t in range(n) if mask[t]])
+    if corr.kl_penalty is not None:
+        old = proximal_logprobs.double() if proximal_logprobs is not None else st["lq"]
+        pen, est = _kl_penalty(st["logp_y"].detach(), reference_logprobs.double(), old, mask, corr)
+        out["ref_kl"] = _mean([float(est[t]) for t in range(n) if mask[t]])
+        out["kl_penalty"] = float(_aggregate(pen, mask, aggregation, st["seqs"], num_loss_tokens, num_sequences,
+                                             constant_normalizer))
     if seq_ids is not None:
         out.update(_sequence_metrics(st, corr))
         if reg.LEVELS[corr.level].per_sequence:

@@ -93,7 +93,7 @@ def test_every_config_covers_the_family():
     cfgs = every_config()
     corrs = [c.correction for c in cfgs]
     assert {c.surrogate for c in cfgs} == {"score_function", "ppo", "ppo_dual_clip", "gspo_token", "cispo",
-                                           "trust_region"}
+                                           "trust_region", "sapo", "vespo", "gmpo"}
     assert any(c.ppo_delta is not None for c in cfgs)
     kinds = {(r.kind, getattr(r, "estimator", None), r.level, isinstance(getattr(r, "threshold", 0), tuple))
              for c in corrs for _, r in c.rejection_rules}

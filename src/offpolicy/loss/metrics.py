@@ -28,6 +28,8 @@ Keys (all scalar tensors, means over trained tokens unless named otherwise):
   switched on ``rejected_frac/R`` (share of trained tokens in sequences ``R`` drops); at the sequence levels
   ``seq_ess`` (the ESS of the per-sequence weights, each the mean of its trained tokens' final weights);
 * policy: ``entropy`` (of ``p``, or of ``p^S`` under mask replay), ``num_tokens``;
+* with a ``kl_penalty`` (added by :mod:`offpolicy.loss.logprobs`): ``ref_kl`` (mean weighted estimate),
+  ``kl_penalty`` (its aggregated contribution to the loss);
 * records: ``support_size``; with score centering ``sc_p_head``, ``sc_q_head``, ``sc_rho``, ``sc_abs_coef_sum``;
 * per sampler group ``g``: ``group/{g}/<name>`` with ``share_samples`` (of sequences when ``seq_ids`` are given,
   else of tokens), ``share_tokens``, ``share_extreme`` (the group's share of all extreme-ratio tokens) and the

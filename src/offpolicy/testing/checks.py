@@ -221,7 +221,8 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     * sequence rules: ratio and KL bands on each sequence's statistic, the veto on its smallest ratio, OPSM on its
       mean ``lq - log p``;
     * the clipped surrogates' kinks: ``u = p / pi_prox`` (GSPO-token: the sequence's geometric ``u``) at
-      ``1 - eps_lo``, ``1 + eps_hi``, the delta cap and the dual clip ``c`` (CISPO's clamp is continuous);
+      ``1 - eps_lo``, ``1 + eps_hi``, the delta cap and the dual clip ``c`` (CISPO's clamp is continuous), and
+      each surrogate's own ``log_u_kinks`` (GMPO's log-space clip);
     * a trust region's mask edges: the divergence of each token at ``lower`` / ``upper`` and the probability
       difference at 0 (or each sequence's summed / mean difference at ``-lower`` / ``upper``).
     """
@@ -307,6 +308,9 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
         pairs.append((log_u, kinks))
     if corr.trust_region is not None:
         pairs.extend(_trust_region_pairs(corr.trust_region, logp_y, lq, prox, trained, seqs))
+    kinks_of = corr.surrogate.log_u_kinks
+    if kinks_of is not None and prox is not None:
+        pairs.append((torch.where(trained, logp_y - prox, 0.0)[trained], kinks_of(corr)))
     for stats, jumps in pairs:
         vals = stats.reshape(-1)
         vals = vals[torch.isfinite(vals)]
