@@ -166,6 +166,9 @@ def test_bad_combinations_are_named():
         op.Correction(trust_region=(0.2, 0.2))
     with pytest.raises(ValueError, match="score_centering=True cannot be combined with trust_region"):
         op.Correction(score_centering=True, trust_region=TR(0.2, 0.2, on="weights"))
+    for soft in (dict(sapo=(1.0, 1.05)), dict(vespo=(2.0, 3.0, 3.0, 2.0)), dict(gmpo=(0.4, 0.4))):
+        with pytest.raises(ValueError, match=f"trust_region cannot be combined with {next(iter(soft))}"):
+            op.Correction(trust_region=TR(0.2, 0.2), **soft)
     lp, lq, adv = torch.full((3,), -0.5), torch.full((3,), -0.6), torch.ones(3)
     corr = op.Correction(trust_region=TR(0.1, 0.1, sign="none", level="sequence"))
     with pytest.raises(ValueError, match="needs seq_ids"):
