@@ -68,9 +68,9 @@ def _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w
 
 @triton.jit
 def _linear_row_stats_kernel(
-    h_ptr, w_ptr, b_ptr, inv_temp_ptr, m_ptr, s_ptr, t_ptr,
+    h_ptr, w_ptr, b_ptr, inv_temp_ptr, m_ptr, s_ptr, t_ptr, q_ptr,
     N, V, D, stride_h, stride_w, V_PER_SPLIT,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SUM_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -82,6 +82,7 @@ def _linear_row_stats_kernel(
     m = tl.full([BLOCK_N], neg_inf, tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
+    q = tl.zeros([BLOCK_N], tl.float32)  # SUM_P2: sum exp(2 (x - m)), rescaled by a^2 when m moves
     v_lo = split * V_PER_SPLIT
     v_hi = tl.minimum(V, v_lo + V_PER_SPLIT)
     for v0 in range(v_lo, v_hi, BLOCK_V):
@@ -104,11 +105,15 @@ def _linear_row_stats_kernel(
         e = tl.exp(d)
         t = a * (t + s * shift) + tl.sum(e * d, 1)
         s = a * s + tl.sum(e, 1)
+        if SUM_P2:
+            q = a * a * q + tl.sum(e * e, 1)
         m = new_m
     out = split.to(tl.int64) * N + rows
     tl.store(m_ptr + out, tl.where(s > 0, m, 0.0), mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(t_ptr + out, t, mask=row_ok)
+    if SUM_P2:
+        tl.store(q_ptr + out, q, mask=row_ok)
 
 
 @triton.jit
@@ -261,7 +266,8 @@ def _check_rows(x: Tensor, name: str) -> None:
 
 def linear_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_temp: Tensor, *,
                      splits: int | None = None,
-                     tiles: tuple[int, int, int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     tiles: tuple[int, int, int, int, int] | None = None,
+                     sum_p2: bool = False) -> tuple[Tensor, ...]:
     """Partial online-softmax statistics of ``x = (h W^T + b) inv_temp``.
 
     Args:
@@ -269,9 +275,11 @@ def linear_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_te
         inv_temp: ``[N]`` fp32.
         splits: vocabulary splits (grid dimension 1); default: enough programs to fill the GPU.
         tiles: ``(BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages)``.
+        sum_p2: also return ``q = sum exp(2 (x - m))`` (a constexpr flag: the default kernel is compiled without it).
 
     Returns:
-        ``m, s, t`` of shape ``[splits, N]`` fp32 (fold them with :func:`merge_stats`).
+        ``m, s, t`` (then ``q`` with ``sum_p2``) of shape ``[splits, N]`` fp32 (fold them with
+        :func:`merge_stats`).
     """
     _check_rows(hidden, "hidden")
     _check_rows(weight, "weight")
@@ -286,26 +294,31 @@ def linear_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_te
     splits = triton.cdiv(v, per_split)
     m = torch.empty(splits, n, dtype=torch.float32, device=hidden.device)
     s, t = torch.empty_like(m), torch.empty_like(m)
+    q = torch.empty_like(m) if sum_p2 else None
+    stats = (m, s, t) if q is None else (m, s, t, q)
     if n == 0:
-        return m, s, t
+        return stats
     _linear_row_stats_kernel[(n_blocks, splits)](
-        hidden, weight, bias if bias is not None else hidden, inv_temp, m, s, t,
+        hidden, weight, bias if bias is not None else hidden, inv_temp, m, s, t, t if q is None else q,
         n, v, d, hidden.stride(0), weight.stride(0), per_split,
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PRECISION=_precision(hidden.dtype),
+        HAS_BIAS=bias is not None, SUM_P2=sum_p2, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
+        PRECISION=_precision(hidden.dtype),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False,
     )
-    return m, s, t
+    return stats
 
 
-def merge_stats(m: Tensor, s: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def merge_stats(m: Tensor, s: Tensor, t: Tensor, q: Tensor | None = None) -> tuple[Tensor, ...]:
     """Fold ``[splits, N]`` partial statistics into ``[N]`` (``M = max`` over parts with mass, ``a = exp(m - M)``:
-    ``s = sum a s``, ``t = sum a (t + s (m - M))``); ``m = 0`` where no part has mass."""
+    ``s = sum a s``, ``t = sum a (t + s (m - M))``, and given ``q``, ``q = sum a^2 q``); ``m = 0`` where no part has
+    mass."""
     m_e = torch.where(s > 0, m, torch.full_like(m, -float("inf")))
     big = m_e.amax(dim=0) if m.shape[0] else torch.zeros(m.shape[1:], device=m.device)
     big = torch.where(torch.isfinite(big), big, torch.zeros_like(big))
     a = torch.exp(m_e - big)
     shift = torch.where(s > 0, m - big, torch.zeros_like(m))
-    return big, (a * s).sum(dim=0), (a * (t + s * shift)).sum(dim=0)
+    folded = (big, (a * s).sum(dim=0), (a * (t + s * shift)).sum(dim=0))
+    return folded if q is None else (*folded, (a * a * q).sum(dim=0))
 
 
 def linear_dense_grad(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: Tensor, inv_temp: Tensor,

@@ -4,7 +4,8 @@ Two kernels, each a 1-D grid with one program per row (no 65,535 grid-dimension 
 
 * :func:`row_stats` reads ``z [N, V]`` once and returns, for ``x = z * inv_temp``, the row max ``m``,
   ``s = sum_v exp(x_v - m)`` and ``t = sum_v exp(x_v - m) (x_v - m)`` (so ``lse = m + log s`` and the entropy is
-  ``log s - t / s``). Rows flagged in ``skip`` are not read at all.
+  ``log s - t / s``), and on request ``q = sum_v exp(2 (x_v - m))`` (``sum_v p_v^2 = q / s^2``; a constexpr flag,
+  so the default kernel is compiled without it). Rows flagged in ``skip`` are not read at all.
 * :func:`row_grad` reads ``z`` once and writes, in ``z``'s dtype,
 
       dz = inv_temp * (scatter(g at ids) - G * exp(x - lse))
@@ -44,8 +45,10 @@ def _row_stats_kernel(
     m_ptr,
     s_ptr,
     t_ptr,
+    q_ptr,
     V,
     HAS_SKIP: tl.constexpr,
+    SUM_P2: tl.constexpr,
     BLOCK: tl.constexpr,
     INT64: tl.constexpr,
 ):
@@ -64,9 +67,11 @@ def _row_stats_kernel(
     #   s' = a s,  t' = a (t + s (m - m')),  a = exp(m - m'),
     # since exp(x - m') (x - m') = a exp(x - m) ((x - m) + (m - m')).
     # While the row has seen only -inf, m = -inf and the reference is 0 (s = t = 0 there).
+    # SUM_P2 adds q = sum exp(2 (x - m)) (sum p^2 = q / s^2), rescaled by a^2 = exp(2 (m - m')).
     m = tl.full([], neg_inf, tl.float32)
     s_acc = tl.zeros([BLOCK], tl.float32)
     t_acc = tl.zeros([BLOCK], tl.float32)
+    q_acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, v_end, BLOCK):
         cols = start + cols0
         x = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32) * it
@@ -80,10 +85,14 @@ def _row_stats_kernel(
         e = tl.exp(d)
         t_acc = a * (t_acc + s_acc * shift) + e * d
         s_acc = a * s_acc + e
+        if SUM_P2:
+            q_acc = a * a * q_acc + e * e
         m = new_m
     tl.store(m_ptr + row, tl.where(m == neg_inf, 0.0, m))
     tl.store(s_ptr + row, tl.sum(s_acc, 0))
     tl.store(t_ptr + row, tl.sum(t_acc, 0))
+    if SUM_P2:
+        tl.store(q_ptr + row, tl.sum(q_acc, 0))
 
 
 @triton.jit
@@ -203,7 +212,8 @@ def row_stats(
     *,
     block: int | None = None,
     num_warps: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    sum_p2: bool = False,
+) -> tuple[Tensor, ...]:
     """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` in one read (see the module docstring).
 
     Args:
@@ -211,25 +221,30 @@ def row_stats(
         inv_temp: ``[N]`` fp32.
         skip: ``[N]`` bool or None; skipped rows are not read and give ``m = s = t = 0``.
         block, num_warps: tile width (a power of two) and warps per program; defaults suit a GPU.
+        sum_p2: also return ``q [N] = sum exp(2 (x - m))`` from the same pass.
 
     Returns:
-        ``m [N]`` (0 where the row is all ``-inf`` or skipped), ``s [N]``, ``t [N]``, fp32.
+        ``m [N]`` (0 where the row is all ``-inf`` or skipped), ``s [N]``, ``t [N]``, then ``q [N]`` with
+        ``sum_p2`` (0 on skipped rows), fp32.
     """
     _check_rows("logits", logits)
     n, v = logits.shape
     dev = logits.device
     inv_temp = _vector("inv_temp", inv_temp, n, torch.float32, dev)
     m, s, t = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(3))
+    q = torch.zeros(n, dtype=torch.float32, device=dev) if sum_p2 else None
+    stats = (m, s, t) if q is None else (m, s, t, q)
     if n == 0 or v == 0:
-        return m, s, t
+        return stats
     if skip is not None:
         skip = _vector("skip", skip, n, torch.bool, dev).view(torch.uint8)
     block, num_warps = _tile(v, block, num_warps)
     _row_stats_kernel[(n,)](
-        logits, logits.stride(0), inv_temp, skip if skip is not None else inv_temp, m, s, t, v,
-        HAS_SKIP=skip is not None, BLOCK=block, INT64=_needs_int64(n, logits), num_warps=num_warps,
+        logits, logits.stride(0), inv_temp, skip if skip is not None else inv_temp, m, s, t,
+        q if q is not None else t, v, HAS_SKIP=skip is not None, SUM_P2=sum_p2, BLOCK=block,
+        INT64=_needs_int64(n, logits), num_warps=num_warps,
     )  # fmt: skip
-    return m, s, t
+    return stats
 
 
 def row_grad(

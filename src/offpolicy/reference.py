@@ -12,7 +12,10 @@ formula as the spec does. Gradients come from autograd through it. Use it on sma
 
 Adding a correction here: a field in :data:`CORRECTION_DEFAULTS` (its default, written again), and one branch in
 the block of its kind below (``_weight``, ``sequence_log_ratio``, ``kl``, ``kl_statistic``, ``_sequence_rules``,
-``_normalisation_mean``, ``_surrogate``, ``_aggregate``).
+``_normalisation_mean``, ``_surrogate``, ``_aggregate``). The trust region (``_trust_region_*``), SAPO, VESPO,
+GMPO (``_sapo``, ``_vespo``, ``_gmpo``) and the KL penalty (``_kl_penalty``) are written here from docs/spec.md too;
+a ``TrustRegion`` and a ``KLPenalty`` are read by attribute name (:data:`TRUST_REGION_DEFAULTS`,
+:data:`KL_PENALTY_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,26 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "cispo": None,
     "rejected_in_normalizer": True,
     "rejections": (),
+    "trust_region": None,
+    "sapo": None,
+    "vespo": None,
+    "gmpo": None,
+    "kl_penalty": None,
 }
+
+#: The fields of a ``TrustRegion`` and their defaults (None: required), docs/spec.md#trust-region.
+TRUST_REGION_DEFAULTS: dict[str, Any] = {
+    "lower": None,
+    "upper": None,
+    "divergence": "difference",
+    "sign": "advantage",
+    "level": "token",
+    "on": "update",
+    "penalty": 0.0,
+}
+
+#: The fields of a ``KLPenalty`` and their defaults (None: required), docs/spec.md#kl-penalty.
+KL_PENALTY_DEFAULTS: dict[str, Any] = {"coef": None, "estimator": "k3", "importance_weighted": False}
 
 #: ``(lower, upper)`` of each bounded weight mode when ``bounds`` is None (docs/spec.md#weights).
 DEFAULT_BOUNDS: dict[str, tuple[float, float]] = {"tis": (0.0, 2.0), "mis": (0.5, 5.0), "reject": (0.5, 5.0)}
@@ -86,6 +108,25 @@ class _Rule:
         return _level_per_sequence(self.level)
 
 
+class _Fields:
+    """A ``TrustRegion`` / ``KLPenalty`` (or a mapping with the same keys), read by field name; unknown fields are
+    refused."""
+
+    def __init__(self, item: Any, defaults: dict[str, Any], what: str) -> None:
+        if isinstance(item, Mapping):
+            unknown = sorted(set(item) - set(defaults))
+        else:
+            unknown = sorted(k for k in getattr(item, "__dataclass_fields__", {})
+                             if not k.startswith("_") and k not in defaults)
+        if unknown:
+            raise ValueError(f"reference: the {what} has fields {unknown} that offpolicy.reference does not implement")
+        for name, default in defaults.items():
+            value = _read(item, name, default)
+            if value is None:
+                raise ValueError(f"reference: a {what} needs {name}")
+            setattr(self, name, value)
+
+
 class _Config:
     """The correction's fields (``CORRECTION_DEFAULTS`` where absent) and the resolved ratio bounds."""
 
@@ -101,6 +142,11 @@ class _Config:
         for name, default in CORRECTION_DEFAULTS.items():
             setattr(self, name, _read(corr, name, default))
         self.lower, self.upper = self._bounds()
+        if self.trust_region is not None:
+            self.trust_region = _Fields(self.trust_region, TRUST_REGION_DEFAULTS, "trust region")
+            _level_per_sequence(self.trust_region.level)
+        if self.kl_penalty is not None:
+            self.kl_penalty = _Fields(self.kl_penalty, KL_PENALTY_DEFAULTS, "KL penalty")
         self.per_sequence = _level_per_sequence(self.level)
         head = [("kl", self.kl_rejection)] if self.kl_rejection is not None else []
         #: ``(name, rule)``: ``"kl"`` for ``kl_rejection``, ``"rule{i}"`` for ``rejections[i]`` (the metric names).
@@ -326,6 +372,16 @@ def _normalisation_mean(w: Tensor, sel: Tensor, seqs: list[Tensor], cfg: _Config
 
 
 def _surrogate_name(cfg: _Config) -> str:
+    tr = cfg.trust_region
+    if tr is not None and tr.on == "update" and cfg.ppo_clip is None and cfg.cispo is None:
+        # The trust region's masked ratio u A (on the update, no PPO clip, no CISPO).
+        return "trust_region"
+    if cfg.sapo is not None:
+        return "sapo"
+    if cfg.vespo is not None:
+        return "vespo"
+    if cfg.gmpo is not None:
+        return "gmpo"
     if cfg.cispo is not None:
         return "cispo"
     if cfg.ppo_clip is not None:
@@ -350,12 +406,16 @@ def _clip(u: Tensor, a: Tensor, cfg: _Config) -> Tensor:
     return s
 
 
-def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tensor], cfg: _Config) -> Tensor | None:
+def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tensor], cfg: _Config,
+               tr_ref: Tensor | None = None) -> Tensor | None:
     """``[N]`` the surrogate ``s_t`` whose ``-w_t s_t`` is the token loss, or None for the score-function term
-    ``A_t log p(y_t)`` (formed by the caller, which adds score centering)."""
+    ``A_t log p(y_t)`` (formed by the caller, which adds score centering). ``tr_ref``: the trust region's
+    ``log p_ref`` of the update (``_trust_region_state``)."""
     name = _surrogate_name(cfg)
     if name == "score_function":
         return None
+    if name == "trust_region":
+        return _trust_region_ratio(logp_y, tr_ref, adv, cfg)
     if prox is None:
         raise ValueError(f"reference: the {name!r} surrogate needs proximal_logprobs")
     mlr = cfg.max_log_ratio
@@ -378,7 +438,106 @@ def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tens
             u = math.exp(min(max(float(logp_y[t].detach() - prox[t]), -mlr), mlr))
             coef = min(max(u, lo), hi)
             out[t] = coef * adv[t] * logp_y[t] if coef != 0 else 0.0
+    elif name == "sapo":
+        out = _sapo(logp_y, prox, adv, seqs, cfg)
+    elif name == "vespo":
+        out = _vespo(logp_y, prox, adv, seqs, cfg)
+    elif name == "gmpo":
+        out = _gmpo(logp_y, prox, adv, seqs, cfg)
+    else:
+        raise ValueError(f"reference: surrogate {name!r} is not implemented here")
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SAPO, VESPO, GMPO and the KL penalty, docs/spec.md#sapo, #vespo, #gmpo, #kl-penalty
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _ratio(log_x: Tensor, cfg: _Config) -> Tensor:
+    """``exp(log_x)`` with ``log_x`` clamped to ``[-max_log_ratio, max_log_ratio]`` first."""
+    return torch.exp(log_x.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
+
+
+def _sapo(logp_y: Tensor, prox: Tensor, adv: Tensor, seqs: list, cfg: _Config) -> Tensor:
+    """docs/spec.md#sapo, token by token: ``s_t = (4 / tau) sigmoid(tau (u_t - 1)) A_t``, ``tau`` = ``tau_pos``
+    where ``A_t > 0`` else ``tau_neg``."""
+    tau_pos, tau_neg = cfg.sapo
+    out = torch.zeros_like(logp_y)
+    for t in range(logp_y.shape[0]):
+        tau = tau_pos if float(adv[t]) > 0 else tau_neg
+        u = _ratio(logp_y[t] - prox[t], cfg)
+        out[t] = 4.0 / tau / (1.0 + torch.exp(-tau * (u - 1.0))) * adv[t]
+    return out
+
+
+def _vespo(logp_y: Tensor, prox: Tensor, adv: Tensor, seqs: list, cfg: _Config) -> Tensor:
+    """docs/spec.md#vespo, sequence by sequence: ``log W = clamp(sum_t clamp(log u_t), log 1e-8, max)``,
+    ``phi = exp(lam + k log W - lam W)`` (detached; ``(k, lam)`` by the sign of ``A_t``), ``s_t = phi A_t log p``."""
+    k_pos, lam_pos, k_neg, lam_neg = cfg.vespo
+    out = torch.zeros_like(logp_y)
+    for idx in seqs:
+        log_w = sum(min(max(float(logp_y[t].detach()) - float(prox[t]), -cfg.max_log_ratio), cfg.max_log_ratio)
+                    for t in idx.tolist())
+        log_w = min(max(log_w, math.log(1e-8)), cfg.max_log_ratio)
+        for t in idx.tolist():
+            k, lam = (k_pos, lam_pos) if float(adv[t]) >= 0 else (k_neg, lam_neg)
+            phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+            out[t] = phi * adv[t] * logp_y[t] if phi != 0 else 0.0
+    return out
+
+
+def _gmpo(logp_y: Tensor, prox: Tensor, adv: Tensor, seqs: list, cfg: _Config) -> Tensor:
+    """docs/spec.md#gmpo, sequence by sequence: ``l_t = log u_t`` (clamped), kept where it is on the pessimistic
+    side of ``[-eps_lo, eps_hi]`` for the sign of ``A_t`` and clipped to it otherwise (0 where ``A_t = 0``);
+    ``s_t = A_t exp(mean_i l)``, differentiable through every ``l`` of the sequence."""
+    eps_lo, eps_hi = cfg.gmpo
+    out = torch.zeros_like(logp_y)
+    for idx in seqs:
+        terms = []
+        for t in idx.tolist():
+            lu = (logp_y[t] - prox[t]).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+            a = float(adv[t])
+            if a > 0:  # objective A exp(.) increasing in l: keep the smaller of l and its clip
+                terms.append(torch.minimum(lu, lu.clamp(-eps_lo, eps_hi)))
+            elif a < 0:  # decreasing: keep the larger
+                terms.append(torch.maximum(lu, lu.clamp(-eps_lo, eps_hi)))
+            else:
+                terms.append(torch.zeros((), dtype=torch.float64))
+        geo = torch.exp(torch.stack(terms).sum() / len(terms))
+        for t in idx.tolist():
+            out[t] = adv[t] * geo
+    return out
+
+
+def _kl_penalty_estimate(log_rho: Tensor, estimator: str) -> Tensor:
+    """``KL(p || p_ref)`` estimate at ``rho = p_ref / p``: ``k1 = -log rho``, ``k2 = (log rho)^2 / 2``,
+    ``k3 = rho - 1 - log rho``."""
+    if estimator == "k1":
+        return -log_rho
+    if estimator == "k2":
+        return log_rho ** 2 / 2
+    if estimator == "k3":
+        return torch.exp(log_rho) - 1 - log_rho
+    raise ValueError(f"reference: KL penalty estimator={estimator!r} is not implemented here")
+
+
+def _kl_penalty(logp_y: Tensor, ref: Tensor, old: Tensor, mask: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
+    """docs/spec.md#kl-penalty, token by token: ``(pen [N], est [N])``; the estimate times the differentiable
+    ``p / pi_old`` when importance-weighted; ``pen = coef * est`` on trained tokens the trainer can produce, else 0."""
+    spec = cfg.kl_penalty
+    pen = torch.zeros_like(logp_y)
+    est = torch.zeros(logp_y.shape[0], dtype=torch.float64)
+    for t in range(logp_y.shape[0]):
+        if not mask[t] or float(logp_y[t].detach()) == -math.inf:
+            continue
+        log_rho = (ref[t] - logp_y[t]).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+        k = _kl_penalty_estimate(log_rho, spec.estimator)
+        if spec.importance_weighted:
+            k = _ratio(logp_y[t] - old[t], cfg) * k
+        pen[t] = float(spec.coef) * k
+        est[t] = float(k)
+    return pen, est
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -446,13 +605,17 @@ def reference_policy_loss(
     proximal_logprobs: Tensor | None = None,
     num_sequences: float | None = None,
     constant_normalizer: float | None = None,
+    reference_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Literal float64 policy loss. Returns ``(loss, token_loss [N], weight [N])``; ``loss`` is differentiable
     with respect to ``logits`` (pass float64 logits with ``requires_grad`` for gradients).
 
     ``candidates``: anything with ``.ids [N, K]``, ``.logprobs [N, K]`` and ``.kind`` (``"head"`` | ``"support"``);
-    ``correction``: a ``Correction`` or a mapping of its fields (None: plain REINFORCE)."""
+    ``correction``: a ``Correction`` or a mapping of its fields (None: plain REINFORCE); ``reference_logprobs``
+    ``[N]`` goes with ``correction.kl_penalty``."""
     cfg = _config(correction)
+    if cfg.kl_penalty is not None and reference_logprobs is None:
+        raise ValueError("reference: kl_penalty needs reference_logprobs")
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, cfg, seq_ids,
                 proximal_logprobs)
     n, lp, logp_y, adv, mask, keep, w = st["n"], st["lp"], st["logp_y"], st["adv"], st["mask"], st["keep"], st["w"]
@@ -460,7 +623,8 @@ def reference_policy_loss(
         raise ValueError("score centering needs candidates")
     if cfg.score_centering and (cfg.per_sequence or _surrogate_name(cfg) != "score_function"):
         raise ValueError("reference: score centering is defined for the token-level score-function term only")
-    s = _surrogate(logp_y, None if proximal_logprobs is None else proximal_logprobs.double(), adv, st["seqs"], cfg)
+    s = _surrogate(logp_y, None if proximal_logprobs is None else proximal_logprobs.double(), adv, st["seqs"], cfg,
+                   st["tr_ref"])
     token_loss = torch.zeros(n, dtype=torch.float64)
     for t in range(n):
         if not (mask[t] and keep[t]) or adv[t] == 0:
@@ -477,16 +641,24 @@ def reference_policy_loss(
                 if cv != 0 and lp[t, v] > -math.inf:
                     term = term - st["scale"] * cv * lp[t, v]
         token_loss[t] = -adv[t] * term
+    if cfg.trust_region is not None and cfg.trust_region.penalty:
+        token_loss = token_loss + _trust_region_penalty(logp_y, st["tr_ref"], mask & keep, cfg)
     counted, seqs = mask, st["seqs"]
     if not cfg.rejected_in_normalizer:
-        # Rejected tokens (sequence rules, token-level rejection rules) leave the normaliser.
-        counted = mask & keep & ~st["token_rejected"]
+        # Rejected tokens (sequence rules, token-level rejection rules, the trust region) leave the normaliser.
+        counted = mask & keep & ~st["token_rejected"] & ~st["tr_masked"]
         if _outside_is_rejection(cfg):
             # A ratio outside the band is a rejection for this mode: the token leaves the normaliser too.
             b = st["bounded"]
             counted = counted & (b >= cfg.lower) & (b <= cfg.upper)
         seqs = [idx[counted[idx]] for idx in seqs if bool(counted[idx].any())]
     loss = _aggregate(token_loss, counted, aggregation, seqs, num_loss_tokens, num_sequences, constant_normalizer)
+    if cfg.kl_penalty is not None:
+        old = proximal_logprobs.double() if proximal_logprobs is not None else st["lq"]
+        pen, _ = _kl_penalty(logp_y, reference_logprobs.double(), old, mask, cfg)
+        loss = loss + _aggregate(pen, mask, aggregation, st["seqs"], num_loss_tokens, num_sequences,
+                                 constant_normalizer)
+        token_loss = token_loss + pen
     # Keep the loss attached to the logits even when every token is masked (its gradient is then zero).
     x = logits.double()
     loss = loss + torch.where(torch.isfinite(x), x, torch.zeros_like(x)).sum() * 0
@@ -510,8 +682,9 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
     r = torch.where(mask, torch.exp(base - lq), torch.ones_like(lq))
     r_p = torch.where(mask, torch.exp(logp_y.detach() - lq), torch.ones_like(lq))
     seqs = _sequences(seq_ids, mask) if seq_ids is not None else []
+    tr_per_sequence = cfg.trust_region is not None and _level_per_sequence(cfg.trust_region.level)
     if seq_ids is None and (cfg.per_sequence or _sequence_rules(cfg) or cfg.batch_normalize == "sequences"
-                            or _surrogate_name(cfg) == "gspo_token"):
+                            or _surrogate_name(cfg) in ("gspo_token", "vespo", "gmpo") or tr_per_sequence):
         raise ValueError("reference: this correction needs seq_ids")
 
     # Importance weight w_t at the correction's level (a token-level rejection rule zeros the token's own weight).
@@ -539,6 +712,9 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
                 dropped_by[name][idx] = True
                 keep[idx] = False
     w = w * (mask & keep)
+    # The trust region's mask (docs/spec.md#trust-region) zeroes the weight before the normalisation.
+    tr_masked, tr_ref = _trust_region_state(logp_y.detach(), lq, proximal_logprobs, adv, mask, seqs, cfg)
+    w = w * ~tr_masked
     scale = 1.0
     mean_w = _normalisation_mean(w, mask & keep, seqs, cfg)
     if mean_w is not None:
@@ -546,7 +722,7 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
         w = w * scale
     return dict(n=n, lp=lp, logp_y=logp_y, lq=lq, adv=adv, mask=mask, keep=keep, w=w, scale=scale, seqs=seqs,
                 r_p=r_p, r=r, bounded=bounded, impossible=impossible, is_support=is_support,
-                token_rejected=token_rejected, dropped_by=dropped_by)
+                token_rejected=token_rejected, dropped_by=dropped_by, tr_masked=tr_masked, tr_ref=tr_ref)
 
 
 def _centering_row(lp_row: Tensor, cands: Any, t: int, is_support: bool, cfg: _Config):
@@ -597,10 +773,18 @@ def reference_metrics(
     groups: Tensor | None = None,
     versions: Tensor | None = None,
     current_version: int | None = None,
+    reference_logprobs: Tensor | None = None,
+    aggregation: str = "token_mean",
+    num_loss_tokens: float | None = None,
+    num_sequences: float | None = None,
+    constant_normalizer: float | None = None,
 ) -> dict[str, float]:
     """Every key of docs/spec.md#metrics (those of ``policy_loss``'s ``out.metrics``, entropy included), literally,
-    token by token in float64; same arguments as :func:`reference_policy_loss` plus the metric-only ones."""
+    token by token in float64; same arguments as :func:`reference_policy_loss` plus the metric-only ones (the
+    aggregation arguments matter only for the ``kl_penalty`` key)."""
     corr = _config(correction)
+    if corr.kl_penalty is not None and reference_logprobs is None:
+        raise ValueError("reference: kl_penalty needs reference_logprobs")
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
                 proximal_logprobs)
     mask, n = st["mask"], st["n"]
@@ -610,10 +794,26 @@ def reference_metrics(
     out = _token_metrics(st, mask, corr)
     out["entropy"] = _mean([float(ent[t]) for t in range(n) if mask[t]])
     out["rejected_frac"] = _mean([float(not st["keep"][t]) for t in range(n) if mask[t]])
+    if corr.kl_penalty is not None:
+        old = proximal_logprobs.double() if proximal_logprobs is not None else st["lq"]
+        pen, est = _kl_penalty(st["logp_y"].detach(), reference_logprobs.double(), old, mask, corr)
+        out["ref_kl"] = _mean([float(est[t]) for t in range(n) if mask[t]])
+        out["kl_penalty"] = float(_aggregate(pen, mask, aggregation, st["seqs"], num_loss_tokens, num_sequences,
+                                             constant_normalizer))
     if seq_ids is not None:
         out.update(_sequence_metrics(st, corr))
+        if corr.per_sequence:
+            # One weight per sequence: the mean of its trained tokens' final weights.
+            ws = [sum(float(st["w"][t]) for t in idx.tolist()) / idx.numel() for idx in st["seqs"]]
+            sq = sum(x * x for x in ws)
+            out["seq_ess"] = sum(ws) ** 2 / (len(ws) * sq) if sq > 0 else 0.0
         for name, dropped in st["dropped_by"].items():
             out[f"rejected_frac/{name}"] = _mean([float(dropped[t]) for t in range(n) if mask[t]])
+    if corr.trust_region is not None:
+        out["trust_region_masked_frac"] = _mean([float(st["tr_masked"][t]) for t in range(n) if mask[t]])
+        if corr.trust_region.penalty:
+            pen = _trust_region_penalty(st["logp_y"].detach(), st["tr_ref"], mask & st["keep"], corr)
+            out["trust_region_penalty"] = _mean([float(pen[t]) for t in range(n) if mask[t]])
     if candidates is not None:
         valid = candidates.ids >= 0
         out["support_size"] = _mean([float(valid[t].sum()) for t in range(n) if mask[t]])
@@ -643,6 +843,15 @@ def reference_metrics(
             else:
                 stats["share_samples"] = stats["share_tokens"]
             out.update({f"{name}/{value}/{k}": v for k, v in stats.items()})
+    if versions is not None and seq_ids is not None and bool(mask.any()):
+        now = int(versions[mask].max()) if current_version is None else current_version
+        flight, queue = [], []
+        for idx in st["seqs"]:
+            v_end = max(int(versions[t]) for t in idx.tolist())
+            flight += [v_end - int(versions[t]) for t in idx.tolist()]
+            queue += [now - v_end] * idx.numel()
+        out["staleness_in_flight"] = _mean([float(x) for x in flight])
+        out["staleness_in_queue"] = _mean([float(x) for x in queue])
     return out
 
 
@@ -704,6 +913,15 @@ def _token_metrics(st: dict, sel: Tensor, corr: _Config) -> dict[str, float]:
         "ppl_sampler": _saturating_exp(neg_lq),
         "ppl_ratio": _saturating_exp(neg_logp - neg_lq),
     }
+    extra["weight_before_bound_max"] = max([min(max(x, math.exp(-corr.max_log_ratio)), math.exp(corr.max_log_ratio))
+                                            for x in b], default=0.0)
+    # KL(q||p) = E_q[r - 1 - log r]; KL(p||q) = E_q[r log r], less E_q[r - 1] = 0 for the k3 form.
+    extra["kl_sampler_trainer"] = _mean([math.exp(x) - 1 - x for x in lr])
+    extra["kl_trainer_sampler"] = _mean([math.exp(x) * x - math.exp(x) + 1 for x in lr])
+    extra["kl_trainer_sampler_k1"] = _mean([math.exp(x) * x for x in lr])
+    for key, sign in (("masked_share_pos_adv", 1), ("masked_share_neg_adv", -1)):
+        side = [t for t in rows if float(st["adv"][t]) * sign > 0]
+        extra[key] = _mean([float(float(st["w"][t]) == 0.0) for t in side])
     if corr.veto is not None:
         extra["veto_catastrophic_frac"] = _mean([float(float(st["r"][t]) < corr.veto) for t in rows])
     return extra | {
@@ -723,3 +941,87 @@ def _token_metrics(st: dict, sel: Tensor, corr: _Config) -> dict[str, float]:
         "num_tokens": float(len(rows)),
         "zero_prob_frac": _mean([float(st["impossible"][t]) for t in rows]),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trust regions on probability differences, docs/spec.md#trust-region (the TrustRegion read by field name)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _bernoulli_kl(log_a: float, log_b: float) -> float:
+    """``KL(Bern(a) || Bern(b))`` with ``0 log 0 = 0``; ``inf`` where ``b`` is 0 or 1 and ``a`` is not."""
+    a, na = math.exp(log_a), -math.expm1(log_a)
+    nb = -math.expm1(log_b)
+    head = 0.0 if a == 0 else (math.inf if log_b == -math.inf else a * (log_a - log_b))
+    tail = 0.0 if na == 0 else (math.inf if nb == 0 else na * (math.log(na) - math.log(nb)))
+    return head + tail
+
+
+def _trust_region_divergence(lp: float, lr: float, d: float, divergence: str) -> float:
+    """The divergence of one token between ``log p = lp`` and ``log p_ref = lr`` (``d = p - p_ref``)."""
+    if divergence == "difference":
+        return abs(d)
+    if divergence == "binary_kl":
+        return _bernoulli_kl(lr, lp)
+    if divergence == "binary_kl_max":
+        return max(_bernoulli_kl(lr, lp), _bernoulli_kl(lp, lr))
+    raise ValueError(f"reference: trust region divergence={divergence!r} is not implemented here")
+
+
+def _trust_region_state(logp_y: Tensor, lq: Tensor, proximal: Tensor | None, adv: Tensor, mask: Tensor,
+                        seqs: list, cfg: _Config) -> tuple[Tensor, Tensor | None]:
+    """``([N] bool masked, [N] float64 log p_ref of the update)``: the tokens the trust region masks, token by
+    token (or sequence by sequence), and the log-probabilities the update's ratio and penalty divide by."""
+    n = logp_y.shape[0]
+    tr = cfg.trust_region
+    masked = torch.zeros(n, dtype=torch.bool)
+    if tr is None:
+        return masked, None
+    prox = proximal.double() if proximal is not None else None
+    upd_ref = prox if prox is not None else lq
+    if tr.on == "update":
+        num, den = logp_y, upd_ref
+    elif tr.on == "weights":
+        num, den = (prox if prox is not None else logp_y), lq
+    else:
+        raise ValueError(f"reference: trust region on={tr.on!r} is not implemented here")
+    d = [math.exp(float(num[t])) - math.exp(float(den[t])) for t in range(n)]
+    lower, upper = float(tr.lower), float(tr.upper)
+    if _level_per_sequence(tr.level):
+        for idx in seqs:
+            # The sum ("sequence") or the mean ("geometric") of the sequence's d.
+            total = sum(d[t] for t in idx.tolist())
+            stat = total if tr.level == "sequence" else total / idx.numel()
+            if stat > upper or stat < -lower:
+                masked[idx] = True
+        return masked, upd_ref
+    for t in range(n):
+        if not mask[t]:
+            continue
+        div = _trust_region_divergence(float(num[t]), float(den[t]), d[t], tr.divergence)
+        rise = d[t] > 0 and div > upper
+        fall = d[t] < 0 and div > lower
+        if tr.sign == "advantage":
+            masked[t] = rise if adv[t] > 0 else fall
+        elif tr.sign == "none":
+            masked[t] = rise or fall
+        else:
+            raise ValueError(f"reference: trust region sign={tr.sign!r} is not implemented here")
+    return masked, upd_ref
+
+
+def _trust_region_ratio(logp_y: Tensor, ref: Tensor, adv: Tensor, cfg: _Config) -> Tensor:
+    """``[N]`` the surrogate ``u_t A_t``, ``u = exp(clamp(log p - log p_ref, +-max_log_ratio))``, token by token."""
+    out = torch.zeros_like(logp_y)
+    for t in range(logp_y.shape[0]):
+        out[t] = torch.exp((logp_y[t] - ref[t]).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)) * adv[t]
+    return out
+
+
+def _trust_region_penalty(logp_y: Tensor, ref: Tensor, kept: Tensor, cfg: _Config) -> Tensor:
+    """``[N]`` ``c (log p - log p_ref)^2`` on kept trained tokens the trainer can produce, 0 elsewhere."""
+    out = torch.zeros_like(logp_y)
+    for t in range(logp_y.shape[0]):
+        if kept[t] and logp_y[t] > -math.inf:
+            out[t] = float(cfg.trust_region.penalty) * (logp_y[t] - ref[t]) ** 2
+    return out

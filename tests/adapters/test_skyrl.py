@@ -6,3 +6,7 @@ from test_verl import run_in_trainers_venv
 
 def test_skyrl_adapter_in_its_venv():
     run_in_trainers_venv("test_skyrl_cases.py")
+
+
+def test_skyrl_migration_rows_in_its_venv():
+    run_in_trainers_venv("test_skyrl_migrating_cases.py")

@@ -79,7 +79,8 @@ def test_project_policy_loss_passes_every_invariant(cfg):
     invariant that holds for the configuration runs and passes; the others are skipped for a stated reason."""
     report, ran = _project_passes(cfg)
     plain = (cfg.weights in ("tis", "mis") and cfg.surrogate == "score_function" and not cfg.batch_normalize
-             and not cfg.correction.rejection_rules and not cfg.has_sequence_rejections)
+             and not cfg.correction.rejection_rules and not cfg.has_sequence_rejections
+             and cfg.trust_region is None)
     assert ("zero_drift" in ran) == (cfg.score_centering and not cfg.has_sequence_rejections)
     assert ("support_replay" in ran) == (cfg.record == "support")
     assert ("plain_is_unbiased" in ran) == plain
@@ -91,7 +92,8 @@ def test_every_config_covers_the_family():
     """The kit's enumeration holds each surrogate and each rule kind, normalisation and normaliser convention."""
     cfgs = every_config()
     corrs = [c.correction for c in cfgs]
-    assert {c.surrogate for c in cfgs} == {"score_function", "ppo", "ppo_dual_clip", "gspo_token", "cispo"}
+    assert {c.surrogate for c in cfgs} == {"score_function", "ppo", "ppo_dual_clip", "gspo_token", "cispo",
+                                           "trust_region", "sapo", "vespo", "gmpo"}
     assert any(c.ppo_delta is not None for c in cfgs)
     kinds = {(r.kind, getattr(r, "estimator", None), r.level, isinstance(getattr(r, "threshold", 0), tuple))
              for c in corrs for _, r in c.rejection_rules}
@@ -101,6 +103,9 @@ def test_every_config_covers_the_family():
     assert {"veto", "opsm"} <= {name for c in corrs for name in c.sequence_rules}
     assert {c.batch_normalize for c in cfgs} >= {False, "tokens", "sequences"}
     assert any(not c.rejected_in_normalizer for c in cfgs)
+    trs = [c.trust_region for c in cfgs if c.trust_region is not None]
+    assert {t.divergence for t in trs} == {"difference", "binary_kl", "binary_kl_max"}
+    assert {t.on for t in trs} == {"update", "weights"} and any(t.per_sequence for t in trs)
 
 
 SEQUENCE_LEVEL = [

@@ -264,6 +264,9 @@ def test_tiny_demo_writes_tables_csv_histories_and_figures(tmp_path, capsys):
     assert len(data["runs"]) == 12 and all(len(r["history"]) == 3 for r in data["runs"])
     assert data["calibration"]["numerics"] and data["calibration"]["step_kl"]
     assert data["meta"]["command"].startswith("offpolicy demo --arms grpo,sc_mis_topp")
+    # what decides bit-reproducibility (docs/demo.md#run-it): the CPU and the instruction set torch dispatches to
+    assert data["meta"]["cpu"] and data["meta"]["cpu"] != "unknown"
+    assert data["meta"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     with open(out / "configs.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 6 and all(r["seeds"] == "2" for r in rows)
@@ -303,3 +306,19 @@ def test_cli_errors_and_help(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["demo", "--help"])
     assert e.value.code == 0
+
+
+def test_histories_do_not_depend_on_workers_or_run_order(tmp_path):
+    """docs/demo.md#run-it: on one machine the histories are bit-identical whatever the worker count and whichever
+    configuration a worker process ran before."""
+    flags = [*TINY_FLAGS[:-2], "--steps", "2", "--cache-dir", str(tmp_path / "cache"), "--no-plots"]
+    runs = {}
+    for name, extra in (("both", ["--arms", "grpo,sc_mis_topp", "--workers", "1"]),
+                        ("alone", ["--arms", "sc_mis_topp", "--workers", "1"]),
+                        ("two_workers", ["--arms", "grpo,sc_mis_topp", "--workers", "2"])):
+        assert cli_main(["demo", "--fleets", "mixed", *flags, *extra, "--out", str(tmp_path / name)]) == 0
+        with gzip.open(tmp_path / name / "runs.json.gz", "rt") as f:
+            runs[name] = {r["run_id"]: (r["history"], r["evals"]) for r in json.load(f)["runs"]}
+    key = "sc_mis_topp@mixed/s0"
+    assert runs["both"][key] == runs["alone"][key] == runs["two_workers"][key]
+    assert runs["both"]["grpo@mixed/s0"] == runs["two_workers"]["grpo@mixed/s0"]

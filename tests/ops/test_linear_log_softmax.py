@@ -108,7 +108,7 @@ def test_same_as_logits_path_on_materialised_logits(support):
     fused = linear_sparse_log_softmax(hl, wl, y, c, tau, bias=bl, support=support)
     h2, w2, b2 = leaves(h, w, b)
     dense = sparse_log_softmax(h2 @ w2.T + b2, y, c, tau, support=support)
-    for a, r in zip(fused, dense):
+    for a, r in zip(fused[:4], dense[:4]):  # sum_p2 (None here) has its own tests
         assert torch.allclose(a, r, atol=1e-5, rtol=0, equal_nan=False) or torch.equal(a, r)
     g1 = grads(probe_loss(fused.target, fused.candidates), [hl, wl, bl])
     g2 = grads(probe_loss(dense.target, dense.candidates), [h2, w2, b2])
@@ -243,7 +243,7 @@ def test_vocab_shards_in_process(monkeypatch, support):
     full = linear_sparse_log_softmax(hl, wl, y, c, tau, bias=bl, support=support)
     g_full = grads(probe_loss(full.target, full.candidates), [hl, wl, bl])
     for out, _ in results:
-        for a, r in zip(out, full):
+        for a, r in zip(out[:4], full[:4]):  # sum_p2 (None here) has its own tests
             assert torch.allclose(a, r.detach(), atol=1e-5, rtol=0)
     dh = sum(g[0] for _, g in results)
     dw = torch.cat([g[1] for _, g in results])

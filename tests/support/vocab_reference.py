@@ -135,3 +135,13 @@ def distinct_ids(n: int, v: int, k: int, gen: torch.Generator, pad_frac: float =
         perm = torch.randperm(v, generator=gen)[:k]
         row[: perm.numel()] = perm
     return ids.masked_fill(torch.rand(n, k, generator=gen) < pad_frac, -1)
+
+
+def ref_sum_p2(z: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
+    """float64 ``sum_v p(v)^2`` of ``softmax(z * inv_temp)`` per row (0 for rows without mass), on the CPU:
+    ``p`` from ``exp(x - logsumexp(x))`` squared and summed directly (no running statistics)."""
+    x = z.cpu().double() * inv_temp.cpu().double()[:, None]
+    lse = torch.logsumexp(x, dim=1)
+    dead = lse == -INF
+    p = torch.exp(x - torch.where(dead, 0.0, lse)[:, None])
+    return torch.where(dead, 0.0, (p**2).sum(dim=1))

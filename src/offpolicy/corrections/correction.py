@@ -20,6 +20,12 @@
   where ``A < 0``; ``ppo_delta`` caps ``u`` in the unclipped branch (TRL's ``delta``); ``ppo_ratio="gspo_token"``
   clips GSPO's sequence ratio with a token-level gradient. ``cispo=(lo, hi)`` instead multiplies ``A log p`` by
   the stop-gradient ``clamp(u, lo, hi)``.
+* ``sapo=(tau_pos, tau_neg)``: SAPO's soft gate ``4/tau sigmoid(tau (u - 1)) A`` instead of the hard clip;
+  ``vespo=(k_pos, lam_pos, k_neg, lam_neg)``: ``sg(phi(W)) A log p`` with VESPO's gamma weight of the sequence's
+  ``W = prod_t u_t``; ``gmpo=(eps_lo, eps_hi)``: GMPO's ``A exp(mean_t l_t)`` with PPO's clip in log space on each
+  ``l_t = log u_t`` (both need ``seq_ids``). Each needs ``proximal_logprobs``; at most one surrogate field is set.
+* ``kl_penalty``: a :class:`KLPenalty` adds ``coef * KL_est(p || p_ref)`` per trained token (needs the
+  ``reference_logprobs`` input), optionally importance-weighted by the differentiable ratio (DeepSeek-V3.2).
 * ``rejected_in_normalizer=False`` removes rejected tokens (sequence rules, token-level KL rejection, and for a
   weight mode that rejects, such as ``reject``, ratios outside its band) from the aggregation's normaliser (verl's
   convention); by default they stay in it like masked weights.
@@ -35,6 +41,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from offpolicy.corrections import registry as reg
+from offpolicy.corrections.trust_region import TrustRegion
 
 
 #: Largest accepted ``Correction.max_log_ratio``: ``exp(2 * 40) = 5.5e34`` (a squared ratio) is finite in fp32,
@@ -74,6 +81,30 @@ class KLRejection:
             raise ValueError(f"KLRejection.threshold must be a finite number, got {self.threshold!r}")
         if not reg.ESTIMATORS[self.estimator].signed and self.threshold < 0:
             raise ValueError(f"KLRejection.threshold must be >= 0 for {self.estimator}, got {self.threshold}")
+
+
+@dataclass(frozen=True)
+class KLPenalty:
+    """A KL-to-reference penalty ``coef * k_t`` on every trained token (docs/spec.md#kl-penalty).
+
+    ``k_t`` estimates ``KL(p || p_ref)`` on tokens drawn from ``p`` at ``rho = p_ref / p``: ``k1 = -log rho``,
+    ``k2 = (log rho)^2 / 2``, ``k3 = rho - 1 - log rho`` (Schulman). ``importance_weighted=True`` multiplies it by
+    the ratio ``p / pi_old`` (``pi_old`` = ``proximal_logprobs`` when given, else the sampler's), differentiable as
+    in DeepSeek-V3.2, TRL's ``use_bias_correction_kl`` and slime's ``--use-unbiased-kl``: its gradient is then the
+    unbiased gradient of the reverse KL on tokens drawn from ``pi_old``.
+    """
+
+    coef: float
+    estimator: str = "k3"
+    importance_weighted: bool = False
+
+    def __post_init__(self) -> None:
+        if not (_finite_number(self.coef) and self.coef >= 0):
+            raise ValueError(f"KLPenalty.coef must be a finite number >= 0, got {self.coef!r}")
+        if self.estimator not in reg.ESTIMATORS:
+            raise ValueError(f"KLPenalty.estimator must be one of {tuple(reg.ESTIMATORS)}, got {self.estimator!r}")
+        if not isinstance(self.importance_weighted, bool):
+            raise TypeError(f"KLPenalty.importance_weighted must be a bool, got {self.importance_weighted!r}")
 
 
 def _real(x) -> bool:
@@ -127,6 +158,13 @@ class Correction:
         rejected_in_normalizer: keep rejected tokens in the aggregation's normaliser (default) or remove them.
         rejections: more rejection rules, each a :class:`KLRejection` or :class:`RatioRejection` with its own
             threshold and level, chained (a token or sequence is dropped if any rule drops it).
+        trust_region: a :class:`~offpolicy.corrections.trust_region.TrustRegion` (a mask on probability
+            differences: DPPO, prime-rl, ROLL, KPop), or None.
+        sapo: ``(tau_pos, tau_neg) > 0``: SAPO's temperatures for ``A > 0`` / ``A <= 0`` (TRL: ``(1.0, 1.05)``).
+        vespo: ``(k_pos, lam_pos, k_neg, lam_neg)``, ``k >= 0``, ``lam > 0``: VESPO's gamma weight for ``A >= 0`` /
+            ``A < 0`` (TRL: ``(2, 3, 3, 2)``).
+        gmpo: ``(eps_lo, eps_hi) >= 0``: GMPO's clip range in log space (the paper: ``(0.4, 0.4)``).
+        kl_penalty: a :class:`KLPenalty` (needs ``reference_logprobs``), or None.
         max_log_ratio: log-ratios are clamped to ``[-max, max]`` before any exponentiation; at most
             :data:`MAX_LOG_RATIO_LIMIT` (40) so that fp32 stays finite.
     """
@@ -147,6 +185,11 @@ class Correction:
     cispo: tuple[float, float] | None = None
     rejected_in_normalizer: bool = True
     rejections: tuple[KLRejection | RatioRejection, ...] = ()
+    trust_region: TrustRegion | None = None
+    sapo: tuple[float, float] | None = None
+    vespo: tuple[float, float, float, float] | None = None
+    gmpo: tuple[float, float] | None = None
+    kl_penalty: KLPenalty | None = None
     _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -174,7 +217,8 @@ class Correction:
             )
         if self.score_centering and not self.surrogate.centerable:
             raise ValueError(
-                f"score_centering=True cannot be combined with ppo_clip or cispo (the {self.surrogate.name!r} "
+                f"score_centering=True cannot be combined with ppo_clip or cispo, nor sapo / vespo / gmpo (the "
+                f"{self.surrogate.name!r} "
                 "surrogate): "
                 "the clipped surrogate is not of the form w * log p that centering corrects"
             )
@@ -188,6 +232,7 @@ class Correction:
                 and all(isinstance(r, (KLRejection, RatioRejection)) for r in self.rejections)):
             raise TypeError("Correction.rejections must be a tuple of KLRejection / RatioRejection items, got "
                             f"{self.rejections!r}")
+        self._check_trust_region()
         if self.opsm_delta is not None and not (math.isfinite(self.opsm_delta) and self.opsm_delta >= 0):
             raise ValueError(f"Correction.opsm_delta must be a finite number >= 0, got {self.opsm_delta!r}")
         if self.ppo_clip is not None:
@@ -213,13 +258,17 @@ class Correction:
             val = getattr(self, name)
             if not (val is None and name != "max_log_ratio") and not _real(val):
                 raise TypeError(f"Correction.{name} must be a number, got {val!r}")
-        for name in ("ppo_clip", "cispo", "bounds"):
-            val = getattr(self, name)
+        for name in ("ppo_clip", "cispo", "bounds", "sapo", "gmpo", "vespo"):
+            val, size = getattr(self, name), 4 if name == "vespo" else 2
             if val is None or (name == "bounds" and _real(val)):
                 continue
-            if not (isinstance(val, (tuple, list)) and len(val) == 2 and all(_real(x) for x in val)):
-                raise TypeError(f"Correction.{name} must be a pair of numbers{' or a number' * (name == 'bounds')}, "
-                                f"got {val!r}")
+            if not (isinstance(val, (tuple, list)) and len(val) == size and all(_real(x) for x in val)):
+                raise TypeError(f"Correction.{name} must be {'a pair' if size == 2 else 'four'} of numbers"
+                                f"{' or a number' * (name == 'bounds')}, got {val!r}")
+            if isinstance(val, list):
+                object.__setattr__(self, name, tuple(val))
+        if self.kl_penalty is not None and not isinstance(self.kl_penalty, KLPenalty):
+            raise TypeError(f"Correction.kl_penalty must be a KLPenalty, got {self.kl_penalty!r}")
 
     def _check_surrogate_options(self) -> None:
         if self.ppo_ratio not in ("token", "gspo_token"):
@@ -233,12 +282,35 @@ class Correction:
             raise ValueError(f"Correction.dual_clip must be a finite number > 1, got {self.dual_clip!r}")
         if self.ppo_delta is not None and not (math.isfinite(self.ppo_delta) and self.ppo_delta > 1):
             raise ValueError(f"Correction.ppo_delta must be a finite number > 1, got {self.ppo_delta!r}")
+        chosen = [name for name in reg.SURROGATE_FIELDS if getattr(self, name) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"Correction.{' and '.join(chosen)} exclude each other (each selects a surrogate)")
+        if self.sapo is not None and not all(math.isfinite(t) and t > 0 for t in self.sapo):
+            raise ValueError(f"Correction.sapo must be (tau_pos, tau_neg) with finite temperatures > 0, got "
+                             f"{self.sapo}")
+        if self.vespo is not None and not (all(math.isfinite(x) for x in self.vespo) and self.vespo[0] >= 0
+                                           and self.vespo[2] >= 0 and self.vespo[1] > 0 and self.vespo[3] > 0):
+            raise ValueError(f"Correction.vespo must be (k_pos, lam_pos, k_neg, lam_neg) finite with k >= 0 and "
+                             f"lam > 0, got {self.vespo}")
+        if self.gmpo is not None and not all(math.isfinite(e) and e >= 0 for e in self.gmpo):
+            raise ValueError(f"Correction.gmpo must be (eps_lo, eps_hi) finite and >= 0, got {self.gmpo}")
         if self.cispo is not None:
-            if self.ppo_clip is not None:
-                raise ValueError("Correction.cispo and ppo_clip exclude each other (two different surrogates)")
             lo, hi = self.cispo
             if not (0.0 <= lo < hi and math.isfinite(hi)):
                 raise ValueError(f"Correction.cispo must be (lo, hi) with 0 <= lo < hi < inf, got {self.cispo}")
+
+    def _check_trust_region(self) -> None:
+        if self.trust_region is None:
+            return
+        if not isinstance(self.trust_region, TrustRegion):
+            raise TypeError(f"Correction.trust_region must be a TrustRegion, got {self.trust_region!r}")
+        if self.score_centering:
+            raise ValueError("score_centering=True cannot be combined with trust_region: its mask depends on the "
+                             "probabilities, not on the ratio f acts on, so the centering coefficients miss it")
+        taken = [name for name in ("sapo", "vespo", "gmpo") if getattr(self, name) is not None]
+        if taken:
+            raise ValueError(f"Correction.trust_region cannot be combined with {taken[0]}: no peer combines them and "
+                             "their soft gates are trust regions of their own; use ppo_clip or cispo with it")
 
     def _resolve_bounds(self) -> tuple[float, float]:
         mode = reg.WEIGHT_MODES[self.weights]
@@ -299,4 +371,5 @@ class Correction:
         """Whether ``seq_ids`` are required."""
         norm = reg.normalisation_of(self)
         return (self.sequence_level or bool(self.sequence_rules) or (norm is not None and norm.needs_sequences)
-                or self.surrogate.needs_sequences)
+                or self.surrogate.needs_sequences
+                or (self.trust_region is not None and self.trust_region.per_sequence))

@@ -313,6 +313,9 @@ class Surrogate:
         centerable: score centering may be combined with it (it is of the form ``w log p``).
         needs_proximal: needs ``proximal_logprobs``.
         needs_sequences: needs ``seq_ids``.
+        proximal_optional: takes ``proximal_logprobs`` or goes without (then ``prox`` is the sampler's ``lq``).
+        log_u_kinks: ``corr -> [float]``, values of each token's ``log u = log p - log pi_prox`` where the
+            surrogate's gradient jumps (the test kit keeps examples off them); None for none beyond PPO's clip.
     """
 
     name: str
@@ -322,6 +325,8 @@ class Surrogate:
     needs_proximal: bool
     needs_sequences: bool = False
     source: str = ""
+    proximal_optional: bool = False
+    log_u_kinks: Callable | None = None
 
 
 def _clip_fast(ratio: Tensor, adv: Tensor, corr) -> Tensor:
@@ -357,14 +362,72 @@ def _cispo_fast(logp_y, prox, adv, seg, corr):
     return torch.where(coef != 0, coef * adv * logp_y, torch.zeros_like(logp_y))
 
 
+def _sapo_fast(logp_y, prox, adv, seg, corr):
+    # 4/tau sigmoid(tau (u - 1)) A, tau by the sign of A: the gate's slope at u = 1 is 1, so the gradient there is
+    # A grad log p (REINFORCE); away from u = 1 it decays smoothly instead of PPO's hard cut.
+    tau_pos, tau_neg = corr.sapo
+    u = torch.exp((logp_y - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio))
+    tau = torch.where(adv > 0, torch.full_like(u, tau_pos), torch.full_like(u, tau_neg))
+    return torch.sigmoid(tau * (u - 1)) * (4.0 / tau) * adv
+
+
+#: VESPO's floor on the sequence log-ratio, log(1e-8) (TRL 1.16 ``get_gamma_weights``, from the paper's code).
+VESPO_LOG_W_MIN = math.log(1e-8)
+
+
+def _vespo_fast(logp_y, prox, adv, seg, corr):
+    # sg(phi(W_i)) A log p, phi(W) = exp(lam + k log W - lam W) (= 1 at W = 1), W_i = prod_t u_t of the sequence,
+    # k and lam by the sign of A (A >= 0: the positive pair).
+    k_pos, lam_pos, k_neg, lam_neg = corr.vespo
+    zero = torch.zeros_like(logp_y)
+    lu = torch.where(seg.active, (logp_y.detach() - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio), zero)
+    log_w = seg.broadcast(seg.sum(lu)).clamp(VESPO_LOG_W_MIN, corr.max_log_ratio)
+    pos = adv >= 0
+    k = torch.where(pos, torch.full_like(lu, k_pos), torch.full_like(lu, k_neg))
+    lam = torch.where(pos, torch.full_like(lu, lam_pos), torch.full_like(lu, lam_neg))
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.where(phi != 0, phi * adv * torch.where(seg.active, logp_y, zero), zero)
+
+
+def _gmpo_fast(logp_y, prox, adv, seg, corr):
+    # A_t exp(mean_{t' in i} l_t'), l = sgn(A) min(sgn(A) log u, sgn(A) clip(log u, -eps_lo, eps_hi)): PPO's
+    # pessimistic clip in log space, inside the sequence's geometric mean (differentiable through every token).
+    if seg.group is not None:
+        raise ValueError("Correction.gmpo under cp_group is not supported: its geometric mean is differentiated "
+                         "through every token of the sequence, which the context-parallel reductions are not")
+    eps_lo, eps_hi = corr.gmpo
+    zero = torch.zeros_like(logp_y)
+    lu = (torch.where(seg.active, logp_y, zero) - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    sgn = torch.sign(adv)
+    lmin = sgn * torch.minimum(sgn * lu, sgn * lu.clamp(-eps_lo, eps_hi))
+    count = seg.partial_sum(torch.ones_like(lu)).clamp_min(1)
+    return adv * torch.exp(seg.broadcast(seg.partial_sum(lmin) / count))
+
+
+#: The Correction fields that each select a surrogate other than the score function (at most one may be set).
+SURROGATE_FIELDS = ("ppo_clip", "cispo", "sapo", "vespo", "gmpo")
+
+
 def _clipped_ratio(corr) -> bool:
     return corr.ppo_clip is not None
+
+
+def _trust_region_surrogate(corr) -> bool:
+    tr = corr.trust_region
+    return tr is not None and tr.on == "update" and all(getattr(corr, f) is None for f in SURROGATE_FIELDS)
+
+
+def _ratio_fast(logp_y, prox, adv, seg, corr):
+    # u A with u = p / p_ref (the proximal policy, or the sampler); the trust region's mask zeroes w elsewhere.
+    return torch.exp((logp_y - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio)) * adv
+
 
 
 SURROGATES: dict[str, Surrogate] = {
     s.name: s
     for s in (
-        Surrogate("score_function", applies=lambda corr: corr.ppo_clip is None and corr.cispo is None, fast=None,
+        Surrogate("score_function", applies=lambda corr: all(getattr(corr, f) is None for f in SURROGATE_FIELDS)
+                  and not _trust_region_surrogate(corr), fast=None,
                   centerable=True, needs_proximal=False, source="REINFORCE: A_t log p(y_t)"),
         Surrogate("ppo", applies=lambda corr: _clipped_ratio(corr) and corr.dual_clip is None
                   and corr.ppo_ratio == "token",
@@ -385,6 +448,23 @@ SURROGATES: dict[str, Surrogate] = {
                   centerable=False, needs_proximal=True,
                   source="CISPO (MiniMax-M1 arXiv 2506.13585; TRL loss_type='cispo', slime): "
                          "sg(clamp(u, lo, hi)) A log p"),
+        Surrogate("trust_region", applies=_trust_region_surrogate, fast=_ratio_fast,
+                  centerable=False, needs_proximal=False, proximal_optional=True,
+                  source="DPPO (arXiv 2602.04879): the ratio u A, u = p / pi_prox (p / q without a proximal), "
+                         "under a trust-region mask instead of PPO's clip"),
+        Surrogate("sapo", applies=lambda corr: corr.sapo is not None, fast=_sapo_fast,
+                  centerable=False, needs_proximal=True,
+                  source="SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347; TRL loss_type='sapo'): "
+                         "4/tau sigmoid(tau (u - 1)) A"),
+        Surrogate("vespo", applies=lambda corr: corr.vespo is not None, fast=_vespo_fast,
+                  centerable=False, needs_proximal=True, needs_sequences=True,
+                  source="VESPO (arXiv 2602.10693; TRL loss_type='vespo', get_gamma_weights): "
+                         "sg(phi(prod_t u_t)) A log p, phi(W) = exp(lam + k log W - lam W)"),
+        Surrogate("gmpo", applies=lambda corr: corr.gmpo is not None, fast=_gmpo_fast,
+                  centerable=False, needs_proximal=True, needs_sequences=True,
+                  log_u_kinks=lambda corr: [-corr.gmpo[0], corr.gmpo[1]],
+                  source="GMPO (Zhao et al. 2025, arXiv 2507.20673; verl policy_loss 'geo_mean'): A exp(mean_t "
+                         "clip-min of log u in [-eps_lo, eps_hi])"),
     )
 }
 

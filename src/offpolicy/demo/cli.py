@@ -202,6 +202,18 @@ def _configs(args: argparse.Namespace, base) -> list:
             for s in range(args.seeds) for arm, fleet, fmt in per_seed]
 
 
+def _cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (``platform.processor()`` where that file is absent)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def _split(spec: str, flag: str, allowed) -> list[str]:
     items = [x.strip() for x in spec.split(",") if x.strip()]
     bad = [x for x in items if x not in allowed]
@@ -242,6 +254,9 @@ def run_demo(args: argparse.Namespace) -> dict:
         "mode": args.mode, "args": {k: v for k, v in vars(args).items() if k != "argv"},
         "task": asdict(task), "model": model_cfg.to_dict(), "warmup": dict(asdict(wcfg), **winfo),
         "machine": platform.node(), "platform": platform.platform(), "torch": torch.__version__,
+        # Histories are bit-identical between runs on one CPU, not across CPUs: the kernels torch and the C
+        # backend pick follow the CPU's instruction set, and a different rounding at step 0 changes the draws.
+        "cpu": _cpu_model(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     configs = [] if args.mode == "calibrate" else _configs(args, RunConfig(arm="grpo", fleet="onpolicy"))

@@ -22,6 +22,8 @@ class TokenData:
         versions: ``[N]`` int policy version, or None.
         proximal_logprobs: ``[N]`` float ``log pi_prox(y_t)`` (decoupled PPO), or None.
         current_version: the trainer's version for staleness metrics, or None (the newest).
+        reference_logprobs: ``[N]`` float ``log p_ref(y_t)`` of the reference model (``Correction.kl_penalty``),
+            or None.
     """
 
     sampler_logprobs: Tensor
@@ -32,6 +34,7 @@ class TokenData:
     versions: Tensor | None = None
     proximal_logprobs: Tensor | None = None
     current_version: int | None = None
+    reference_logprobs: Tensor | None = None
 
 
 @dataclass(frozen=True)

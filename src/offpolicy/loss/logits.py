@@ -48,6 +48,7 @@ def policy_loss(
     constant_normalizer: float | None = None,
     cp_group=None,
     current_version: int | None = None,
+    reference_logprobs: Tensor | None = None,
     inplace_grad: bool = False,
     backend: str | None = None,
     validate: bool = True,
@@ -86,6 +87,8 @@ def policy_loss(
             ``seq_ids`` must then name the same sequence on every rank (ids ``>= 0``), and ``loss`` is this rank's
             share: the shares sum to the whole batch's loss. Metrics stay per rank.
         current_version: the trainer's policy version (staleness = current - version); default the newest.
+        reference_logprobs: ``[N]`` float ``log p_ref(y_t)`` of the reference model, for ``correction.kl_penalty``
+            (both or neither).
         inplace_grad: write the logits' gradient into ``logits`` (saves an ``[N, V]`` buffer; the logits are
             overwritten by the backward and autograd's version check is bypassed).
         backend: ``"torch"``, ``"cpu"`` or ``"triton"``; default by device.
@@ -100,7 +103,7 @@ def policy_loss(
     logits, tp_group, vocab_start = vocab_shard_of(logits, tp_group, vocab_start)
     model = ModelInputs(logits, hidden, weight, bias)
     data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
-                     current_version)
+                     current_version, reference_logprobs)
     agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
     par = Parallelism(tp_group, vocab_start, cp_group)
     # On CPU the checks and the O(N K) math are many small ops; each parallel region waits for all its threads,

@@ -11,7 +11,8 @@ Per-token loss (docs/spec.md#score-centering), ``sg`` = stop-gradient:
     loss_t = -A_t * ( w_t log p(y_t) - sum_{v in H_t} sg(c_t(v)) log p(v) )
 
 with ``w_t = sg(f(r_t))`` (or the sequence-level weight), and the centering sum present only with score
-centering. Decoupled PPO replaces the first term by the clipped surrogate of ``u = p / pi_prox``.
+centering. Decoupled PPO replaces the first term by the clipped surrogate of ``u = p / pi_prox``. A
+``kl_penalty`` adds ``coef * k_t`` on every trained token (:mod:`offpolicy.loss.penalty`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from offpolicy.records.candidates import Candidates
 from offpolicy.loss.centering import Centering, centering_coefficients
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.metrics import TokenView, policy_metrics, token_view
+from offpolicy.loss.penalty import kl_penalty_terms
 from offpolicy.loss.segments import Segments
 from offpolicy.loss.inputs import Aggregation, TokenData
 from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_flag, check_vector
@@ -40,7 +42,8 @@ class PolicyLossOutput:
 
     Attributes:
         loss: scalar, differentiable with respect to the logits (or hidden and weight, or the log-probabilities).
-        token_loss: ``[N]`` detached per-token loss (0 on untrained and rejected tokens), before aggregation.
+        token_loss: ``[N]`` detached per-token loss (0 on untrained and rejected tokens, but for a
+            ``kl_penalty``, which acts on every trained token and is included), before aggregation.
         metrics: dict of detached scalar tensors (see :mod:`offpolicy.loss.metrics`).
         token_weight: ``[N]`` detached importance weight ``w_t`` of each sampled token.
         log_ratio: ``[N]`` detached ``log p(y_t) - lq_t``.
@@ -79,6 +82,7 @@ def policy_loss_from_logprobs(
     constant_normalizer: float | None = None,
     cp_group=None,
     current_version: int | None = None,
+    reference_logprobs: Tensor | None = None,
     validate: bool = True,
 ) -> PolicyLossOutput:
     """Off-policy-corrected policy-gradient loss from the trainer's per-token log-probabilities.
@@ -95,7 +99,7 @@ def policy_loss_from_logprobs(
             ``candidates.ids`` (same normalisation as ``logprobs``; any finite value at ``-1`` padding). Required
             with score centering and a record.
         loss_mask, correction, seq_ids, aggregation, num_loss_tokens, groups, versions, proximal_logprobs,
-            num_sequences, constant_normalizer, cp_group, current_version, validate: as in
+            num_sequences, constant_normalizer, cp_group, current_version, reference_logprobs, validate: as in
             :func:`offpolicy.policy_loss`.
         entropy: ``[N]`` detached entropy of the trainer's distribution, for the ``entropy`` metric (omitted from
             the metrics when None).
@@ -105,7 +109,7 @@ def policy_loss_from_logprobs(
         ``candidate_logprobs``.
     """
     data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
-                     current_version)
+                     current_version, reference_logprobs)
     agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
     check_flag("validate", validate)
     if validate and not torch.compiler.is_compiling():
@@ -152,24 +156,48 @@ def loss_from_logprobs(
     sel = active if kept is None else active & kept
     trained = sel & (adv != 0)
     w = torch.where(sel, w, zero)
+    # 3b. Trust region (docs/spec.md#trust-region): a mask on probability differences zeroes the weight.
+    tr = corr.trust_region
+    tr_masked = None if tr is None else _trust_region_masked(tr, logp_y.detach(), lq, prox, adv, seg)
+    if tr_masked is not None:
+        w = torch.where(tr_masked, zero, w)
     # 4. Normalisation: a batch constant on the weights and the centering coefficients alike (drift stays zero).
     w, scale = _normalise(w, sel, seg, corr, cp_group)
     # 5. Surrogate (and score centering).
-    token_loss, centering = _surrogate(logp_y, w, scale, adv, prox, seg, candidates, candidate_logprobs, corr)
+    # A surrogate that goes without a proximal policy takes the sampler's (the trust region's u = p / q).
+    ref = prox if prox is not None else lq
+    token_loss, centering = _surrogate(logp_y, w, scale, adv, ref, seg, candidates, candidate_logprobs, corr)
     token_loss = torch.where(trained, token_loss, zero)
+    tr_penalty = None
+    if tr is not None and tr.penalty:
+        # c (log p - log p_ref)^2 on every kept trained token the trainer can produce, masked or not.
+        live = sel & ~impossible
+        tr_penalty = tr.penalty * torch.where(live, logp_y - ref, zero).square()
+        token_loss = token_loss + tr_penalty
     # 6. Aggregation (without the rejected tokens in the normaliser when the correction says so).
     counted, seg_counted = active, seg
     if not corr.rejected_in_normalizer:
         tok_rej = token_rejected(log_w, corr)
         counted = sel if tok_rej is None else sel & ~tok_rej
+        counted = counted if tr_masked is None else counted & ~tr_masked
         if WEIGHT_MODES[corr.weights].rejects:
             counted = counted & inside_bounds(bounded_log_ratio(log_w, seg, corr), corr)
         seg_counted = replace(seg, active=counted) if seg is not None else None
     loss = aggregate(token_loss, counted, agg.name, seg_counted, agg.num_loss_tokens, agg.num_sequences,
                      agg.constant_normalizer, cp_group)
+    kl_penalty = None
+    if corr.kl_penalty is not None:
+        # The KL penalty acts on every trained token, rejected or not, with the same aggregation over them.
+        old = prox if prox is not None else lq
+        pen, kl_est = kl_penalty_terms(logp_y, data.reference_logprobs.to(dtype).detach(), old, active, corr)
+        kl_penalty = aggregate(pen, active, agg.name, seg, agg.num_loss_tokens, agg.num_sequences,
+                               agg.constant_normalizer, cp_group)
+        loss = loss + kl_penalty
+        token_loss = token_loss + pen
     # 7. Metrics.
     view = token_view(log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, corr), impossible=impossible,
-                      weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, corr=corr)
+                      weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, corr=corr,
+                      advantages=adv)
     metrics = policy_metrics(
         view=view, drops=drops, active=active, entropy=zero if entropy is None else entropy, corr=corr,
         kept=kept, centering=centering, cand_valid=(candidates.ids >= 0) if candidates is not None else None,
@@ -178,7 +206,24 @@ def loss_from_logprobs(
     )
     if entropy is None:
         del metrics["entropy"]
+    if tr_masked is not None:
+        n_active = active.sum().clamp_min(1)
+        metrics["trust_region_masked_frac"] = (tr_masked & active).sum().to(dtype) / n_active
+        if tr_penalty is not None:
+            metrics["trust_region_penalty"] = tr_penalty.detach().sum() / n_active
+    if kl_penalty is not None:
+        metrics["ref_kl"] = torch.where(active, kl_est, zero).sum() / active.sum().clamp_min(1)
+        metrics["kl_penalty"] = kl_penalty.detach()
     return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach(), view)
+
+
+def _trust_region_masked(tr, logp_y: Tensor, lq: Tensor, prox: Tensor | None, adv: Tensor,
+                         seg: Segments | None) -> Tensor:
+    """``[N]`` bool, the tokens the trust region masks: the current policy against the proximal one (the
+    sampler without it) for ``on="update"``, the weights' numerator against the sampler for ``on="weights"``."""
+    if tr.on == "update":
+        return tr.masked(logp_y, prox if prox is not None else lq, adv, seg)
+    return tr.masked(prox if prox is not None else logp_y, lq, adv, seg)
 
 
 def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, corr: Correction,

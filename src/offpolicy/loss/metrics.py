@@ -11,7 +11,13 @@ Keys (all scalar tensors, means over trained tokens unless named otherwise):
   veto / KL rejection / OPSM), ``zero_prob_frac`` (sampled tokens the trainer gives probability 0: weight 0);
 * spread: ``chi2_token`` (``mean r^2 - 1``), ``ratio_mean``, ``ratio_max``, ``ratio_min`` (the untruncated token
   ratio ``p / q``, clamped only at ``exp(+-max_log_ratio)``), ``weight_std`` (population std of the final weights),
-  ``weight_before_bound_mean`` (mean of the ratio the bounds act on, before ``f``);
+  ``weight_before_bound_mean`` / ``weight_before_bound_max`` (of the ratio the bounds act on, before ``f``: the
+  pre-clamp weight beside ``weight_mean`` / ``weight_max``);
+* both KL directions from the sampled tokens (k3 forms): ``kl_sampler_trainer`` (``mean r - 1 - log r``, the same
+  number as ``kl_k3``), ``kl_trainer_sampler`` (``mean r log r - (r - 1)``) and its k1 form
+  ``kl_trainer_sampler_k1`` (``mean r log r``);
+* ``masked_share_pos_adv`` / ``masked_share_neg_adv``: share of trained tokens with ``A > 0`` / ``A < 0`` whose
+  final weight is 0 (masked by the bounds, rejected, or impossible);
 * perplexities over the trained tokens the trainer can produce (``zero_prob_frac`` counts the others):
   ``ppl_trainer = exp(mean -log p)``, ``ppl_sampler = exp(mean -lq)``, ``ppl_ratio`` (their ratio);
 * with ``veto``: ``veto_catastrophic_frac`` (tokens whose ratio is below the veto threshold);
@@ -19,13 +25,18 @@ Keys (all scalar tensors, means over trained tokens unless named otherwise):
   (``mean rho^2 - 1``, ``rho = exp(sum_t log r_t)``), ``seq_ratio_mean/max/min`` (``rho``),
   ``seq_log_ppl_diff_mean/abs_mean/max/min`` (``d = mean_t (lq - log p)``, the log of the trainer-to-sampler
   perplexity ratio; clamped log-ratios), ``seq_ppl_ratio_mean`` (``mean exp(d)``), and per sequence rule ``R``
-  switched on ``rejected_frac/R`` (share of trained tokens in sequences ``R`` drops);
+  switched on ``rejected_frac/R`` (share of trained tokens in sequences ``R`` drops); at the sequence levels
+  ``seq_ess`` (the ESS of the per-sequence weights, each the mean of its trained tokens' final weights);
 * policy: ``entropy`` (of ``p``, or of ``p^S`` under mask replay), ``num_tokens``;
+* with a ``kl_penalty`` (added by :mod:`offpolicy.loss.logprobs`): ``ref_kl`` (mean weighted estimate),
+  ``kl_penalty`` (its aggregated contribution to the loss);
 * records: ``support_size``; with score centering ``sc_p_head``, ``sc_q_head``, ``sc_rho``, ``sc_abs_coef_sum``;
 * per sampler group ``g``: ``group/{g}/<name>`` with ``share_samples`` (of sequences when ``seq_ids`` are given,
   else of tokens), ``share_tokens``, ``share_extreme`` (the group's share of all extreme-ratio tokens) and the
   mismatch and weight keys above;
-* per staleness ``s = current_version - version``: ``staleness/{s}/<name>``, the same.
+* per staleness ``s = current_version - version``: ``staleness/{s}/<name>``, the same; with ``seq_ids`` too,
+  ``staleness_in_flight`` (``mean_t v_end - v_t``, ``v_end`` the newest version among the sequence's trained
+  tokens, the one it finished under) and ``staleness_in_queue`` (``mean_t current_version - v_end``).
 """
 
 from __future__ import annotations
@@ -81,6 +92,7 @@ class TokenView(NamedTuple):
         w: final weights.
         logp: ``log p(y)``.
         lq: ``log q(y)``.
+        adv: advantages (None: no ``masked_share_*_adv`` keys).
     """
 
     lr: Tensor
@@ -90,6 +102,7 @@ class TokenView(NamedTuple):
     w: Tensor
     logp: Tensor
     lq: Tensor
+    adv: Tensor | None = None
 
 
 def token_stats(v: TokenView, sel: Tensor, corr: Correction) -> dict[str, Tensor]:
@@ -123,15 +136,23 @@ def token_stats(v: TokenView, sel: Tensor, corr: Correction) -> dict[str, Tensor
         # Two passes (mean, then the mean squared deviation): E[w^2] - E[w]^2 cancels to noise for equal weights.
         "weight_std": _mean((w - mean_w).square(), sel).sqrt(),
         "weight_before_bound_mean": _mean(torch.exp(lb.clamp(-corr.max_log_ratio, corr.max_log_ratio)), sel),
+        "weight_before_bound_max": _max(torch.exp(lb.clamp(-corr.max_log_ratio, corr.max_log_ratio)), sel),
+        # Both KL directions from tokens drawn from q (Schulman's k3 forms, each term >= 0): KL(q||p) = E_q[r - 1 -
+        # log r] and KL(p||q) = E_q[r log r] = E_q[r log r - (r - 1)] since E_q[r] = 1.
+        "kl_sampler_trainer": _mean(r - 1 - lr, sel),
+        "kl_trainer_sampler": _mean(r * lr - (r - 1), sel),
+        "kl_trainer_sampler_k1": _mean(r * lr, sel),
         "ppl_trainer": saturating_exp(neg_logp),
         "ppl_sampler": saturating_exp(neg_lq),
         "ppl_ratio": saturating_exp(neg_logp - neg_lq),
     }
     if corr.veto is not None:
         out["veto_catastrophic_frac"] = _mean((v.lw < math.log(corr.veto)).to(lr.dtype), sel)
-    ws = torch.where(sel, w, torch.zeros_like(w))
-    sq = (ws * ws).sum()
-    out["ess"] = torch.where(sq > 0, ws.sum() ** 2 / (n.clamp_min(1) * sq), torch.zeros_like(sq))
+    if v.adv is not None:
+        masked = w == 0
+        for key, side in (("masked_share_pos_adv", v.adv > 0), ("masked_share_neg_adv", v.adv < 0)):
+            out[key] = _mean(masked.to(lr.dtype), sel & side)
+    out["ess"] = _ess(w, sel)
     out["num_tokens"] = n.to(lr.dtype)
     return out
 
@@ -141,7 +162,8 @@ def _extreme(lr: Tensor) -> Tensor:
 
 
 def token_view(*, log_ratio: Tensor, bounded_log_ratio: Tensor, impossible: Tensor, weight_ratio: Tensor,
-               logprobs: Tensor, sampler_logprobs: Tensor, weight: Tensor, corr: Correction) -> TokenView:
+               logprobs: Tensor, sampler_logprobs: Tensor, weight: Tensor, corr: Correction,
+               advantages: Tensor | None = None) -> TokenView:
     """The :class:`TokenView` of a batch, detached.
 
     Args:
@@ -152,10 +174,12 @@ def token_view(*, log_ratio: Tensor, bounded_log_ratio: Tensor, impossible: Tens
         weight_ratio: ``[N]`` unclamped log of the token ratio the weights act on.
         logprobs, sampler_logprobs: ``[N]`` ``log p(y)`` and ``lq``.
         weight: ``[N]`` final token weights (after rejection and batch normalisation).
+        advantages: ``[N]`` advantages, for the ``masked_share_*_adv`` keys (None: left out).
     """
     lr = log_ratio.detach().clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    adv = advantages.detach().to(lr.dtype) if advantages is not None else None
     return TokenView(lr, weight_ratio.detach(), bounded_log_ratio.detach(), impossible, weight.detach(),
-                     logprobs.detach(), sampler_logprobs.detach().to(lr.dtype))
+                     logprobs.detach(), sampler_logprobs.detach().to(lr.dtype), adv)
 
 
 def policy_metrics(
@@ -191,6 +215,8 @@ def policy_metrics(
     out = token_stats(view, active, corr)
     if seg is not None:
         out.update(_sequence_stats(lr, seg, corr))
+        if corr.sequence_level:
+            out["seq_ess"] = _ess(seg.mean(view.w), seg.has_active())
         for name, dropped in drops.items():
             out[f"rejected_frac/{name}"] = _mean(dropped.to(lr.dtype), active)
     out["entropy"] = _mean(entropy.detach().to(lr.dtype), active)
@@ -210,7 +236,21 @@ def policy_metrics(
         now = int(versions[active].max()) if current_version is None and bool(active.any()) else current_version
         if now is not None:
             out.update(_split(view, active, corr, now - versions, "staleness", seg))
+            if seg is not None:
+                # The sequence's newest token version is the version it finished under: in flight before, queued
+                # after (docs/spec.md#metrics).
+                v = versions.to(lr.dtype)
+                done = seg.broadcast(seg.max(v))
+                out["staleness_in_flight"] = _mean(done - v, active)
+                out["staleness_in_queue"] = _mean(now - done, active)
     return out
+
+
+def _ess(w: Tensor, sel: Tensor) -> Tensor:
+    """``(sum w)^2 / (n sum w^2)`` over ``sel``; 0 when every selected weight is 0."""
+    ws = torch.where(sel, w, torch.zeros_like(w))
+    sq = (ws * ws).sum()
+    return torch.where(sq > 0, ws.sum() ** 2 / (sel.sum().clamp_min(1) * sq), torch.zeros_like(sq))
 
 
 def _sequence_stats(lr: Tensor, seg: Segments, corr: Correction) -> dict[str, Tensor]:

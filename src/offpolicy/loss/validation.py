@@ -91,14 +91,27 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
     for name, val in (("num_loss_tokens", agg.num_loss_tokens), ("num_sequences", agg.num_sequences),
                       ("constant_normalizer", agg.constant_normalizer)):
         check_positive_count(name, val)
-    if corr.surrogate.needs_proximal != (proximal is not None):
-        raise ValueError("correction.ppo_clip and proximal_logprobs go together (decoupled PPO)")
+    if not corr.surrogate.proximal_optional and corr.surrogate.needs_proximal != (proximal is not None):
+        raise ValueError("correction.ppo_clip and proximal_logprobs go together (decoupled PPO; likewise cispo, sapo, "
+                         "vespo and gmpo)")
     if proximal is not None:
         check_vector("proximal_logprobs", proximal, n, device, "float")
         if not bool(torch.isfinite(proximal[active]).all()):
             raise ValueError("proximal_logprobs: NaN or inf on a trained token")
         if bool((proximal[active] > LOGPROB_SLACK).any()):
             raise ValueError(f"proximal_logprobs: value {float(proximal[active].max()):.4g} > 0 on a trained token "
+                             "(log-probabilities are <= 0)")
+    ref = data.reference_logprobs
+    if (corr.kl_penalty is None) != (ref is None):
+        raise ValueError("correction.kl_penalty and reference_logprobs go together: the penalty needs the reference "
+                         f"model's [N] log-probabilities (got kl_penalty={corr.kl_penalty!r}, reference_logprobs="
+                         f"{'None' if ref is None else 'a tensor'})")
+    if ref is not None:
+        check_vector("reference_logprobs", ref, n, device, "float")
+        if not bool(torch.isfinite(ref[active]).all()):
+            raise ValueError("reference_logprobs: NaN or inf on a trained token")
+        if bool((ref[active] > LOGPROB_SLACK).any()):
+            raise ValueError(f"reference_logprobs: value {float(ref[active].max()):.4g} > 0 on a trained token "
                              "(log-probabilities are <= 0)")
     for name, val in (("seq_ids", seq_ids), ("groups", data.groups), ("versions", data.versions)):
         if val is not None:

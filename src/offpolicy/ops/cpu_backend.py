@@ -8,7 +8,8 @@ routes those to it). Rows are shared out to the workers of :mod:`offpolicy.ops.r
 rows; each C call works on one row at a time:
 
 * ``full_stats``: per row, one read of the logits from memory (the max) and one from L2 (``exp2`` and the two
-  sums), and nothing written but ``3 N`` floats. Against the PyTorch backend's eight passes over a chunk.
+  sums, three with ``sum_p2``), and nothing written but ``3 N`` floats (``4 N``). Against the PyTorch backend's
+  eight passes over a chunk.
 * ``full_grad``: per row, one read of the logits and one write of the gradient; 16-bit gradients are assembled
   in an fp32 row (in L2, one per worker, its length passed to C and checked there) and rounded once.
 
@@ -59,34 +60,40 @@ def _kernels(logits: Tensor):
     return lib, suffix
 
 
-def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row ``(m, s, t)`` of ``x = logits * inv_temp``: the contract of :func:`torch_backend.full_stats`, for
-    CPU fp32/bf16/fp16 logits and fp32 ``inv_temp``; results in fp32."""
+def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *, sum_p2: bool = False) -> tuple[Tensor, ...]:
+    """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` (and ``q = sum exp(2 (x - m))`` with ``sum_p2``, from the
+    same pass): the contract of :func:`torch_backend.full_stats`, for CPU fp32/bf16/fp16 logits and fp32
+    ``inv_temp``; results in fp32."""
     kernels = _kernels(logits)
     if kernels is None:
-        return torch_backend.full_stats(logits, inv_temp, skip)
+        return torch_backend.full_stats(logits, inv_temp, skip, sum_p2=sum_p2)
     lib, suffix = kernels
     n, v = logits.shape
     mz, s, t2 = (torch.zeros(n, dtype=torch.float32) for _ in range(3))
+    q = torch.zeros(n, dtype=torch.float32) if sum_p2 else None
     bad = torch.zeros(n, dtype=torch.uint8)
     rows = torch.arange(n, dtype=torch.int64) if skip is None else (~skip).nonzero().view(-1)
     if rows.numel() == 0 or v == 0:
-        return mz, s, t2
+        return (mz, s, t2) if q is None else (mz, s, t2, q)
     a = (inv_temp.float() * LOG2E).contiguous()
     call = getattr(lib, f"stats_{suffix}")
     stride = logits.stride(0) * logits.element_size()
+    q_ptr = None if q is None else q.data_ptr()  # NULL: the C loop without the q accumulator
 
     def body(lo: int, hi: int) -> None:
         call(logits.data_ptr(), stride, v, rows[lo:].data_ptr(), hi - lo, a.data_ptr(), mz.data_ptr(), s.data_ptr(),
-             t2.data_ptr(), bad.data_ptr())
+             t2.data_ptr(), q_ptr, bad.data_ptr())
 
     row_threads.for_chunks(rows.numel(), ROWS_PER_CALL, body)
+    # q = sum 2^(2y) needs no unit change (e^(2 (x - m)) = (2^y)^2)
     m, t = mz * inv_temp, t2 * LN2
     redo = bad.bool()
     if bool(redo.any()):  # NaN or +inf logits: the PyTorch backend's statistics for those rows
-        m_r, s_r, t_r = torch_backend.full_stats(logits, inv_temp, ~redo)
-        m, s, t = torch.where(redo, m_r, m), torch.where(redo, s_r, s), torch.where(redo, t_r, t)
-    return m, s, t
+        redone = torch_backend.full_stats(logits, inv_temp, ~redo, sum_p2=sum_p2)
+        m, s, t = (torch.where(redo, new, old) for new, old in zip(redone[:3], (m, s, t)))
+        if q is not None:
+            q = torch.where(redo, redone[3], q)
+    return (m, s, t) if q is None else (m, s, t, q)
 
 
 def full_grad(

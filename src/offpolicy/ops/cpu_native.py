@@ -66,10 +66,10 @@ REQUIRED_DTYPES = ("f32", "bf16")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 #: What ``offpolicy_abi()`` of the library must declare: the ABI version, then each exported function's return type
 #: and parameters (name, ctypes type) in order; the ctypes declarations of :func:`_open` are made from these.
-ABI_VERSION = "2"
+ABI_VERSION = "3"
 SIGNATURES: dict[str, tuple[type | None, tuple[tuple[str, type], ...]]] = {
     "stats": (None, (("z", _P), ("z_stride", _I), ("v", _I), ("rows", _P), ("n_rows", _I), ("a", _P),
-                     ("m_out", _P), ("s_out", _P), ("t_out", _P), ("bad", _P))),
+                     ("m_out", _P), ("s_out", _P), ("t_out", _P), ("q_out", _P), ("bad", _P))),
     "grad": (_I, (("z", _P), ("z_stride", _I), ("out", _P), ("out_stride", _I), ("v", _I), ("rows", _P),
                   ("n_rows", _I), ("shift", _P), ("a", _P), ("c", _P), ("cols", _P), ("g", _P), ("m_ids", _I),
                   ("scratch", _P), ("scratch_bytes", _I))),

@@ -6,7 +6,8 @@ formula.
 
 Logits op:
 
-* ``offpolicy::full_stats(logits, inv_temp, skip, backend) -> (m, s, t)``
+* ``offpolicy::full_stats(logits, inv_temp, skip, backend, sum_p2) -> (m, s, t, q)``; ``q`` is ``[N]`` with
+  ``sum_p2`` and an empty tensor without (the default pass then runs unchanged)
 * ``offpolicy::full_grad(logits, ids, inv_temp, lse, grad, grad_sum, backend) -> dz`` (a new ``[N, V]`` tensor)
 * ``offpolicy::full_grad_inplace_(logits, ids, inv_temp, lse, grad, grad_sum, backend)``: writes ``dz`` into
   ``logits``. Under ``torch.compile`` functionalization may replace the mutation of a graph input by a copy.
@@ -14,7 +15,8 @@ Logits op:
 Fused-linear op:
 
 * ``offpolicy::linear_gathered_logits(hidden, weight, bias, ids, chunk_bytes, backend) -> z [N, M]``
-* ``offpolicy::linear_full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes, backend) -> (m, s, t, x)``
+* ``offpolicy::linear_full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes, backend, sum_p2) ->
+  (m, s, t, x, q)``, ``q`` as in ``full_stats``
 * ``offpolicy::linear_backward(hidden, weight, bias, ids, dz_ids, inv_temp, lse, coef, chunk_bytes, grad_filter,
   need_h, need_w, need_b, backend) -> (dh, dw, db)``; a gradient that is not needed comes back as an empty tensor.
 """
@@ -28,14 +30,18 @@ from offpolicy.ops import backend_registry
 
 
 @torch.library.custom_op("offpolicy::full_stats", mutates_args=())
-def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``(m, s, t)`` per row of ``logits * inv_temp`` (the logits contract's ``full_stats``)."""
-    return backend_registry.get(backend).logits().full_stats(logits, inv_temp, skip)
+def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: str,
+               sum_p2: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(m, s, t, q)`` per row of ``logits * inv_temp`` (the logits contract's ``full_stats``); ``q`` is empty
+    unless ``sum_p2``."""
+    stats = backend_registry.get(backend).logits().full_stats(logits, inv_temp, skip, sum_p2=sum_p2)
+    return (*stats, inv_temp.new_empty(0)) if not sum_p2 else tuple(stats)
 
 
 @full_stats.register_fake
-def _full_stats_fake(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: str):
-    return tuple(inv_temp.new_empty(logits.shape[:1]) for _ in range(3))
+def _full_stats_fake(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: str, sum_p2: bool = False):
+    n = logits.shape[:1]
+    return (*(inv_temp.new_empty(n) for _ in range(3)), inv_temp.new_empty(n if sum_p2 else (0,)))
 
 
 @torch.library.custom_op("offpolicy::full_grad", mutates_args=())
@@ -79,15 +85,20 @@ def _linear_gathered_logits_fake(hidden, weight, bias, ids, chunk_bytes, backend
 
 @torch.library.custom_op("offpolicy::linear_full_stats", mutates_args=())
 def linear_full_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
-                      chunk_bytes: int, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(m, s, t) [N]`` over the whole (local) vocabulary and ``x [N, M]`` at the ids (fused-linear contract)."""
-    return backend_registry.get(backend).linear().full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes)
+                      chunk_bytes: int, backend: str, sum_p2: bool = False
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(m, s, t) [N]`` over the whole (local) vocabulary, ``x [N, M]`` at the ids and ``q [N]`` (empty unless
+    ``sum_p2``) (fused-linear contract)."""
+    stats = backend_registry.get(backend).linear().full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes,
+                                                              sum_p2=sum_p2)
+    return (*stats, inv_temp.new_empty(0)) if not sum_p2 else tuple(stats)
 
 
 @linear_full_stats.register_fake
-def _linear_full_stats_fake(hidden, weight, bias, ids, inv_temp, chunk_bytes, backend):
+def _linear_full_stats_fake(hidden, weight, bias, ids, inv_temp, chunk_bytes, backend, sum_p2=False):
     n = hidden.shape[0]
-    return (inv_temp.new_empty(n), inv_temp.new_empty(n), inv_temp.new_empty(n), inv_temp.new_empty(ids.shape))
+    return (inv_temp.new_empty(n), inv_temp.new_empty(n), inv_temp.new_empty(n), inv_temp.new_empty(ids.shape),
+            inv_temp.new_empty(n if sum_p2 else 0))
 
 
 @torch.library.custom_op("offpolicy::linear_backward", mutates_args=())

@@ -36,17 +36,20 @@ from offpolicy.ops.vocab_parallel import VocabShard, combine_shards, localise, s
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """How one call runs: normalisation, vocabulary shard, backend, working-set budget, gradient filter."""
+    """How one call runs: normalisation, vocabulary shard, backend, working-set budget, gradient filter, and
+    whether to return ``sum p^2``."""
 
     support: bool
     shard: VocabShard | None
     backend: Backend
     chunk_bytes: int
     grad_filter: float | None
+    sum_p2: bool = False
 
 
 class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
-    """``(logp [N, M], lse [N], entropy [N])`` of ``softmax((h W^T + b) inv_temp)`` at ``ids [N, M]``."""
+    """``(logp [N, M], lse [N], entropy [N], sum_p2)`` of ``softmax((h W^T + b) inv_temp)`` at ``ids [N, M]``;
+    ``sum_p2`` is ``[N]`` with ``plan.sum_p2``, an empty tensor without."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
@@ -63,19 +66,23 @@ class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
             if skip is not None:
                 lse = lse.masked_fill(skip, INF)
                 entropy = entropy.masked_fill(skip, 0.0)
+            sum_p2 = online_softmax.support_sum_p2(x[:, 1:], lse) if plan.sum_p2 else None
         else:
-            m, s, t, x = _stats_on_rows(hidden, weight, bias, local, inv_temp, skip, plan)
+            m, s, t, x, q = _stats_on_rows(hidden, weight, bias, local, inv_temp, skip, plan)
             if plan.shard is not None:
-                m, s, t, x = combine_shards(plan.shard, m, s, t, x)
+                m, s, t, x, *rest = combine_shards(plan.shard, m, s, t, x, q)
+                q = rest[0] if rest else None
             x = x.masked_fill(ids < 0, -INF)
             lse, entropy = online_softmax.finish(m, s, t)
+            sum_p2 = online_softmax.sum_p2(s, q) if plan.sum_p2 else None
+        sum_p2 = lse.new_empty(0) if sum_p2 is None else sum_p2
         ctx.save_for_backward(hidden, weight, bias, local, ids < 0, inv_temp, lse, x if plan.support else None)
         ctx.plan = plan
-        ctx.mark_non_differentiable(lse, entropy)
-        return x - lse[:, None], lse, entropy
+        ctx.mark_non_differentiable(lse, entropy, sum_p2)
+        return x - lse[:, None], lse, entropy, sum_p2
 
     @staticmethod
-    def backward(ctx, g: Tensor, _g_lse: Tensor, _g_entropy: Tensor):
+    def backward(ctx, g: Tensor, _g_lse: Tensor, _g_entropy: Tensor, _g_sum_p2: Tensor):
         hidden, weight, bias, local, pad, inv_temp, lse, x = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
         # Padding and rows without (finite) mass take no gradient, whatever arrives for them.
@@ -105,28 +112,33 @@ class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
 
 
 def _stats_on_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, local: Tensor, inv_temp: Tensor,
-                   skip: Tensor | None, plan: LinearPlan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Backend statistics; skipped rows are not read (eager) and report ``m = s = t = 0`` and ``x = 0``.
+                   skip: Tensor | None, plan: LinearPlan) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """Backend statistics ``(m, s, t, x, q)``, ``q`` None unless ``plan.sum_p2``; skipped rows are not read (eager)
+    and report ``m = s = t = q = 0`` and ``x = 0``.
 
     Under ``torch.compile`` (no data-dependent shapes) every row is computed and the skipped ones are masked.
     """
     name = plan.backend.name
+    want_q = plan.sum_p2
     if skip is None or torch.compiler.is_compiling():
-        m, s, t, x = library.linear_full_stats(hidden, weight, bias, local, inv_temp, plan.chunk_bytes, name)
+        m, s, t, x, q = library.linear_full_stats(hidden, weight, bias, local, inv_temp, plan.chunk_bytes, name,
+                                                  want_q)
+        q = q if want_q else None
         if skip is None:
-            return m, s, t, x
+            return m, s, t, x, q
         keep = ~skip
         zero = torch.zeros_like(m)
         return (torch.where(keep, m, zero), torch.where(keep, s, zero), torch.where(keep, t, zero),
-                torch.where(keep[:, None], x, torch.zeros_like(x)))
+                torch.where(keep[:, None], x, torch.zeros_like(x)), None if q is None else torch.where(keep, q, zero))
     n = hidden.shape[0]
     rows = (~skip).nonzero().squeeze(1)
-    m_a, s_a, t_a, x_a = library.linear_full_stats(hidden.index_select(0, rows), weight, bias,
-                                                   local.index_select(0, rows), inv_temp.index_select(0, rows),
-                                                   plan.chunk_bytes, name)
+    parts = library.linear_full_stats(hidden.index_select(0, rows), weight, bias, local.index_select(0, rows),
+                                      inv_temp.index_select(0, rows), plan.chunk_bytes, name, want_q)
     m = torch.zeros(n, dtype=inv_temp.dtype, device=hidden.device)
     s, t = torch.zeros_like(m), torch.zeros_like(m)
     x = torch.zeros(local.shape, dtype=inv_temp.dtype, device=hidden.device)
-    for full, part in ((m, m_a), (s, s_a), (t, t_a), (x, x_a)):
-        full.index_copy_(0, rows, part)
-    return m, s, t, x
+    q = torch.zeros_like(m) if want_q else None
+    for full, part in zip((m, s, t, x, q), parts):
+        if full is not None:
+            full.index_copy_(0, rows, part)
+    return m, s, t, x, q

@@ -17,7 +17,7 @@ from torch import Tensor
 from offpolicy.ops import backend_registry, input_checks, linear_torch_backend
 from offpolicy.ops.input_checks import FLOATS, describe
 from offpolicy.ops.linear_function import LinearPlan, LinearSparseLogSoftmaxFunction
-from offpolicy.ops.sparse_log_softmax import SparseLogSoftmax, row_inputs
+from offpolicy.ops.sparse_log_softmax import SparseLogSoftmax, check_sum_p2, row_inputs
 from offpolicy.ops.vocab_parallel import VocabShard
 
 
@@ -55,6 +55,7 @@ def linear_sparse_log_softmax(
     chunk_bytes: int | None = None,
     grad_filter: float | None = None,
     validate: bool = True,
+    sum_p2: bool = False,
 ) -> SparseLogSoftmax:
     """Log-softmax of ``(hidden @ weight.T + bias) / temperature`` at the sampled token and the candidates.
 
@@ -80,10 +81,13 @@ def linear_sparse_log_softmax(
             (Cut Cross-Entropy's gradient filtering; each dropped gradient entry is below
             ``grad_filter * |sum_j g_j| / tau``). None (default) computes the exact gradient.
         validate: check the ids' range and the temperatures' values (see :func:`offpolicy.ops.sparse_log_softmax`).
+        sum_p2: also return ``sum_v p(v)^2`` per row, folded in the same vocabulary tiles (detached; see
+            :class:`SparseLogSoftmax`).
 
     Returns:
         :class:`SparseLogSoftmax` (fp32; float64 for float64 inputs): ``target [N]``, ``candidates [N, K]``
-        (``-inf`` at padding), ``lse [N]``, ``entropy [N]`` (not differentiable). A NaN in a weight row or bias
+        (``-inf`` at padding), ``lse [N]``, ``entropy [N]`` and ``sum_p2 [N]`` or None (not
+        differentiable). A NaN in a weight row or bias
         entry that a row's normaliser reads makes that row's ``lse`` and log-probabilities NaN, as NaN logits do
         on the logits primitive. Under ``shard`` the gradient of ``hidden`` is this shard's part.
 
@@ -92,6 +96,7 @@ def linear_sparse_log_softmax(
     """
     budget = linear_torch_backend.CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     _check_layer(hidden, weight, bias, budget, grad_filter)
+    check_sum_p2(sum_p2)
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     # fp32 statistics for 16/32-bit inputs; float64 inputs keep float64 throughout (gradcheck, references).
@@ -101,6 +106,6 @@ def linear_sparse_log_softmax(
         input_checks.check_values(v, targets, candidate_ids, temperature, shard, support, acc)
     ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, dev)
     plan = LinearPlan(support, shard, backend_registry.choose(backend, dev, hidden.dtype), budget,
-                      None if grad_filter is None else float(grad_filter))
-    logp, lse, entropy = LinearSparseLogSoftmaxFunction.apply(hidden, weight, bias, ids, inv_temp, skip, plan)
-    return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy)
+                      None if grad_filter is None else float(grad_filter), sum_p2)
+    logp, lse, entropy, p2 = LinearSparseLogSoftmaxFunction.apply(hidden, weight, bias, ids, inv_temp, skip, plan)
+    return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy, p2 if sum_p2 else None)

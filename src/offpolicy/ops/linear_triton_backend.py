@@ -33,16 +33,17 @@ def gathered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Te
 
 
 def full_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
-               chunk_bytes: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``m, s, t [N]`` over the whole (local) vocabulary and ``x [N, M]`` at the ids (see the torch backend).
+               chunk_bytes: int, *, sum_p2: bool = False) -> tuple[Tensor, ...]:
+    """``m, s, t [N]`` over the whole (local) vocabulary and ``x [N, M]`` at the ids, then ``q [N]`` with ``sum_p2``
+    (see the torch backend).
 
     The ids' logits come from the gathered dot products (``O(N M D)``), not from the vocabulary tiles.
     """
     _require_16_32(hidden, weight, bias)
     hidden, weight = _unit(hidden), _unit(weight)
-    m, s, t = K.merge_stats(*K.linear_row_stats(hidden, weight, bias, inv_temp))
+    m, s, t, *q = K.merge_stats(*K.linear_row_stats(hidden, weight, bias, inv_temp, sum_p2=sum_p2))
     x = K.gathered_dot(hidden, weight, bias, ids) * inv_temp[:, None]
-    return m, s, t, x
+    return (m, s, t, x, *q)
 
 
 def backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, dz_ids: Tensor, inv_temp: Tensor,

@@ -26,16 +26,19 @@ from offpolicy.ops.vocab_parallel import VocabShard, combine_shards, gather_loca
 
 @dataclass(frozen=True)
 class LogitsPlan:
-    """How one call runs: normalisation, vocabulary shard, in-place gradient, and the backend."""
+    """How one call runs: normalisation, vocabulary shard, in-place gradient, the backend, and whether to return
+    ``sum p^2``."""
 
     support: bool
     shard: VocabShard | None
     inplace_grad: bool
     backend: Backend
+    sum_p2: bool = False
 
 
 class SparseLogSoftmaxFunction(torch.autograd.Function):
-    """``(logp [N, M], lse [N], entropy [N])`` of ``logits [N, V]`` at ``ids [N, M]`` (``-1`` padding)."""
+    """``(logp [N, M], lse [N], entropy [N], sum_p2)`` of ``logits [N, V]`` at ``ids [N, M]`` (``-1`` padding);
+    ``sum_p2`` is ``[N]`` with ``plan.sum_p2`` and an empty tensor without."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | None, plan: LogitsPlan):
@@ -43,7 +46,7 @@ class SparseLogSoftmaxFunction(torch.autograd.Function):
             return _forward(ctx, logits, ids, inv_temp, skip, plan)
 
     @staticmethod
-    def backward(ctx, g: Tensor, _g_lse: Tensor, _g_entropy: Tensor):
+    def backward(ctx, g: Tensor, _g_lse: Tensor, _g_entropy: Tensor, _g_sum_p2: Tensor):
         with _cpu_threads(g):
             return _backward(ctx, g)
 
@@ -58,7 +61,8 @@ def _forward(ctx, logits: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | 
     local = localise(ids, plan.shard, logits.shape[1])
     x = gather_local(logits, local, inv_temp)
     pad = ids < 0
-    probs = m_local = None
+    probs = m_local = q = None
+    want_q = plan.sum_p2
     if plan.support:
         if plan.shard is not None:
             x = sum_shards(plan.shard, x)
@@ -67,6 +71,7 @@ def _forward(ctx, logits: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | 
         if skip is not None:
             lse = lse.masked_fill(skip, INF)
             entropy = entropy.masked_fill(skip, 0.0)
+        sum_p2 = online_softmax.support_sum_p2(x[:, 1:], lse) if want_q else None
     else:
         # A backend that caches exp(x - m) writes it into the buffer that becomes the gradient, and the
         # backward only rescales it (no second exp pass, no second read of the logits). Eager only: the cache
@@ -74,22 +79,28 @@ def _forward(ctx, logits: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | 
         if (plan.backend.caches_probs and ctx.needs_input_grad[0] and not plan.inplace_grad
                 and logits.dtype == inv_temp.dtype and not torch.compiler.is_compiling()):
             probs = workspace.gradient_buffer(logits)
-            m, s, t = plan.backend.logits().full_stats(logits, inv_temp, skip, probs)
+            m, s, t, *rest = plan.backend.logits().full_stats(logits, inv_temp, skip, probs, sum_p2=want_q)
+            q = rest[0] if want_q else None
             m_local = m
         else:
-            m, s, t = library.full_stats(logits, inv_temp, skip, plan.backend.name)
+            m, s, t, q = library.full_stats(logits, inv_temp, skip, plan.backend.name, want_q)
+            q = q if want_q else None
         if plan.shard is not None:
-            m, s, t, x = combine_shards(plan.shard, m, s, t, x)
+            m, s, t, x, *rest = combine_shards(plan.shard, m, s, t, x, q)
+            q = rest[0] if want_q else None
         x = x.masked_fill(pad, -INF)
         lse, entropy = online_softmax.finish(m, s, t)
+        sum_p2 = online_softmax.sum_p2(s, q) if want_q else None
+    if sum_p2 is None:
+        sum_p2 = lse.new_empty(0)
     logp = x - lse[:, None]
     ctx.save_for_backward(logits, local, inv_temp, lse, pad, x if plan.support else None)
     # The cached exponentials become the gradient in place, so they are kept off the saved-tensor list (whose
     # version check would forbid that) and used by the first backward only; a second backward through a
     # retained graph recomputes from the logits.
     ctx.probs, ctx.m_local, ctx.plan = probs, m_local, plan
-    ctx.mark_non_differentiable(lse, entropy)
-    return logp, lse, entropy
+    ctx.mark_non_differentiable(lse, entropy, sum_p2)
+    return logp, lse, entropy, sum_p2
 
 
 def _backward(ctx, g: Tensor):

@@ -2,7 +2,8 @@
 
 Given logits ``z [N, V]``, per-row ids (the sampled token and ``K`` candidates), a temperature and a
 normalisation (the full vocabulary, or the row's candidate support), it returns the gathered log-probabilities
-of ``x = z / tau``, the normaliser ``lse`` and the entropy (:class:`SparseLogSoftmax`). Only the full-vocabulary
+of ``x = z / tau``, the normaliser ``lse``, the entropy and, on request, ``sum_v p(v)^2``
+(:class:`SparseLogSoftmax`). Only the full-vocabulary
 statistics and the backward touch ``[N, V]`` data; they run in a backend (:mod:`offpolicy.ops.backend_registry`). The
 autograd function is :mod:`offpolicy.ops.logits_function`; its fused-linear twin is
 :func:`offpolicy.ops.linear_sparse_log_softmax`.
@@ -31,12 +32,17 @@ class SparseLogSoftmax(NamedTuple):
         candidates: ``[N, K]`` log-probabilities of the candidates, ``-inf`` at padding.
         lse: ``[N]`` normaliser of ``z / tau`` (full vocabulary, or the support); ``+inf`` on skipped rows.
         entropy: ``[N]`` entropy of the (full or support) distribution; 0 on skipped rows. Not differentiable.
+        sum_p2: ``[N]`` ``sum_v p(v)^2`` of the same distribution (``p`` of ``z / tau``; under ``support`` the sum
+            over the support of the renormalised ``p^S(v)^2``), 0 on skipped rows; None unless ``sum_p2=True`` was
+            asked. A baseline statistic (the Optimal Token Baseline's,
+            :func:`offpolicy.advantages.optimal_token_baseline`): detached, no gradient flows through it.
     """
 
     target: Tensor
     candidates: Tensor
     lse: Tensor
     entropy: Tensor
+    sum_p2: Tensor | None = None
 
 
 def row_inputs(targets: Tensor, candidate_ids: Tensor | None, temperature: float | Tensor, n: int,
@@ -64,6 +70,7 @@ def sparse_log_softmax(
     inplace_grad: bool = False,
     backend: str | None = None,
     validate: bool = True,
+    sum_p2: bool = False,
 ) -> SparseLogSoftmax:
     """Log-softmax of ``logits / temperature`` at the sampled token and the candidates of each row.
 
@@ -90,6 +97,7 @@ def sparse_log_softmax(
         validate: check the ids' range and the temperatures' values (a host sync on GPUs; skipped while
             ``torch.compile`` traces). Shapes, dtypes and options are always checked. Pass False only when the
             caller has checked them.
+        sum_p2: also return ``sum_v p(v)^2`` per row (one more accumulator in the same vocabulary pass; detached).
 
     Returns:
         :class:`SparseLogSoftmax`; ``target`` and ``candidates`` are differentiable with respect to ``logits``.
@@ -103,9 +111,17 @@ def sparse_log_softmax(
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     input_checks.check_rows(n, logits.device, targets, candidate_ids, temperature, support, skip, shard, acc)
     input_checks.check_inplace_grad(logits, inplace_grad)
+    check_sum_p2(sum_p2)
     if validate:
         input_checks.check_values(v, targets, candidate_ids, temperature, shard, support, acc)
     ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, logits.device)
-    plan = LogitsPlan(support, shard, inplace_grad, backend_registry.choose(backend, logits.device, logits.dtype))
-    logp, lse, entropy = SparseLogSoftmaxFunction.apply(logits, ids, inv_temp, skip, plan)
-    return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy)
+    plan = LogitsPlan(support, shard, inplace_grad, backend_registry.choose(backend, logits.device, logits.dtype),
+                      sum_p2)
+    logp, lse, entropy, p2 = SparseLogSoftmaxFunction.apply(logits, ids, inv_temp, skip, plan)
+    return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy, p2 if sum_p2 else None)
+
+
+def check_sum_p2(sum_p2: object) -> None:
+    """``sum_p2`` must be a bool (a tensor or a number would be a different question)."""
+    if not isinstance(sum_p2, bool):
+        raise ValueError(f"sum_p2: expected True or False, got {sum_p2!r}")

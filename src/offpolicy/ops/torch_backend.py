@@ -27,8 +27,8 @@ LN2 = 0.6931471805599453
 
 
 def full_stats(
-    logits: Tensor, inv_temp: Tensor, skip: Tensor | None, probs: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
+    logits: Tensor, inv_temp: Tensor, skip: Tensor | None, probs: Tensor | None = None, *, sum_p2: bool = False
+) -> tuple[Tensor, ...]:
     """Per-row online-softmax statistics of ``x = logits * inv_temp`` over the whole (local) vocabulary.
 
     Args:
@@ -37,20 +37,25 @@ def full_stats(
         skip: ``[N]`` bool or None; skipped rows are not read and report ``s = 0``.
         probs: optional ``[N, V]`` buffer in ``inv_temp``'s dtype that receives ``exp(x - m)`` of every row read
             (skipped rows are left as they are), for :func:`grad_from_probs`.
+        sum_p2: also return ``q [N] = sum exp(2 (x - m))`` (so that ``sum_v p(v)^2 = q / s^2``), from the same
+            exponentials (one more reduction per chunk).
 
     Returns (in ``inv_temp``'s dtype):
         ``m [N]`` (row max, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
-        ``t [N] = sum exp(x - m) * (x - m)`` (so that entropy ``= log s - t / s``).
+        ``t [N] = sum exp(x - m) * (x - m)`` (so that entropy ``= log s - t / s``), then ``q [N]`` with ``sum_p2``
+        (0 on skipped rows).
     """
     n, v = logits.shape
     acc = inv_temp.dtype
     m = torch.zeros(n, dtype=acc, device=logits.device)
     s = torch.zeros_like(m)
     t = torch.zeros_like(m)
+    q = torch.zeros_like(m) if sum_p2 else None
+    stats = (m, s, t) if q is None else (m, s, t, q)
     all_rows = skip is None or not bool(skip.any())
     rows = torch.arange(n) if all_rows else (~skip).nonzero().view(-1).cpu()
     if rows.numel() == 0 or v == 0:
-        return m, s, t
+        return stats
     step = _chunk_rows(v, acc)
     cached = probs is not None and all_rows  # exp(x - m) goes straight into probs
 
@@ -78,6 +83,8 @@ def full_stats(
         x.mul_(it[:, None] * LOG2E)  # y = (x - m) log2(e)
         torch.exp2(x, out=e)
         s_c = e.sum(dim=1)
+        if q is not None:  # sum (e^(x - m))^2 = sum e^(2 (x - m)), before x is overwritten below
+            q[idx] = torch.linalg.vecdot(e, e)
         t_c = x.mul_(e).sum(dim=1).mul_(LN2)  # sum e (x - m) = ln 2 sum e y, in cache; y is not needed afterwards
         bad = torch.isnan(t_c)
         if bool(bad.any()):  # rows holding -inf logits: exp gave 0 but 0 * -inf is NaN; drop those terms
@@ -88,7 +95,7 @@ def full_stats(
         m[idx], s[idx], t[idx] = mz * it, s_c, t_c
 
     row_threads.for_chunks(rows.numel(), step, body)
-    return m, s, t
+    return stats
 
 
 def _chunk_rows(v: int, dtype: torch.dtype) -> int:

@@ -15,19 +15,20 @@ from torch import Tensor
 from offpolicy.kernels import logsoftmax as kernels
 
 
-def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *, sum_p2: bool = False) -> tuple[Tensor, ...]:
     """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` over the whole (local) vocabulary.
 
     Args:
         logits: ``[N, V]`` bf16/fp16/fp32, unit stride along ``V``.
         inv_temp: ``[N]`` fp32, ``1 / tau``.
         skip: ``[N]`` bool or None; skipped rows are not read and report ``m = s = t = 0``.
+        sum_p2: also return ``q [N] = sum exp(2 (x - m))`` from the same pass.
 
     Returns:
         ``m [N]`` (row max, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
-        ``t [N] = sum exp(x - m) * (x - m)``, all fp32.
+        ``t [N] = sum exp(x - m) * (x - m)``, then ``q [N]`` with ``sum_p2``, all fp32.
     """
-    return kernels.row_stats(logits, inv_temp, skip)
+    return kernels.row_stats(logits, inv_temp, skip, sum_p2=sum_p2)
 
 
 def full_grad(

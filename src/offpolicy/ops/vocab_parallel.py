@@ -2,7 +2,7 @@
 
 The forward gathers the logits at the ids this rank owns (0 elsewhere, so a SUM over ranks assembles each row)
 and combines the per-row online-softmax statistics with one MAX and one packed SUM all-reduce of
-``O(N (3 + M))`` numbers; the backward needs no communication (each rank differentiates the same replicated loss).
+``O(N (3 + M))`` numbers (one more per row for ``sum p^2``); the backward needs no communication (each rank differentiates the same replicated loss).
 """
 
 from __future__ import annotations
@@ -40,11 +40,14 @@ def gather_local(logits: Tensor, local: Tensor, inv_temp: Tensor) -> Tensor:
     return torch.where(local >= 0, x, torch.zeros_like(x))
 
 
-def combine_shards(shard: VocabShard, m: Tensor, s: Tensor, t: Tensor, x: Tensor) -> tuple[Tensor, ...]:
-    """All-reduce per-row statistics ``m, s, t [N]`` and the gathered ``x [N, M]`` over the shards.
+def combine_shards(shard: VocabShard, m: Tensor, s: Tensor, t: Tensor, x: Tensor,
+                   q: Tensor | None = None) -> tuple[Tensor, ...]:
+    """All-reduce per-row statistics ``m, s, t [N]`` (and ``q [N]``) and the gathered ``x [N, M]`` over the shards.
 
-    With ``M = max_r m_r`` and ``a_r = exp(m_r - M)``: ``s = sum_r a_r s_r`` and
-    ``t = sum_r a_r (t_r + s_r (m_r - M))`` (``t`` is taken relative to the row max). One MAX, one SUM.
+    With ``M = max_r m_r`` and ``a_r = exp(m_r - M)``: ``s = sum_r a_r s_r``,
+    ``t = sum_r a_r (t_r + s_r (m_r - M))`` (``t`` is taken relative to the row max) and
+    ``q = sum_r a_r^2 q_r`` (``q_r = sum exp(2 (x - m_r))``). One MAX, one SUM (``q`` is one more column of it).
+    Returns ``(M, s, t, x)``, then ``q`` when given.
     """
     import torch.distributed as dist
 
@@ -54,9 +57,14 @@ def combine_shards(shard: VocabShard, m: Tensor, s: Tensor, t: Tensor, x: Tensor
     big = torch.where(torch.isfinite(big), big, torch.zeros_like(big))
     m_safe = torch.where(s > 0, m, big)
     a = torch.exp(m_loc - big)
-    packed = torch.cat([(a * s)[:, None], (a * (t + s * (m_safe - big)))[:, None], x], dim=1)
+    cols = [(a * s)[:, None], (a * (t + s * (m_safe - big)))[:, None]]
+    if q is not None:
+        cols.append((a * a * q)[:, None])
+    packed = torch.cat([*cols, x], dim=1)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=shard.group)
-    return big, packed[:, 0], packed[:, 1], packed[:, 2:]
+    k = len(cols)
+    combined = (big, packed[:, 0], packed[:, 1], packed[:, k:])
+    return combined if q is None else (*combined, packed[:, 2])
 
 
 def sum_shards(shard: VocabShard, x: Tensor) -> Tensor:

@@ -56,6 +56,7 @@ from torch import Tensor
 
 from offpolicy.corrections import registry as reg
 from offpolicy.corrections.registry import LEVELS, WEIGHT_MODES
+from offpolicy.corrections.trust_region import binary_kl
 from offpolicy.loss.aggregation import SEQUENCE_AGGREGATIONS
 from offpolicy.records.candidates import Candidates
 from offpolicy.reference import (TAIL_EPS, kl, kl_statistic, log_probs, reference_policy_loss, sequence_log_ratio,
@@ -221,7 +222,10 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     * sequence rules: ratio and KL bands on each sequence's statistic, the veto on its smallest ratio, OPSM on its
       mean ``lq - log p``;
     * the clipped surrogates' kinks: ``u = p / pi_prox`` (GSPO-token: the sequence's geometric ``u``) at
-      ``1 - eps_lo``, ``1 + eps_hi``, the delta cap and the dual clip ``c`` (CISPO's clamp is continuous).
+      ``1 - eps_lo``, ``1 + eps_hi``, the delta cap and the dual clip ``c`` (CISPO's clamp is continuous), and
+      each surrogate's own ``log_u_kinks`` (GMPO's log-space clip);
+    * a trust region's mask edges: the divergence of each token at ``lower`` / ``upper`` and the probability
+      difference at 0 (or each sequence's summed / mean difference at ``-lower`` / ``upper``).
     """
     corr = cfg.correction
     n = fed.tokens.shape[0]
@@ -302,12 +306,34 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
         kinks = [math.log(1 - lo), math.log(1 + hi)] if lo < 1 else [math.log(1 + hi)]
         kinks += [math.log(c) for c in (corr.ppo_delta, corr.dual_clip) if c is not None]
         pairs.append((log_u, kinks))
+    if corr.trust_region is not None:
+        pairs.extend(_trust_region_pairs(corr.trust_region, logp_y, lq, prox, trained, seqs))
+    kinks_of = corr.surrogate.log_u_kinks
+    if kinks_of is not None and prox is not None:
+        pairs.append((torch.where(trained, logp_y - prox, 0.0)[trained], kinks_of(corr)))
     for stats, jumps in pairs:
         vals = stats.reshape(-1)
         vals = vals[torch.isfinite(vals)]
         if any(bool(((vals - j).abs() < cfg.margin).any()) for j in jumps):
             return True
     return False
+
+
+def _trust_region_pairs(tr, logp_y: Tensor, lq: Tensor, prox: Tensor | None, trained: Tensor,
+                        seqs: list) -> list[tuple[Tensor, list[float]]]:
+    """``(statistic, jumps)`` of a trust region's mask (docs/spec.md#trust-region), in float64."""
+    if tr.on == "update":
+        num, den = logp_y, (prox if prox is not None else lq)
+    else:
+        num, den = (prox if prox is not None else logp_y), lq
+    d = torch.where(trained, num.exp() - den.exp(), 0.0)
+    if tr.per_sequence:
+        stats = [d[idx].sum() if tr.level == "sequence" else d[idx].mean() for idx in seqs]
+        return [(torch.stack(stats) if stats else d[:0], [-tr.lower, tr.upper])]
+    kl_ref = binary_kl(den, num)
+    div = {"difference": d.abs(), "binary_kl": kl_ref,
+           "binary_kl_max": torch.maximum(kl_ref, binary_kl(num, den))}[tr.divergence]
+    return [(div[trained], [tr.lower, tr.upper]), (d[trained], [0.0])]
 
 
 def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
@@ -688,7 +714,7 @@ def _needs_identity_weight(cfg: LossConfig) -> str | None:
     if cfg.surrogate != "score_function":
         return (f"not applicable: the {cfg.surrogate!r} surrogate multiplies f(pi_prox / q) by a clipped function "
                 "of u = p / pi_prox, not by log p: it is plain IS only where every u lies inside the clip band")
-    if corr.rejection_rules or corr.sequence_rules:
+    if corr.rejection_rules or corr.sequence_rules or corr.trust_region is not None:
         return "not applicable: rejection rules zero tokens or sequences where f(r) = r alone would keep them"
     if cfg.batch_normalize is not False:
         return ("not applicable: batch normalisation divides the weights by the batch's mean weight, a "

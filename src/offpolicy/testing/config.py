@@ -5,7 +5,8 @@ The checkers compare the function against :func:`offpolicy.reference.reference_p
 score centering is claimed, support replay only for support records, ...). Every field of
 :class:`~offpolicy.Correction` can be declared: the weights and their level, score centering, the rejection rules
 (``veto``, ``kl_rejection``, ``opsm_delta``, chained ``rejections``), batch normalisation, the normaliser
-convention and the surrogates (decoupled PPO with its dual clip, delta and GSPO-token ratio, CISPO).
+convention and the surrogates (decoupled PPO with its dual clip, delta and GSPO-token ratio, CISPO, SAPO, VESPO,
+GMPO).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from offpolicy.corrections.correction import KLRejection, RatioRejection
+from offpolicy.corrections.trust_region import TrustRegion
 
 from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
 from offpolicy.corrections.correction import Correction
@@ -39,7 +41,8 @@ DEFAULT_TOLERANCES = {
 #: The :class:`LossConfig` fields that mirror :class:`~offpolicy.Correction` beyond the weights (shown by
 #: :meth:`LossConfig.describe` when not at their defaults).
 _CORRECTION_EXTRAS = ("veto", "kl_rejection", "opsm_delta", "rejections", "batch_normalize", "rejected_in_normalizer",
-                      "ppo_clip", "dual_clip", "ppo_delta", "ppo_ratio", "cispo")
+                      "ppo_clip", "dual_clip", "ppo_delta", "ppo_ratio", "cispo", "trust_region", "sapo", "vespo",
+                      "gmpo")
 
 #: Examples whose ratios fall this close (in log space) to a discontinuity of the weight function (MIS and
 #: rejection bounds, the tail ratio's bounds) are skipped: rounding alone may put them on either side.
@@ -73,10 +76,14 @@ class LossConfig:
         batch_normalize: ``False``, ``True`` / ``"tokens"`` or ``"sequences"`` (the latter needs ``seq_ids``).
         rejected_in_normalizer: False removes rejected tokens from the aggregation's normaliser (only visible
             with an ``aggregation``).
-        ppo_clip, dual_clip, ppo_delta, ppo_ratio, cispo: the surrogate (docs/spec.md#decoupled-ppo). Decoupled
+        ppo_clip, dual_clip, ppo_delta, ppo_ratio, cispo, sapo, vespo, gmpo: the surrogate
+            (docs/spec.md#decoupled-ppo, #sapo, #vespo, #gmpo; VESPO and GMPO also need ``seq_ids``). Decoupled
             PPO and CISPO need a function that takes a ``proximal_logprobs`` keyword (``[N]``, ``log pi_prox`` of
             each token; the kit draws it near the trainer's own log-probability); ``ppo_ratio="gspo_token"`` also
             needs ``seq_ids``.
+        trust_region: a :class:`~offpolicy.TrustRegion` (docs/spec.md#trust-region); with a proximal surrogate
+            it compares against ``proximal_logprobs``, else against the sampler (its own ratio surrogate takes
+            none).
     """
 
     weights: str = "none"
@@ -101,6 +108,10 @@ class LossConfig:
     ppo_delta: float | None = None
     ppo_ratio: str = "token"
     cispo: tuple[float, float] | None = None
+    trust_region: TrustRegion | None = None
+    sapo: tuple[float, float] | None = None
+    vespo: tuple[float, float, float, float] | None = None
+    gmpo: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.record not in RECORDS:
@@ -118,7 +129,7 @@ class LossConfig:
             raise ValueError("LossConfig.constant_normalizer goes with aggregation='constant' (and only with it)")
         if self.constant_normalizer is not None and not self.constant_normalizer > 0:
             raise ValueError(f"LossConfig.constant_normalizer must be > 0, got {self.constant_normalizer!r}")
-        for name in ("bounds", "rejections", "ppo_clip", "cispo"):
+        for name in ("bounds", "rejections", "ppo_clip", "cispo", "sapo", "vespo", "gmpo"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         self.correction  # validates every correction field with Correction's own messages
@@ -134,7 +145,8 @@ class LossConfig:
                           kl_rejection=self.kl_rejection, opsm_delta=self.opsm_delta, rejections=self.rejections,
                           batch_normalize=self.batch_normalize, rejected_in_normalizer=self.rejected_in_normalizer,
                           ppo_clip=self.ppo_clip, dual_clip=self.dual_clip, ppo_delta=self.ppo_delta,
-                          ppo_ratio=self.ppo_ratio, cispo=self.cispo)
+                          ppo_ratio=self.ppo_ratio, cispo=self.cispo, trust_region=self.trust_region,
+                          sapo=self.sapo, vespo=self.vespo, gmpo=self.gmpo)
 
     @property
     def needs_sequences(self) -> bool:
@@ -204,6 +216,9 @@ class LossConfig:
             out += f"+rej{len(self.correction.rejection_rules) + (self.veto is not None) + (self.opsm_delta is not None)}"
         if self.batch_normalize is not False:
             out += f"+bn-{'tokens' if self.batch_normalize is True else self.batch_normalize}"
+        if self.trust_region is not None:
+            tr = self.trust_region
+            out += f"+tr-{tr.divergence}-{tr.sign}-{tr.on}" + (f"-{tr.level}" if tr.level != "token" else "")
         if not self.rejected_in_normalizer:
             out += "+rejected_out"
         if self.aggregation is not None:
@@ -214,7 +229,8 @@ class LossConfig:
     def parse(cls, text: str) -> "LossConfig":
         """Parse ``"weights=mis,bounds=0.5:5,score_centering=1,record=support,level=token,dtype=float32"`` (the
         ``OFFPOLICY_CONFIG`` environment variable). ``sc`` abbreviates ``score_centering``; ``record=none`` is
-        None; ``bounds`` is ``C`` or ``L:U``; ``ppo_clip`` and ``cispo`` are ``lo:hi``; ``batch_normalize`` is
+        None; ``bounds`` is ``C`` or ``L:U``; ``ppo_clip``, ``cispo``, ``sapo``, ``gmpo`` are ``lo:hi`` (``vespo``
+        ``a:b:c:d``); ``batch_normalize`` is
         ``0``, ``1``, ``tokens`` or ``sequences``. Rejection rules (``kl_rejection``, ``rejections``) are objects:
         declare them with :func:`~offpolicy.testing.with_config` instead."""
         names = {f.name for f in fields(cls)}
@@ -226,13 +242,13 @@ class LossConfig:
             key = "score_centering" if key == "sc" else key
             if key not in names:
                 raise ValueError(f"OFFPOLICY_CONFIG: unknown key {key!r}; expected one of {sorted(names)}")
-            if key in ("kl_rejection", "rejections"):
+            if key in ("kl_rejection", "rejections", "trust_region"):
                 raise ValueError(f"OFFPOLICY_CONFIG: {key} holds rule objects; declare it in Python with "
                                  "offpolicy.testing.with_config(LossConfig(...))")
             if key == "bounds":
                 parts = [float(p) for p in val.split(":")]
                 kw[key] = parts[0] if len(parts) == 1 else tuple(parts)
-            elif key in ("ppo_clip", "cispo"):
+            elif key in ("ppo_clip", "cispo", "sapo", "vespo", "gmpo"):
                 kw[key] = None if val.lower() in ("none", "") else tuple(float(p) for p in val.split(":"))
             elif key in ("score_centering", "rejected_in_normalizer"):
                 kw[key] = val.lower() in ("1", "true", "yes", "on")
@@ -253,9 +269,12 @@ class LossConfig:
 
 def family_configs(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
     """One configuration per member of the correction family beyond the weight modes: each surrogate (decoupled
-    PPO, its dual clip, TRL's delta, GSPO-token, CISPO in TRL's and slime's bounds), chained token-level rejections
+    PPO, its dual clip, TRL's delta, GSPO-token, CISPO in TRL's and slime's bounds, SAPO, VESPO, GMPO), chained
+    token-level rejections
     (a ratio band and a two-sided ``k1`` band, with score centering), chained sequence-level rejections, veto and
-    OPSM, batch normalisation over tokens and over sequences, and rejected tokens out of the normaliser."""
+    OPSM, batch normalisation over tokens and over sequences, rejected tokens out of the normaliser, and trust
+    regions (DPPO's ratio surrogate with the squared-log-ratio penalty, KPop on the weights, ROLL's geometric
+    band)."""
     return [
         LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.28), dtype=dtype),
         LossConfig(weights="tis", record="support", ppo_clip=(0.2, 0.2), dual_clip=3.0, dtype=dtype),
@@ -263,6 +282,9 @@ def family_configs(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
         LossConfig(weights="tis", record="head", ppo_clip=(0.2, 0.2), ppo_ratio="gspo_token", dtype=dtype),
         LossConfig(weights="none", record="support", cispo=(0.0, 1.28), dtype=dtype),
         LossConfig(weights="mis", record="head", cispo=(0.8, 1.2), dtype=dtype),
+        LossConfig(weights="tis", record="head", sapo=(1.0, 1.05), dtype=dtype),
+        LossConfig(weights="none", record="support", vespo=(2.0, 3.0, 3.0, 2.0), dtype=dtype),
+        LossConfig(weights="mis", record=None, gmpo=(0.4, 0.4), aggregation="seq_mean_token_mean", dtype=dtype),
         LossConfig(weights="mis", score_centering=True, record="support",
                    rejections=(RatioRejection(0.3, 4.0), KLRejection((-0.4, 0.4), "k1")), dtype=dtype),
         LossConfig(weights="tis", record="head",
@@ -274,6 +296,14 @@ def family_configs(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
                    aggregation="token_mean", dtype=dtype),
         LossConfig(weights="mis", record="support", rejections=(KLRejection((-0.3, 0.3), "k1", "seq_mean"),),
                    rejected_in_normalizer=False, aggregation="seq_mean_token_mean", dtype=dtype),
+        LossConfig(weights="none", trust_region=TrustRegion(0.05, 0.08, penalty=0.01), dtype=dtype),
+        LossConfig(weights="mis", record="head", ppo_clip=(0.2, 0.2), rejected_in_normalizer=False,
+                   aggregation="token_mean", dtype=dtype,
+                   trust_region=TrustRegion(0.02, 0.02, "binary_kl_max", sign="none", on="weights")),
+        LossConfig(weights="tis", record="support", cispo=(0.0, 3.0), dtype=dtype,
+                   trust_region=TrustRegion(0.03, 0.05, "binary_kl", level="token")),
+        LossConfig(weights="tis", record=None, dtype=dtype,
+                   trust_region=TrustRegion(0.02, 0.03, sign="none", level="geometric", on="weights")),
     ]
 
 

@@ -17,8 +17,8 @@ from offpolicy.kernels.logsoftmax import _row_grad_kernel, _row_stats_kernel
 
 def signatures(ptr: str) -> tuple[dict, dict]:
     stats = {"logits_ptr": ptr, "stride_row": "i32", "inv_temp_ptr": "*fp32", "skip_ptr": "*u8", "m_ptr": "*fp32",
-             "s_ptr": "*fp32", "t_ptr": "*fp32", "V": "i32", "HAS_SKIP": "constexpr", "BLOCK": "constexpr",
-             "INT64": "constexpr"}  # fmt: skip
+             "s_ptr": "*fp32", "t_ptr": "*fp32", "q_ptr": "*fp32", "V": "i32", "HAS_SKIP": "constexpr",
+             "SUM_P2": "constexpr", "BLOCK": "constexpr", "INT64": "constexpr"}  # fmt: skip
     grad = {"logits_ptr": ptr, "stride_lrow": "i32", "out_ptr": ptr, "stride_orow": "i32", "ids_ptr": "*i64",
             "grad_ptr": "*fp32", "vals_ptr": "*fp32", "inv_temp_ptr": "*fp32", "lse_ptr": "*fp32",
             "grad_sum_ptr": "*fp32", "V": "i32", "M": "i32", "BLOCK": "constexpr", "ID_CHUNK": "constexpr",
@@ -31,8 +31,9 @@ def main() -> int:
     for dtype in ("bf16", "fp16", "fp32"):
         stats_sig, grad_sig = signatures(f"*{dtype}")
         for int64 in (False, True):
+            # SUM_P2 rides on int64, so both variants of the stats kernel are lowered
             for fn, sig, consts in [
-                (_row_stats_kernel, stats_sig, {"HAS_SKIP": True, "BLOCK": 4096, "INT64": int64}),
+                (_row_stats_kernel, stats_sig, {"HAS_SKIP": True, "SUM_P2": int64, "BLOCK": 4096, "INT64": int64}),
                 (_row_grad_kernel, grad_sig, {"BLOCK": 4096, "ID_CHUNK": 64, "ID_CMP": 32, "INT64": int64}),
             ]:
                 # Launches specialise 16-byte aligned pointers and integers divisible by 16 (V = 151936 is);

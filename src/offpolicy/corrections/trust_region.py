@@ -1,0 +1,112 @@
+"""Trust regions on probability differences (docs/spec.md#trust-region): DPPO's binary total-variation and
+binary-KL masks, prime-rl's symmetric 'IPO' band, ROLL's probability-difference filters and AReaL's KPop.
+
+Per token, with ``p`` the probability of the sampled token under the policy being checked and ``p_ref`` under the
+reference it is checked against, ``d = p - p_ref`` and a divergence ``D >= 0`` of the two-event partitions
+``{y, not y}``:
+
+* ``"difference"``: ``D = |d|`` (the binary total variation);
+* ``"binary_kl"``: ``D = KL(Bern(p_ref) || Bern(p))`` (DPPO's binary KL);
+* ``"binary_kl_max"``: ``D = max(KL(Bern(p_ref) || Bern(p)), KL(Bern(p) || Bern(p_ref)))`` (KPop).
+
+A token whose probability rose (``d > 0``) is masked iff ``D > upper``; one whose probability fell (``d < 0``) iff
+``D > lower``. With ``sign="advantage"`` only the side the update pushes towards is checked: ``A > 0`` checks a
+rise, ``A <= 0`` a fall (DPPO, prime-rl's default loss). ``level="sequence" | "geometric"`` (``difference`` only,
+``sign="none"``) applies the band to the sum / mean of ``d`` over each sequence's trained tokens (ROLL).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+DIVERGENCES = ("difference", "binary_kl", "binary_kl_max")
+SIGNS = ("advantage", "none")
+LEVELS = ("token", "sequence", "geometric")
+TARGETS = ("update", "weights")
+
+
+def _number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class TrustRegion:
+    """A mask on probability differences; ``Correction(trust_region=...)``.
+
+    Attributes:
+        lower: the band below: a token whose probability fell is masked iff its divergence exceeds ``lower``
+            (for ``"difference"``: iff ``d < -lower``). Finite, ``>= 0``.
+        upper: the band above (``"difference"``: masked iff ``d > upper``). Finite, ``>= 0``.
+        divergence: ``"difference" | "binary_kl" | "binary_kl_max"`` (module docstring).
+        sign: ``"advantage"`` (check the side the advantage's sign pushes towards) or ``"none"`` (both sides).
+        level: ``"token"``, or ``"sequence"`` / ``"geometric"`` (the sum / mean of ``d`` per sequence; needs
+            ``divergence="difference"``, ``sign="none"`` and ``seq_ids``).
+        on: ``"update"``: ``p`` is the current policy, ``p_ref`` the proximal policy (the sampler without
+            ``proximal_logprobs``); the mask replaces PPO's clip and, without ``ppo_clip`` / ``cispo``, the
+            surrogate is the masked ratio ``u A``, ``u = p / p_ref`` (DPPO). ``"weights"``: ``p`` is the
+            weights' numerator (the proximal policy, or the current one without it), ``p_ref`` the sampler; the
+            mask rejects tokens like a rejection rule and the surrogate is unchanged.
+        penalty: ``c >= 0``: adds ``c (log p - log p_ref)^2`` of the update's ratio (current over proximal, or
+            over the sampler) on every trained token, masked or not (prime-rl's ``kl_tau``).
+    """
+
+    lower: float
+    upper: float
+    divergence: str = "difference"
+    sign: str = "advantage"
+    level: str = "token"
+    on: str = "update"
+    penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, options in (("divergence", DIVERGENCES), ("sign", SIGNS), ("level", LEVELS), ("on", TARGETS)):
+            if getattr(self, name) not in options:
+                raise ValueError(f"TrustRegion.{name} must be one of {options}, got {getattr(self, name)!r}")
+        for name in ("lower", "upper", "penalty"):
+            val = getattr(self, name)
+            if not (_number(val) and val >= 0):
+                raise ValueError(f"TrustRegion.{name} must be a finite number >= 0, got {val!r}")
+        if self.level != "token" and (self.divergence != "difference" or self.sign != "none"):
+            raise ValueError(f"TrustRegion(level={self.level!r}) needs divergence='difference' and sign='none' (a "
+                             f"band on the sequence's summed or mean probability difference), got "
+                             f"divergence={self.divergence!r}, sign={self.sign!r}")
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether the mask is one per sequence (needs ``seq_ids``)."""
+        return self.level != "token"
+
+    def masked(self, log_p: Tensor, log_ref: Tensor, adv: Tensor, seg=None) -> Tensor:
+        """``[N]`` bool, the tokens the trust region masks.
+
+        ``log_p``, ``log_ref``: ``[N]`` detached log-probabilities (``-inf`` allowed: probability 0); ``adv``:
+        ``[N]``; ``seg``: the :class:`~offpolicy.loss.segments.Segments` at the sequence levels (inactive tokens
+        take no part).
+        """
+        d = torch.exp(log_p) - torch.exp(log_ref)
+        if self.per_sequence:
+            d = torch.where(seg.active, d, torch.zeros_like(d))
+            agg = seg.broadcast(seg.sum(d) if self.level == "sequence" else seg.mean(d))
+            return (agg > self.upper) | (agg < -self.lower)
+        div = d.abs() if self.divergence == "difference" else binary_kl(log_ref, log_p)
+        if self.divergence == "binary_kl_max":
+            div = torch.maximum(div, binary_kl(log_p, log_ref))
+        rise = (d > 0) & (div > self.upper)
+        fall = (d < 0) & (div > self.lower)
+        return torch.where(adv > 0, rise, fall) if self.sign == "advantage" else rise | fall
+
+
+def binary_kl(log_a: Tensor, log_b: Tensor) -> Tensor:
+    """``KL(Bern(a) || Bern(b)) = a log(a / b) + (1 - a) log((1 - a) / (1 - b))`` from log-probabilities, with
+    ``log(1 - x) = log(-expm1(log x))`` (accurate near ``x = 1``) and ``0 log 0 = 0``; ``+inf`` where ``b`` is 0
+    or 1 and ``a`` is not."""
+    a, na = torch.exp(log_a), -torch.expm1(log_a)
+    zero = torch.zeros_like(a)
+    head = torch.where(a > 0, a * (log_a - log_b), zero)
+    tail = torch.where(na > 0, na * (torch.log(na) - torch.log(-torch.expm1(log_b))), zero)
+    return head + tail
