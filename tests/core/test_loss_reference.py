@@ -89,6 +89,8 @@ FAMILY = [
     op.Correction(weights="mis", opsm_delta=0.1, score_centering=True),
     op.Correction(weights="mis", batch_normalize=True, score_centering=True),
     op.Correction(weights="tis", batch_normalize=True),
+    # batch_normalize names its normalisation too ("tokens" is True's): the reference resolves the name itself.
+    op.Correction(weights="mis", batch_normalize="tokens", score_centering=True),
     # A token-level KL rejection under a sequence-level weight zeros the rejected tokens' own weights.
     op.Correction(weights="tis", level="sequence", bounds=3.0, kl_rejection=op.KLRejection(0.3, "k3", "token")),
     op.Correction(weights="mis", level="geometric", kl_rejection=op.KLRejection(0.2, "k1", "token")),

@@ -88,6 +88,20 @@ def test_no_two_modules_share_a_name():
     assert not [n for n, c in names.items() if c > 1 and n != "__main__"], names.most_common(5)
 
 
+def test_the_reference_imports_nothing_from_the_library():
+    """The float64 oracle shares no code with what it checks: a wrong predicate, default or trait in the registry
+    would otherwise reach the fast loss and the reference alike, and agreement tests could not see it."""
+    path = SRC / "reference.py"
+    shared = [f"{path.relative_to(ROOT)}:{line} imports {name}" for name, line in _imports(path)]
+    assert not shared, "\n".join(shared)
+    tree = ast.parse(path.read_text())
+    relative = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0]
+    assert not relative, f"relative imports in reference.py at lines {relative}"
+    dynamic = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")]
+    assert not dynamic, f"dynamic imports in reference.py at lines {dynamic}"
+
+
 @pytest.mark.parametrize("probe", ["offpolicy.fleet", "offpolicy.demo", "offpolicy.adapters.common"])
 def test_the_layer_test_can_fail(probe, tmp_path):
     """A core module that imported ``probe`` would be reported."""

@@ -1,15 +1,15 @@
 """The correction family as data: every weight mode, ratio level, KL estimator, KL rejection level, sequence
-rejection rule and surrogate is one entry here, holding its fast torch function, its float64 reference function,
-its defaults and the traits the test kit reads.
+rejection rule and surrogate is one entry here, holding its fast torch function, its defaults and the traits the
+test kit reads.
 
-The loss pipeline (:mod:`offpolicy.loss.logprobs`), the float64 oracle (:mod:`offpolicy.reference`) and the test
-kit (:mod:`offpolicy.testing`) all enumerate these tables; nothing else branches on a mode's name. Adding a weight
-mode is one :class:`WeightMode` entry in :data:`WEIGHT_MODES` plus its tests.
+The loss pipeline (:mod:`offpolicy.loss.logprobs`) and the test kit (:mod:`offpolicy.testing`) enumerate these
+tables. The float64 oracle (:mod:`offpolicy.reference`) does not: it writes every formula, default and trait again
+with explicit branches on the names, so that a wrong entry here disagrees with it. Adding a weight mode is one
+:class:`WeightMode` entry in :data:`WEIGHT_MODES`, its branch in the reference, and its tests.
 
 Conventions. Fast functions take log-ratios ``log r = log p - lq`` already clamped to ``[-max_log_ratio,
 max_log_ratio]`` (``lr``) and, where bounds matter, ``inside = 1[L <= r <= U]`` tested on the *unclamped*
-log-ratio (so ``+-inf`` fall outside any finite interval). Reference functions take float64 ratios ``r`` clamped
-to ``exp(+-max_log_ratio)`` and the same ``inside``. Definitions: docs/spec.md#weights, docs/spec.md#family.
+log-ratio (so ``+-inf`` fall outside any finite interval). Definitions: docs/spec.md#weights, docs/spec.md#family.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class WeightMode:
     Attributes:
         name: the ``Correction(weights=...)`` value.
         fast: ``(lr, inside, lower, upper) -> f`` on clamped log-ratios (any float dtype, same shape).
-        reference: ``(r, inside, lower, upper) -> f`` on clamped float64 ratios.
         default_bounds: ``(lower, upper)`` when the user gives none; None for a mode without bounds.
         scalar_bound: a single number ``C`` is accepted as ``bounds`` and means ``(0, C)``.
         masks_outside: ``f`` is discontinuous at the bounds (a bound on ``r`` that masks): rounding near a bound
@@ -52,7 +51,6 @@ class WeightMode:
 
     name: str
     fast: Callable[[Tensor, Tensor, float, float], Tensor]
-    reference: Callable[[Tensor, Tensor, float, float], Tensor]
     default_bounds: tuple[float, float] | None
     scalar_bound: bool = False
     masks_outside: bool = False
@@ -71,35 +69,28 @@ def _tis_fast(lr: Tensor, inside: Tensor, lower: float, upper: float) -> Tensor:
     return torch.exp(lr.clamp(min=log_bound(lower), max=log_bound(upper)))
 
 
-def _tis_reference(r: Tensor, inside: Tensor, lower: float, upper: float) -> Tensor:
-    return torch.minimum(torch.maximum(r, torch.full_like(r, lower)), torch.full_like(r, upper))
-
-
 WEIGHT_MODES: dict[str, WeightMode] = {
     mode.name: mode
     for mode in (
         WeightMode(
             "none",
             fast=lambda lr, inside, lo, hi: torch.ones_like(lr),
-            reference=lambda r, inside, lo, hi: torch.ones_like(r),
             default_bounds=None,
             source="plain REINFORCE / GRPO",
         ),
         WeightMode(
-            "tis", fast=_tis_fast, reference=_tis_reference, default_bounds=(0.0, 2.0), scalar_bound=True,
+            "tis", fast=_tis_fast, default_bounds=(0.0, 2.0), scalar_bound=True,
             ratio_inside=True, source="Yao et al. 2025 (truncated importance sampling)",
         ),
         WeightMode(
             "mis",
             fast=lambda lr, inside, lo, hi: torch.where(inside, torch.exp(lr), torch.zeros_like(lr)),
-            reference=lambda r, inside, lo, hi: r * inside,
             default_bounds=(0.5, 5.0), masks_outside=True, ratio_inside=True,
             source="IcePop arXiv 2510.18855 (masked importance sampling, band [0.5, 5])",
         ),
         WeightMode(
             "reject",
             fast=lambda lr, inside, lo, hi: inside.to(lr.dtype),
-            reference=lambda r, inside, lo, hi: inside.double(),
             default_bounds=(0.5, 5.0), masks_outside=True, rejects=True,
             source="rejection sampling on the ratio (kept tokens weigh 1)",
         ),
@@ -119,13 +110,11 @@ class Level:
     Attributes:
         name: the ``Correction(level=...)`` value.
         fast: ``(log_r [N], seg) -> [num]`` per-sequence log-ratio (None for the token level).
-        reference: ``(log_r of one sequence's trained tokens) -> scalar`` (None for the token level).
         source: the published source.
     """
 
     name: str
     fast: Callable | None
-    reference: Callable[[Tensor], Tensor] | None
     source: str = ""
 
     @property
@@ -137,10 +126,9 @@ class Level:
 LEVELS: dict[str, Level] = {
     lv.name: lv
     for lv in (
-        Level("token", None, None, "per-token ratio r_t"),
-        Level("sequence", lambda lr, seg: seg.sum(lr), lambda lr: lr.sum(),
-              "Liu & Li, 'When speed kills stability' (sequence-level IS)"),
-        Level("geometric", lambda lr, seg: seg.mean(lr), lambda lr: lr.mean(),
+        Level("token", None, "per-token ratio r_t"),
+        Level("sequence", lambda lr, seg: seg.sum(lr), "Liu & Li, 'When speed kills stability' (sequence-level IS)"),
+        Level("geometric", lambda lr, seg: seg.mean(lr),
               "geometric mean exp(mean_t log r_t) (GSPO-style length-normalised ratio)"),
     )
 }
@@ -157,23 +145,21 @@ class Estimator:
 
     Attributes:
         fast: ``lr -> k`` on clamped log-ratios.
-        reference: ``r -> k`` on float64 ratios.
         signed: the estimate can be negative (a negative threshold is then meaningful).
     """
 
     name: str
     fast: Callable[[Tensor], Tensor]
-    reference: Callable[[Tensor], Tensor]
     signed: bool = False
 
 
 ESTIMATORS: dict[str, Estimator] = {
     e.name: e
     for e in (
-        Estimator("k1", lambda lr: -lr, lambda r: -torch.log(r), signed=True),
-        Estimator("k2", lambda lr: 0.5 * lr.square(), lambda r: 0.5 * torch.log(r) ** 2),
+        Estimator("k1", lambda lr: -lr, signed=True),
+        Estimator("k2", lambda lr: 0.5 * lr.square()),
         # k3 = r - 1 - log r = expm1(log r) - log r (accurate near log r = 0).
-        Estimator("k3", lambda lr: torch.expm1(lr) - lr, lambda r: r - 1 - torch.log(r)),
+        Estimator("k3", lambda lr: torch.expm1(lr) - lr),
     )
 }
 
@@ -185,12 +171,10 @@ class KLLevel:
     Attributes:
         fast: ``(k [N], seg) -> [num]`` per-sequence statistic; None at the token level (then the rejection is a
             bound on ``r`` folded into ``f``, which score centering sees exactly).
-        reference: ``(k of one sequence's trained tokens) -> scalar``; None at the token level.
     """
 
     name: str
     fast: Callable | None
-    reference: Callable[[Tensor], Tensor] | None
 
     @property
     def per_sequence(self) -> bool:
@@ -200,10 +184,10 @@ class KLLevel:
 KL_LEVELS: dict[str, KLLevel] = {
     lv.name: lv
     for lv in (
-        KLLevel("token", None, None),
-        KLLevel("seq_sum", lambda k, seg: seg.sum(k), lambda k: k.sum()),
-        KLLevel("seq_mean", lambda k, seg: seg.mean(k), lambda k: k.mean()),
-        KLLevel("seq_max", lambda k, seg: seg.max(k), lambda k: k.max()),
+        KLLevel("token", None),
+        KLLevel("seq_sum", lambda k, seg: seg.sum(k)),
+        KLLevel("seq_mean", lambda k, seg: seg.mean(k)),
+        KLLevel("seq_max", lambda k, seg: seg.max(k)),
     )
 }
 
@@ -224,15 +208,12 @@ class SequenceRule:
             ``log_r`` is the ratio the weights act on (``pi_prox / q`` under decoupled PPO); ``log_p_ratio`` is
             always the current policy's ``log p - lq``. Both unclamped (``-inf`` is a ratio of 0); a rule that
             exponentiates clamps first.
-        reference: ``(r, r_current, adv, corr) -> bool`` for one sequence's trained tokens (float64 unclamped
-            ratios).
         source: the published source.
     """
 
     name: str
     applies: Callable
     fast: Callable
-    reference: Callable
     source: str = ""
 
 
@@ -243,7 +224,6 @@ SEQUENCE_RULES: dict[str, SequenceRule] = {
             "veto",
             applies=lambda corr: corr.veto is not None,
             fast=lambda lr, lr_p, adv, seg, corr: seg.min(lr) < math.log(corr.veto),
-            reference=lambda r, r_p, adv, corr: bool((r < corr.veto).any()),
             source="Liu & Li, 'When speed kills stability' (catastrophic-token veto)",
         ),
         SequenceRule(
@@ -252,7 +232,6 @@ SEQUENCE_RULES: dict[str, SequenceRule] = {
             # Negative advantage and mean k1 of the *current* policy, mean_t (lq - log p) > delta (also under
             # decoupled PPO, where the weights act on pi_prox / q: drift during the PPO epochs must be caught).
             fast=lambda lr, lr_p, adv, seg, corr: (seg.mean(adv) < 0) & (seg.mean(-lr_p) > corr.opsm_delta),
-            reference=lambda r, r_p, adv, corr: bool(adv.mean() < 0 and (-torch.log(r_p)).mean() > corr.opsm_delta),
             source="DeepSeek-V3.2 arXiv 2512.02556 (off-policy sequence masking)",
         ),
     )
@@ -274,17 +253,13 @@ class RejectionKind:
     Attributes:
         per_sequence: ``rule -> bool``.
         token_keep: ``(log_r [N] unclamped, rule, corr) -> [N] bool``.
-        token_keep_reference: ``(r [N] float64 unclamped, rule, corr) -> [N] bool``.
         sequence_drop: ``(log_r [N] unclamped, seg, rule, corr) -> [num] bool``.
-        sequence_drop_reference: ``(r of one sequence's trained tokens, rule, corr) -> bool``.
     """
 
     name: str
     per_sequence: Callable
     token_keep: Callable
-    token_keep_reference: Callable
     sequence_drop: Callable
-    sequence_drop_reference: Callable
 
 
 def _kl_band(rule) -> tuple[float, float]:
@@ -299,10 +274,6 @@ def _clamped(lr: Tensor, corr) -> Tensor:
     return lr.clamp(-corr.max_log_ratio, corr.max_log_ratio)
 
 
-def _clamped_ratio(r: Tensor, corr) -> Tensor:
-    return r.clamp(math.exp(-corr.max_log_ratio), math.exp(corr.max_log_ratio))
-
-
 REJECTION_KINDS: dict[str, RejectionKind] = {
     k.name: k
     for k in (
@@ -311,23 +282,15 @@ REJECTION_KINDS: dict[str, RejectionKind] = {
             per_sequence=lambda rule: KL_LEVELS[rule.level].per_sequence,
             token_keep=lambda lr, rule, corr: _in_band(ESTIMATORS[rule.estimator].fast(_clamped(lr, corr)),
                                                        _kl_band(rule)),
-            token_keep_reference=lambda r, rule, corr: _in_band(
-                ESTIMATORS[rule.estimator].reference(_clamped_ratio(r, corr)), _kl_band(rule)),
             sequence_drop=lambda lr, seg, rule, corr: ~_in_band(
                 KL_LEVELS[rule.level].fast(ESTIMATORS[rule.estimator].fast(_clamped(lr, corr)), seg), _kl_band(rule)),
-            sequence_drop_reference=lambda r, rule, corr: not bool(_in_band(
-                KL_LEVELS[rule.level].reference(ESTIMATORS[rule.estimator].reference(_clamped_ratio(r, corr))),
-                _kl_band(rule))),
         ),
         RejectionKind(
             "ratio",
             per_sequence=lambda rule: LEVELS[rule.level].per_sequence,
             token_keep=lambda lr, rule, corr: _in_band(lr, (log_bound(rule.lower), log_bound(rule.upper))),
-            token_keep_reference=lambda r, rule, corr: _in_band(r, (rule.lower, rule.upper)),
             sequence_drop=lambda lr, seg, rule, corr: ~_in_band(LEVELS[rule.level].fast(lr, seg),
                                                                 (log_bound(rule.lower), log_bound(rule.upper))),
-            sequence_drop_reference=lambda r, rule, corr: not bool(_in_band(
-                torch.exp(LEVELS[rule.level].reference(torch.log(r))), (rule.lower, rule.upper))),
         ),
     )
 }
@@ -347,11 +310,6 @@ class Surrogate:
         fast: ``(logp_y [N] differentiable, prox [N] detached, adv [N], seg, corr) -> [N]`` the surrogate ``s_t``
             whose ``-w_t s_t`` is the token loss (``seg``: the sequences, None without ``seq_ids``). None for the
             score-function term ``A_t log p(y_t)``, which the pipeline forms itself (it adds score centering).
-        reference: ``(logp_y [N] float64 differentiable, prox [N], adv [N], sequences, corr) -> [N]``, written
-            token by token (``sequences``: index tensors of each sequence's trained tokens); None for the
-            score-function term, for ``trust_region``, whose reference is its own block of
-            :mod:`offpolicy.reference`, and for the surrogates whose reference :mod:`offpolicy.reference` writes
-            itself (``sapo``, ``vespo``, ``gmpo``: it reads their raw fields).
         centerable: score centering may be combined with it (it is of the form ``w log p``).
         needs_proximal: needs ``proximal_logprobs``.
         needs_sequences: needs ``seq_ids``.
@@ -363,7 +321,6 @@ class Surrogate:
     name: str
     applies: Callable
     fast: Callable | None
-    reference: Callable | None
     centerable: bool
     needs_proximal: bool
     needs_sequences: bool = False
@@ -383,29 +340,9 @@ def _clip_fast(ratio: Tensor, adv: Tensor, corr) -> Tensor:
     return s
 
 
-def _clip_reference(ratio: Tensor, a: Tensor, corr) -> Tensor:
-    """One token of :func:`_clip_fast`, spelled out."""
-    lo, hi = corr.ppo_clip
-    first = (torch.minimum(ratio, torch.tensor(corr.ppo_delta, dtype=ratio.dtype)) if corr.ppo_delta is not None
-             else ratio) * a
-    second = ratio.clamp(1 - lo, 1 + hi) * a
-    s = torch.minimum(first, second)
-    if corr.dual_clip is not None and a < 0:
-        s = torch.maximum(s, corr.dual_clip * a)
-    return s
-
-
 def _ppo_fast(logp_y, prox, adv, seg, corr):
     u = torch.exp((logp_y - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio))
     return _clip_fast(u, adv, corr)
-
-
-def _ppo_reference(logp_y, prox, adv, seqs, corr):
-    out = torch.zeros_like(logp_y)
-    for t in range(logp_y.shape[0]):
-        u = torch.exp((logp_y[t] - prox[t]).clamp(-corr.max_log_ratio, corr.max_log_ratio))
-        out[t] = _clip_reference(u, adv[t], corr)
-    return out
 
 
 def _gspo_token_fast(logp_y, prox, adv, seg, corr):
@@ -418,31 +355,11 @@ def _gspo_token_fast(logp_y, prox, adv, seg, corr):
     return _clip_fast(ratio, adv, corr)
 
 
-def _gspo_token_reference(logp_y, prox, adv, seqs, corr):
-    out = torch.zeros_like(logp_y)
-    for idx in seqs:
-        log_s = (logp_y[idx].detach() - prox[idx]).mean()
-        for t in idx.tolist():
-            log_ratio = (log_s + logp_y[t] - logp_y[t].detach()).clamp(-corr.max_log_ratio, corr.max_log_ratio)
-            out[t] = _clip_reference(torch.exp(log_ratio), adv[t], corr)
-    return out
-
-
 def _cispo_fast(logp_y, prox, adv, seg, corr):
     # sg(clamp(u, lo, hi)) A log p(y): the clipped ratio is a stop-gradient coefficient on REINFORCE.
     lo, hi = corr.cispo
     coef = torch.exp((logp_y.detach() - prox).clamp(-corr.max_log_ratio, corr.max_log_ratio)).clamp(lo, hi)
     return torch.where(coef != 0, coef * adv * logp_y, torch.zeros_like(logp_y))
-
-
-def _cispo_reference(logp_y, prox, adv, seqs, corr):
-    lo, hi = corr.cispo
-    out = torch.zeros_like(logp_y)
-    for t in range(logp_y.shape[0]):
-        u = torch.exp((logp_y[t].detach() - prox[t]).clamp(-corr.max_log_ratio, corr.max_log_ratio))
-        coef = min(max(float(u), lo), hi)
-        out[t] = coef * adv[t] * logp_y[t] if coef != 0 else 0.0
-    return out
 
 
 def _sapo_fast(logp_y, prox, adv, seg, corr):
@@ -511,40 +428,39 @@ SURROGATES: dict[str, Surrogate] = {
     for s in (
         Surrogate("score_function", applies=lambda corr: all(getattr(corr, f) is None for f in SURROGATE_FIELDS)
                   and not _trust_region_surrogate(corr), fast=None,
-                  reference=None, centerable=True, needs_proximal=False, source="REINFORCE: A_t log p(y_t)"),
+                  centerable=True, needs_proximal=False, source="REINFORCE: A_t log p(y_t)"),
         Surrogate("ppo", applies=lambda corr: _clipped_ratio(corr) and corr.dual_clip is None
                   and corr.ppo_ratio == "token",
-                  fast=_ppo_fast, reference=_ppo_reference, centerable=False, needs_proximal=True,
+                  fast=_ppo_fast, centerable=False, needs_proximal=True,
                   source="decoupled PPO: min(u A, clip(u, 1 - eps_lo, 1 + eps_hi) A), u = p / pi_prox; ppo_delta "
                          "caps u in the unclipped branch (TRL's two-sided clipping)"),
         Surrogate("ppo_dual_clip", applies=lambda corr: _clipped_ratio(corr) and corr.dual_clip is not None
                   and corr.ppo_ratio == "token",
-                  fast=_ppo_fast, reference=_ppo_reference, centerable=False, needs_proximal=True,
+                  fast=_ppo_fast, centerable=False, needs_proximal=True,
                   source="dual-clip PPO (Ye et al. 2020, verl clip_ratio_c, slime eps_clip_c): A < 0 bounds the "
                          "surrogate below by c A"),
         Surrogate("gspo_token", applies=lambda corr: _clipped_ratio(corr) and corr.ppo_ratio == "gspo_token",
-                  fast=_gspo_token_fast, reference=_gspo_token_reference, centerable=False, needs_proximal=True,
+                  fast=_gspo_token_fast, centerable=False, needs_proximal=True,
                   needs_sequences=True,
                   source="GSPO-token (Zheng et al. 2025): sequence ratio exp(mean_t log(p / pi_prox)) in value, "
                          "token-level gradient, clipped like PPO"),
         Surrogate("cispo", applies=lambda corr: corr.cispo is not None, fast=_cispo_fast,
-                  reference=_cispo_reference, centerable=False, needs_proximal=True,
+                  centerable=False, needs_proximal=True,
                   source="CISPO (MiniMax-M1 arXiv 2506.13585; TRL loss_type='cispo', slime): "
                          "sg(clamp(u, lo, hi)) A log p"),
-        Surrogate("trust_region", applies=_trust_region_surrogate, fast=_ratio_fast, reference=None,
+        Surrogate("trust_region", applies=_trust_region_surrogate, fast=_ratio_fast,
                   centerable=False, needs_proximal=False, proximal_optional=True,
                   source="DPPO (arXiv 2602.04879): the ratio u A, u = p / pi_prox (p / q without a proximal), "
                          "under a trust-region mask instead of PPO's clip"),
-        # The float64 references of these three are written in offpolicy.reference itself (reference=None here).
-        Surrogate("sapo", applies=lambda corr: corr.sapo is not None, fast=_sapo_fast, reference=None,
+        Surrogate("sapo", applies=lambda corr: corr.sapo is not None, fast=_sapo_fast,
                   centerable=False, needs_proximal=True,
                   source="SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347; TRL loss_type='sapo'): "
                          "4/tau sigmoid(tau (u - 1)) A"),
-        Surrogate("vespo", applies=lambda corr: corr.vespo is not None, fast=_vespo_fast, reference=None,
+        Surrogate("vespo", applies=lambda corr: corr.vespo is not None, fast=_vespo_fast,
                   centerable=False, needs_proximal=True, needs_sequences=True,
                   source="VESPO (arXiv 2602.10693; TRL loss_type='vespo', get_gamma_weights): "
                          "sg(phi(prod_t u_t)) A log p, phi(W) = exp(lam + k log W - lam W)"),
-        Surrogate("gmpo", applies=lambda corr: corr.gmpo is not None, fast=_gmpo_fast, reference=None,
+        Surrogate("gmpo", applies=lambda corr: corr.gmpo is not None, fast=_gmpo_fast,
                   centerable=False, needs_proximal=True, needs_sequences=True,
                   log_u_kinks=lambda corr: [-corr.gmpo[0], corr.gmpo[1]],
                   source="GMPO (Zhao et al. 2025, arXiv 2507.20673; verl policy_loss 'geo_mean'): A exp(mean_t "
@@ -574,15 +490,12 @@ class Normalisation:
         applies: ``corr -> bool``.
         fast: ``(w [N], sel [N] bool, seg) -> (numerator, denominator)`` scalars whose ratio is the mean to divide
             by; the pipeline all-reduces both over the context-parallel group.
-        reference: ``(w, sel, sequences) -> mean`` in float64 (``sequences``: index tensors of the trained
-            tokens of each sequence).
         needs_sequences: needs ``seq_ids``.
     """
 
     name: str
     applies: Callable
     fast: Callable
-    reference: Callable
     needs_sequences: bool = False
     source: str = ""
 
@@ -598,11 +511,6 @@ def _sequence_mean_fast(w: Tensor, sel: Tensor, seg) -> tuple[Tensor, Tensor]:
     return means.sum(), has.sum().to(w.dtype)
 
 
-def _sequence_mean_reference(w: Tensor, sel: Tensor, seqs: list) -> Tensor:
-    means = [w[idx][sel[idx]].mean() for idx in seqs if bool(sel[idx].any())]
-    return torch.stack(means).mean() if means else torch.zeros((), dtype=w.dtype)
-
-
 NORMALISATIONS: dict[str, Normalisation] = {
     n.name: n
     for n in (
@@ -610,14 +518,12 @@ NORMALISATIONS: dict[str, Normalisation] = {
             "tokens",
             applies=lambda corr: corr.batch_normalize in (True, "tokens"),
             fast=lambda w, sel, seg: (torch.where(sel, w, torch.zeros_like(w)).sum(), sel.sum().to(w.dtype)),
-            reference=lambda w, sel, seqs: w[sel].mean() if bool(sel.any()) else torch.zeros((), dtype=w.dtype),
             source="the mean weight over the batch's kept trained tokens",
         ),
         Normalisation(
             "sequences",
             applies=lambda corr: corr.batch_normalize == "sequences",
             fast=_sequence_mean_fast,
-            reference=_sequence_mean_reference,
             needs_sequences=True,
             source="the mean over sequences of each sequence's mean kept weight (verl's sequence-level batch "
                    "normalisation; one weight per sequence at the sequence levels)",

@@ -59,7 +59,8 @@ from offpolicy.corrections.registry import LEVELS, WEIGHT_MODES
 from offpolicy.corrections.trust_region import binary_kl
 from offpolicy.loss.aggregation import SEQUENCE_AGGREGATIONS
 from offpolicy.records.candidates import Candidates
-from offpolicy.reference import TAIL_EPS, log_probs, reference_policy_loss, support_mask
+from offpolicy.reference import (TAIL_EPS, kl, kl_statistic, log_probs, reference_policy_loss, sequence_log_ratio,
+                                 support_mask)
 from offpolicy.testing.config import LossConfig
 from offpolicy.testing.strategies import (
     Position,
@@ -260,11 +261,11 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
             if rule.kind == "ratio":
                 pairs.append((log_r, [math.log(b) for b in (rule.lower, rule.upper) if b > 0]))
             else:
-                k = reg.ESTIMATORS[rule.estimator].reference(torch.exp(clamped))
+                k = kl(torch.exp(clamped), rule.estimator)
                 pairs.append((k, [t for t in _kl_band(rule) if math.isfinite(t)]))
 
     if level.per_sequence:
-        pairs.append((torch.stack([level.reference(token_log_r[idx]) for idx in seqs]) if seqs
+        pairs.append((torch.stack([sequence_log_ratio(token_log_r[idx], cfg.level) for idx in seqs]) if seqs
                       else torch.zeros(0, dtype=torch.float64), mode_jumps))
         token_ratio_pairs(token_log_r[trained], with_mode=False)
     else:
@@ -273,13 +274,12 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
         if not reg.REJECTION_KINDS[rule.kind].per_sequence(rule) or not seqs:
             continue
         if rule.kind == "ratio":
-            stats = torch.stack([LEVELS[rule.level].reference(token_log_r[idx]) for idx in seqs])
+            stats = torch.stack([sequence_log_ratio(token_log_r[idx], rule.level) for idx in seqs])
             pairs.append((stats, [math.log(b) for b in (rule.lower, rule.upper) if b > 0]))
         else:
-            est = reg.ESTIMATORS[rule.estimator]
-            stats = torch.stack([reg.KL_LEVELS[rule.level].reference(
-                est.reference(torch.exp(token_log_r[idx].clamp(-corr.max_log_ratio, corr.max_log_ratio))))
-                for idx in seqs])
+            stats = torch.stack([kl_statistic(
+                kl(torch.exp(token_log_r[idx].clamp(-corr.max_log_ratio, corr.max_log_ratio)), rule.estimator),
+                rule.level) for idx in seqs])
             pairs.append((stats, [t for t in _kl_band(rule) if math.isfinite(t)]))
     if corr.veto is not None and seqs:
         pairs.append((torch.stack([token_log_r[idx].min() for idx in seqs]), [math.log(corr.veto)]))
