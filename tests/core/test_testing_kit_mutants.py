@@ -114,9 +114,12 @@ def test_mutant_is_caught(bug, cfg, invariant):
     assert cfg.describe() in result.detail
 
 
-# support.mutants.dense_loss models no trust region (docs/spec.md#trust-region): those family members are checked
-# on the project's own loss (tests/core/test_logprob_loss.py, offpolicy.testing.test_loss_invariants).
-CONFIGS = sorted({cfg for _, cfg, _ in CAUGHT} | {TIS_PPO} | {c for c in family_configs() if c.trust_region is None}
+# support.mutants.dense_loss models no trust region and none of SAPO / VESPO / GMPO (docs/spec.md#trust-region,
+# #sapo): those family members are checked on the project's own loss (tests/core/test_logprob_loss.py,
+# offpolicy.testing.test_loss_invariants) and against the reference (tests/core/test_surrogates_and_kl_penalty.py).
+CONFIGS = sorted({cfg for _, cfg, _ in CAUGHT} | {TIS_PPO}
+                 | {c for c in family_configs()
+                    if c.trust_region is None and c.sapo is None and c.vespo is None and c.gmpo is None}
                  | set(COMBINED), key=lambda c: c.describe())
 
 
