@@ -108,16 +108,19 @@ class _Rule:
         return _level_per_sequence(self.level)
 
 
+def _unknown_fields(item: Any, defaults: dict[str, Any]) -> list[str]:
+    """The keys of a mapping, or the public dataclass fields of an object, that ``defaults`` does not name."""
+    if isinstance(item, Mapping):
+        return sorted(set(item) - set(defaults))
+    return sorted(k for k in getattr(item, "__dataclass_fields__", {}) if not k.startswith("_") and k not in defaults)
+
+
 class _Fields:
     """A ``TrustRegion`` / ``KLPenalty`` (or a mapping with the same keys), read by field name; unknown fields are
     refused."""
 
     def __init__(self, item: Any, defaults: dict[str, Any], what: str) -> None:
-        if isinstance(item, Mapping):
-            unknown = sorted(set(item) - set(defaults))
-        else:
-            unknown = sorted(k for k in getattr(item, "__dataclass_fields__", {})
-                             if not k.startswith("_") and k not in defaults)
+        unknown = _unknown_fields(item, defaults)
         if unknown:
             raise ValueError(f"reference: the {what} has fields {unknown} that offpolicy.reference does not implement")
         for name, default in defaults.items():
@@ -131,11 +134,7 @@ class _Config:
     """The correction's fields (``CORRECTION_DEFAULTS`` where absent) and the resolved ratio bounds."""
 
     def __init__(self, corr: Any) -> None:
-        if isinstance(corr, Mapping):
-            unknown = sorted(set(corr) - set(CORRECTION_DEFAULTS))
-        else:
-            unknown = sorted(k for k in getattr(corr, "__dataclass_fields__", {})
-                             if not k.startswith("_") and k not in CORRECTION_DEFAULTS)
+        unknown = _unknown_fields(corr, CORRECTION_DEFAULTS)
         if unknown:
             raise ValueError(f"reference: the correction has fields {unknown} that offpolicy.reference does not "
                              "implement (add them to CORRECTION_DEFAULTS and their branch)")
