@@ -188,8 +188,7 @@ def loss_from_logprobs(
     kl_penalty = None
     if corr.kl_penalty is not None:
         # The KL penalty acts on every trained token, rejected or not, with the same aggregation over them.
-        old = prox if prox is not None else lq
-        pen, kl_est = kl_penalty_terms(logp_y, data.reference_logprobs.to(dtype).detach(), old, active, corr)
+        pen, kl_est = kl_penalty_terms(logp_y, data.reference_logprobs.to(dtype).detach(), ref, active, corr)
         kl_penalty = aggregate(pen, active, agg.name, seg, agg.num_loss_tokens, agg.num_sequences,
                                agg.constant_normalizer, cp_group)
         loss = loss + kl_penalty
