@@ -1,7 +1,7 @@
 """``offpolicy demo``: the mixed-fleet RL demonstration on CPU, mismatch from numerics (docs/demo.md).
 
     offpolicy demo                      # --quick: on-policy GRPO, GRPO and SC+MIS+top-p on the mixed fleet, 1 seed
-    offpolicy demo --full               # the pre-registered grid: control, 7 arms x (mixed, homogeneous), 13 seeds
+    offpolicy demo --full               # the pre-registered grid: control, 7 arms x (mixed, homogeneous), 30 seeds
     offpolicy demo --calibrate          # numerics KL of every fleet and step KL per learning rate, no RL
     offpolicy demo --arms grpo,sc_mis --fleets mixed --formats nvfp4 --seeds 2 --out my_run
 
@@ -34,7 +34,7 @@ PRESETS = {
     "quick": {"arms": "grpo,sc_mis_topp", "fleets": "onpolicy,mixed", "sweep_arms": "", "sweep_formats": "",
               "seeds": 1, "steps": 100, "eval_every": 25, "workers": 2},
     "full": {"arms": "all", "fleets": "onpolicy,mixed,homogeneous", "sweep_arms": "", "sweep_formats": "",
-             "seeds": 13, "steps": 100, "eval_every": 25, "workers": 2},
+             "seeds": 30, "steps": 100, "eval_every": 25, "workers": 2},
 }
 
 
@@ -47,7 +47,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                            "100 steps (a picture, not evidence; minutes on 2 cores)")
     mode.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="the pre-registered grid (docs/demo.md): every arm on the mixed and homogeneous "
-                           "fleets and the on-policy control, 13 seeds, 100 steps (hours)")
+                           "fleets and the on-policy control, 30 seeds, 100 steps (hours)")
     mode.add_argument("--calibrate", dest="mode", action="store_const", const="calibrate",
                       help="no RL: numerics KL of every fleet at equal weights, step KL per --calibrate-lrs")
     p.set_defaults(mode="quick")
