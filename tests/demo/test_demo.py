@@ -322,3 +322,25 @@ def test_histories_do_not_depend_on_workers_or_run_order(tmp_path):
     key = "sc_mis_topp@mixed/s0"
     assert runs["both"][key] == runs["alone"][key] == runs["two_workers"][key]
     assert runs["both"]["grpo@mixed/s0"] == runs["two_workers"]["grpo@mixed/s0"]
+
+
+def test_sampler_matrix_products_round_once_like_a_gpu_gemm():
+    """``gemm`` / ``linear``: exactly torch's own product in fp32 (the trainer is untouched); in bf16 the float64
+    product of the bf16 inputs, rounded once to bf16 (fp32 accumulation of 64-256 products of bf16 values is exact
+    to far below one bf16 ulp, so the single rounding decides every output but a rare tie)."""
+    from offpolicy.demo.model import gemm, linear
+
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(64, 96)
+    x = torch.randn(7, 5, 64, generator=g)
+    assert torch.equal(linear(lin, x), lin(x))
+    a, b = torch.randn(4, 9, 64, generator=g), torch.randn(4, 64, 9, generator=g)
+    assert torch.equal(gemm(a, b), a @ b)
+    lin16, x16, a16, b16 = lin.to(torch.bfloat16), x.bfloat16(), a.bfloat16(), b.bfloat16()
+    want_lin = (x16.double() @ lin16.weight.double().T + lin16.bias.double()).to(torch.bfloat16)
+    want_mm = (a16.double() @ b16.double()).to(torch.bfloat16)
+    got_lin, got_mm = linear(lin16, x16), gemm(a16, b16)
+    assert got_lin.dtype == got_mm.dtype == torch.bfloat16
+    assert (got_lin != want_lin).float().mean() < 1e-3 and (got_mm != want_mm).float().mean() < 1e-3
+    ulp = 2.0 ** -7
+    assert torch.allclose(got_lin.float(), want_lin.float(), rtol=ulp, atol=0)
