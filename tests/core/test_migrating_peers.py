@@ -227,6 +227,44 @@ def test_areal_gspo_sequence_level(decoupled):
     _check(_ours(logp, prox, roll, mask, adv, corr, proximal="old"), _theirs(theirs, logp, "token-mean", mask))
 
 
+def _areal_sapo(lp, old_logp, adv, mask, tau_pos, tau_neg, level="token"):
+    """``sapo_loss_fn`` (cbff54d), 2D padded: ``log_ratio = logprobs - old_logprobs`` (no clamp); at
+    ``importance_sampling_level="sequence"`` the ratio is ``exp`` of the row's masked mean log-ratio and the
+    advantage the row's masked mean (``_compute_sequence_level_ratio_and_advantages``); the gate
+    ``sigmoid(tau (ratio - 1)) * 4 / tau`` with ``tau_pos`` where the advantage is ``> 0``, else ``tau_neg``;
+    ``-soft_gate * advantages``, summed over ``loss_mask`` and divided by its count (the ``_theirs`` token mean)."""
+    log_ratio = lp - old_logp
+    if level == "sequence":
+        ratio = _geo(log_ratio, mask).exp().expand(B, T)
+        adv = _geo(adv, mask).expand(B, T)
+    else:
+        ratio = torch.exp(log_ratio)
+    scaled_gate_pos = torch.sigmoid(tau_pos * (ratio - 1.0)) * (4.0 / tau_pos)
+    scaled_gate_neg = torch.sigmoid(tau_neg * (ratio - 1.0)) * (4.0 / tau_neg)
+    soft_gate = torch.where(adv > 0, scaled_gate_pos, scaled_gate_neg)
+    return -soft_gate * adv, torch.ones_like(mask)
+
+
+@pytest.mark.parametrize("taus", [(1.0, 1.05), (0.5, 3.0)])
+def test_areal_sapo(taus):
+    """``actor.use_sapo_loss=True``, ``sapo_tau_pos`` / ``sapo_tau_neg`` (AReaL refuses it with
+    ``use_decoupled_loss=True``): the ratio is against ``old_logp`` (the engine's, here ``roll``), token mean over
+    ``loss_mask``: offpolicy's SAPO with ``proximal_logprobs`` and ``sampler_logprobs`` both ``old_logp`` (no
+    weights), as the ``use_decoupled_loss=False`` row. The same gate as TRL's."""
+    logp, _, roll, mask, adv = _batch(72)
+    _check(_ours(logp, roll, roll, mask, adv, op.Correction(sapo=taus)),
+           _theirs(lambda lp: _areal_sapo(lp, roll, adv, mask, *taus), logp, "token-mean", mask))
+
+
+def test_areal_sapo_sequence_level_not_supported():
+    """``importance_sampling_level="sequence"`` with SAPO gates the sequence's geometric-mean ratio (with its
+    gradient); offpolicy's SAPO is per token (and ``ppo_ratio="gspo_token"`` needs ``ppo_clip``): the nearest
+    Correction gives a different loss."""
+    logp, _, roll, mask, adv = _batch(73)
+    _differs(_ours(logp, roll, roll, mask, adv, op.Correction(sapo=(1.0, 1.05))),
+             _theirs(lambda lp: _areal_sapo(lp, roll, adv, mask, 1.0, 1.05, "sequence"), logp, "token-mean", mask))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ROLL (alibaba/ROLL at 8eb27cc, roll/pipeline/rlvr/actor_worker.py, roll/utils/train_infer_corrections.py,
 # roll/utils/functionals.py: agg_loss)
