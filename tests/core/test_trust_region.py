@@ -141,6 +141,27 @@ def test_hostile_values_stay_finite(divergence):
     assert float(empty.metrics["trust_region_masked_frac"]) == 0.0
 
 
+@pytest.mark.parametrize("level", ["sequence", "geometric", "sequence_max"])
+def test_sequence_levels_hostile_values(level):
+    """KPop per sequence: a near-certain token and a sampler at log q = -60 (divergences of about 1e1), a
+    single-token sequence, a sequence without trained tokens (untrained tokens take no part) and an all-masked
+    batch."""
+    lp = torch.tensor([-1e-12, -40.0, -0.5, -3.0, -1e-6, -0.2], dtype=torch.float64, requires_grad=True)
+    lq = torch.tensor([-0.7, -60.0, -0.52, -1e-12, -30.0, -1e-12], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0, 0.5, -1.0, 3.0, 1.0], dtype=torch.float64)
+    seq = torch.tensor([0, 0, 1, 1, 2, 3])
+    mask = torch.tensor([True, True, True, False, True, False])
+    corr = op.Correction(trust_region=TR(0.05, 0.05, "binary_kl_max", sign="none", level=level))
+    out = op.policy_loss_from_logprobs(lp, lq, adv, loss_mask=mask, seq_ids=seq, correction=corr)
+    out.loss.backward()
+    assert math.isfinite(float(out.loss.detach())) and bool(torch.isfinite(lp.grad).all())
+    assert torch.equal(out.token_weight[mask] != 0, torch.tensor([False, False, True, False]))
+    assert float(out.metrics["trust_region_masked_frac"]) == 0.75
+    empty = op.policy_loss_from_logprobs(lp.detach(), lq, adv, loss_mask=torch.zeros(6, dtype=torch.bool),
+                                         seq_ids=seq, correction=corr)
+    assert float(empty.loss) == 0.0 and float(empty.metrics["trust_region_masked_frac"]) == 0.0
+
+
 def test_every_token_masked_leaves_only_the_penalty():
     lp = torch.tensor([-0.1, -0.2, -3.0], dtype=torch.float64, requires_grad=True)
     lq = torch.tensor([-2.0, -2.5, -0.1], dtype=torch.float64)

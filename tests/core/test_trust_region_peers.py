@@ -16,7 +16,9 @@ Mappings (the migration rows):
   response mask).
 * AReaL ``rejection_sampling: {metric: binary_kl, level: token, action: mask, upper: phi}``:
   ``TrustRegion(phi, phi, divergence="binary_kl_max", sign="none", on="weights")`` with
-  ``proximal_logprobs=proximal``, ``rejected_in_normalizer=False`` (AReaL zeroes the loss mask).
+  ``proximal_logprobs=proximal``. Only the masks are compared here; the whole row (``weights="mis"`` for AReaL's
+  raw behaviour weight, rejected tokens kept in the normaliser) is checked on the loss in
+  tests/core/test_migrating_peers.py (``test_areal_rejection_sampling``).
 * AReaL ``{metric: binary_kl, level: sequence, action: mask, agg: sum | mean | max, upper: phi}`` (the same
   commit's 2D padded branch): ``TrustRegion(phi, phi, "binary_kl_max", sign="none", level="sequence" |
   "geometric" | "sequence_max", on="weights")``, the rest as the token row. AReaL's ``lower`` (documented as
