@@ -143,7 +143,7 @@ class _Config:
         self.lower, self.upper = self._bounds()
         if self.trust_region is not None:
             self.trust_region = _Fields(self.trust_region, TRUST_REGION_DEFAULTS, "trust region")
-            _level_per_sequence(self.trust_region.level)
+            _trust_region_per_sequence(self.trust_region.level)
         if self.kl_penalty is not None:
             self.kl_penalty = _Fields(self.kl_penalty, KL_PENALTY_DEFAULTS, "KL penalty")
         self.per_sequence = _level_per_sequence(self.level)
@@ -681,7 +681,7 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
     r = torch.where(mask, torch.exp(base - lq), torch.ones_like(lq))
     r_p = torch.where(mask, torch.exp(logp_y.detach() - lq), torch.ones_like(lq))
     seqs = _sequences(seq_ids, mask) if seq_ids is not None else []
-    tr_per_sequence = cfg.trust_region is not None and _level_per_sequence(cfg.trust_region.level)
+    tr_per_sequence = cfg.trust_region is not None and _trust_region_per_sequence(cfg.trust_region.level)
     if seq_ids is None and (cfg.per_sequence or _sequence_rules(cfg) or cfg.batch_normalize == "sequences"
                             or _surrogate_name(cfg) in ("gspo_token", "vespo", "gmpo") or tr_per_sequence):
         raise ValueError("reference: this correction needs seq_ids")
@@ -967,6 +967,14 @@ def _trust_region_divergence(lp: float, lr: float, d: float, divergence: str) ->
     raise ValueError(f"reference: trust region divergence={divergence!r} is not implemented here")
 
 
+def _trust_region_per_sequence(level: str) -> bool:
+    if level == "token":
+        return False
+    if level in ("sequence", "geometric", "sequence_max"):
+        return True
+    raise ValueError(f"reference: trust region level={level!r} is not implemented here")
+
+
 def _trust_region_state(logp_y: Tensor, lq: Tensor, proximal: Tensor | None, adv: Tensor, mask: Tensor,
                         seqs: list, cfg: _Config) -> tuple[Tensor, Tensor | None]:
     """``([N] bool masked, [N] float64 log p_ref of the update)``: the tokens the trust region masks, token by
@@ -985,21 +993,42 @@ def _trust_region_state(logp_y: Tensor, lq: Tensor, proximal: Tensor | None, adv
     else:
         raise ValueError(f"reference: trust region on={tr.on!r} is not implemented here")
     d = [math.exp(float(num[t])) - math.exp(float(den[t])) for t in range(n)]
+    div = [_trust_region_divergence(float(num[t]), float(den[t]), d[t], tr.divergence) if mask[t] else 0.0
+           for t in range(n)]
     lower, upper = float(tr.lower), float(tr.upper)
-    if _level_per_sequence(tr.level):
+
+    def rises_or_falls(t: int) -> tuple[bool, bool]:
+        return d[t] > 0 and div[t] > upper, d[t] < 0 and div[t] > lower
+
+    if _trust_region_per_sequence(tr.level):
+        if tr.sign != "none":
+            raise ValueError(f"reference: a sequence-level trust region needs sign='none', got {tr.sign!r}")
         for idx in seqs:
-            # The sum ("sequence") or the mean ("geometric") of the sequence's d.
-            total = sum(d[t] for t in idx.tolist())
-            stat = total if tr.level == "sequence" else total / idx.numel()
-            if stat > upper or stat < -lower:
+            toks = idx.tolist()
+            if tr.level == "sequence_max":
+                # Masked when the token level (both sides) masks any of the sequence's trained tokens.
+                if any(rise or fall for rise, fall in map(rises_or_falls, toks)):
+                    masked[idx] = True
+                continue
+            if tr.divergence == "difference":
+                # The sum ("sequence") or the mean ("geometric") of the sequence's d, in [-lower, upper].
+                total = sum(d[t] for t in toks)
+                stat = total if tr.level == "sequence" else total / len(toks)
+                if stat > upper or stat < -lower:
+                    masked[idx] = True
+                continue
+            # The sum or the mean of the sequence's divergences D >= 0: one band, lower == upper.
+            if lower != upper:
+                raise ValueError("reference: a sequence's summed or mean divergence needs lower == upper")
+            total = sum(div[t] for t in toks)
+            stat = total if tr.level == "sequence" else total / len(toks)
+            if stat > upper:
                 masked[idx] = True
         return masked, upd_ref
     for t in range(n):
         if not mask[t]:
             continue
-        div = _trust_region_divergence(float(num[t]), float(den[t]), d[t], tr.divergence)
-        rise = d[t] > 0 and div > upper
-        fall = d[t] < 0 and div > lower
+        rise, fall = rises_or_falls(t)
         if tr.sign == "advantage":
             masked[t] = rise if adv[t] > 0 else fall
         elif tr.sign == "none":

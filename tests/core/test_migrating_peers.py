@@ -90,18 +90,31 @@ def test_prime_rl_default_loss_without_trust_region(kl_tau):
 
 # ---------------------------------------------------------------------------------------------------------------
 # AReaL (inclusionAI/AReaL at 4aef98d, areal/utils/functional/functional.py: ppo_actor_loss_fn,
-# apply_rejection_sampling; areal/utils/data.py: KLEstimator._compute_approx_kl)
+# apply_rejection_sampling; areal/utils/data.py: KLEstimator._compute_approx_kl). The binary_kl metric (KPop) and
+# sapo_loss_fn: areal-project/AReaL at cbff54d645d2cd8ee1f1c358a82f3f473588433d, the same file
+# (compute_binary_kl_divergence; ppo_actor_loss_fn still divides by the loss_mask count taken before rejection).
 # ---------------------------------------------------------------------------------------------------------------
+
+TR = op.TrustRegion
+
+
+def _areal_binary_kl(log_p, log_q, eps=1e-8):
+    """``compute_binary_kl_divergence``: Bernoulli KL with both probabilities clamped to ``[eps, 1 - eps]``."""
+    p = torch.clamp(torch.exp(log_p), eps, 1.0 - eps)
+    q = torch.clamp(torch.exp(log_q), eps, 1.0 - eps)
+    return p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
 
 
 def _areal_rejection(prox, behave, mask, level, action, metric, agg, lower, upper):
     """``apply_rejection_sampling`` on the 2D padded layout: returns (``behave_imp_weight``, updated ``loss_mask``).
     ``log r = prox - behave``; metric ``ratio``: r (sequence level: aggregated in log space, and the weight becomes
-    the geometric mean); ``kl_k1 = log r``, ``kl_k2 = (log r)^2 / 2``, ``kl_k3 = exp(-log r) - 1 + log r``; bounds
-    ``lower <= metric <= upper`` (no lower bound when None)."""
+    the geometric mean); ``kl_k1 = log r``, ``kl_k2 = (log r)^2 / 2``, ``kl_k3 = exp(-log r) - 1 + log r``,
+    ``binary_kl`` the max of both clamped binary KLs (KPop); bounds ``lower <= metric <= upper`` (no lower bound
+    when None)."""
     log_r = prox - behave
     metric_t = {"ratio": log_r.exp(), "kl_k1": log_r, "kl_k2": log_r ** 2 / 2,
-                "kl_k3": (-log_r).exp() - 1 + log_r}[metric]
+                "kl_k3": (-log_r).exp() - 1 + log_r,
+                "binary_kl": torch.maximum(_areal_binary_kl(prox, behave), _areal_binary_kl(behave, prox))}[metric]
     weight = log_r.exp()
 
     def inside(x):
@@ -147,6 +160,18 @@ AREAL_CASES = {
         weights="mis", bounds=(0.0, UNBOUNDED), rejections=(op.KLRejection(0.04, "k2", "seq_mean"),)),
     ("sequence", "mask", "kl_k2", "max", None, 0.08): dict(
         weights="mis", bounds=(0.0, UNBOUNDED), rejections=(op.KLRejection(0.08, "k2", "seq_max"),)),
+    # KPop (cbff54d): token level, then the sequence's sum / mean / max of the divergence.
+    ("token", "mask", "binary_kl", None, None, 0.05): dict(
+        weights="mis", bounds=(0.0, UNBOUNDED), trust_region=TR(0.05, 0.05, "binary_kl_max", "none", on="weights")),
+    ("sequence", "mask", "binary_kl", "sum", None, 0.2): dict(
+        weights="mis", bounds=(0.0, UNBOUNDED),
+        trust_region=TR(0.2, 0.2, "binary_kl_max", "none", "sequence", on="weights")),
+    ("sequence", "mask", "binary_kl", "mean", None, 0.1): dict(
+        weights="mis", bounds=(0.0, UNBOUNDED),
+        trust_region=TR(0.1, 0.1, "binary_kl_max", "none", "geometric", on="weights")),
+    ("sequence", "mask", "binary_kl", "max", None, 0.2): dict(
+        weights="mis", bounds=(0.0, UNBOUNDED),
+        trust_region=TR(0.2, 0.2, "binary_kl_max", "none", "sequence_max", on="weights")),
 }
 
 
@@ -200,6 +225,44 @@ def test_areal_gspo_sequence_level(decoupled):
 
     corr = op.Correction(ppo_clip=(3e-3, 4e-3), ppo_ratio="gspo_token")
     _check(_ours(logp, prox, roll, mask, adv, corr, proximal="old"), _theirs(theirs, logp, "token-mean", mask))
+
+
+def _areal_sapo(lp, old_logp, adv, mask, tau_pos, tau_neg, level="token"):
+    """``sapo_loss_fn`` (cbff54d), 2D padded: ``log_ratio = logprobs - old_logprobs`` (no clamp); at
+    ``importance_sampling_level="sequence"`` the ratio is ``exp`` of the row's masked mean log-ratio and the
+    advantage the row's masked mean (``_compute_sequence_level_ratio_and_advantages``); the gate
+    ``sigmoid(tau (ratio - 1)) * 4 / tau`` with ``tau_pos`` where the advantage is ``> 0``, else ``tau_neg``;
+    ``-soft_gate * advantages``, summed over ``loss_mask`` and divided by its count (the ``_theirs`` token mean)."""
+    log_ratio = lp - old_logp
+    if level == "sequence":
+        ratio = _geo(log_ratio, mask).exp().expand(B, T)
+        adv = _geo(adv, mask).expand(B, T)
+    else:
+        ratio = torch.exp(log_ratio)
+    scaled_gate_pos = torch.sigmoid(tau_pos * (ratio - 1.0)) * (4.0 / tau_pos)
+    scaled_gate_neg = torch.sigmoid(tau_neg * (ratio - 1.0)) * (4.0 / tau_neg)
+    soft_gate = torch.where(adv > 0, scaled_gate_pos, scaled_gate_neg)
+    return -soft_gate * adv, torch.ones_like(mask)
+
+
+@pytest.mark.parametrize("taus", [(1.0, 1.05), (0.5, 3.0)])
+def test_areal_sapo(taus):
+    """``actor.use_sapo_loss=True``, ``sapo_tau_pos`` / ``sapo_tau_neg`` (AReaL refuses it with
+    ``use_decoupled_loss=True``): the ratio is against ``old_logp`` (the engine's, here ``roll``), token mean over
+    ``loss_mask``: offpolicy's SAPO with ``proximal_logprobs`` and ``sampler_logprobs`` both ``old_logp`` (no
+    weights), as the ``use_decoupled_loss=False`` row. The same gate as TRL's."""
+    logp, _, roll, mask, adv = _batch(72)
+    _check(_ours(logp, roll, roll, mask, adv, op.Correction(sapo=taus)),
+           _theirs(lambda lp: _areal_sapo(lp, roll, adv, mask, *taus), logp, "token-mean", mask))
+
+
+def test_areal_sapo_sequence_level_not_supported():
+    """``importance_sampling_level="sequence"`` with SAPO gates the sequence's geometric-mean ratio (with its
+    gradient); offpolicy's SAPO is per token (and ``ppo_ratio="gspo_token"`` needs ``ppo_clip``): the nearest
+    Correction gives a different loss."""
+    logp, _, roll, mask, adv = _batch(73)
+    _differs(_ours(logp, roll, roll, mask, adv, op.Correction(sapo=(1.0, 1.05))),
+             _theirs(lambda lp: _areal_sapo(lp, roll, adv, mask, 1.0, 1.05, "sequence"), logp, "token-mean", mask))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """op.TrustRegion (docs/spec.md#trust-region) against the float64 reference's own block, hostile values and bad
 input.
 
-Tolerances: float64 logits run the fast path in float64; loss and gradient agree to 1e-10 relative (summation order
-only), weights exactly where the reference's mask and the fast mask agree (asserted: the same tokens masked), the
+Tolerances: float64 logits run the fast path in float64; loss to 1e-12 and gradient to 1e-10 relative (summation
+order only), weights exactly where the reference's mask and the fast mask agree (asserted: the same tokens masked), the
 masked fraction exactly and the penalty metric to 1e-12.
 """
 
@@ -37,6 +37,15 @@ CASES = {
                                      trust_region=TR(0.02, 0.06, sign="none", level="geometric", on="weights")),
                        False),
     "update_with_ppo": (op.Correction(ppo_clip=(0.2, 0.2), trust_region=TR(0.05, 0.05, penalty=0.05)), True),
+    # AReaL's sequence-level KPop: the sum / mean / max of D = max of both binary KLs over a sequence's tokens.
+    "kpop_sequence_sum": (op.Correction(ppo_clip=(0.2, 0.2), rejected_in_normalizer=False,
+                                        trust_region=TR(0.8, 0.8, "binary_kl_max", sign="none", level="sequence",
+                                                        on="weights")), True),
+    "kpop_sequence_mean": (op.Correction(ppo_clip=(0.2, 0.2), trust_region=TR(
+        0.2, 0.2, "binary_kl_max", sign="none", level="geometric", on="weights")), True),
+    "kpop_sequence_max": (op.Correction(ppo_clip=(0.2, 0.2), rejected_in_normalizer=False, trust_region=TR(
+        0.4, 0.4, "binary_kl_max", sign="none", level="sequence_max", on="weights")), True),
+    "tv_sequence_max_update": (op.Correction(trust_region=TR(0.1, 0.3, sign="none", level="sequence_max")), False),
 }
 AGGS = ["token_mean", "seq_mean_token_mean"]
 
@@ -86,7 +95,7 @@ def test_matches_reference_float64(name, agg):
     assert torch.equal(out.token_weight == 0, ref_w == 0)
     assert torch.allclose(out.token_weight, ref_w, rtol=1e-12, atol=0)
     l_fast, l_ref = float(out.loss.detach()), float(ref.detach())
-    assert abs(l_fast - l_ref) <= 1e-10 * max(abs(l_ref), 1e-12)
+    assert abs(l_fast - l_ref) <= 1e-12 * max(abs(l_ref), 1e-12)
     assert _rel(g, g_ref) < 1e-10
     if corr.trust_region.penalty:
         assert math.isclose(float(out.metrics["trust_region_penalty"]), metrics["trust_region_penalty"],
@@ -132,6 +141,27 @@ def test_hostile_values_stay_finite(divergence):
     assert float(empty.metrics["trust_region_masked_frac"]) == 0.0
 
 
+@pytest.mark.parametrize("level", ["sequence", "geometric", "sequence_max"])
+def test_sequence_levels_hostile_values(level):
+    """KPop per sequence: a near-certain token and a sampler at log q = -60 (divergences of about 1e1), a
+    single-token sequence, a sequence without trained tokens (untrained tokens take no part) and an all-masked
+    batch."""
+    lp = torch.tensor([-1e-12, -40.0, -0.5, -3.0, -1e-6, -0.2], dtype=torch.float64, requires_grad=True)
+    lq = torch.tensor([-0.7, -60.0, -0.52, -1e-12, -30.0, -1e-12], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0, 0.5, -1.0, 3.0, 1.0], dtype=torch.float64)
+    seq = torch.tensor([0, 0, 1, 1, 2, 3])
+    mask = torch.tensor([True, True, True, False, True, False])
+    corr = op.Correction(trust_region=TR(0.05, 0.05, "binary_kl_max", sign="none", level=level))
+    out = op.policy_loss_from_logprobs(lp, lq, adv, loss_mask=mask, seq_ids=seq, correction=corr)
+    out.loss.backward()
+    assert math.isfinite(float(out.loss.detach())) and bool(torch.isfinite(lp.grad).all())
+    assert torch.equal(out.token_weight[mask] != 0, torch.tensor([False, False, True, False]))
+    assert float(out.metrics["trust_region_masked_frac"]) == 0.75
+    empty = op.policy_loss_from_logprobs(lp.detach(), lq, adv, loss_mask=torch.zeros(6, dtype=torch.bool),
+                                         seq_ids=seq, correction=corr)
+    assert float(empty.loss) == 0.0 and float(empty.metrics["trust_region_masked_frac"]) == 0.0
+
+
 def test_every_token_masked_leaves_only_the_penalty():
     lp = torch.tensor([-0.1, -0.2, -3.0], dtype=torch.float64, requires_grad=True)
     lq = torch.tensor([-2.0, -2.5, -0.1], dtype=torch.float64)
@@ -154,7 +184,8 @@ def test_every_token_masked_leaves_only_the_penalty():
     (dict(lower=0.1, upper=0.2, on="old"), "TrustRegion.on"),
     (dict(lower=0.1, upper=0.2, level="seq"), "TrustRegion.level"),
     (dict(lower=0.1, upper=0.2, level="sequence"), "sign='none'"),
-    (dict(lower=0.1, upper=0.2, level="geometric", sign="none", divergence="binary_kl"), "divergence='difference'"),
+    (dict(lower=0.1, upper=0.2, level="geometric", sign="none", divergence="binary_kl"), "pass lower == upper"),
+    (dict(lower=0.1, upper=0.2, level="sequence_max"), "needs sign='none'"),
 ])
 def test_bad_trust_region_is_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -1,6 +1,7 @@
 """op.TrustRegion against transcriptions of the peers whose code is not installed here (float64, random masked
 batches): prime-rl's default loss and its 'ipo' loss (loss 1e-12, gradient 1e-10, the masked fraction), ROLL's
-probability-difference filter and AReaL's KPop rejection (the masks exactly, the filtered fraction 1e-12).
+probability-difference filter and AReaL's KPop rejection, token and sequence level (the masks exactly, the
+filtered fraction 1e-12).
 
 Each transcription names its file and commit; the formulas are re-typed from them, not imported.
 Mappings (the migration rows):
@@ -15,7 +16,14 @@ Mappings (the migration rows):
   response mask).
 * AReaL ``rejection_sampling: {metric: binary_kl, level: token, action: mask, upper: phi}``:
   ``TrustRegion(phi, phi, divergence="binary_kl_max", sign="none", on="weights")`` with
-  ``proximal_logprobs=proximal``, ``rejected_in_normalizer=False`` (AReaL zeroes the loss mask).
+  ``proximal_logprobs=proximal``. Only the masks are compared here; the whole row (``weights="mis"`` for AReaL's
+  raw behaviour weight, rejected tokens kept in the normaliser) is checked on the loss in
+  tests/core/test_migrating_peers.py (``test_areal_rejection_sampling``).
+* AReaL ``{metric: binary_kl, level: sequence, action: mask, agg: sum | mean | max, upper: phi}`` (the same
+  commit's 2D padded branch): ``TrustRegion(phi, phi, "binary_kl_max", sign="none", level="sequence" |
+  "geometric" | "sequence_max", on="weights")``, the rest as the token row. AReaL's ``lower`` (documented as
+  unused with ``binary_kl``, yet applied by its ``_check_bounds``: a sequence whose divergence is below it is
+  masked) has no offpolicy counterpart.
 """
 
 from __future__ import annotations
@@ -155,6 +163,43 @@ def test_areal_kpop(phi, seed):
     corr = op.Correction(ppo_clip=(0.2, 0.2), rejected_in_normalizer=False,
                          trust_region=op.TrustRegion(phi, phi, divergence="binary_kl_max", sign="none", on="weights"))
     _, _, out = _ours(x, corr, "infer", proximal="old")
+    keep_o = (out.token_weight.reshape(m.shape) != 0)
+    assert torch.equal(keep_o[m], keep_t[m]), AREAL
+    assert 0 < frac_t < 1 and math.isclose(float(out.metrics["trust_region_masked_frac"]), frac_t, rel_tol=1e-12)
+
+
+def _areal_kpop_sequence(x, agg, upper):
+    """``apply_rejection_sampling(metric="binary_kl", level="sequence", action="mask", lower=None)``, 2D padded:
+    the token metric masked by ``loss_mask``, summed / averaged over ``valid_count.clamp(min=1)`` / maxed with
+    ``-inf`` fill per row, ``in_bounds = seq_metric <= upper`` expanded to the row."""
+    metric = torch.maximum(_areal_binary_kl(x["old"], x["infer"]), _areal_binary_kl(x["infer"], x["old"]))
+    m = x["mask"]
+    masked_agg = torch.where(m, metric, 0.0)
+    valid_count = m.sum(dim=-1, keepdim=True).clamp(min=1)
+    if agg == "sum":
+        seq_agg = masked_agg.sum(dim=-1, keepdim=True)
+    elif agg == "mean":
+        seq_agg = masked_agg.sum(dim=-1, keepdim=True) / valid_count
+    else:
+        seq_agg = metric.masked_fill(~m, float("-inf")).max(dim=-1, keepdim=True)[0]
+        seq_agg = torch.where(m.sum(dim=-1, keepdim=True) == 0, torch.zeros_like(seq_agg), seq_agg)
+    in_bounds = (seq_agg <= upper).expand_as(m)
+    return in_bounds, float((m & ~in_bounds).sum()) / max(int(m.sum()), 1), seq_agg
+
+
+@pytest.mark.parametrize("agg, level, phi", [("sum", "sequence", 0.5), ("mean", "geometric", 0.1),
+                                             ("max", "sequence_max", 0.3)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_areal_kpop_sequence_level(agg, level, phi, seed):
+    x = _batch(50 + seed, b=12)
+    keep_t, frac_t, stat = _areal_kpop_sequence(x, agg, phi)
+    # AReaL's [1e-8, 1 - 1e-8] clamp moves each divergence by far less than 1e-6 here: no sequence flips.
+    assert bool(((stat - phi).abs() > 1e-6).all())
+    corr = op.Correction(ppo_clip=(0.2, 0.2), rejected_in_normalizer=False,
+                         trust_region=op.TrustRegion(phi, phi, "binary_kl_max", sign="none", level=level,
+                                                     on="weights"))
+    _, _, out = _ours(x, corr, "infer", proximal="old")
+    m = x["mask"]
     keep_o = (out.token_weight.reshape(m.shape) != 0)
     assert torch.equal(keep_o[m], keep_t[m]), AREAL
     assert 0 < frac_t < 1 and math.isclose(float(out.metrics["trust_region_masked_frac"]), frac_t, rel_tol=1e-12)

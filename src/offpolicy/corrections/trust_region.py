@@ -11,8 +11,11 @@ reference it is checked against, ``d = p - p_ref`` and a divergence ``D >= 0`` o
 
 A token whose probability rose (``d > 0``) is masked iff ``D > upper``; one whose probability fell (``d < 0``) iff
 ``D > lower``. With ``sign="advantage"`` only the side the update pushes towards is checked: ``A > 0`` checks a
-rise, ``A <= 0`` a fall (DPPO, prime-rl's default loss). ``level="sequence" | "geometric"`` (``difference`` only,
-``sign="none"``) applies the band to the sum / mean of ``d`` over each sequence's trained tokens (ROLL).
+rise, ``A <= 0`` a fall (DPPO, prime-rl's default loss). The sequence levels (``sign="none"``) mask whole
+sequences: ``"sequence" | "geometric"`` band the sum / mean over the sequence's trained tokens of ``d`` (with
+``"difference"``: in ``[-lower, upper]``, ROLL) or of ``D`` (the divergences: ``<= upper``, one band, so
+``lower == upper``); ``"sequence_max"`` masks a sequence in which the token level masks any trained token, which
+for a divergence with ``lower == upper = phi`` is ``max_t D_t > phi`` (AReaL's sequence-level KPop, ``agg="max"``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch import Tensor
 
 DIVERGENCES = ("difference", "binary_kl", "binary_kl_max")
 SIGNS = ("advantage", "none")
-LEVELS = ("token", "sequence", "geometric")
+LEVELS = ("token", "sequence", "geometric", "sequence_max")
 TARGETS = ("update", "weights")
 
 
@@ -44,8 +47,9 @@ class TrustRegion:
         upper: the band above (``"difference"``: masked iff ``d > upper``). Finite, ``>= 0``.
         divergence: ``"difference" | "binary_kl" | "binary_kl_max"`` (module docstring).
         sign: ``"advantage"`` (check the side the advantage's sign pushes towards) or ``"none"`` (both sides).
-        level: ``"token"``, or ``"sequence"`` / ``"geometric"`` (the sum / mean of ``d`` per sequence; needs
-            ``divergence="difference"``, ``sign="none"`` and ``seq_ids``).
+        level: ``"token"``, or a sequence level (needs ``sign="none"`` and ``seq_ids``): ``"sequence"`` /
+            ``"geometric"`` band the sum / mean per sequence of ``d`` (``"difference"``) or of ``D`` (a divergence,
+            with ``lower == upper``); ``"sequence_max"`` masks a sequence with any token the token level masks.
         on: ``"update"``: ``p`` is the current policy, ``p_ref`` the proximal policy (the sampler without
             ``proximal_logprobs``); the mask replaces PPO's clip and, without ``ppo_clip`` / ``cispo``, the
             surrogate is the masked ratio ``u A``, ``u = p / p_ref`` (DPPO). ``"weights"``: ``p`` is the
@@ -71,10 +75,13 @@ class TrustRegion:
             val = getattr(self, name)
             if not (_number(val) and val >= 0):
                 raise ValueError(f"TrustRegion.{name} must be a finite number >= 0, got {val!r}")
-        if self.level != "token" and (self.divergence != "difference" or self.sign != "none"):
-            raise ValueError(f"TrustRegion(level={self.level!r}) needs divergence='difference' and sign='none' (a "
-                             f"band on the sequence's summed or mean probability difference), got "
-                             f"divergence={self.divergence!r}, sign={self.sign!r}")
+        if self.level != "token" and self.sign != "none":
+            raise ValueError(f"TrustRegion(level={self.level!r}) needs sign='none' (a sequence's mask cannot follow "
+                             f"each token's advantage sign), got sign={self.sign!r}")
+        if self.level in ("sequence", "geometric") and self.divergence != "difference" and self.lower != self.upper:
+            raise ValueError(f"TrustRegion(level={self.level!r}, divergence={self.divergence!r}) bands the sequence's "
+                             f"summed or mean divergence, which has no sign to pick lower or upper: pass lower == "
+                             f"upper, got lower={self.lower!r}, upper={self.upper!r}")
 
     @property
     def per_sequence(self) -> bool:
@@ -89,16 +96,20 @@ class TrustRegion:
         take no part).
         """
         d = torch.exp(log_p) - torch.exp(log_ref)
-        if self.per_sequence:
-            d = torch.where(seg.active, d, torch.zeros_like(d))
-            agg = seg.broadcast(seg.sum(d) if self.level == "sequence" else seg.mean(d))
-            return (agg > self.upper) | (agg < -self.lower)
         div = d.abs() if self.divergence == "difference" else binary_kl(log_ref, log_p)
         if self.divergence == "binary_kl_max":
             div = torch.maximum(div, binary_kl(log_p, log_ref))
         rise = (d > 0) & (div > self.upper)
         fall = (d < 0) & (div > self.lower)
-        return torch.where(adv > 0, rise, fall) if self.sign == "advantage" else rise | fall
+        if self.level == "token":
+            return torch.where(adv > 0, rise, fall) if self.sign == "advantage" else rise | fall
+        if self.level == "sequence_max":
+            # A sequence goes with any of its trained tokens (max of a 0/1 indicator over its active tokens).
+            return seg.broadcast(seg.max((rise | fall).to(d.dtype))) > 0
+        signed = self.divergence == "difference"
+        x = torch.where(seg.active, d if signed else div, torch.zeros_like(d))
+        agg = seg.broadcast(seg.sum(x) if self.level == "sequence" else seg.mean(x))
+        return (agg > self.upper) | (agg < -self.lower) if signed else agg > self.upper
 
 
 def binary_kl(log_a: Tensor, log_b: Tensor) -> Tensor:
