@@ -86,7 +86,7 @@ def test_cached_probabilities_follow_the_capability(monkeypatch):
     grads = []
     for caches in (True, False):
         monkeypatch.setitem(backend_registry.BACKENDS, "torch", backend_registry.Backend(
-            "torch", "offpolicy.ops.torch_backend", "offpolicy.ops.linear_torch_backend", caches_probs=caches,
+            "torch", "offpolicy.ops.logits_op.torch_backend", "offpolicy.ops.linear_op.linear_torch_backend", caches_probs=caches,
             float64=True, needs_kernels=False))
         leaf = z.clone().requires_grad_()
         sparse_log_softmax(leaf, y, backend="torch").target.sum().backward()

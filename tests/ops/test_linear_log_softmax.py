@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from support.linear_reference import check_against_reference, grads, leaves, make_inputs, probe_loss
 
 from offpolicy.ops import VocabShard, linear_sparse_log_softmax, sparse_log_softmax
-from offpolicy.ops import linear_torch_backend as ltb
+from offpolicy.ops.linear_op import linear_torch_backend as ltb
 
 @pytest.mark.parametrize("support", [False, True])
 @pytest.mark.parametrize("chunk_bytes", [None, 1 << 14])

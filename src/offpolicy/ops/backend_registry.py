@@ -10,12 +10,12 @@ autograd functions read (instead of testing a backend's name):
 * ``needs_kernels``: it launches Triton kernels, so it needs CUDA tensors, or ``TRITON_INTERPRET=1`` set before
   Triton is imported for CPU tensors.
 
-The logits contract (:mod:`offpolicy.ops.torch_backend`): ``full_stats(logits, inv_temp, skip) -> (m, s, t)`` and
+The logits contract (:mod:`offpolicy.ops.logits_op.torch_backend`): ``full_stats(logits, inv_temp, skip) -> (m, s, t)`` and
 ``full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out) -> out``. The fused-linear contract
-(:mod:`offpolicy.ops.linear_torch_backend`): ``gathered_logits``, ``full_stats`` and ``backward``.
+(:mod:`offpolicy.ops.linear_op.linear_torch_backend`): ``gathered_logits``, ``full_stats`` and ``backward``.
 
 Backends: ``torch`` (chunked PyTorch: the CPU fallback, and float64 everywhere), ``cpu`` (fused C loops built at
-first use, :mod:`offpolicy.ops.cpu_backend`) and ``triton`` (the GPU kernels).
+first use, :mod:`offpolicy.ops.logits_op.cpu_backend`) and ``triton`` (the GPU kernels).
 
 Choice, in order: the ``backend=`` argument, the ``OFFPOLICY_BACKEND`` environment variable, then ``triton`` for
 CUDA tensors, and for CPU tensors ``cpu`` where its kernels build, else ``torch``. float64 logits go to ``torch``
@@ -55,11 +55,11 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "torch": Backend("torch", "offpolicy.ops.torch_backend", "offpolicy.ops.linear_torch_backend",
+    "torch": Backend("torch", "offpolicy.ops.logits_op.torch_backend", "offpolicy.ops.linear_op.linear_torch_backend",
                      caches_probs=True, float64=True, needs_kernels=False),
-    "cpu": Backend("cpu", "offpolicy.ops.cpu_backend", "offpolicy.ops.linear_torch_backend",
+    "cpu": Backend("cpu", "offpolicy.ops.logits_op.cpu_backend", "offpolicy.ops.linear_op.linear_torch_backend",
                    caches_probs=False, float64=False, needs_kernels=False),
-    "triton": Backend("triton", "offpolicy.ops.triton_backend", "offpolicy.ops.linear_triton_backend",
+    "triton": Backend("triton", "offpolicy.ops.logits_op.triton_backend", "offpolicy.ops.linear_op.linear_triton_backend",
                       caches_probs=False, float64=False, needs_kernels=True),
 }
 

@@ -13,7 +13,7 @@ import torch
 from support.linear_reference import check_against_reference, grads, make_inputs, probe_loss
 
 from offpolicy.ops import linear_sparse_log_softmax
-from offpolicy.ops import linear_torch_backend as ltb
+from offpolicy.ops.linear_op import linear_torch_backend as ltb
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

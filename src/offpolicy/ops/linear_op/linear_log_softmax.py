@@ -3,10 +3,10 @@
 :func:`linear_sparse_log_softmax` returns exactly what ``sparse_log_softmax(hidden @ weight.T + bias, ...)``
 returns (the same :class:`~offpolicy.ops.sparse_log_softmax.SparseLogSoftmax`, the same padding, skip,
 temperature and NaN semantics), differentiable with respect to ``hidden``, ``weight`` and ``bias``, without the
-``[N, V]`` logits or their gradient. The autograd function is :mod:`offpolicy.ops.linear_function`; backends come
+``[N, V]`` logits or their gradient. The autograd function is :mod:`offpolicy.ops.linear_op.linear_function`; backends come
 from the same registry as the logits primitive's (:mod:`offpolicy.ops.backend_registry`): ``torch``
-(:mod:`offpolicy.ops.linear_torch_backend`, chunked, the CPU default) and ``triton``
-(:mod:`offpolicy.ops.linear_triton_backend`, the CUDA default).
+(:mod:`offpolicy.ops.linear_op.linear_torch_backend`, chunked, the CPU default) and ``triton``
+(:mod:`offpolicy.ops.linear_op.linear_triton_backend`, the CUDA default).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offpolicy.ops import backend_registry, input_checks, linear_torch_backend
+from offpolicy.ops import backend_registry, input_checks
+from offpolicy.ops.linear_op import linear_torch_backend
 from offpolicy.ops.input_checks import FLOATS, describe
-from offpolicy.ops.linear_function import LinearPlan, LinearSparseLogSoftmaxFunction
-from offpolicy.ops.sparse_log_softmax import SparseLogSoftmax, check_sum_p2, row_inputs
+from offpolicy.ops.linear_op.linear_function import LinearPlan, LinearSparseLogSoftmaxFunction
+from offpolicy.ops.logits_op.sparse_log_softmax import SparseLogSoftmax, check_sum_p2, row_inputs
 from offpolicy.ops.vocab_parallel import VocabShard
 
 
@@ -75,7 +76,7 @@ def linear_sparse_log_softmax(
         shard: vocabulary-parallel shard (``VocabShard(group, start)``), or None.
         backend: a name in :data:`offpolicy.ops.backend_registry.BACKENDS`; default by device.
         chunk_bytes: working-set budget of the chunked torch backend (default
-            :data:`offpolicy.ops.linear_torch_backend.CHUNK_BYTES`); peak extra memory is about this plus
+            :data:`offpolicy.ops.linear_op.linear_torch_backend.CHUNK_BYTES`); peak extra memory is about this plus
             ``O(N (K + D))``.
         grad_filter: full mode only: skip backward blocks whose probabilities are all below this threshold
             (Cut Cross-Entropy's gradient filtering; each dropped gradient entry is below

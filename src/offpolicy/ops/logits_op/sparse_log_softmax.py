@@ -5,7 +5,7 @@ normalisation (the full vocabulary, or the row's candidate support), it returns 
 of ``x = z / tau``, the normaliser ``lse``, the entropy and, on request, ``sum_v p(v)^2``
 (:class:`SparseLogSoftmax`). Only the full-vocabulary
 statistics and the backward touch ``[N, V]`` data; they run in a backend (:mod:`offpolicy.ops.backend_registry`). The
-autograd function is :mod:`offpolicy.ops.logits_function`; its fused-linear twin is
+autograd function is :mod:`offpolicy.ops.logits_op.logits_function`; its fused-linear twin is
 :func:`offpolicy.ops.linear_sparse_log_softmax`.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.ops import backend_registry, input_checks
-from offpolicy.ops.logits_function import LogitsPlan, SparseLogSoftmaxFunction
+from offpolicy.ops.logits_op.logits_function import LogitsPlan, SparseLogSoftmaxFunction
 from offpolicy.ops.vocab_parallel import VocabShard
 
 __all__ = ["SparseLogSoftmax", "VocabShard", "sparse_log_softmax"]
