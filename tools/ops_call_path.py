@@ -3,8 +3,9 @@
 Forward: the frames from ``policy_loss`` down to the ctypes call of ``stats_f32``; backward: the frames from the
 autograd engine's entry (``torch/autograd/function.py``) down to the ctypes call of ``grad_f32``. The native
 library is wrapped by a spy whose functions record the stack and then call the real ones. The same run counts, by
-a profile hook, the Python calls into ``offpolicy`` and the calls of ``torch.compiler.is_compiling`` and
-``row_threads.single_intra_op`` per forward and per backward.
+a profile hook, per forward and per backward: the Python calls into ``offpolicy``, the calls of
+``torch.compiler.is_compiling``, the entries into ``row_threads.single_intra_op`` (and how many of them changed the
+thread count: the others were nested) and the calls into the backend registry (and ``importlib``).
 
 Run: ``PYTHONPATH=$PWD/src .venv/bin/python tools/ops_call_path.py`` (a second; needs the native CPU kernels).
 """
@@ -62,9 +63,13 @@ def _profile(fn) -> Counter:
     """Python calls made by ``fn()``, by ``file:function``."""
     seen: Counter = Counter()
 
-    def hook(frame, event, _arg):
+    def hook(frame, event, arg):
         if event == "call":
             seen[f"{_short(frame.f_code.co_filename)}:{frame.f_code.co_name}"] += 1
+            if frame.f_code.co_name == "single_intra_op" and frame.f_back.f_code.co_name == "__enter__":
+                seen["entered:single_intra_op"] += 1
+        elif event == "c_call" and getattr(arg, "__name__", "") == "set_num_threads":
+            seen["c:set_num_threads"] += 1
 
     sys.setprofile(hook)
     try:
@@ -106,10 +111,11 @@ def measure() -> dict:
             "path": frames,
             "offpolicy_python_calls": sum(c for k, c in calls.items() if k.startswith("offpolicy/")),
             "is_compiling_calls": sum(c for k, c in calls.items() if k.endswith(":is_compiling")),
-            "single_intra_op_entries": sum(c for k, c in calls.items() if k.endswith(":single_intra_op")),
+            "single_intra_op_entries": calls["entered:single_intra_op"],
+            # entries that changed the thread count (one set_num_threads on the way in, one on the way out)
+            "single_intra_op_effective": calls["c:set_num_threads"] // 2,
             "backend_lookups": sum(c for k, c in calls.items()
-                                   if k.split(":")[1] in ("get", "choose", "_import", "logits", "linear",
-                                                          "import_module") and "ops/" in k),
+                                   if k.startswith("offpolicy/ops/backend_registry.py:") or k.endswith(":import_module")),
         }
     return result
 

@@ -12,11 +12,11 @@ from offpolicy.ops import backend_registry, cpu_native, linear_sparse_log_softma
 def test_every_backend_implements_both_contracts():
     for backend in backend_registry.BACKENDS.values():
         for name in ("full_stats", "full_grad"):
-            assert callable(getattr(backend.logits(), name)), (backend.name, name)
+            assert callable(getattr(backend.logits, name)), (backend.name, name)
         for name in ("gathered_logits", "full_stats", "backward"):
-            assert callable(getattr(backend.linear(), name)), (backend.name, name)
+            assert callable(getattr(backend.linear, name)), (backend.name, name)
         if backend.caches_probs:
-            assert callable(backend.logits().grad_from_probs)
+            assert callable(backend.logits.grad_from_probs)
 
 
 def test_choice_order(monkeypatch):
@@ -78,7 +78,7 @@ def test_cached_probabilities_follow_the_capability(monkeypatch):
     """The forward leaves exp(x - m) for the backward exactly when the backend declares ``caches_probs``: a backend
     record that declares it off makes the torch backend recompute (same gradient)."""
     calls = []
-    torch_mod = backend_registry.BACKENDS["torch"].logits()
+    torch_mod = backend_registry.BACKENDS["torch"].logits
     original = torch_mod.grad_from_probs
     monkeypatch.setattr(torch_mod, "grad_from_probs", lambda *a: calls.append(1) or original(*a))
     z = torch.randn(5, 70)

@@ -36,7 +36,6 @@ def make_inputs(n=23, d=16, v=197, k=6, dtype=torch.float32, seed=0, scale=1.0, 
     return h, w, b, y, c, tau
 
 
-
 def probe_weights(n: int, k: int, seed: int = 1) -> tuple[Tensor, Tensor]:
     """The float64 weights ``[N]`` and ``[N, K]`` that :func:`probe_loss` puts on the outputs."""
     gen = torch.Generator().manual_seed(seed)

@@ -41,6 +41,8 @@ def assert_close_inf(got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor, w
     assert torch.equal(got[inf], want[inf]), f"{what}: infinite entries differ"
     err = torch.where(inf, torch.zeros_like(got), (got - want).abs())
     tol = torch.broadcast_to(tol, want.shape)
+    if not want.numel():
+        return
     worst = (err - tol).argmax()
     assert bool((err <= tol).all()), f"{what}: error {err.flatten()[worst]:.3g} > tol {tol.flatten()[worst]:.3g}"
 
@@ -63,9 +65,6 @@ def hostile_logits(n: int, v: int, dtype: torch.dtype, gen: torch.Generator, dev
 def temperatures(n: int, gen: torch.Generator) -> torch.Tensor:
     """``[n]`` temperatures spread log-uniformly over [0.05, 10]."""
     return torch.exp(torch.empty(n, dtype=torch.float64).uniform_(-3.0, 2.3, generator=gen))
-
-
-
 
 
 def grad_tol(dz_ref, inv_temp, grad, x, dtype):
@@ -108,3 +107,22 @@ def distinct_ids(n: int, v: int, k: int, gen: torch.Generator, pad_frac: float =
         perm = torch.randperm(v, generator=gen)[:k]
         row[: perm.numel()] = perm
     return ids.masked_fill(torch.rand(n, k, generator=gen) < pad_frac, -1)
+
+
+def op_case(n, v, k, dtype, gen):
+    """One hostile batch for the op: :func:`hostile_logits` with row 0 spanning ``[-1e4, 1e4]``, candidates holding
+    the target (but in row 2), padding, an empty candidate row (3), a skipped row (5); float64 upstream weights
+    ``w_t [N]``, ``w_c [N, K]`` for the gradient. Needs ``n >= 6``."""
+    z = hostile_logits(n, v, dtype, gen)
+    z[0] = torch.linspace(-1e4, 1e4, v).to(dtype)  # extreme logits
+    y = torch.randint(0, v, (n,), generator=gen)
+    cands = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(n)])
+    cands[:, 0] = y  # target among candidates (a repeated id in the kernel's scatter)
+    cands[2, 0] = (y[2] + 1) % v  # ... except in row 2
+    cands = torch.where(torch.rand(n, k, generator=gen) < 0.25, -1, cands)
+    cands[3] = -1  # an empty candidate row
+    skip = torch.zeros(n, dtype=torch.bool)
+    skip[5] = True
+    w_t = torch.randn(n, generator=gen, dtype=torch.float64)
+    w_c = torch.where(cands >= 0, torch.randn(n, k, generator=gen, dtype=torch.float64), 0.0)
+    return z, y, cands, skip, w_t, w_c

@@ -23,7 +23,7 @@ import offpolicy.ops as ops
 from offpolicy.kernels import logsoftmax as kernels
 from offpolicy.ops.logits_op import logits_naive
 
-from support.vocab_reference import (arg_tol, assert_close_inf, dname, grad_case, grad_tol, hostile_logits,
+from support.vocab_reference import (arg_tol, assert_close_inf, dname, grad_case, grad_tol, hostile_logits, op_case,
                                      temperatures)
 
 CUDA = torch.cuda.is_available()
@@ -190,59 +190,10 @@ def test_bad_inputs_raise():
 # ---------------------------------------------------------------- through sparse_log_softmax
 
 
-
-def e2e_case(n, v, k, dtype, gen):
-    z = hostile_logits(n, v, dtype, gen, DEVICE).cpu()
-    z[0] = torch.linspace(-1e4, 1e4, v).to(dtype)  # extreme logits
-    y = torch.randint(0, v, (n,), generator=gen)
-    cands = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(n)])
-    cands[:, 0] = y  # target among candidates (a repeated id in the kernel's scatter)
-    cands[2, 0] = (y[2] + 1) % v  # ... except in row 2
-    cands = torch.where(torch.rand(n, k, generator=gen) < 0.25, -1, cands)
-    cands[3] = -1  # an empty candidate row
-    skip = torch.zeros(n, dtype=torch.bool)
-    skip[5] = True
-    w_t = torch.randn(n, generator=gen, dtype=torch.float64)
-    w_c = torch.where(cands >= 0, torch.randn(n, k, generator=gen, dtype=torch.float64), 0.0)
-    return z, y, cands, skip, w_t, w_c
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
-@pytest.mark.parametrize("support", [False, True], ids=["full", "support"])
-@pytest.mark.parametrize("per_token", [False, True], ids=["scalar_tau", "token_tau"])
-@pytest.mark.parametrize("inplace", [False, True], ids=["grad", "inplace_grad"])
-def test_sparse_log_softmax_triton_matches_dense_float64(dtype, support, per_token, inplace):
-    gen = torch.Generator().manual_seed(5)
-    n, v, k = 8, 777, 6
-    z, y, cands, skip, w_t, w_c = e2e_case(n, v, k, dtype, gen)
-    tau64 = temperatures(n, gen) if per_token else torch.full((n,), 0.7, dtype=torch.float64)
-    tau = tau64.float().to(DEVICE) if per_token else 0.7
-    leaf = z.to(DEVICE).requires_grad_()
-    logits = leaf * 1  # a non-leaf, as model logits are (in-place gradients land in it)
-    out = ops.sparse_log_softmax(logits, y.to(DEVICE), cands.to(DEVICE), tau, support=support,
-                                 skip=skip.to(DEVICE), inplace_grad=inplace, backend="triton")
-    (g,) = torch.autograd.grad((out.target, out.candidates), leaf,
-                               (w_t.float().to(DEVICE), w_c.float().to(DEVICE)))
-    zr = z.double().requires_grad_()
-    target, cand, lse, ent = logits_naive.sparse_log_softmax(zr, y, cands, tau64.double(), support, skip)
-    (gr,) = torch.autograd.grad((target, cand), zr, (w_t, w_c), allow_unused=True)
-    x = z.double() / tau64[:, None]
-    tol = arg_tol(x)
-    assert_close_inf(out.lse.cpu(), lse, tol, "lse")
-    assert_close_inf(out.entropy.cpu(), ent, tol * (1 + ent.abs()), "entropy")
-    assert_close_inf(out.target.detach().cpu(), target.detach(), tol, "target")
-    assert_close_inf(out.candidates.detach().cpu(), cand.detach(), tol[:, None], "candidates")
-    bound_g = torch.cat([w_t[:, None], w_c], 1)
-    assert_close_inf(g.cpu(), gr, grad_tol(gr, 1 / tau64, bound_g, x, dtype), "gradient")
-    if inplace:
-        assert torch.equal(logits.detach(), g)  # the gradient was written into the logits
-    assert bool((g[5] == 0).all()) and bool((g[1] == 0).all())  # skipped, and all -inf
-
-
 def test_triton_and_torch_backends_agree():
     """Same inputs through both backends: outputs and gradients equal to fp32 rounding."""
     gen = torch.Generator().manual_seed(6)
-    z, y, cands, skip, w_t, w_c = e2e_case(8, 500, 5, torch.float32, gen)
+    z, y, cands, skip, w_t, w_c = op_case(8, 500, 5, torch.float32, gen)
     res = {}
     for name in ("torch", "triton"):
         leaf = z.to(DEVICE).requires_grad_()
