@@ -93,3 +93,25 @@ def test_cached_probabilities_follow_the_capability(monkeypatch):
         grads.append(leaf.grad)
     assert calls == [1]
     torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("support", [False, True])
+def test_eager_calls_resolve_the_backend_once_and_skip_the_custom_ops(monkeypatch, support):
+    """One path: an eager call (forward and backward, both ops) chooses its backend once, never looks it up again
+    by name, and calls it directly; the custom ops of ``offpolicy.ops.library`` are for ``torch.compile`` only."""
+    from offpolicy.ops import library  # noqa: PLC0415
+
+    chosen, looked_up = [], []
+    choose, get = backend_registry.choose, backend_registry.get
+    monkeypatch.setattr(backend_registry, "choose", lambda *a: chosen.append(a[0]) or choose(*a))
+    monkeypatch.setattr(backend_registry, "get", lambda *a: looked_up.append(a) or get(*a))
+    for name in ("full_stats", "full_grad", "full_grad_inplace_", "linear_gathered_logits", "linear_full_stats",
+                 "linear_backward"):
+        monkeypatch.setattr(library, name, lambda *a, _n=name: pytest.fail(f"eager call went through {_n}"))
+    z = torch.randn(4, 30, requires_grad=True)
+    h, w = torch.randn(4, 6, requires_grad=True), torch.randn(30, 6, requires_grad=True)
+    y, c = torch.tensor([1, 2, 3, 4]), torch.tensor([[1, 5], [2, 6], [7, -1], [4, 8]])
+    for backend in ("torch", "cpu" if cpu_native.load() is not None else "torch"):
+        sparse_log_softmax(z, y, c, support=support, backend=backend).target.sum().backward()
+        linear_sparse_log_softmax(h, w, y, c, support=support, backend=backend).target.sum().backward()
+    assert len(chosen) == 4 and looked_up == []
