@@ -1,8 +1,9 @@
 """Both primitives' backend functions as ``torch.library`` custom ops, so that ``torch.compile(fullgraph=True)``
 traces them as opaque ops with shape-only fake (meta) implementations. At run time each op calls the backend
-named by its ``backend`` argument (:mod:`offpolicy.ops.backend_registry`). They are called inside the autograd
-functions (:mod:`offpolicy.ops.logits_op.logits_function`, :mod:`offpolicy.ops.linear_op.linear_function`), so they carry no autograd
-formula.
+named by its ``backend`` argument (:mod:`offpolicy.ops.backend_registry`; a graph holds a name, not the record).
+The autograd functions (:mod:`offpolicy.ops.logits_op.logits_function`,
+:mod:`offpolicy.ops.linear_op.linear_function`) call them only while ``torch.compile`` traces (eagerly they call the
+backend record directly), so they carry no autograd formula.
 
 Logits op:
 
