@@ -140,7 +140,7 @@ def run_filter(n: int, d: int, v: int, eps_list: list[float], prior: float, scal
     import torch
 
     from offpolicy.ops import linear_sparse_log_softmax
-    from offpolicy.ops import linear_torch_backend as ltb
+    from offpolicy.ops.linear_op import linear_torch_backend as ltb
 
     gen = torch.Generator().manual_seed(1)
     dt_ = getattr(torch, dtype)

@@ -91,7 +91,7 @@ def chunk_passes(v: int, rows: int, calls: int) -> dict:
 
 
 def _eager_stats(z16: torch.Tensor, x: torch.Tensor, e: torch.Tensor):
-    """The CPU backend's forward passes over one bf16 chunk (offpolicy.ops.torch_backend.full_stats, tau = 1)."""
+    """The CPU backend's forward passes over one bf16 chunk (offpolicy.ops.logits_op.torch_backend.full_stats, tau = 1)."""
     m = x.copy_(z16).amax(dim=1)
     x.sub_(m[:, None]).mul_(1.4426950408889634)
     torch.exp2(x, out=e)
@@ -132,7 +132,7 @@ def _stats_eager_vs_compiled(z16: torch.Tensor, calls: int) -> dict:
 
 def backend_passes(v: int, rows: int, calls: int) -> dict:
     """``full_stats`` and ``full_grad`` of ``rows x V`` logits on each CPU backend, one thread, ns per element."""
-    from offpolicy.ops import cpu_backend, torch_backend
+    from offpolicy.ops.logits_op import cpu_backend, torch_backend
 
     backends = {"torch": torch_backend}
     if cpu_backend.available():
@@ -207,7 +207,7 @@ def main() -> None:
     args = ap.parse_args()
     load_start = os.getloadavg()
     logits = torch.randn(args.n, args.v) * 2
-    from offpolicy.ops import cpu_backend
+    from offpolicy.ops.logits_op import cpu_backend
 
     cpu_backends = (["cpu"] if cpu_backend.available() else []) + ["torch"]
     result = {

@@ -12,11 +12,11 @@ from offpolicy.ops import backend_registry, cpu_native, linear_sparse_log_softma
 def test_every_backend_implements_both_contracts():
     for backend in backend_registry.BACKENDS.values():
         for name in ("full_stats", "full_grad"):
-            assert callable(getattr(backend.logits(), name)), (backend.name, name)
+            assert callable(getattr(backend.logits, name)), (backend.name, name)
         for name in ("gathered_logits", "full_stats", "backward"):
-            assert callable(getattr(backend.linear(), name)), (backend.name, name)
+            assert callable(getattr(backend.linear, name)), (backend.name, name)
         if backend.caches_probs:
-            assert callable(backend.logits().grad_from_probs)
+            assert callable(backend.logits.grad_from_probs)
 
 
 def test_choice_order(monkeypatch):
@@ -78,7 +78,7 @@ def test_cached_probabilities_follow_the_capability(monkeypatch):
     """The forward leaves exp(x - m) for the backward exactly when the backend declares ``caches_probs``: a backend
     record that declares it off makes the torch backend recompute (same gradient)."""
     calls = []
-    torch_mod = backend_registry.BACKENDS["torch"].logits()
+    torch_mod = backend_registry.BACKENDS["torch"].logits
     original = torch_mod.grad_from_probs
     monkeypatch.setattr(torch_mod, "grad_from_probs", lambda *a: calls.append(1) or original(*a))
     z = torch.randn(5, 70)
@@ -86,10 +86,32 @@ def test_cached_probabilities_follow_the_capability(monkeypatch):
     grads = []
     for caches in (True, False):
         monkeypatch.setitem(backend_registry.BACKENDS, "torch", backend_registry.Backend(
-            "torch", "offpolicy.ops.torch_backend", "offpolicy.ops.linear_torch_backend", caches_probs=caches,
+            "torch", "offpolicy.ops.logits_op.torch_backend", "offpolicy.ops.linear_op.linear_torch_backend", caches_probs=caches,
             float64=True, needs_kernels=False))
         leaf = z.clone().requires_grad_()
         sparse_log_softmax(leaf, y, backend="torch").target.sum().backward()
         grads.append(leaf.grad)
     assert calls == [1]
     torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("support", [False, True])
+def test_eager_calls_resolve_the_backend_once_and_skip_the_custom_ops(monkeypatch, support):
+    """One path: an eager call (forward and backward, both ops) chooses its backend once, never looks it up again
+    by name, and calls it directly; the custom ops of ``offpolicy.ops.library`` are for ``torch.compile`` only."""
+    from offpolicy.ops import library  # noqa: PLC0415
+
+    chosen, looked_up = [], []
+    choose, get = backend_registry.choose, backend_registry.get
+    monkeypatch.setattr(backend_registry, "choose", lambda *a: chosen.append(a[0]) or choose(*a))
+    monkeypatch.setattr(backend_registry, "get", lambda *a: looked_up.append(a) or get(*a))
+    for name in ("full_stats", "full_grad", "full_grad_inplace_", "linear_gathered_logits", "linear_full_stats",
+                 "linear_backward"):
+        monkeypatch.setattr(library, name, lambda *a, _n=name: pytest.fail(f"eager call went through {_n}"))
+    z = torch.randn(4, 30, requires_grad=True)
+    h, w = torch.randn(4, 6, requires_grad=True), torch.randn(30, 6, requires_grad=True)
+    y, c = torch.tensor([1, 2, 3, 4]), torch.tensor([[1, 5], [2, 6], [7, -1], [4, 8]])
+    for backend in ("torch", "cpu" if cpu_native.load() is not None else "torch"):
+        sparse_log_softmax(z, y, c, support=support, backend=backend).target.sum().backward()
+        linear_sparse_log_softmax(h, w, y, c, support=support, backend=backend).target.sum().backward()
+    assert len(chosen) == 4 and looked_up == []

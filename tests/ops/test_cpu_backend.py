@@ -1,4 +1,4 @@
-"""The native CPU backend (``kernels/vocab_pass_cpu.c`` through :mod:`offpolicy.ops.cpu_backend`) against a float64
+"""The native CPU backend (``kernels/vocab_pass_cpu.c`` through :mod:`offpolicy.ops.logits_op.cpu_backend`) against a float64
 reference: its two contract functions directly, on hostile logits and odd shapes (``V`` below, at and past the
 vector width, so every tail path runs), and end to end through ``sparse_log_softmax``. Also its fallbacks; the build
 cache is tested in ``test_cpu_native_build.py``.
@@ -20,10 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import offpolicy as op
-from offpolicy.ops import cpu_backend, cpu_native, torch_backend
+from offpolicy.ops import cpu_native
+from offpolicy.ops.logits_op import cpu_backend, logits_naive, torch_backend
 
 from support.vocab_reference import (INF, arg_tol, assert_close_inf, dname, grad_case, grad_tol, hostile_logits,
-                                     lse_entropy, ref_grad, ref_stats, temperatures)
+                                     temperatures)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -45,8 +46,8 @@ def test_stats_match_float64(dtype, v):
     assert m[5] == 0 and s[5] == 0 and t[5] == 0
     assert m[1] == 0 and s[1] == 0 and t[1] == 0  # all -inf
     live = ~skip
-    lse_ref, ent_ref, x = ref_stats(z[live], inv_temp[live])
-    lse, ent = lse_entropy(m[live], s[live], t[live])
+    lse_ref, ent_ref, x = logits_naive.full_stats(z[live], inv_temp[live])
+    lse, ent = logits_naive.lse_entropy(m[live], s[live], t[live])
     assert_close_inf(lse, lse_ref, arg_tol(x), "lse")
     assert_close_inf(ent, ent_ref, arg_tol(x), "entropy")
     row_max = torch.where(torch.isfinite(x.amax(1)), x.amax(1), 0.0)
@@ -68,8 +69,8 @@ def test_nan_and_inf_rows_take_the_torch_statistics(dtype):
     for g, w in zip(got, want):
         assert torch.equal(g[[0, 2, 4]], w[[0, 2, 4]]) or torch.allclose(g[[0, 2, 4]], w[[0, 2, 4]], equal_nan=True)
     assert bool(torch.isnan(got[1][0])) and math.isinf(float(got[1][4]))
-    lse_ref, _, x = ref_stats(z[[1, 3, 5]], inv_temp[[1, 3, 5]])
-    lse, _ = lse_entropy(*(g[[1, 3, 5]] for g in got))
+    lse_ref, _, x = logits_naive.full_stats(z[[1, 3, 5]], inv_temp[[1, 3, 5]])
+    lse, _ = logits_naive.lse_entropy(*(g[[1, 3, 5]] for g in got))
     assert_close_inf(lse, lse_ref, arg_tol(x), "lse")
 
 
@@ -79,8 +80,8 @@ def test_long_rows_keep_fp32_accuracy():
     z = (torch.randn(3, 151936, generator=gen) * 4).to(torch.bfloat16)
     z[1] = 0.0  # a flat row: s = V exactly in float64, the worst case for a long fp32 sum
     inv_temp = torch.tensor([1.0, 1.0, 1 / 0.6])
-    lse_ref, ent_ref, x = ref_stats(z, inv_temp)
-    lse, ent = lse_entropy(*cpu_backend.full_stats(z, inv_temp, None))
+    lse_ref, ent_ref, x = logits_naive.full_stats(z, inv_temp)
+    lse, ent = logits_naive.lse_entropy(*cpu_backend.full_stats(z, inv_temp, None))
     assert_close_inf(lse, lse_ref, arg_tol(x), "lse")
     assert_close_inf(ent, ent_ref, arg_tol(x), "entropy")
 
@@ -93,7 +94,7 @@ def test_grad_matches_float64(dtype, inplace, v):
     n, m_ids = 9, 70  # more ids than columns at v = 33: repeated ids add up
     z, ids, inv_temp, lse, grad, grad_sum = grad_case(n, v, m_ids, dtype, gen)
     z_ref = z.clone()
-    want = ref_grad(z_ref, ids, inv_temp, lse, grad, grad_sum)
+    want = logits_naive.full_grad(z_ref, ids, inv_temp, lse, grad, grad_sum)
     out = z if inplace else torch.full_like(z, 7.0)
     got = cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, out)
     assert got is out and got.dtype == dtype
@@ -110,12 +111,12 @@ def test_strided_rows(dtype):
     z, ids, inv_temp, lse, grad, grad_sum = grad_case(4, 300, 5, dtype, gen)
     wide = torch.zeros(4, 400, dtype=dtype)
     wide[:, 37:337] = z
-    lse_ref, _, x = ref_stats(z, inv_temp)
-    lse_got, _ = lse_entropy(*cpu_backend.full_stats(wide[:, 37:337], inv_temp, None))
+    lse_ref, _, x = logits_naive.full_stats(z, inv_temp)
+    lse_got, _ = logits_naive.lse_entropy(*cpu_backend.full_stats(wide[:, 37:337], inv_temp, None))
     assert_close_inf(lse_got, lse_ref, arg_tol(x), "lse")
     out_wide = torch.full((4, 512), 3.0, dtype=dtype)
     got = cpu_backend.full_grad(wide[:, 37:337], ids, inv_temp, lse, grad, grad_sum, out_wide[:, 100:400])
-    want = ref_grad(z, ids, inv_temp, lse, grad, grad_sum)
+    want = logits_naive.full_grad(z, ids, inv_temp, lse, grad, grad_sum)
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
     assert_close_inf(got, want, grad_tol(want, inv_temp, grad, x, dtype), "dz")
     assert bool((out_wide[:, :100] == 3).all()) and bool((out_wide[:, 400:] == 3).all())
@@ -143,9 +144,9 @@ def test_random_shapes(n, v, m_ids, dtype, threads, seed):
     finally:
         torch.set_num_threads(before)
     live = ~torch.isnan(z).any(dim=1)  # grad_case puts NaN on rows that take no dense gradient
-    lse_ref, _, x = ref_stats(z[live], inv_temp[live])
-    assert_close_inf(lse_entropy(m[live], s[live], t[live])[0], lse_ref, arg_tol(x), "lse")
-    want = ref_grad(z, ids, inv_temp, lse, grad, grad_sum)
+    lse_ref, _, x = logits_naive.full_stats(z[live], inv_temp[live])
+    assert_close_inf(logits_naive.lse_entropy(m[live], s[live], t[live])[0], lse_ref, arg_tol(x), "lse")
+    want = logits_naive.full_grad(z, ids, inv_temp, lse, grad, grad_sum)
     xg = z.double() * inv_temp.double()[:, None]
     xg = torch.where(torch.isnan(xg), torch.zeros_like(xg), xg)
     assert_close_inf(got, want, grad_tol(want, inv_temp, grad, xg, dtype), "dz")
@@ -261,12 +262,12 @@ def test_every_instruction_set_branch(flags, monkeypatch, tmp_path):
         z, ids, inv_temp, lse, grad, grad_sum = grad_case(9, 1031, 40, dtype, gen)
         m, s, t = cpu_backend.full_stats(z, inv_temp, None)
         live = ~torch.isnan(z).any(dim=1)
-        lse_ref, ent_ref, x = ref_stats(z[live], inv_temp[live])
-        lse_got, ent_got = lse_entropy(m[live], s[live], t[live])
+        lse_ref, ent_ref, x = logits_naive.full_stats(z[live], inv_temp[live])
+        lse_got, ent_got = logits_naive.lse_entropy(m[live], s[live], t[live])
         assert_close_inf(lse_got, lse_ref, arg_tol(x), f"{flags} {dtype} lse")
         assert_close_inf(ent_got, ent_ref, arg_tol(x), f"{flags} {dtype} entropy")
         got = cpu_backend.full_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z))
-        want = ref_grad(z, ids, inv_temp, lse, grad, grad_sum)
+        want = logits_naive.full_grad(z, ids, inv_temp, lse, grad, grad_sum)
         xg = z.double() * inv_temp.double()[:, None]
         xg = torch.where(torch.isnan(xg), torch.zeros_like(xg), xg)
         assert_close_inf(got, want, grad_tol(want, inv_temp, grad, xg, dtype), f"{flags} {dtype} dz")
@@ -304,8 +305,8 @@ def test_block_totals_summed_in_double_at_v_2_20():
     z = torch.full((1, v), -24 * math.log(2), dtype=torch.float32)
     z[0, :1024] = 0.0
     inv_temp = torch.ones(1)
-    lse_ref, ent_ref, _ = ref_stats(z, inv_temp)
-    lse, ent = lse_entropy(*cpu_backend.full_stats(z, inv_temp, None))
+    lse_ref, ent_ref, _ = logits_naive.full_stats(z, inv_temp)
+    lse, ent = logits_naive.lse_entropy(*cpu_backend.full_stats(z, inv_temp, None))
     assert_close_inf(lse, lse_ref, torch.tensor([1e-5]), "lse")
     assert_close_inf(ent, ent_ref, torch.tensor([1e-5]), "entropy")
 
@@ -341,7 +342,7 @@ def test_per_worker_scratch_under_threads(dtype, monkeypatch):
     assert len(set().union(*rows_of.values())) == len(rows_of), f"threads share a scratch row: {rows_of}"
     assert torch.equal(threaded, serial)
     assert differ == 0, f"{differ} of 20 threaded gradients differ from the serial one"
-    want = ref_grad(z, ids, inv_temp, lse, grad, grad_sum)
+    want = logits_naive.full_grad(z, ids, inv_temp, lse, grad, grad_sum)
     x = z.double() * inv_temp.double()[:, None]
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
     assert_close_inf(serial, want, grad_tol(want, inv_temp, grad, x, dtype), "dz")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from offpolicy.ops import cpu_backend, cpu_native
+from offpolicy.ops import cpu_native
+from offpolicy.ops.logits_op import cpu_backend
 
 pytestmark = pytest.mark.skipif(not cpu_backend.available(), reason="no C compiler: the CPU default is torch")
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offpolicy.ops import cpu_backend, cpu_native, torch_backend
+from offpolicy.ops import cpu_native
+from offpolicy.ops.logits_op import cpu_backend, torch_backend
 
 from support.vocab_reference import grad_case
 

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from offpolicy.ops import sparse_log_softmax, torch_backend
+from offpolicy.ops import sparse_log_softmax
+from offpolicy.ops.logits_op import torch_backend
 
 TIMEOUT_S = 30
 WORKERS = 3

@@ -24,7 +24,7 @@ def test_for_chunks_visits_every_chunk_once():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("support", [False, True])
 def test_two_workers_match_one(monkeypatch, dtype, support):
-    from offpolicy.ops import torch_backend
+    from offpolicy.ops.logits_op import torch_backend
 
     monkeypatch.setattr(torch_backend, "CHUNK_BYTES", 3 * 4 * 301)  # 3 rows per chunk: many chunks
     gen = torch.Generator().manual_seed(4)

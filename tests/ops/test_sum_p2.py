@@ -1,5 +1,5 @@
 """``sum_p2=True`` on both primitives: ``sum_v p(v)^2`` per row against the float64 references
-(``support.vocab_reference.ref_sum_p2``, ``support.linear_reference.dense_sum_p2``), for every backend (Triton in
+(``offpolicy.ops.logits_op.logits_naive.sum_p2``, ``offpolicy.ops.linear_op.linear_naive.sum_p2``), for every backend (Triton in
 the interpreter on CPU), odd widths, hostile logits, 16/32-bit inputs, support mode, skipped rows, a vocabulary
 split by hand and merged (the online fold and the shard all-reduce), and under ``torch.compile``.
 
@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from offpolicy.ops import linear_sparse_log_softmax, online_softmax, sparse_log_softmax, vocab_parallel
+from offpolicy.ops.linear_op import linear_naive
+from offpolicy.ops.logits_op import logits_naive
 from offpolicy.ops.vocab_parallel import VocabShard
-from support.linear_reference import dense_sum_p2, make_inputs
-from support.vocab_reference import STORE_RTOL, arg_tol, distinct_ids, hostile_logits, ref_sum_p2, temperatures
+from support.linear_reference import make_inputs
+from support.vocab_reference import STORE_RTOL, arg_tol, distinct_ids, hostile_logits, temperatures
 
 BACKENDS = ["torch", "cpu", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -46,7 +48,7 @@ def test_logits_sum_p2_matches_float64(backend, dtype, v):
     skip[5] = True
     y = torch.randint(0, v, (n,), generator=gen)
     out = sparse_log_softmax(z, y, temperature=tau, skip=skip, backend=backend, sum_p2=True)
-    want = ref_sum_p2(z, 1.0 / tau.double())
+    want = logits_naive.sum_p2(z, 1.0 / tau.double())
     want[5] = 0.0
     _check(out.sum_p2, want, z.double() / tau.double()[:, None], f"{backend} {dtype} V={v}")
     assert out.sum_p2[1] == 0  # the all -inf row has no mass
@@ -80,7 +82,7 @@ def test_support_sum_p2_is_over_the_renormalised_support(backend):
     y = torch.randint(0, v, (n,), generator=gen)
     out = sparse_log_softmax(z, y, c, temperature=0.6, support=True, backend=backend, sum_p2=True)
     xs = (z.double() / 0.6).gather(1, c.clamp_min(0)).masked_fill(c < 0, -float("inf"))
-    want = ref_sum_p2(xs, torch.ones(n, dtype=torch.float64))
+    want = logits_naive.sum_p2(xs, torch.ones(n, dtype=torch.float64))
     _check(out.sum_p2, want, xs, f"support {backend}")
     assert out.sum_p2[0] == 0
 
@@ -94,13 +96,13 @@ def test_vocabulary_split_by_hand_and_merged(backend):
     n, v = 5, 601
     z = hostile_logits(n, v, torch.float32, gen)
     it = (1.0 / temperatures(n, gen)).float()
-    mod = backend_registry.get(backend).logits()
+    mod = backend_registry.get(backend).logits
     acc = None
     for lo, hi in ((0, 200), (200, 201), (201, 601)):
         part = mod.full_stats(z[:, lo:hi].contiguous(), it, None, sum_p2=True)
         acc = part if acc is None else online_softmax.merge(*acc[:3], *part[:3], acc[3], part[3])
     got = online_softmax.sum_p2(acc[1], acc[3])
-    _check(got, ref_sum_p2(z, it.double()), z.double() * it.double()[:, None], f"merged {backend}")
+    _check(got, logits_naive.sum_p2(z, it.double()), z.double() * it.double()[:, None], f"merged {backend}")
 
 
 def _fake_all_reduce(world: int):
@@ -148,7 +150,7 @@ def test_shard_all_reduce_merges_sum_p2(primitive, monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    want = dense_sum_p2(h, w, b, y, c, tau)
+    want = linear_naive.sum_p2(h, w, b, y, c, tau)
     x = (z.double() / tau.double()[:, None])
     for r in range(world):
         _check(results[r], want, x, f"{primitive} rank {r}")
@@ -166,7 +168,7 @@ def test_linear_sum_p2_matches_float64(backend, dtype, support):
     skip[3] = True
     out = linear_sparse_log_softmax(h, w, y, c, tau, bias=b, support=support, skip=skip, backend=backend,
                                     chunk_bytes=1 << 14, sum_p2=True)
-    want = dense_sum_p2(h, w, b, y, c, tau, support=support, skip=skip)
+    want = linear_naive.sum_p2(h, w, b, y, c, tau, support=support, skip=skip)
     z = h.double() @ w.double().T + b.double()
     x = z / (tau.double() if isinstance(tau, torch.Tensor) else tau)[:, None]
     # a 16-bit matmul may round each logit to its dtype (the CPU torch backend's bf16/fp16 mm): x moves by
@@ -192,7 +194,7 @@ def test_sum_p2_under_torch_compile(primitive):
     got = compiled(h, w, b, z)
     want = call(h, w, b, z)
     torch.testing.assert_close(got.sum_p2, want.sum_p2, rtol=1e-6, atol=1e-7)
-    _check(got.sum_p2, dense_sum_p2(h, w, b, y, c, tau), z.double() / tau.double()[:, None], "compiled")
+    _check(got.sum_p2, linear_naive.sum_p2(h, w, b, y, c, tau), z.double() / tau.double()[:, None], "compiled")
 
 
 @pytest.mark.parametrize("kernel", ["logits", "linear"])
@@ -206,7 +208,7 @@ def test_triton_online_rescale_over_many_tiles(kernel):
         z[0] = torch.linspace(-20, 20, 300)  # the max arrives in the last tile
         it = torch.full((4,), 1.3)
         m, s, t, q = logsoftmax.row_stats(z, it, block=16, sum_p2=True)
-        want, x = ref_sum_p2(z, it.double()), z.double() * 1.3
+        want, x = logits_naive.sum_p2(z, it.double()), z.double() * 1.3
     else:
         from offpolicy.kernels import linear_logsoftmax
 
@@ -214,6 +216,6 @@ def test_triton_online_rescale_over_many_tiles(kernel):
         it = 1.0 / tau.float()
         m, s, t, q = linear_logsoftmax.merge_stats(*linear_logsoftmax.linear_row_stats(
             h, w, b, it, splits=3, tiles=(16, 16, 16, 1, 1), sum_p2=True))
-        want = dense_sum_p2(h, w, b, y, c, tau)
+        want = linear_naive.sum_p2(h, w, b, y, c, tau)
         x = (h.double() @ w.double().T + b.double()) * it.double()[:, None]
     _check(online_softmax.sum_p2(s, q), want, x, f"triton {kernel} tiles")

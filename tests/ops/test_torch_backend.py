@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy.ops import cpu_backend, torch_backend
+from offpolicy.ops.logits_op import cpu_backend, torch_backend
 from offpolicy.reference import log_probs
 
 from support.batches import make_batch

@@ -1,7 +1,8 @@
-"""Float64 dense reference and random inputs for the fused linear log-softmax tests.
+"""Random inputs and the comparison with the float64 reference for the fused linear log-softmax tests.
 
-The reference builds the logits densely in float64 from ``hidden`` and ``weight``, takes ``log_softmax`` (over the
-vocabulary, or over each row's candidate support) and gathers; gradients come from autograd through it.
+The reference is the op's own :mod:`offpolicy.ops.linear_op.linear_naive`: the logits built densely in float64 from
+``hidden`` and ``weight``, ``log_softmax`` (over the vocabulary, or over each row's candidate support) and a gather;
+gradients come from autograd through it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.ops import linear_sparse_log_softmax
+from offpolicy.ops.linear_op import linear_naive
 
 from support.vocab_reference import distinct_ids
 
@@ -32,47 +34,6 @@ def make_inputs(n=23, d=16, v=197, k=6, dtype=torch.float32, seed=0, scale=1.0, 
             c[2, 0] = y[2]  # the target inside its candidates (once: a support holds each id once)
     tau = (0.3 + 2.0 * torch.rand(n, generator=gen)) if per_token_temp else 0.7
     return h, w, b, y, c, tau
-
-
-def dense_reference(h, w, b, y, c, tau, *, support=False, skip=None):
-    """float64 ``(target, candidates, lse, entropy)`` and the float64 leaves ``(h, w, b)`` they depend on."""
-    hd = h.detach().double().requires_grad_()
-    wd = w.detach().double().requires_grad_()
-    bd = None if b is None else b.detach().double().requires_grad_()
-    n = hd.shape[0]
-    c = torch.empty(n, 0, dtype=torch.int64) if c is None else c.long()
-    inv = 1.0 / (tau.double() if isinstance(tau, Tensor) else torch.full((n,), float(tau), dtype=torch.float64))
-    z = hd @ wd.T
-    if bd is not None:
-        z = z + bd
-    x = z * inv[:, None]
-    ids = torch.cat([y.long()[:, None], c], dim=1)
-    xi = x.gather(1, ids.clamp_min(0))
-    if support:
-        xc = xi[:, 1:].masked_fill(c < 0, -INF)
-        has = torch.isfinite(xc).any(dim=1) if xc.shape[1] else torch.zeros(n, dtype=torch.bool)
-        lse = torch.full((n,), INF, dtype=torch.float64)
-        ent = torch.zeros(n, dtype=torch.float64)
-        if bool(has.any()):
-            rows = xc[has]
-            lse_h = torch.logsumexp(rows, dim=1)
-            lse = lse.masked_scatter(has, lse_h)
-            lp = rows - lse_h[:, None]
-            pr = lp.exp()
-            ent = ent.masked_scatter(has, -torch.where(pr > 0, pr * lp, torch.zeros_like(pr)).sum(1).detach())
-    else:
-        lse = torch.logsumexp(x, dim=1)
-        lp = torch.log_softmax(x, dim=1)
-        pr = lp.exp()
-        ent = -torch.where(pr > 0, pr * lp, torch.zeros_like(pr)).sum(1).detach()
-        has = torch.isfinite(lse)
-        lse = torch.where(has, lse, torch.full_like(lse, INF))
-    if skip is not None:
-        lse = lse.masked_fill(skip, INF)
-        ent = ent.masked_fill(skip, 0.0)
-    logp = torch.where(torch.isfinite(lse)[:, None], xi - torch.where(torch.isfinite(lse), lse, 0.0)[:, None], -INF)
-    logp = logp.masked_fill(ids < 0, -INF)
-    return (logp[:, 0], logp[:, 1:], lse.detach(), ent), (hd, wd, bd)
 
 
 def probe_weights(n: int, k: int, seed: int = 1) -> tuple[Tensor, Tensor]:
@@ -107,7 +68,8 @@ def leaves(h, w, b):
 
 def check_against_reference(h, w, b, y, c, tau, *, support, skip=None, chunk_bytes=None, dtype=torch.float32,
                             backend=None, device="cpu", grad_filter=None):
-    """Run the fused op on ``device`` and compare values and gradients with :func:`dense_reference` (see TOL)."""
+    """Run the fused op on ``device`` and compare values and gradients with the float64 reference
+    (:func:`offpolicy.ops.linear_op.linear_naive.linear_sparse_log_softmax`; see TOL)."""
     vtol, gtol = TOL[dtype]
     dev = torch.device(device)
     hl, wl, bl = leaves(*(None if x is None else x.to(dev) for x in (h, w, b)))
@@ -115,7 +77,8 @@ def check_against_reference(h, w, b, y, c, tau, *, support, skip=None, chunk_byt
     out = linear_sparse_log_softmax(hl, wl, mv[0], mv[1], tau if mv[2] is None else mv[2], bias=bl, support=support,
                                     skip=mv[3], chunk_bytes=chunk_bytes, backend=backend, grad_filter=grad_filter)
     out = type(out)(*(None if x is None else x.cpu() for x in out))
-    (rt, rc, rlse, rent), ref_leaves = dense_reference(h, w, b, y, c, tau, support=support, skip=skip)
+    (rt, rc, rlse, rent), ref_leaves = linear_naive.linear_sparse_log_softmax(h, w, b, y, c, tau, support=support,
+                                                                              skip=skip)
     for got in out[:4]:  # sum_p2 is None here (tests/ops/test_sum_p2.py checks it)
         assert got.dtype == torch.float32
     scale = 1.0 + float(torch.nan_to_num(rlse, posinf=0.0).abs().max()) if rlse.numel() else 1.0
@@ -146,26 +109,4 @@ def check_against_reference(h, w, b, y, c, tau, *, support, skip=None, chunk_byt
         top = float(r.abs().max())
         err = float((g.double() - r).abs().max())
         assert err <= gtol * max(top, 1e-2 * term), f"{name} error {err} vs largest entry {top}"
-    return out
-
-
-def dense_sum_p2(h, w, b, y, c, tau, *, support=False, skip=None) -> Tensor:
-    """float64 ``sum_v p(v)^2`` per row of ``softmax((h W^T + b) / tau)`` (full vocabulary), or with ``support``
-    of the distribution renormalised over the row's candidates (``-1`` padding left out); 0 on skipped rows and
-    rows without mass. Written out directly from the logits, sharing nothing with the statistics under test."""
-    n = h.shape[0]
-    inv = 1.0 / (tau.double() if isinstance(tau, Tensor) else torch.full((n,), float(tau), dtype=torch.float64))
-    z = h.detach().double() @ w.detach().double().T
-    if b is not None:
-        z = z + b.detach().double()
-    x = z * inv[:, None]
-    if support:
-        c = c.long()
-        x = x.gather(1, c.clamp_min(0)).masked_fill(c < 0, -INF)
-    out = torch.zeros(n, dtype=torch.float64)
-    for i in range(n):
-        row = x[i][x[i] > -INF]
-        if row.numel() and not (skip is not None and bool(skip[i])):
-            p = torch.softmax(row, dim=0)
-            out[i] = (p * p).sum()
     return out

@@ -1,6 +1,6 @@
-"""A float64 reference for the vocabulary backends' contract functions (``full_stats`` / ``row_stats`` and
-``full_grad`` / ``row_grad``), hostile inputs, and the tolerance model shared by the Triton kernels' and the native
-CPU kernels' tests.
+"""Hostile inputs for the vocabulary backends' contract functions (``full_stats`` / ``row_stats`` and
+``full_grad`` / ``row_grad``) and the tolerance model shared by the Triton kernels' and the native CPU kernels'
+tests. The float64 reference itself is the op's own :mod:`offpolicy.ops.logits_op.logits_naive`.
 
 Tolerances (the reference is computed in float64 from the *same stored* logits, so input rounding is shared):
 * ``arg_tol = 64 u (1 + max|x|)``, ``u = 2**-24``: the absolute error of an fp32 ``x - lse``: ``x = z * (1/tau)``
@@ -14,6 +14,8 @@ Tolerances (the reference is computed in float64 from the *same stored* logits, 
 from __future__ import annotations
 
 import torch
+
+from offpolicy.ops.logits_op import logits_naive
 
 U = 2.0**-24
 STORE_RTOL = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -39,6 +41,8 @@ def assert_close_inf(got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor, w
     assert torch.equal(got[inf], want[inf]), f"{what}: infinite entries differ"
     err = torch.where(inf, torch.zeros_like(got), (got - want).abs())
     tol = torch.broadcast_to(tol, want.shape)
+    if not want.numel():
+        return
     worst = (err - tol).argmax()
     assert bool((err <= tol).all()), f"{what}: error {err.flatten()[worst]:.3g} > tol {tol.flatten()[worst]:.3g}"
 
@@ -63,38 +67,6 @@ def temperatures(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.exp(torch.empty(n, dtype=torch.float64).uniform_(-3.0, 2.3, generator=gen))
 
 
-def lse_entropy(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``(lse, entropy)`` from a backend's row statistics ``(m, s, t)`` (``lse = +inf``, entropy 0 where
-    ``s = 0``: a row without mass), on the CPU."""
-    m, s, t = m.cpu().double(), s.cpu().double(), t.cpu().double()
-    has = s > 0
-    safe = torch.where(has, s, 1.0)
-    return torch.where(has, m + torch.log(safe), INF), torch.where(has, torch.log(safe) - t / safe, 0.0)
-
-
-def ref_stats(z: torch.Tensor, inv_temp: torch.Tensor):
-    """float64 lse (``+inf`` for rows without mass) and entropy of ``softmax(z * inv_temp)``, and ``x``."""
-    x = z.double() * inv_temp.double()[:, None]
-    lse = torch.logsumexp(x, dim=1)
-    dead = lse == -INF
-    logp = torch.log_softmax(torch.where(dead[:, None], torch.zeros_like(x), x), dim=1)
-    p = torch.exp(logp)
-    ent = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=1)
-    return torch.where(dead, INF, lse), torch.where(dead, 0.0, ent), x
-
-
-def ref_grad(z, ids, inv_temp, lse, grad, grad_sum):
-    """float64 ``inv_temp * (scatter_add(grad at ids) - G exp(x - lse))`` (no dense part if ``lse = +inf`` or G = 0)."""
-    n, v = z.shape
-    x = z.double() * inv_temp.double()[:, None]
-    p = torch.exp(x - lse.double()[:, None])
-    no_dense = torch.isinf(lse.double()) | (grad_sum == 0)  # the kernel skips these reads (NaN logits there)
-    p = torch.where(no_dense[:, None], torch.zeros_like(p), p)
-    sc = torch.zeros(n, v + 1, dtype=torch.float64)
-    sc.scatter_add_(1, torch.where(ids >= 0, ids, v), grad.double())
-    return inv_temp.double()[:, None] * (sc[:, :v] - grad_sum.double()[:, None] * p)
-
-
 def grad_tol(dz_ref, inv_temp, grad, x, dtype):
     """Elementwise tolerance of the stored gradient (see the module docstring)."""
     bound = inv_temp.double().abs() * grad.double().abs().sum(dim=1)  # bounds every term of the row
@@ -110,7 +82,7 @@ def grad_case(n, v, m_ids, dtype, gen, k_pad=0.2, device="cpu"):
         ids[:, 1] = ids[:, 0]  # the target among the candidates
         ids[0, 2:] = ids[0, 2]  # one id repeated across the row
     grad = torch.where(ids >= 0, torch.randn(n, m_ids, generator=gen), 0.0).float()
-    lse, _, _ = ref_stats(z.cpu(), inv_temp)
+    lse, _, _ = logits_naive.full_stats(z.cpu(), inv_temp)
     lse = lse.float()
     grad_sum = grad.sum(dim=1)
     if n > 4:
@@ -137,11 +109,20 @@ def distinct_ids(n: int, v: int, k: int, gen: torch.Generator, pad_frac: float =
     return ids.masked_fill(torch.rand(n, k, generator=gen) < pad_frac, -1)
 
 
-def ref_sum_p2(z: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
-    """float64 ``sum_v p(v)^2`` of ``softmax(z * inv_temp)`` per row (0 for rows without mass), on the CPU:
-    ``p`` from ``exp(x - logsumexp(x))`` squared and summed directly (no running statistics)."""
-    x = z.cpu().double() * inv_temp.cpu().double()[:, None]
-    lse = torch.logsumexp(x, dim=1)
-    dead = lse == -INF
-    p = torch.exp(x - torch.where(dead, 0.0, lse)[:, None])
-    return torch.where(dead, 0.0, (p**2).sum(dim=1))
+def op_case(n, v, k, dtype, gen):
+    """One hostile batch for the op: :func:`hostile_logits` with row 0 spanning ``[-1e4, 1e4]``, candidates holding
+    the target (but in row 2), padding, an empty candidate row (3), a skipped row (5); float64 upstream weights
+    ``w_t [N]``, ``w_c [N, K]`` for the gradient. Needs ``n >= 6``."""
+    z = hostile_logits(n, v, dtype, gen)
+    z[0] = torch.linspace(-1e4, 1e4, v).to(dtype)  # extreme logits
+    y = torch.randint(0, v, (n,), generator=gen)
+    cands = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(n)])
+    cands[:, 0] = y  # target among candidates (a repeated id in the kernel's scatter)
+    cands[2, 0] = (y[2] + 1) % v  # ... except in row 2
+    cands = torch.where(torch.rand(n, k, generator=gen) < 0.25, -1, cands)
+    cands[3] = -1  # an empty candidate row
+    skip = torch.zeros(n, dtype=torch.bool)
+    skip[5] = True
+    w_t = torch.randn(n, generator=gen, dtype=torch.float64)
+    w_c = torch.where(cands >= 0, torch.randn(n, k, generator=gen, dtype=torch.float64), 0.0)
+    return z, y, cands, skip, w_t, w_c

@@ -89,7 +89,7 @@ from offpolicy.adapters.guard import Guard, Suspect
 from offpolicy.adapters.trl_compat import VLLM_DEFAULT_MAX_LOGPROBS, check_trl_api, engine_dtype, vllm_engine_options
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.logits import policy_loss
-from offpolicy.ops.linear_log_softmax import linear_sparse_log_softmax
+from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax
 from offpolicy.records.candidates import Candidates
 
 RECORD_MODES = ("logprobs", "head", "support")

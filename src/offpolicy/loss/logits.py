@@ -218,7 +218,7 @@ def _log_probs(model: ModelInputs, tokens, cand_ids, temperature, support, skip,
     if model.logits is not None:
         return sparse_log_softmax(model.logits, tokens, cand_ids, temperature, support=support, skip=skip, shard=shard,
                                   inplace_grad=inplace_grad, backend=backend, validate=False)
-    from offpolicy.ops.linear_log_softmax import linear_sparse_log_softmax
+    from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax
 
     return linear_sparse_log_softmax(model.hidden, model.weight, tokens, cand_ids, temperature, bias=model.bias,
                                      support=support, skip=skip, shard=shard, backend=backend, validate=False)

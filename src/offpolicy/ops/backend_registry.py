@@ -1,7 +1,12 @@
-"""One registry of backends for both primitives (the logits op and the fused-linear op).
+"""One registry of backends for both ops (the logits op and the fused-linear op), each a :class:`Backend` resolved
+once per call: the op's boundary picks it (:func:`choose`) and hands the record down in the op's plan; the autograd
+functions call its modules directly (eager) or, while ``torch.compile`` traces, through the custom ops of
+:mod:`offpolicy.ops.library`, which carry only the backend's name.
 
-A backend is a :class:`Backend` record: the modules that implement each op's contract and the capabilities the
-autograd functions read (instead of testing a backend's name):
+A backend's modules implement the contracts :class:`LogitsBackend` (``full_stats``, ``full_grad``; with
+``caches_probs`` also :class:`CachingLogitsBackend`'s ``grad_from_probs``) and :class:`LinearBackend`
+(``gathered_logits``, ``full_stats``, ``backward``); the capabilities the autograd functions read (instead of
+testing a backend's name):
 
 * ``caches_probs``: the logits op's ``full_stats`` can leave ``exp(x - m)`` in a caller's buffer that the backward
   turns into the gradient in place (one pass over ``[N, V]`` saved);
@@ -10,15 +15,14 @@ autograd functions read (instead of testing a backend's name):
 * ``needs_kernels``: it launches Triton kernels, so it needs CUDA tensors, or ``TRITON_INTERPRET=1`` set before
   Triton is imported for CPU tensors.
 
-The logits contract (:mod:`offpolicy.ops.torch_backend`): ``full_stats(logits, inv_temp, skip) -> (m, s, t)`` and
-``full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out) -> out``. The fused-linear contract
-(:mod:`offpolicy.ops.linear_torch_backend`): ``gathered_logits``, ``full_stats`` and ``backward``.
-
-Backends: ``torch`` (chunked PyTorch: the CPU fallback, and float64 everywhere), ``cpu`` (fused C loops built at
-first use, :mod:`offpolicy.ops.cpu_backend`) and ``triton`` (the GPU kernels).
+Backends: ``torch`` (chunked PyTorch: the CPU fallback, and float64 everywhere;
+:mod:`offpolicy.ops.logits_op.torch_backend`, :mod:`offpolicy.ops.linear_op.linear_torch_backend`), ``cpu`` (fused
+C loops built at first use, :mod:`offpolicy.ops.logits_op.cpu_backend`; the fused-linear op runs the torch module)
+and ``triton`` (the GPU kernels, :mod:`offpolicy.ops.logits_op.triton_backend`,
+:mod:`offpolicy.ops.linear_op.linear_triton_backend`).
 
 Choice, in order: the ``backend=`` argument, the ``OFFPOLICY_BACKEND`` environment variable, then ``triton`` for
-CUDA tensors, and for CPU tensors ``cpu`` where its kernels build, else ``torch``. float64 logits go to ``torch``
+CUDA tensors, and for CPU tensors ``cpu`` where its kernels build, else ``torch``. float64 inputs go to ``torch``
 whatever is chosen.
 """
 
@@ -27,16 +31,55 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
-from types import ModuleType
+from functools import cached_property
+from typing import Protocol
 
 import torch
+from torch import Tensor
 
 ENV_VAR = "OFFPOLICY_BACKEND"
 
 
+class LogitsBackend(Protocol):
+    """The logits op's contract (documented on :mod:`offpolicy.ops.logits_op.torch_backend`)."""
+
+    def full_stats(self, logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *,
+                   sum_p2: bool = False) -> tuple[Tensor, ...]:
+        """Per-row ``(m, s, t)`` of ``logits [N, V] * inv_temp [N]``, then ``q`` with ``sum_p2``."""
+
+    def full_grad(self, logits: Tensor, ids: Tensor, inv_temp: Tensor, lse: Tensor, grad: Tensor,
+                  grad_sum: Tensor, out: Tensor) -> Tensor:
+        """``dz [N, V] = inv_temp (scatter(grad at ids) - grad_sum exp(x - lse))`` written into ``out``."""
+
+
+class CachingLogitsBackend(LogitsBackend, Protocol):
+    """A logits backend with ``caches_probs``: ``full_stats`` fills ``probs [N, V]`` with ``exp(x - m)``."""
+
+    def grad_from_probs(self, probs: Tensor, ids: Tensor, inv_temp: Tensor, m: Tensor, lse: Tensor, grad: Tensor,
+                        grad_sum: Tensor) -> Tensor:
+        """The gradient, in place in ``probs``."""
+
+
+class LinearBackend(Protocol):
+    """The fused-linear op's contract (documented on :mod:`offpolicy.ops.linear_op.linear_torch_backend`)."""
+
+    def gathered_logits(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor,
+                        chunk_bytes: int) -> Tensor:
+        """``[N, M]`` logits at the ids, 0 where ``ids < 0``."""
+
+    def full_stats(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
+                   chunk_bytes: int, *, sum_p2: bool = False) -> tuple[Tensor, ...]:
+        """``(m, s, t) [N]``, ``x [N, M]``, then ``q [N]`` with ``sum_p2``."""
+
+    def backward(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, dz_ids: Tensor,
+                 inv_temp: Tensor, lse: Tensor, coef: Tensor | None, *, chunk_bytes: int,
+                 grad_filter: float | None = None, needs: tuple[bool, bool, bool] = (True, True, True)) -> tuple:
+        """``(dh, dW, db, filtered tiles)``; a gradient not needed is None."""
+
+
 @dataclass(frozen=True)
 class Backend:
-    """A registered backend: its name, its modules for each op, and what it can do."""
+    """A registered backend: its name, the modules implementing each op's contract, and what it can do."""
 
     name: str
     logits_module: str
@@ -45,21 +88,24 @@ class Backend:
     float64: bool
     needs_kernels: bool
 
-    def logits(self) -> ModuleType:
-        """The module implementing the logits op's contract (imported on first use)."""
+    @cached_property
+    def logits(self) -> LogitsBackend:
+        """The module implementing the logits op's contract (imported on first use, then kept)."""
         return _import(self, self.logits_module)
 
-    def linear(self) -> ModuleType:
-        """The module implementing the fused-linear op's contract (imported on first use)."""
+    @cached_property
+    def linear(self) -> LinearBackend:
+        """The module implementing the fused-linear op's contract (imported on first use, then kept)."""
         return _import(self, self.linear_module)
 
 
 BACKENDS: dict[str, Backend] = {
-    "torch": Backend("torch", "offpolicy.ops.torch_backend", "offpolicy.ops.linear_torch_backend",
+    "torch": Backend("torch", "offpolicy.ops.logits_op.torch_backend", "offpolicy.ops.linear_op.linear_torch_backend",
                      caches_probs=True, float64=True, needs_kernels=False),
-    "cpu": Backend("cpu", "offpolicy.ops.cpu_backend", "offpolicy.ops.linear_torch_backend",
+    "cpu": Backend("cpu", "offpolicy.ops.logits_op.cpu_backend", "offpolicy.ops.linear_op.linear_torch_backend",
                    caches_probs=False, float64=False, needs_kernels=False),
-    "triton": Backend("triton", "offpolicy.ops.triton_backend", "offpolicy.ops.linear_triton_backend",
+    "triton": Backend("triton", "offpolicy.ops.logits_op.triton_backend",
+                      "offpolicy.ops.linear_op.linear_triton_backend",
                       caches_probs=False, float64=False, needs_kernels=True),
 }
 
@@ -73,7 +119,7 @@ def _default(device: torch.device) -> str:
     return "cpu" if cpu_native.load() is not None else "torch"
 
 
-def _import(backend: Backend, module: str) -> ModuleType:
+def _import(backend: Backend, module: str):
     try:
         return importlib.import_module(module)
     except ImportError as err:
@@ -81,7 +127,7 @@ def _import(backend: Backend, module: str) -> ModuleType:
 
 
 def get(name: str) -> Backend:
-    """The backend registered as ``name``."""
+    """The backend registered as ``name`` (the custom ops' look-up: they carry a name, not the record)."""
     try:
         return BACKENDS[name]
     except KeyError:

@@ -19,7 +19,7 @@ compiler's process group is killed past it), in a temporary file renamed into pl
 removed by the next build.
 
 Where there is no compiler, or the build fails, :func:`load` returns None, says why once in a ``RuntimeWarning``,
-and the CPU default falls back to the chunked PyTorch backend (``offpolicy.ops.torch_backend``), which computes
+and the CPU default falls back to the chunked PyTorch backend (``offpolicy.ops.logits_op.torch_backend``), which computes
 the same quantities. ``OFFPOLICY_CPU_NATIVE=0`` turns the kernels off without a warning. fp16 kernels exist only
 where the compiler has ``_Float16`` (:func:`dtypes` says which were built).
 """

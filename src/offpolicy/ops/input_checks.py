@@ -1,10 +1,11 @@
-"""Input checks shared by the two exported primitives (:func:`~offpolicy.ops.sparse_log_softmax` and
-:func:`~offpolicy.ops.linear_sparse_log_softmax`).
+"""The input checks of both ops (:func:`~offpolicy.ops.sparse_log_softmax` and
+:func:`~offpolicy.ops.linear_sparse_log_softmax`), made once, at their public boundary: nothing below it (autograd
+functions, backends) checks its arguments again.
 
-Shape, dtype and option checks cost nothing and always run. Value checks (ids in range, temperatures ``> 0``)
-read the tensors, which is a host sync on a GPU: they run unless the caller passes ``validate=False`` (a caller
-that has checked its batch already, such as :func:`offpolicy.policy_loss`), and are left out while
-``torch.compile`` traces (a graph cannot hold a host sync).
+Shape, dtype, stride and option checks cost nothing and always run. Value checks (ids in range, temperatures
+``> 0``) read the tensors, which is a host sync on a GPU: the boundary runs them unless the caller passes
+``validate=False`` (a caller that has checked its batch already, such as :func:`offpolicy.policy_loss`) or
+``torch.compile`` is tracing (a graph cannot hold a host sync).
 """
 
 from __future__ import annotations
@@ -103,10 +104,9 @@ def check_values(v: int, targets: Tensor, candidate_ids: Tensor | None, temperat
     ``support`` (the normaliser would count it twice), temperatures finite and ``> 0`` with ``1 / temperature``
     finite in ``acc``.
 
-    Under ``shard`` the global vocabulary size is not known here, so only the lower bounds are checked.
+    Under ``shard`` the global vocabulary size is not known here, so only the lower bounds are checked. Call it
+    eagerly only (the boundary does not while ``torch.compile`` traces).
     """
-    if torch.compiler.is_compiling():
-        return
     # One min/max pass per id tensor (each host sync costs a pass and, on a busy CPU, a thread wake-up).
     for name, x, lowest in (("targets", targets, 0), ("candidate_ids", candidate_ids, -1)):
         if x is None or not x.numel():
@@ -135,3 +135,30 @@ def check_temperature_values(temperature: Tensor, acc: torch.dtype) -> None:
         raise ValueError("temperature: every entry must be finite and > 0")
     if not bool(torch.isfinite(1 / temperature.to(acc)).all()):
         raise ValueError(f"temperature: an entry of {float(temperature.min()):.3g} is too small: {_too_small(acc)}")
+
+
+def check_sum_p2(sum_p2: object) -> None:
+    """``sum_p2`` must be a bool (a tensor or a number would be a different question)."""
+    if not isinstance(sum_p2, bool):
+        raise ValueError(f"sum_p2: expected True or False, got {sum_p2!r}")
+
+
+def check_layer(hidden: object, weight: object, bias: object, chunk_bytes: object, grad_filter: object) -> None:
+    """The fused-linear op's layer: ``hidden [N, D]`` float, ``weight [V, D]`` of its dtype and device, ``bias [V]``
+    or None, a positive ``chunk_bytes`` and ``grad_filter`` None or in ``[0, 1)``."""
+    if not isinstance(hidden, Tensor) or hidden.dim() != 2 or hidden.dtype not in FLOATS:
+        raise ValueError(f"hidden: expected a [N, D] fp32/bf16/fp16/float64 tensor, got {describe(hidden)}")
+    d = hidden.shape[1]
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"weight: expected a [V, D={d}] tensor, got {describe(weight)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight: expected dtype {hidden.dtype} on {hidden.device} like hidden, "
+                         f"got {weight.dtype} on {weight.device}")
+    v = weight.shape[0]
+    if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (v,) or bias.dtype not in FLOATS
+                             or bias.device != hidden.device):
+        raise ValueError(f"bias: expected a [V={v}] float tensor on {hidden.device} or None, got {describe(bias)}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
+    if grad_filter is not None and not 0.0 <= float(grad_filter) < 1.0:
+        raise ValueError(f"grad_filter: expected None or a threshold in [0, 1), got {grad_filter!r}")

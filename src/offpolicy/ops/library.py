@@ -1,8 +1,9 @@
 """Both primitives' backend functions as ``torch.library`` custom ops, so that ``torch.compile(fullgraph=True)``
 traces them as opaque ops with shape-only fake (meta) implementations. At run time each op calls the backend
-named by its ``backend`` argument (:mod:`offpolicy.ops.backend_registry`). They are called inside the autograd
-functions (:mod:`offpolicy.ops.logits_function`, :mod:`offpolicy.ops.linear_function`), so they carry no autograd
-formula.
+named by its ``backend`` argument (:mod:`offpolicy.ops.backend_registry`; a graph holds a name, not the record).
+The autograd functions (:mod:`offpolicy.ops.logits_op.logits_function`,
+:mod:`offpolicy.ops.linear_op.linear_function`) call them only while ``torch.compile`` traces (eagerly they call the
+backend record directly), so they carry no autograd formula.
 
 Logits op:
 
@@ -34,7 +35,7 @@ def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: s
                sum_p2: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(m, s, t, q)`` per row of ``logits * inv_temp`` (the logits contract's ``full_stats``); ``q`` is empty
     unless ``sum_p2``."""
-    stats = backend_registry.get(backend).logits().full_stats(logits, inv_temp, skip, sum_p2=sum_p2)
+    stats = backend_registry.get(backend).logits.full_stats(logits, inv_temp, skip, sum_p2=sum_p2)
     return (*stats, inv_temp.new_empty(0)) if not sum_p2 else tuple(stats)
 
 
@@ -50,7 +51,7 @@ def full_grad(
 ) -> Tensor:
     """A new contiguous ``[N, V]`` gradient in the logits' dtype (the logits contract's ``full_grad``)."""
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    return backend_registry.get(backend).logits().full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
+    return backend_registry.get(backend).logits.full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
 
 
 @full_grad.register_fake
@@ -63,7 +64,7 @@ def full_grad_inplace_(
     logits: Tensor, ids: Tensor, inv_temp: Tensor, lse: Tensor, grad: Tensor, grad_sum: Tensor, backend: str
 ) -> None:
     """Overwrite ``logits`` with their gradient (the logits contract's ``full_grad`` with ``out = logits``)."""
-    backend_registry.get(backend).logits().full_grad(logits, ids, inv_temp, lse, grad, grad_sum, logits)
+    backend_registry.get(backend).logits.full_grad(logits, ids, inv_temp, lse, grad, grad_sum, logits)
 
 
 @full_grad_inplace_.register_fake
@@ -75,7 +76,7 @@ def _full_grad_inplace_fake(logits, ids, inv_temp, lse, grad, grad_sum, backend)
 def linear_gathered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, chunk_bytes: int,
                            backend: str) -> Tensor:
     """``[N, M]`` logits at the ids, 0 where ``ids < 0`` (the fused-linear contract's ``gathered_logits``)."""
-    return backend_registry.get(backend).linear().gathered_logits(hidden, weight, bias, ids, chunk_bytes)
+    return backend_registry.get(backend).linear.gathered_logits(hidden, weight, bias, ids, chunk_bytes)
 
 
 @linear_gathered_logits.register_fake
@@ -89,7 +90,7 @@ def linear_full_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: 
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(m, s, t) [N]`` over the whole (local) vocabulary, ``x [N, M]`` at the ids and ``q [N]`` (empty unless
     ``sum_p2``) (fused-linear contract)."""
-    stats = backend_registry.get(backend).linear().full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes,
+    stats = backend_registry.get(backend).linear.full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes,
                                                               sum_p2=sum_p2)
     return (*stats, inv_temp.new_empty(0)) if not sum_p2 else tuple(stats)
 
@@ -107,7 +108,7 @@ def linear_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Te
                     need_h: bool, need_w: bool, need_b: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """``(dh [N, D] in the accumulation dtype, dW [V, D] in the weight's, db [V] in the bias's)``; empty when not
     needed (the fused-linear contract's ``backward``)."""
-    dh, dw, db, _ = backend_registry.get(backend).linear().backward(
+    dh, dw, db, _ = backend_registry.get(backend).linear.backward(
         hidden, weight, bias, ids, dz_ids, inv_temp, lse, coef, chunk_bytes=chunk_bytes, grad_filter=grad_filter,
         needs=(need_h, need_w, need_b))
     empty = hidden.new_empty(0)

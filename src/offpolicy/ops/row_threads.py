@@ -80,10 +80,11 @@ def for_chunks(total: int, step: int, body: Callable[[int, int], None]) -> None:
     """Call ``body(lo, hi)`` for every chunk ``[lo, hi)`` of ``range(total)`` in steps of ``step``.
 
     Chunks are split into contiguous shares, one per worker; ``body`` must only write outputs of its own rows.
+    Eager code only: the backends call it at run time (directly, or inside a custom op), never while
+    ``torch.compile`` traces.
     """
     starts = list(range(0, total, step))
-    compiling = torch.compiler.is_compiling()
-    threads = 1 if compiling else getattr(_LOCAL, "workers", None) or torch.get_num_threads()
+    threads = getattr(_LOCAL, "workers", None) or torch.get_num_threads()
     workers = min(len(starts), max(1, threads))
     if workers <= 1:
         for lo in starts:

@@ -48,10 +48,11 @@ def gradient_buffer(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """An uninitialised contiguous tensor of ``like``'s shape (and ``dtype``, default ``like``'s) for a gradient.
 
     Its contents are arbitrary (a previous gradient): callers overwrite every element. Thread-safe: a storage is
-    handed to one caller at a time (see the module docstring).
+    handed to one caller at a time (see the module docstring). Eager code only (a traced graph allocates its own
+    buffers).
     """
     dtype = like.dtype if dtype is None else dtype
-    if not enabled(like.device) or torch.compiler.is_compiling():
+    if not enabled(like.device):
         return torch.empty(like.shape, dtype=dtype, device=like.device)
     key = (like.device, dtype)
     nbytes = like.numel() * torch.empty((), dtype=dtype).element_size()

@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 
 import offpolicy.ops as ops
 from offpolicy.kernels import logsoftmax as kernels
+from offpolicy.ops.logits_op import logits_naive
 
-from support.vocab_reference import (INF, arg_tol, assert_close_inf, dname, grad_case, grad_tol, hostile_logits,
-                                     lse_entropy, ref_grad, ref_stats, temperatures)
+from support.vocab_reference import (arg_tol, assert_close_inf, dname, grad_case, grad_tol, hostile_logits, op_case,
+                                     temperatures)
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -52,9 +53,9 @@ def test_row_stats_match_float64(dtype, block):
     assert bool(torch.isnan(s[7]))
     live = ~skip.cpu()
     live[7] = False
-    lse_ref, ent_ref, x = ref_stats(z.cpu()[live], inv_temp.cpu()[live])
+    lse_ref, ent_ref, x = logits_naive.full_stats(z.cpu()[live], inv_temp.cpu()[live])
     m, s, t = m.cpu()[live], s.cpu()[live], t.cpu()[live]
-    lse, ent = lse_entropy(m, s, t)
+    lse, ent = logits_naive.lse_entropy(m, s, t)
     tol = arg_tol(x)
     assert_close_inf(lse, lse_ref, tol, "lse")
     assert_close_inf(ent, ent_ref, tol, "entropy")
@@ -69,8 +70,8 @@ def test_row_stats_strided_rows_and_no_skip():
     z = wide[:, 50:550]
     inv_temp = torch.full((5,), 1 / 0.7, device=DEVICE)
     m, s, t = kernels.row_stats(z, inv_temp, None, block=128)
-    lse_ref, ent_ref, x = ref_stats(z.cpu(), inv_temp.cpu())
-    lse, ent = lse_entropy(m, s, t)
+    lse_ref, ent_ref, x = logits_naive.full_stats(z.cpu(), inv_temp.cpu())
+    lse, ent = logits_naive.lse_entropy(m, s, t)
     assert_close_inf(lse, lse_ref, arg_tol(x), "lse")
     assert_close_inf(ent, ent_ref, arg_tol(x), "entropy")
 
@@ -86,7 +87,7 @@ def test_row_grad_matches_float64(dtype, inplace, block):
     n, v, m_ids = 9, 1000, 70  # 70 ids: two chunks of the exact scatter and several comparison steps
     z, ids, inv_temp, lse, grad, grad_sum = grad_case(n, v, m_ids, dtype, gen, device=DEVICE)
     z_ref = z.cpu().clone()
-    want = ref_grad(z_ref, ids.cpu(), inv_temp.cpu(), lse.cpu(), grad.cpu(), grad_sum.cpu())
+    want = logits_naive.full_grad(z_ref, ids.cpu(), inv_temp.cpu(), lse.cpu(), grad.cpu(), grad_sum.cpu())
     out = z if inplace else torch.full_like(z, 7.0)
     got = kernels.row_grad(z, ids, inv_temp, lse, grad, grad_sum, out, block=block)
     assert got is out and got.dtype == dtype
@@ -105,7 +106,7 @@ def test_row_grad_strided_out_and_logits(dtype):
     wide[:, 37:337] = z
     out_wide = torch.full((4, 512), 3.0, dtype=dtype, device=DEVICE)
     got = kernels.row_grad(wide[:, 37:337], ids, inv_temp, lse, grad, grad_sum, out_wide[:, 100:400], block=128)
-    want = ref_grad(z.cpu(), ids.cpu(), inv_temp.cpu(), lse.cpu(), grad.cpu(), grad_sum.cpu())
+    want = logits_naive.full_grad(z.cpu(), ids.cpu(), inv_temp.cpu(), lse.cpu(), grad.cpu(), grad_sum.cpu())
     x = z.cpu().double() * inv_temp.cpu().double()[:, None]
     assert_close_inf(got.cpu(), want, grad_tol(want, inv_temp.cpu(), grad.cpu(), x, dtype), "dz")
     assert bool((out_wide[:, :100] == 3).all()) and bool((out_wide[:, 400:] == 3).all())
@@ -125,10 +126,10 @@ def test_kernels_random_shapes(n, v, m_ids, block, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     z, ids, inv_temp, lse, grad, grad_sum = grad_case(n, v, m_ids, dtype, gen, device=DEVICE)
     m, s, t = kernels.row_stats(z, inv_temp, None, block=block)
-    lse_ref, _, x = ref_stats(z.cpu(), inv_temp.cpu())
-    assert_close_inf(lse_entropy(m, s, t)[0], lse_ref, arg_tol(x), "lse")
+    lse_ref, _, x = logits_naive.full_stats(z.cpu(), inv_temp.cpu())
+    assert_close_inf(logits_naive.lse_entropy(m, s, t)[0], lse_ref, arg_tol(x), "lse")
     got = kernels.row_grad(z, ids, inv_temp, lse, grad, grad_sum, torch.empty_like(z), block=block)
-    want = ref_grad(z.cpu(), ids.cpu(), inv_temp.cpu(), lse.cpu(), grad.cpu(), grad_sum.cpu())
+    want = logits_naive.full_grad(z.cpu(), ids.cpu(), inv_temp.cpu(), lse.cpu(), grad.cpu(), grad_sum.cpu())
     xg = torch.where(torch.isnan(x), torch.zeros_like(x), x)
     assert_close_inf(got.cpu(), want, grad_tol(want, inv_temp.cpu(), grad.cpu(), xg, dtype), "dz")
 
@@ -156,14 +157,14 @@ def test_64bit_row_offsets():
     inv_temp = torch.full((3,), 1.3, device=DEVICE)
     assert kernels._needs_int64(3, z)
     m, s, t = kernels.row_stats(z, inv_temp)
-    lse_ref, _, x = ref_stats(src, inv_temp.cpu())
+    lse_ref, _, x = logits_naive.full_stats(src, inv_temp.cpu())
     lse = m.cpu().double() + torch.log(s.cpu().double())
     assert_close_inf(lse, lse_ref, arg_tol(x), "lse")
     ids = torch.tensor([[3, 3, -1], [0, 255, 7], [9, 1, 2]], device=DEVICE)
     grad = torch.where(ids >= 0, torch.randn(3, 3, generator=gen).to(DEVICE), 0.0)
     lse32 = lse_ref.float().to(DEVICE)
     kernels.row_grad(z, ids, inv_temp, lse32, grad, grad.sum(1), z)  # in place, through the same view
-    want = ref_grad(src, ids.cpu(), inv_temp.cpu(), lse32.cpu(), grad.cpu(), grad.sum(1).cpu())
+    want = logits_naive.full_grad(src, ids.cpu(), inv_temp.cpu(), lse32.cpu(), grad.cpu(), grad.sum(1).cpu())
     assert_close_inf(z.cpu(), want, grad_tol(want, inv_temp.cpu(), grad.cpu(), x, torch.float16), "dz")
 
 
@@ -189,84 +190,10 @@ def test_bad_inputs_raise():
 # ---------------------------------------------------------------- through sparse_log_softmax
 
 
-def dense_reference(z, y, cands, tau, support, skip):
-    """float64 ``(target, candidates, lse, entropy)`` of the primitive, written densely with log-softmax.
-
-    Rows without mass (all -inf, empty support) and skipped rows give ``-inf`` log-probabilities, ``lse = +inf``,
-    entropy 0 and no gradient. In support mode the target's value is ``x_y - lse_S`` (as the primitive defines
-    it), ``-inf`` only when ``x_y`` is.
-    """
-    n, v = z.shape
-    x = z / tau[:, None]
-    if support:
-        mask = torch.zeros(n, v + 1, dtype=torch.bool).scatter_(1, torch.where(cands >= 0, cands, v), True)[:, :v]
-        xs = x.masked_fill(~mask, -INF)
-    else:
-        xs = x
-    dead = (xs == -INF).all(dim=1) | skip
-    xs_live = torch.where(dead[:, None], torch.zeros_like(xs), xs)  # no NaN in the backward of dead rows
-    lse_live = torch.logsumexp(xs_live, dim=1)
-    target = torch.where(dead, -INF, x.gather(1, y[:, None])[:, 0] - lse_live)
-    cand = torch.where((cands >= 0) & ~dead[:, None], x.gather(1, cands.clamp_min(0)) - lse_live[:, None], -INF)
-    logp = (xs_live - lse_live[:, None]).detach()
-    p = torch.exp(logp)
-    ent = torch.where(dead, 0.0, -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=1))
-    lse = torch.where(dead, INF, lse_live.detach())
-    return target, cand, lse, ent
-
-
-def e2e_case(n, v, k, dtype, gen):
-    z = hostile_logits(n, v, dtype, gen, DEVICE).cpu()
-    z[0] = torch.linspace(-1e4, 1e4, v).to(dtype)  # extreme logits
-    y = torch.randint(0, v, (n,), generator=gen)
-    cands = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(n)])
-    cands[:, 0] = y  # target among candidates (a repeated id in the kernel's scatter)
-    cands[2, 0] = (y[2] + 1) % v  # ... except in row 2
-    cands = torch.where(torch.rand(n, k, generator=gen) < 0.25, -1, cands)
-    cands[3] = -1  # an empty candidate row
-    skip = torch.zeros(n, dtype=torch.bool)
-    skip[5] = True
-    w_t = torch.randn(n, generator=gen, dtype=torch.float64)
-    w_c = torch.where(cands >= 0, torch.randn(n, k, generator=gen, dtype=torch.float64), 0.0)
-    return z, y, cands, skip, w_t, w_c
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
-@pytest.mark.parametrize("support", [False, True], ids=["full", "support"])
-@pytest.mark.parametrize("per_token", [False, True], ids=["scalar_tau", "token_tau"])
-@pytest.mark.parametrize("inplace", [False, True], ids=["grad", "inplace_grad"])
-def test_sparse_log_softmax_triton_matches_dense_float64(dtype, support, per_token, inplace):
-    gen = torch.Generator().manual_seed(5)
-    n, v, k = 8, 777, 6
-    z, y, cands, skip, w_t, w_c = e2e_case(n, v, k, dtype, gen)
-    tau64 = temperatures(n, gen) if per_token else torch.full((n,), 0.7, dtype=torch.float64)
-    tau = tau64.float().to(DEVICE) if per_token else 0.7
-    leaf = z.to(DEVICE).requires_grad_()
-    logits = leaf * 1  # a non-leaf, as model logits are (in-place gradients land in it)
-    out = ops.sparse_log_softmax(logits, y.to(DEVICE), cands.to(DEVICE), tau, support=support,
-                                 skip=skip.to(DEVICE), inplace_grad=inplace, backend="triton")
-    (g,) = torch.autograd.grad((out.target, out.candidates), leaf,
-                               (w_t.float().to(DEVICE), w_c.float().to(DEVICE)))
-    zr = z.double().requires_grad_()
-    target, cand, lse, ent = dense_reference(zr, y, cands, tau64.double(), support, skip)
-    (gr,) = torch.autograd.grad((target, cand), zr, (w_t, w_c), allow_unused=True)
-    x = z.double() / tau64[:, None]
-    tol = arg_tol(x)
-    assert_close_inf(out.lse.cpu(), lse, tol, "lse")
-    assert_close_inf(out.entropy.cpu(), ent, tol * (1 + ent.abs()), "entropy")
-    assert_close_inf(out.target.detach().cpu(), target.detach(), tol, "target")
-    assert_close_inf(out.candidates.detach().cpu(), cand.detach(), tol[:, None], "candidates")
-    bound_g = torch.cat([w_t[:, None], w_c], 1)
-    assert_close_inf(g.cpu(), gr, grad_tol(gr, 1 / tau64, bound_g, x, dtype), "gradient")
-    if inplace:
-        assert torch.equal(logits.detach(), g)  # the gradient was written into the logits
-    assert bool((g[5] == 0).all()) and bool((g[1] == 0).all())  # skipped, and all -inf
-
-
 def test_triton_and_torch_backends_agree():
     """Same inputs through both backends: outputs and gradients equal to fp32 rounding."""
     gen = torch.Generator().manual_seed(6)
-    z, y, cands, skip, w_t, w_c = e2e_case(8, 500, 5, torch.float32, gen)
+    z, y, cands, skip, w_t, w_c = op_case(8, 500, 5, torch.float32, gen)
     res = {}
     for name in ("torch", "triton"):
         leaf = z.to(DEVICE).requires_grad_()

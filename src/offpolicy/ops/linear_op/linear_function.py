@@ -19,6 +19,9 @@ whatever their hidden state holds: their ids are dropped from the sparse part an
 Vocabulary parallelism: the statistics (full) or the gathered logits (support) are combined across shards as in
 the logits primitive (:mod:`offpolicy.ops.vocab_parallel`); each rank's ``dh`` is its shard's partial sum (what
 autograd through ``h @ W_local^T`` gives; the tensor-parallel layer that replicated ``h`` sums it over ranks).
+
+Eager, the backend (resolved once, at the boundary) is called directly; while ``torch.compile`` traces, through the
+custom ops of :mod:`offpolicy.ops.library`. The forward reads that choice from the plan, the backend asks once.
 """
 
 from __future__ import annotations
@@ -29,15 +32,15 @@ import torch
 from torch import Tensor
 
 from offpolicy.ops import library, online_softmax
-from offpolicy.ops.online_softmax import INF
 from offpolicy.ops.backend_registry import Backend
+from offpolicy.ops.online_softmax import INF
 from offpolicy.ops.vocab_parallel import VocabShard, combine_shards, localise, sum_shards
 
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """How one call runs: normalisation, vocabulary shard, backend, working-set budget, gradient filter, and
-    whether to return ``sum p^2``."""
+    """How one call runs: normalisation, vocabulary shard, backend, working-set budget, gradient filter, whether to
+    return ``sum p^2``, and whether the call runs eagerly (False while ``torch.compile`` traces)."""
 
     support: bool
     shard: VocabShard | None
@@ -45,6 +48,7 @@ class LinearPlan:
     chunk_bytes: int
     grad_filter: float | None
     sum_p2: bool = False
+    eager: bool = True
 
 
 class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
@@ -55,9 +59,11 @@ class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
                 skip: Tensor | None, plan: LinearPlan):
         local = localise(ids, plan.shard, weight.shape[0])
-        name = plan.backend.name
         if plan.support:
-            x = library.linear_gathered_logits(hidden, weight, bias, local, plan.chunk_bytes, name)
+            if plan.eager:
+                x = plan.backend.linear.gathered_logits(hidden, weight, bias, local, plan.chunk_bytes)
+            else:
+                x = library.linear_gathered_logits(hidden, weight, bias, local, plan.chunk_bytes, plan.backend.name)
             x = x * inv_temp[:, None]
             if plan.shard is not None:
                 x = sum_shards(plan.shard, x)
@@ -104,9 +110,15 @@ class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
         # Entries without gradient are dropped, so no backend reads the hidden state or weight row behind them.
         active = torch.where(dz_ids != 0, local, torch.full_like(local, -1))
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        dh, dw, db = library.linear_backward(hidden, weight, bias, active, dz_ids, inv_temp, lse, coef,
-                                             plan.chunk_bytes, None if plan.support else plan.grad_filter,
-                                             need_h, need_w, need_b and bias is not None, plan.backend.name)
+        grad_filter = None if plan.support else plan.grad_filter
+        if torch.compiler.is_compiling():
+            dh, dw, db = library.linear_backward(hidden, weight, bias, active, dz_ids, inv_temp, lse, coef,
+                                                 plan.chunk_bytes, grad_filter, need_h, need_w,
+                                                 need_b and bias is not None, plan.backend.name)
+        else:
+            dh, dw, db, _ = plan.backend.linear.backward(hidden, weight, bias, active, dz_ids, inv_temp, lse, coef,
+                                                         chunk_bytes=plan.chunk_bytes, grad_filter=grad_filter,
+                                                         needs=(need_h, need_w, need_b and bias is not None))
         return (dh.to(hidden.dtype) if need_h else None, dw if need_w else None,
                 db if need_b and bias is not None else None, None, None, None, None)
 
@@ -118,11 +130,10 @@ def _stats_on_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, local: T
 
     Under ``torch.compile`` (no data-dependent shapes) every row is computed and the skipped ones are masked.
     """
-    name = plan.backend.name
     want_q = plan.sum_p2
-    if skip is None or torch.compiler.is_compiling():
-        m, s, t, x, q = library.linear_full_stats(hidden, weight, bias, local, inv_temp, plan.chunk_bytes, name,
-                                                  want_q)
+    if not plan.eager:
+        m, s, t, x, q = library.linear_full_stats(hidden, weight, bias, local, inv_temp, plan.chunk_bytes,
+                                                  plan.backend.name, want_q)
         q = q if want_q else None
         if skip is None:
             return m, s, t, x, q
@@ -130,10 +141,14 @@ def _stats_on_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, local: T
         zero = torch.zeros_like(m)
         return (torch.where(keep, m, zero), torch.where(keep, s, zero), torch.where(keep, t, zero),
                 torch.where(keep[:, None], x, torch.zeros_like(x)), None if q is None else torch.where(keep, q, zero))
+    stats = plan.backend.linear.full_stats
+    if skip is None:
+        m, s, t, x, *q = stats(hidden, weight, bias, local, inv_temp, plan.chunk_bytes, sum_p2=want_q)
+        return m, s, t, x, (q[0] if want_q else None)
     n = hidden.shape[0]
     rows = (~skip).nonzero().squeeze(1)
-    parts = library.linear_full_stats(hidden.index_select(0, rows), weight, bias, local.index_select(0, rows),
-                                      inv_temp.index_select(0, rows), plan.chunk_bytes, name, want_q)
+    parts = stats(hidden.index_select(0, rows), weight, bias, local.index_select(0, rows),
+                  inv_temp.index_select(0, rows), plan.chunk_bytes, sum_p2=want_q)
     m = torch.zeros(n, dtype=inv_temp.dtype, device=hidden.device)
     s, t = torch.zeros_like(m), torch.zeros_like(m)
     x = torch.zeros(local.shape, dtype=inv_temp.dtype, device=hidden.device)

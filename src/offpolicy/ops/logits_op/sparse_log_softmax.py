@@ -4,58 +4,26 @@ Given logits ``z [N, V]``, per-row ids (the sampled token and ``K`` candidates),
 normalisation (the full vocabulary, or the row's candidate support), it returns the gathered log-probabilities
 of ``x = z / tau``, the normaliser ``lse``, the entropy and, on request, ``sum_v p(v)^2``
 (:class:`SparseLogSoftmax`). Only the full-vocabulary
-statistics and the backward touch ``[N, V]`` data; they run in a backend (:mod:`offpolicy.ops.backend_registry`). The
-autograd function is :mod:`offpolicy.ops.logits_function`; its fused-linear twin is
+statistics and the backward touch ``[N, V]`` data; they run in a backend (:mod:`offpolicy.ops.backend_registry`). This
+is the op's boundary: the arguments are checked here once (:mod:`offpolicy.ops.input_checks`), the backend is
+resolved here once, and on CPU the single-intra-op-thread context is entered here for the forward. The autograd
+function is :mod:`offpolicy.ops.logits_op.logits_function`; its fused-linear twin is
 :func:`offpolicy.ops.linear_sparse_log_softmax`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
 
 import torch
 from torch import Tensor
 
-from offpolicy.ops import backend_registry, input_checks
-from offpolicy.ops.logits_function import LogitsPlan, SparseLogSoftmaxFunction
+from offpolicy.ops import backend_registry, input_checks, row_threads
+from offpolicy.ops.logits_op.logits_function import LogitsPlan, SparseLogSoftmaxFunction
+from offpolicy.ops.row_io import SparseLogSoftmax, result, row_inputs
 from offpolicy.ops.vocab_parallel import VocabShard
 
 __all__ = ["SparseLogSoftmax", "VocabShard", "sparse_log_softmax"]
-
-
-class SparseLogSoftmax(NamedTuple):
-    """Outputs of :func:`sparse_log_softmax` and :func:`~offpolicy.ops.linear_sparse_log_softmax` (fp32; float64
-    for float64 inputs).
-
-    Attributes:
-        target: ``[N]`` log-probability of the sampled token.
-        candidates: ``[N, K]`` log-probabilities of the candidates, ``-inf`` at padding.
-        lse: ``[N]`` normaliser of ``z / tau`` (full vocabulary, or the support); ``+inf`` on skipped rows.
-        entropy: ``[N]`` entropy of the (full or support) distribution; 0 on skipped rows. Not differentiable.
-        sum_p2: ``[N]`` ``sum_v p(v)^2`` of the same distribution (``p`` of ``z / tau``; under ``support`` the sum
-            over the support of the renormalised ``p^S(v)^2``), 0 on skipped rows; None unless ``sum_p2=True`` was
-            asked. A baseline statistic (the Optimal Token Baseline's,
-            :func:`offpolicy.advantages.optimal_token_baseline`): detached, no gradient flows through it.
-    """
-
-    target: Tensor
-    candidates: Tensor
-    lse: Tensor
-    entropy: Tensor
-    sum_p2: Tensor | None = None
-
-
-def row_inputs(targets: Tensor, candidate_ids: Tensor | None, temperature: float | Tensor, n: int,
-               acc: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``ids [N, 1 + K]`` int64 (target first, then the candidates) and ``inv_temp [N]`` in ``acc``."""
-    ids = targets.to(device=device, dtype=torch.int64)[:, None]
-    if candidate_ids is not None:
-        ids = torch.cat([ids, candidate_ids.to(device=device, dtype=torch.int64)], dim=1)
-    if isinstance(temperature, Tensor):
-        inv_temp = (1.0 / temperature.to(device=device, dtype=acc)).reshape(-1).expand(n).contiguous()
-    else:
-        inv_temp = torch.full((n,), 1.0 / float(temperature), dtype=acc, device=device)
-    return ids, inv_temp
 
 
 def sparse_log_softmax(
@@ -111,17 +79,13 @@ def sparse_log_softmax(
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     input_checks.check_rows(n, logits.device, targets, candidate_ids, temperature, support, skip, shard, acc)
     input_checks.check_inplace_grad(logits, inplace_grad)
-    check_sum_p2(sum_p2)
-    if validate:
+    input_checks.check_sum_p2(sum_p2)
+    eager = not torch.compiler.is_compiling()  # tracing: no host syncs, and the backend behind the custom ops
+    if validate and eager:
         input_checks.check_values(v, targets, candidate_ids, temperature, shard, support, acc)
-    ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, logits.device)
     plan = LogitsPlan(support, shard, inplace_grad, backend_registry.choose(backend, logits.device, logits.dtype),
-                      sum_p2)
-    logp, lse, entropy, p2 = SparseLogSoftmaxFunction.apply(logits, ids, inv_temp, skip, plan)
-    return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy, p2 if sum_p2 else None)
-
-
-def check_sum_p2(sum_p2: object) -> None:
-    """``sum_p2`` must be a bool (a tensor or a number would be a different question)."""
-    if not isinstance(sum_p2, bool):
-        raise ValueError(f"sum_p2: expected True or False, got {sum_p2!r}")
+                      sum_p2, eager)
+    cpu = logits.device.type == "cpu"
+    with row_threads.single_intra_op() if cpu else contextlib.nullcontext():
+        ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, logits.device)
+        return result(*SparseLogSoftmaxFunction.apply(logits, ids, inv_temp, skip, plan), sum_p2)

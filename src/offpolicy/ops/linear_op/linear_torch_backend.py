@@ -6,7 +6,7 @@ online-softmax statistics and drops it. The working set is a few such blocks plu
 ``chunk_bytes``; nothing ``[N, V]`` is ever allocated.
 
 Functions (the fused-linear contract of :mod:`offpolicy.ops.backend_registry`, used by
-:mod:`offpolicy.ops.linear_function`; ``ids [N, M]`` are local vocabulary rows, ``-1`` for padding or rows owned
+:mod:`offpolicy.ops.linear_op.linear_function`; ``ids [N, M]`` are local vocabulary rows, ``-1`` for padding or rows owned
 by another shard):
 
 * :func:`gathered_logits`: ``z`` at the ids only, ``O(N M D)``.
@@ -195,7 +195,7 @@ def full_stats(
         sum_p2: also return ``q [N] = sum exp(2 (x - m))`` (``sum p^2 = q / s^2``), folded with the others.
 
     Returns:
-        ``m, s, t`` (``[N]`` fp32, as :func:`offpolicy.ops.torch_backend.full_stats`: row max, ``sum exp(x - m)``,
+        ``m, s, t`` (``[N]`` fp32, as :func:`offpolicy.ops.logits_op.torch_backend.full_stats`: row max, ``sum exp(x - m)``,
         ``sum exp(x - m)(x - m)``; ``m = s = t = 0`` on rows with no mass) and ``x`` at the ids (``[N, M]`` fp32,
         0 where ``ids < 0``), gathered from the same blocks that feed the statistics; then ``q`` with ``sum_p2``.
     """

@@ -1,4 +1,4 @@
-"""Triton backend of the fused linear log-softmax: the contract of :mod:`offpolicy.ops.linear_torch_backend`
+"""Triton backend of the fused linear log-softmax: the contract of :mod:`offpolicy.ops.linear_op.linear_torch_backend`
 on the kernels of :mod:`offpolicy.kernels.linear_logsoftmax` (the CUDA default).
 
 No token chunking is needed: no kernel stores a logits tile, so the only extra memory is the fp32 gradient

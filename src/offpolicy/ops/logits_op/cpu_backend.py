@@ -2,7 +2,7 @@
 wherever they build (:mod:`offpolicy.ops.cpu_native`).
 
 Both functions follow the logits contract of :mod:`offpolicy.ops.backend_registry`, as the chunked PyTorch backend
-(:mod:`offpolicy.ops.torch_backend`) does, and hand it what the C loops leave out: rows holding NaN or ``+inf``
+(:mod:`offpolicy.ops.logits_op.torch_backend`) does, and hand it what the C loops leave out: rows holding NaN or ``+inf``
 logits (recomputed there, so their statistics are the same as that backend's) and float64 logits (the registry
 routes those to it). Rows are shared out to the workers of :mod:`offpolicy.ops.row_threads` in chunks of whole
 rows; each C call works on one row at a time:
@@ -25,8 +25,9 @@ import warnings
 import torch
 from torch import Tensor
 
-from offpolicy.ops import cpu_native, row_threads, torch_backend
-from offpolicy.ops.torch_backend import LN2, LOG2E
+from offpolicy.ops import cpu_native, row_threads
+from offpolicy.ops.logits_op import torch_backend
+from offpolicy.ops.logits_op.torch_backend import LN2, LOG2E
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 #: Rows per C call: a call's work is then milliseconds, against microseconds of ctypes overhead.

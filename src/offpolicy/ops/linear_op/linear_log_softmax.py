@@ -1,12 +1,13 @@
 """The fused-linear primitive: the sparse log-softmax straight from hidden states, ``z = h W^T + b`` never stored.
 
 :func:`linear_sparse_log_softmax` returns exactly what ``sparse_log_softmax(hidden @ weight.T + bias, ...)``
-returns (the same :class:`~offpolicy.ops.sparse_log_softmax.SparseLogSoftmax`, the same padding, skip,
-temperature and NaN semantics), differentiable with respect to ``hidden``, ``weight`` and ``bias``, without the
-``[N, V]`` logits or their gradient. The autograd function is :mod:`offpolicy.ops.linear_function`; backends come
-from the same registry as the logits primitive's (:mod:`offpolicy.ops.backend_registry`): ``torch``
-(:mod:`offpolicy.ops.linear_torch_backend`, chunked, the CPU default) and ``triton``
-(:mod:`offpolicy.ops.linear_triton_backend`, the CUDA default).
+returns (the same :class:`~offpolicy.ops.row_io.SparseLogSoftmax`, the same padding, skip, temperature and NaN
+semantics), differentiable with respect to ``hidden``, ``weight`` and ``bias``, without the ``[N, V]`` logits or
+their gradient. This is the op's boundary: arguments checked once (:mod:`offpolicy.ops.input_checks`), the backend
+resolved once. The autograd function is :mod:`offpolicy.ops.linear_op.linear_function`; backends come from the
+same registry as the logits primitive's (:mod:`offpolicy.ops.backend_registry`): ``torch``
+(:mod:`offpolicy.ops.linear_op.linear_torch_backend`, chunked, the CPU default) and ``triton``
+(:mod:`offpolicy.ops.linear_op.linear_triton_backend`, the CUDA default).
 """
 
 from __future__ import annotations
@@ -14,30 +15,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offpolicy.ops import backend_registry, input_checks, linear_torch_backend
-from offpolicy.ops.input_checks import FLOATS, describe
-from offpolicy.ops.linear_function import LinearPlan, LinearSparseLogSoftmaxFunction
-from offpolicy.ops.sparse_log_softmax import SparseLogSoftmax, check_sum_p2, row_inputs
+from offpolicy.ops import backend_registry, input_checks
+from offpolicy.ops.linear_op import linear_torch_backend
+from offpolicy.ops.linear_op.linear_function import LinearPlan, LinearSparseLogSoftmaxFunction
+from offpolicy.ops.row_io import SparseLogSoftmax, result, row_inputs
 from offpolicy.ops.vocab_parallel import VocabShard
-
-
-def _check_layer(hidden: object, weight: object, bias: object, chunk_bytes: object, grad_filter: object) -> None:
-    if not isinstance(hidden, Tensor) or hidden.dim() != 2 or hidden.dtype not in FLOATS:
-        raise ValueError(f"hidden: expected a [N, D] fp32/bf16/fp16/float64 tensor, got {describe(hidden)}")
-    d = hidden.shape[1]
-    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != d:
-        raise ValueError(f"weight: expected a [V, D={d}] tensor, got {describe(weight)}")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(f"weight: expected dtype {hidden.dtype} on {hidden.device} like hidden, "
-                         f"got {weight.dtype} on {weight.device}")
-    v = weight.shape[0]
-    if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (v,) or bias.dtype not in FLOATS
-                             or bias.device != hidden.device):
-        raise ValueError(f"bias: expected a [V={v}] float tensor on {hidden.device} or None, got {describe(bias)}")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
-    if grad_filter is not None and not 0.0 <= float(grad_filter) < 1.0:
-        raise ValueError(f"grad_filter: expected None or a threshold in [0, 1), got {grad_filter!r}")
 
 
 def linear_sparse_log_softmax(
@@ -75,7 +57,7 @@ def linear_sparse_log_softmax(
         shard: vocabulary-parallel shard (``VocabShard(group, start)``), or None.
         backend: a name in :data:`offpolicy.ops.backend_registry.BACKENDS`; default by device.
         chunk_bytes: working-set budget of the chunked torch backend (default
-            :data:`offpolicy.ops.linear_torch_backend.CHUNK_BYTES`); peak extra memory is about this plus
+            :data:`offpolicy.ops.linear_op.linear_torch_backend.CHUNK_BYTES`); peak extra memory is about this plus
             ``O(N (K + D))``.
         grad_filter: full mode only: skip backward blocks whose probabilities are all below this threshold
             (Cut Cross-Entropy's gradient filtering; each dropped gradient entry is below
@@ -95,17 +77,17 @@ def linear_sparse_log_softmax(
         ValueError: naming the argument, for a bad shape, dtype, option or (with ``validate``) value.
     """
     budget = linear_torch_backend.CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    _check_layer(hidden, weight, bias, budget, grad_filter)
-    check_sum_p2(sum_p2)
+    input_checks.check_layer(hidden, weight, bias, budget, grad_filter)
+    input_checks.check_sum_p2(sum_p2)
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     # fp32 statistics for 16/32-bit inputs; float64 inputs keep float64 throughout (gradcheck, references).
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     input_checks.check_rows(n, dev, targets, candidate_ids, temperature, support, skip, shard, acc)
-    if validate:
+    eager = not torch.compiler.is_compiling()  # tracing: no host syncs, and the backend behind the custom ops
+    if validate and eager:
         input_checks.check_values(v, targets, candidate_ids, temperature, shard, support, acc)
     ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, dev)
     plan = LinearPlan(support, shard, backend_registry.choose(backend, dev, hidden.dtype), budget,
-                      None if grad_filter is None else float(grad_filter), sum_p2)
-    logp, lse, entropy, p2 = LinearSparseLogSoftmaxFunction.apply(hidden, weight, bias, ids, inv_temp, skip, plan)
-    return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy, p2 if sum_p2 else None)
+                      None if grad_filter is None else float(grad_filter), sum_p2, eager)
+    return result(*LinearSparseLogSoftmaxFunction.apply(hidden, weight, bias, ids, inv_temp, skip, plan), sum_p2)
