@@ -10,7 +10,8 @@ logits ``x = z / tau`` (:mod:`offpolicy.ops.support_entries`) gives everything:
   tokens (``lp_t = log p(y_t)``, ``lse``); ``log p(v) = x(v) - logZ``. Its gradient needs
   ``d logZ / dx = p``, which is ``d (x(y_t) - lp_t) / dx = e_y - (e_y - p)``: ``logZ`` takes the value ``lse``
   and the gradient of ``x(y_t) - lp_t`` (:class:`_ValueWithGradOf`; an exact identity, not an approximation).
-  The gathers' gradient is sparse and lands in place in the primitive's dense one.
+  The primitive and the gather are one autograd node, whose backward adds the entries' gradient into the
+  primitive's dense one in place.
 
 Extra memory: ``O(nnz + N)`` in the statistics' dtype, never ``[N, K]`` or ``[N, V]`` (the bound is stated and
 measured in docs/spec.md#record-memory).
@@ -22,9 +23,10 @@ import torch
 from torch import Tensor
 
 from offpolicy.loss.entry_rows import EntryRows
-from offpolicy.ops import SparseLogSoftmax, sparse_log_softmax
+from offpolicy.ops import SparseLogSoftmax
 from offpolicy.ops.sparse_log_softmax import row_inputs
-from offpolicy.ops.support_entries import entry_logits, linear_entry_logits
+from offpolicy.ops.support_entries import (entry_logits, linear_entry_logits, linear_log_softmax_with_entries,
+                                           log_softmax_with_entries)
 from offpolicy.records.csr_candidates import CSRCandidates
 
 
@@ -42,7 +44,7 @@ class _ValueWithGradOf(torch.autograd.Function):
 
 
 def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, skip: Tensor,
-                  backend: str | None) -> SparseLogSoftmax:
+                  backend: str | None, inplace_grad: bool = False) -> SparseLogSoftmax:
     """:class:`~offpolicy.ops.SparseLogSoftmax` of the CSR record: ``target [N]``, ``candidates [nnz]`` (trainer
     log-probabilities at the record's entries, support-normalised for ``kind="support"``), ``lse [N]`` and
     ``entropy [N]`` (detached; of the support distribution under replay), with the primitive's conventions on
@@ -52,6 +54,8 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
         model: :class:`~offpolicy.loss.logits.ModelInputs` (``logits [N, V]``, or ``hidden``, ``weight``, ``bias``).
         tokens: ``[N]`` int sampled ids; record: the validated CSR record; temperature: float or ``[N]``.
         skip: ``[N]`` bool untrained rows.
+        backend, inplace_grad: as in :func:`offpolicy.policy_loss` (``inplace_grad`` acts on head records, whose
+            gradient comes from the vocabulary pass).
     """
     n = tokens.shape[0]
     device = tokens.device
@@ -64,14 +68,14 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
     rows = torch.cat([row, torch.arange(n, device=device)])
     cols = torch.cat([record.ids.to(torch.int64), tokens.to(torch.int64)])
     support = record.kind == "support"
-    if model.logits is not None:
-        x = entry_logits(model.logits, rows, cols, sparse_grad=not support)
-    else:
-        x = linear_entry_logits(model.hidden, model.weight, model.bias, rows, cols, sparse_grad=not support)
-    x = x * inv_temp[rows]
-    x_e, x_y = x[:m], x[m:]
     ninf = torch.full((), -float("inf"), dtype=acc, device=device)
     if support:
+        if model.logits is not None:
+            x = entry_logits(model.logits, rows, cols)
+        else:
+            x = linear_entry_logits(model.hidden, model.weight, model.bias, rows, cols)
+        x = x * inv_temp[rows]
+        x_e, x_y = x[:m], x[m:]
         x_e = torch.where(active[row], x_e, ninf)
         lse = layout.logsumexp(x_e)
         ok = torch.isfinite(lse)
@@ -83,13 +87,15 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
         lse = torch.where(active, lse.detach(), torch.full_like(lse, float("inf")))
         return SparseLogSoftmax(target, cand, lse, entropy)
     if model.logits is not None:
-        lp = sparse_log_softmax(model.logits, tokens, None, temperature, skip=skip, backend=backend, validate=False)
+        target, lse, entropy, x = log_softmax_with_entries(model.logits, tokens, rows, cols, temperature, skip=skip,
+                                                           backend=backend, inplace_grad=inplace_grad)
     else:
-        from offpolicy.ops.linear_log_softmax import linear_sparse_log_softmax
-
-        lp = linear_sparse_log_softmax(model.hidden, model.weight, tokens, None, temperature, bias=model.bias,
-                                       skip=skip, backend=backend, validate=False)
-    ok = active & torch.isfinite(lp.lse)
-    log_z = _ValueWithGradOf.apply(torch.where(ok, lp.lse, torch.zeros_like(lp.lse)), x_y - lp.target)
+        target, lse, entropy, x = linear_log_softmax_with_entries(model.hidden, model.weight, model.bias, tokens,
+                                                                  rows, cols, temperature, skip=skip,
+                                                                  backend=backend)
+    x = x * inv_temp[rows]
+    x_e, x_y = x[:m], x[m:]
+    ok = active & torch.isfinite(lse)
+    log_z = _ValueWithGradOf.apply(torch.where(ok, lse, torch.zeros_like(lse)), x_y - target)
     cand = torch.where(ok[row], x_e - log_z[row], ninf)
-    return SparseLogSoftmax(lp.target, cand, lp.lse, lp.entropy)
+    return SparseLogSoftmax(target, cand, lse, entropy)

@@ -141,7 +141,7 @@ def _policy_loss(model: ModelInputs, tokens: Tensor, temperature, candidates: Ca
 
     # The primitive's value checks (ids in range, temperatures) are the ones _validate has just made.
     if csr:
-        lp = csr_log_probs(model, tokens, candidates, temperature, ~active, backend)
+        lp = csr_log_probs(model, tokens, candidates, temperature, ~active, backend, inplace_grad)
     else:
         lp = _log_probs(model, tokens, cand_ids, temperature, support, ~active, shard, inplace_grad, backend)
     if check:

@@ -1,17 +1,20 @@
 """Gathered logits at ``M`` (row, id) entries, differentiable, without an ``[N, V]`` or ``[M, D]`` temporary.
 
 The CSR record path of the loss (docs/spec.md#record-memory) needs the trainer's logit at each recorded entry
-(and at each sampled token): ``z[r, v]`` from logits, or ``h[r] . W[v] (+ b[v])`` from hidden states. Both are
-autograd Functions whose outputs are ``[M]`` in the statistics' dtype (fp32; float64 for float64 inputs) and
-whose backward writes ``M`` gradient entries:
+(and at each sampled token): ``z[r, v]`` from logits, or ``h[r] . W[v] (+ b[v])`` from hidden states. Outputs
+are ``[M]`` in the statistics' dtype (fp32; float64 for float64 inputs).
 
-* ``sparse_grad=True``: the gradient of ``logits`` (or ``weight``, ``bias``) is a sparse COO tensor of the
-  ``M`` entries (duplicates summed in fp32 before the one rounding to the input dtype), which autograd adds in
-  place into the dense gradient another op produces (the full-vocabulary log-softmax's): no second ``[N, V]``.
-* ``sparse_grad=False``: the gradient is returned dense (the caller's only gradient of that input).
+* :func:`entry_logits` / :func:`linear_entry_logits`: the gather alone; the backward returns dense gradients
+  (for a caller whose only gradient of the input they are: mask replay reads nothing but the support).
+* :func:`log_softmax_with_entries` / :func:`linear_log_softmax_with_entries`: the full-vocabulary sparse
+  log-softmax at the sampled tokens *and* the gather, as one autograd node. Two nodes would each return an input
+  gradient and autograd would add them out of place (the CPU gradient buffer is a kept workspace it cannot
+  reuse): a second ``[N, V]`` (or ``[V, D]``). Here the backward takes the primitive's gradient and adds the
+  ``M`` entry gradients into it in place, duplicates summed in the statistics' dtype and rounded once.
 
-The fused-linear twin recomputes the gathered rows chunk by chunk in the backward (nothing ``[M, D]`` is saved):
-``dh[r] += g W[v]`` and ``dW[v] += g h[r]`` by ``index_add_``, ``dW`` over the distinct ids only.
+The fused-linear gathers recompute ``h[rows]`` and ``W[cols]`` :data:`CHUNK_BYTES` at a time, forward and
+backward (nothing ``[M, D]`` is saved): ``dh[r] += g W[v]`` and ``dW[v] += g h[r]`` by ``index_add_``, ``dW``
+over the distinct ids only.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["entry_logits", "linear_entry_logits"]
+from offpolicy.ops.linear_log_softmax import linear_sparse_log_softmax
+from offpolicy.ops.sparse_log_softmax import sparse_log_softmax
+
+__all__ = ["entry_logits", "linear_entry_logits", "linear_log_softmax_with_entries", "log_softmax_with_entries"]
 
 #: Bytes of fp32 gathered rows per chunk of the fused-linear gather (two ``[chunk, D]`` blocks live at once).
 CHUNK_BYTES = 8 << 20
@@ -29,89 +35,179 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _entry_grad(index: Tensor, values: Tensor, shape: tuple[int, ...], dtype: torch.dtype, sparse: bool) -> Tensor:
-    """The gradient holding ``values`` at ``index [d, M]`` of a ``shape`` tensor, duplicates summed in ``values``'
-    dtype, then rounded once to ``dtype``: sparse COO, or dense."""
-    grad = torch.sparse_coo_tensor(index, values, shape, check_invariants=False).coalesce().to(dtype)
-    return grad if sparse else grad.to_dense()
-
-
-class _EntryLogits(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: Tensor, rows: Tensor, cols: Tensor, sparse_grad: bool) -> Tensor:
-        ctx.save_for_backward(rows, cols)
-        ctx.meta = (tuple(logits.shape), logits.dtype, sparse_grad)
-        return logits[rows, cols].to(_acc(logits.dtype))
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        rows, cols = ctx.saved_tensors
-        shape, dtype, sparse = ctx.meta
-        return _entry_grad(torch.stack([rows, cols]), g, shape, dtype, sparse), None, None, None
-
-
-def entry_logits(logits: Tensor, rows: Tensor, cols: Tensor, *, sparse_grad: bool) -> Tensor:
-    """``[M]`` ``logits[rows, cols]`` in fp32 (float64 for float64 logits).
-
-    Args:
-        logits: ``[N, V]`` float.
-        rows, cols: ``[M]`` int64 indices, in range (unchecked: the caller validates its record).
-        sparse_grad: return the gradient of ``logits`` as a sparse COO tensor (see the module docstring).
-    """
-    return _EntryLogits.apply(logits, rows, cols, sparse_grad)
-
-
 def _chunks(m: int, d: int):
     step = max(1, CHUNK_BYTES // max(1, 4 * d))
     return ((s, min(m, s + step)) for s in range(0, m, step))
 
 
+def _add_rows(out: Tensor, index: Tensor, values: Tensor) -> None:
+    """``out.view(-1)[index] += values`` (``values [M]``), or ``out[index] += values`` (``values [M, D]``), in
+    place; duplicates in ``index [M]`` are summed in ``values``' dtype and each touched entry rounded once."""
+    flat = out.view(-1) if values.dim() == 1 else out
+    uniq, inv = torch.unique(index, return_inverse=True)
+    summed = torch.zeros((uniq.shape[0], *values.shape[1:]), dtype=values.dtype, device=values.device)
+    summed.index_add_(0, inv, values)
+    flat[uniq] = (flat[uniq].to(values.dtype) + summed).to(out.dtype)
+
+
+def _gather_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: Tensor, cols: Tensor) -> Tensor:
+    acc = _acc(hidden.dtype)
+    out = torch.empty(rows.shape[0], dtype=acc, device=hidden.device)
+    for s, e in _chunks(rows.shape[0], hidden.shape[1]):
+        out[s:e] = (hidden[rows[s:e]].to(acc) * weight[cols[s:e]].to(acc)).sum(dim=1)
+    if bias is not None:
+        out += bias[cols].to(acc)
+    return out
+
+
+def _linear_entry_grads(g: Tensor, hidden: Tensor, weight: Tensor, rows: Tensor, cols: Tensor, need_h: bool,
+                        need_w: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dh [N, D], uniq [U], dW_u [U, D])`` in ``g``'s dtype for the gathered ``h[rows] . W[cols]``."""
+    uniq, inv = torch.unique(cols, return_inverse=True)
+    dh = torch.zeros(hidden.shape, dtype=g.dtype, device=hidden.device) if need_h else None
+    dwu = torch.zeros(uniq.shape[0], weight.shape[1], dtype=g.dtype, device=weight.device) if need_w else None
+    for s, e in _chunks(rows.shape[0], hidden.shape[1]):
+        gs = g[s:e, None]
+        if need_h:
+            dh.index_add_(0, rows[s:e], gs * weight[cols[s:e]].to(g.dtype))
+        if need_w:
+            dwu.index_add_(0, inv[s:e], gs * hidden[rows[s:e]].to(g.dtype))
+    return dh, uniq, dwu
+
+
+class _EntryLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+        ctx.save_for_backward(rows, cols)
+        ctx.meta = (tuple(logits.shape), logits.dtype)
+        return logits[rows, cols].to(_acc(logits.dtype))
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        rows, cols = ctx.saved_tensors
+        shape, dtype = ctx.meta
+        dz = torch.zeros(shape, dtype=dtype, device=g.device)
+        _add_rows(dz, rows * shape[1] + cols, g)
+        return dz, None, None
+
+
+def entry_logits(logits: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """``[M]`` ``logits[rows, cols]`` in fp32 (float64 for float64 logits); dense gradient.
+
+    Args:
+        logits: ``[N, V]`` float, contiguous.
+        rows, cols: ``[M]`` int64 indices, in range (unchecked: the caller validates its record).
+    """
+    return _EntryLogits.apply(logits, rows, cols)
+
+
 class _LinearEntryLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: Tensor, cols: Tensor,
-                sparse_grad: bool) -> Tensor:
-        acc = _acc(hidden.dtype)
-        out = torch.empty(rows.shape[0], dtype=acc, device=hidden.device)
-        for s, e in _chunks(rows.shape[0], hidden.shape[1]):
-            out[s:e] = (hidden[rows[s:e]].to(acc) * weight[cols[s:e]].to(acc)).sum(dim=1)
-        if bias is not None:
-            out += bias[cols].to(acc)
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: Tensor, cols: Tensor) -> Tensor:
         ctx.save_for_backward(hidden, weight, rows, cols)
-        ctx.has_bias, ctx.sparse = bias is not None, sparse_grad
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return out
+        return _gather_linear(hidden, weight, bias, rows, cols)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         hidden, weight, rows, cols = ctx.saved_tensors
-        acc = g.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        uniq, inv = torch.unique(cols, return_inverse=True)
-        dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
-        dwu = torch.zeros(uniq.shape[0], weight.shape[1], dtype=acc, device=weight.device) if need_w else None
-        for s, e in _chunks(rows.shape[0], hidden.shape[1]):
-            gs = g[s:e, None]
-            if need_h:
-                dh.index_add_(0, rows[s:e], gs * weight[cols[s:e]].to(acc))
-            if need_w:
-                dwu.index_add_(0, inv[s:e], gs * hidden[rows[s:e]].to(acc))
+        dh, uniq, dwu = _linear_entry_grads(g, hidden, weight, rows, cols, need_h, need_w)
         dw = db = None
         if need_w:
-            dw = _entry_grad(uniq[None], dwu, tuple(weight.shape), weight.dtype, ctx.sparse)
-        if ctx.has_bias and need_b:
-            db = _entry_grad(cols[None], g, (weight.shape[0],), ctx.bias_dtype, ctx.sparse)
-        return (dh.to(hidden.dtype) if need_h else None), dw, db, None, None, None
+            dw = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+            dw[uniq] = dwu.to(weight.dtype)
+        if ctx.bias_dtype is not None and need_b:
+            db = torch.zeros(weight.shape[0], dtype=ctx.bias_dtype, device=g.device)
+            _add_rows(db, cols, g)
+        return (dh.to(hidden.dtype) if need_h else None), dw, db, None, None
 
 
-def linear_entry_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: Tensor, cols: Tensor, *,
-                        sparse_grad: bool) -> Tensor:
-    """``[M]`` ``hidden[rows] . weight[cols] (+ bias[cols])`` in fp32 (float64 for float64 hidden), gathered
-    ``CHUNK_BYTES`` at a time.
+def linear_entry_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: Tensor, cols: Tensor) -> Tensor:
+    """``[M]`` ``hidden[rows] . weight[cols] (+ bias[cols])`` in fp32 (float64 for float64 hidden); dense
+    gradients.
 
     Args:
         hidden: ``[N, D]`` float; weight: ``[V, D]``; bias: ``[V]`` or None.
         rows, cols: ``[M]`` int64 indices, in range (unchecked).
-        sparse_grad: return the gradients of ``weight`` and ``bias`` as sparse COO tensors (that of ``hidden``,
-            ``[N, D]`` like its input, is dense).
     """
-    return _LinearEntryLogits.apply(hidden, weight, bias, rows, cols, sparse_grad)
+    return _LinearEntryLogits.apply(hidden, weight, bias, rows, cols)
+
+
+class _LogSoftmaxWithEntries(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, rows: Tensor, cols: Tensor, temperature, skip: Tensor,
+                backend: str | None, inplace_grad: bool):
+        # The primitive runs on a detached alias with its own graph; the backward asks that graph for its dense
+        # gradient and adds the entries' into it.
+        with torch.enable_grad():
+            z = logits.detach().requires_grad_(logits.requires_grad)
+            lp = sparse_log_softmax(z, tokens, None, temperature, skip=skip, inplace_grad=inplace_grad,
+                                    backend=backend, validate=False)
+        ctx.inner = (z, lp.target)
+        ctx.save_for_backward(rows, cols)
+        x = logits[rows, cols].to(_acc(logits.dtype))
+        ctx.mark_non_differentiable(lp.lse, lp.entropy)
+        return lp.target.detach(), lp.lse, lp.entropy, x
+
+    @staticmethod
+    def backward(ctx, g_target: Tensor, _g_lse, _g_entropy, g_x: Tensor):
+        z, target = ctx.inner
+        rows, cols = ctx.saved_tensors
+        (dz,) = torch.autograd.grad(target, z, g_target)
+        _add_rows(dz, rows * z.shape[1] + cols, g_x)
+        return dz, None, None, None, None, None, None, None
+
+
+def log_softmax_with_entries(logits: Tensor, tokens: Tensor, rows: Tensor, cols: Tensor, temperature, *,
+                             skip: Tensor, backend: str | None = None,
+                             inplace_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(log p(y) [N], lse [N], entropy [N], logits[rows, cols] [M])``: :func:`sparse_log_softmax` at ``tokens``
+    over the full vocabulary and the raw logits at the entries (fp32; float64 for float64 logits), one autograd
+    node whose backward returns one dense ``[N, V]`` gradient (see the module docstring). The arguments are
+    those of :func:`sparse_log_softmax`, already checked by the caller; ``rows``, ``cols``: ``[M]`` int64."""
+    return _LogSoftmaxWithEntries.apply(logits, tokens, rows, cols, temperature, skip, backend, inplace_grad)
+
+
+class _LinearLogSoftmaxWithEntries(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, rows: Tensor,
+                cols: Tensor, temperature, skip: Tensor, backend: str | None):
+        with torch.enable_grad():
+            leaves = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad)
+                           for t in (hidden, weight, bias))
+            lp = linear_sparse_log_softmax(leaves[0], leaves[1], tokens, None, temperature, bias=leaves[2],
+                                           skip=skip, backend=backend, validate=False)
+        ctx.inner = (leaves, lp.target)
+        ctx.save_for_backward(rows, cols)
+        x = _gather_linear(hidden, weight, bias, rows, cols)
+        ctx.mark_non_differentiable(lp.lse, lp.entropy)
+        return lp.target.detach(), lp.lse, lp.entropy, x
+
+    @staticmethod
+    def backward(ctx, g_target: Tensor, _g_lse, _g_entropy, g_x: Tensor):
+        leaves, target = ctx.inner
+        rows, cols = ctx.saved_tensors
+        want = [i for i, t in enumerate(leaves) if t is not None and t.requires_grad]
+        got = torch.autograd.grad(target, [leaves[i] for i in want], g_target, allow_unused=True)
+        grads = [None, None, None]
+        for i, gr in zip(want, got):
+            grads[i] = torch.zeros_like(leaves[i]) if gr is None else gr
+        hidden, weight, _ = leaves
+        dh, uniq, dwu = _linear_entry_grads(g_x, hidden, weight, rows, cols, grads[0] is not None,
+                                            grads[1] is not None)
+        if grads[0] is not None:
+            grads[0] += dh.to(grads[0].dtype)
+        if grads[1] is not None:
+            _add_rows(grads[1], uniq, dwu)
+        if grads[2] is not None:
+            _add_rows(grads[2], cols, g_x)
+        return (*grads, None, None, None, None, None, None)
+
+
+def linear_log_softmax_with_entries(hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor,
+                                    rows: Tensor, cols: Tensor, temperature, *, skip: Tensor,
+                                    backend: str | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The fused-linear twin of :func:`log_softmax_with_entries`: :func:`linear_sparse_log_softmax` at ``tokens``
+    and ``hidden[rows] . weight[cols] (+ bias[cols])``, one node returning one gradient per input."""
+    return _LinearLogSoftmaxWithEntries.apply(hidden, weight, bias, tokens, rows, cols, temperature, skip, backend)
