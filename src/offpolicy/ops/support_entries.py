@@ -40,14 +40,17 @@ def _chunks(m: int, d: int):
     return ((s, min(m, s + step)) for s in range(0, m, step))
 
 
-def _add_rows(out: Tensor, index: Tensor, values: Tensor) -> None:
-    """``out.view(-1)[index] += values`` (``values [M]``), or ``out[index] += values`` (``values [M, D]``), in
-    place; duplicates in ``index [M]`` are summed in ``values``' dtype and each touched entry rounded once."""
-    flat = out.view(-1) if values.dim() == 1 else out
+def _add_entries(out: Tensor, index: Tensor, values: Tensor, width: int | None = None) -> None:
+    """``out[index] += values`` in place (``out [L, ...]``, ``values [M, ...]``), or with ``width`` the entries
+    ``out[index // width, index % width] += values`` of a 2-D ``out`` (any strides); duplicates in ``index [M]``
+    are summed in ``values``' dtype and each touched entry is rounded once to ``out``'s dtype."""
     uniq, inv = torch.unique(index, return_inverse=True)
     summed = torch.zeros((uniq.shape[0], *values.shape[1:]), dtype=values.dtype, device=values.device)
     summed.index_add_(0, inv, values)
-    flat[uniq] = (flat[uniq].to(values.dtype) + summed).to(out.dtype)
+    if width is not None and out.is_contiguous():
+        out, width = out.view(-1), None
+    at = (uniq,) if width is None else (uniq // width, uniq % width)
+    out[at] = (out[at].to(values.dtype) + summed).to(out.dtype)
 
 
 def _gather_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: Tensor, cols: Tensor) -> Tensor:
@@ -87,7 +90,7 @@ class _EntryLogits(torch.autograd.Function):
         rows, cols = ctx.saved_tensors
         shape, dtype = ctx.meta
         dz = torch.zeros(shape, dtype=dtype, device=g.device)
-        _add_rows(dz, rows * shape[1] + cols, g)
+        _add_entries(dz, rows * shape[1] + cols, g, shape[1])
         return dz, None, None
 
 
@@ -119,7 +122,7 @@ class _LinearEntryLogits(torch.autograd.Function):
             dw[uniq] = dwu.to(weight.dtype)
         if ctx.bias_dtype is not None and need_b:
             db = torch.zeros(weight.shape[0], dtype=ctx.bias_dtype, device=g.device)
-            _add_rows(db, cols, g)
+            _add_entries(db, cols, g)
         return (dh.to(hidden.dtype) if need_h else None), dw, db, None, None
 
 
@@ -155,7 +158,7 @@ class _LogSoftmaxWithEntries(torch.autograd.Function):
         z, target = ctx.inner
         rows, cols = ctx.saved_tensors
         (dz,) = torch.autograd.grad(target, z, g_target)
-        _add_rows(dz, rows * z.shape[1] + cols, g_x)
+        _add_entries(dz, rows * z.shape[1] + cols, g_x, z.shape[1])
         return dz, None, None, None, None, None, None, None
 
 
@@ -199,9 +202,9 @@ class _LinearLogSoftmaxWithEntries(torch.autograd.Function):
         if grads[0] is not None:
             grads[0] += dh.to(grads[0].dtype)
         if grads[1] is not None:
-            _add_rows(grads[1], uniq, dwu)
+            _add_entries(grads[1], uniq, dwu)
         if grads[2] is not None:
-            _add_rows(grads[2], cols, g_x)
+            _add_entries(grads[2], cols, g_x)
         return (*grads, None, None, None, None, None, None)
 
 

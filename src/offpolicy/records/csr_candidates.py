@@ -100,6 +100,33 @@ class CSRCandidates:
         offsets[1:] = valid.sum(dim=1).cumsum(0)
         return cls(candidates.ids[valid], offsets, candidates.logprobs[valid], candidates.kind)
 
+    def take_rows(self, index: Tensor) -> "CSRCandidates":
+        """The record whose row ``j`` is this record's row ``index[j]`` (``index [M]`` int, in ``[0, N)``; rows
+        may repeat or be left out), entries in their order. ``O(nnz_out)``, one host sync (the output size)."""
+        index = index.to(device=self.ids.device, dtype=torch.int64)
+        lengths = self.lengths[index]
+        offsets = torch.zeros(index.numel() + 1, dtype=torch.int64, device=self.ids.device)
+        offsets[1:] = lengths.cumsum(0)
+        nnz = int(offsets[-1])
+        # Entry e of output row j sits at starts[j] + (e - offsets[j]) in this record.
+        shift = self.offsets.to(torch.int64)[:-1][index] - offsets[:-1]
+        pos = torch.repeat_interleave(shift, lengths, output_size=nnz) + torch.arange(nnz, device=self.ids.device)
+        return CSRCandidates(self.ids[pos], offsets, self.logprobs[pos], self.kind)
+
+    @classmethod
+    def cat(cls, records: "list[CSRCandidates]") -> "CSRCandidates":
+        """The records' rows one after another (all of one kind)."""
+        if not records:
+            raise ValueError("CSRCandidates.cat: records must be non-empty")
+        kinds = {r.kind for r in records}
+        if len(kinds) != 1:
+            raise ValueError(f"CSRCandidates.cat: records of different kinds {sorted(kinds)}")
+        lengths = torch.cat([r.lengths for r in records])
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        offsets[1:] = lengths.cumsum(0)
+        return cls(torch.cat([r.ids.to(torch.int64) for r in records]), offsets,
+                   torch.cat([r.logprobs for r in records]), kinds.pop())
+
     def check_offsets(self) -> None:
         """Raise ``ValueError`` unless ``offsets`` start at 0, end at ``nnz`` and never decrease."""
         off = self.offsets
