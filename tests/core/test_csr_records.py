@@ -298,3 +298,32 @@ def test_csr_memory_bound_at_a_real_vocabulary(kind, monkeypatch):
     # Below the padded record itself (12 bytes per [N, K_max] slot) and far below the padded path's loss.
     assert peaks["csr"] * 2 < padded_record < peaks["padded"], (peaks, padded_record)
     assert peaks["csr"] * 6 < peaks["padded"], peaks
+
+
+def test_take_rows_and_cat():
+    _, _, _, rec, _ = _csr_batch("head", 91, sizes=[3, 0, 2, 5])
+    pad = rec.to_padded()
+    idx = torch.tensor([3, 0, 0, 1])
+    got = rec.take_rows(idx).to_padded(width=pad.width)
+    assert torch.equal(got.ids, pad.ids[idx]) and torch.equal(got.logprobs, pad.logprobs[idx])
+    both = op.CSRCandidates.cat([rec, rec.take_rows(torch.tensor([2]))])
+    assert torch.equal(both.lengths, torch.tensor([3, 0, 2, 5, 2]))
+    assert torch.equal(both.ids[-2:], rec.ids[3:5])
+    with pytest.raises(ValueError, match="records of different kinds"):
+        op.CSRCandidates.cat([rec, op.CSRCandidates(rec.ids, rec.offsets, rec.logprobs, "support")])
+
+
+def test_csr_inplace_grad_and_non_contiguous_logits():
+    z, y, lq, rec, mask = _csr_batch("head", 92, dtype=torch.float32)
+    corr = op.Correction(weights="mis", score_centering=True)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(93))
+    want, g_want = _loss(z, y, lq, rec.to_padded(), mask, corr, adv, 1.0)
+    leaf = z.clone().requires_grad_()
+    buf = leaf * 1.0  # a non-leaf the backward may overwrite
+    op.policy_loss(buf, y, lq, adv, rec, mask, 1.0, corr, inplace_grad=True).loss.backward()
+    assert _rel(leaf.grad, g_want) <= 2e-6
+    wide = torch.cat([z, torch.randn(N, 3, dtype=z.dtype)], dim=1).requires_grad_()
+    out = op.policy_loss(wide[:, :V], y, lq, adv, rec, mask, 1.0, corr)
+    out.loss.backward()
+    assert abs(out.loss.item() - want.loss.item()) <= 1e-6 and _rel(wide.grad[:, :V], g_want) <= 2e-6
+    assert bool((wide.grad[:, V:] == 0).all())
