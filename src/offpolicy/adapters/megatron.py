@@ -230,7 +230,7 @@ def make_loss_func(
         config: Megatron's ``TransformerConfig``, optional: checked for ``calculate_per_token_loss``.
         csr_candidates: the candidate record as :class:`~offpolicy.CSRCandidates` over the ``b * s`` tokens in
             ``[b, s]`` order (instead of ``batch["candidate_ids"]`` / ``["candidate_logprobs"]``; its own kind),
-            read by the loss without padding. Not with a tensor-parallel ``tp_group``.
+            read by the loss without padding.
         policy_loss_kwargs: passed on to :func:`offpolicy.policy_loss` (``backend``, ``inplace_grad``, ...).
 
     Returns:

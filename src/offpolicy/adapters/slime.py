@@ -170,9 +170,10 @@ def megatron_batch(args, batch: Mapping[str, Any], t: int, device, cp_size: int 
     """slime's per-sample micro-batch as the Megatron adapter's ``[1, T]`` dict over all ``T`` local rows.
 
     Returns ``(batch_dict, candidate_kind or None)``; prompt and padding rows carry ``loss_mask`` False. With
-    ``csr`` a support record is returned as ``batch_dict["candidates"]``, a :class:`~offpolicy.CSRCandidates`
-    over the ``T`` rows (prompt and padding rows empty), never padded; otherwise (and for head records) it is
-    padded to ``[1, T, K]`` under ``candidate_ids`` / ``candidate_logprobs``.
+    ``csr`` (what :func:`policy_loss` asks for) a support record is returned as ``batch_dict["candidates"]``, a
+    :class:`~offpolicy.CSRCandidates` over the ``T`` rows (prompt and padding rows empty), never padded;
+    otherwise (and for head records) it is padded to ``[1, T, K]`` under ``candidate_ids`` /
+    ``candidate_logprobs``.
     """
     required = ("unconcat_tokens", "total_lengths", "response_lengths", "loss_masks", "advantages",
                 "rollout_log_probs")
@@ -284,8 +285,8 @@ def policy_loss(args, batch: Mapping[str, Any], logits: Tensor,
         raise ValueError(f"logits must be slime's packed [1, T, V/TP], got {tuple(logits.shape)}")
     correction = correction_from_args(args)
     tp_group, _, cp_group, cp_size, cp_rank = _parallel()
-    # Without a vocabulary split the support goes to the loss as slime ships it, in CSR (never padded).
-    mb, kind = megatron_batch(args, batch, logits.shape[1], logits.device, cp_size, cp_rank, csr=tp_group is None)
+    # The support goes to the loss as slime ships it, in CSR (never padded).
+    mb, kind = megatron_batch(args, batch, logits.shape[1], logits.device, cp_size, cp_rank, csr=True)
     csr_record = mb.pop("candidates", None)
     flags = check_sampler_logprobs(GUARD, mb["sampler_logprobs"], mb["loss_mask"], name="batch['rollout_log_probs']",
                                    trainer_logprobs=mb.get("proximal_logprobs") if kind != "support" else None)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.loss.entry_rows import EntryRows
-from offpolicy.ops import SparseLogSoftmax
+from offpolicy.ops import SparseLogSoftmax, VocabShard
 from offpolicy.ops.sparse_log_softmax import row_inputs
 from offpolicy.ops.support_entries import (entry_logits, linear_entry_logits, linear_log_softmax_with_entries,
                                            log_softmax_with_entries)
@@ -44,7 +44,7 @@ class _ValueWithGradOf(torch.autograd.Function):
 
 
 def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, skip: Tensor,
-                  backend: str | None, inplace_grad: bool = False) -> SparseLogSoftmax:
+                  backend: str | None, inplace_grad: bool = False, shard: VocabShard | None = None) -> SparseLogSoftmax:
     """:class:`~offpolicy.ops.SparseLogSoftmax` of the CSR record: ``target [N]``, ``candidates [nnz]`` (trainer
     log-probabilities at the record's entries, support-normalised for ``kind="support"``), ``lse [N]`` and
     ``entropy [N]`` (detached; of the support distribution under replay), with the primitive's conventions on
@@ -56,6 +56,8 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
         skip: ``[N]`` bool untrained rows.
         backend, inplace_grad: as in :func:`offpolicy.policy_loss` (``inplace_grad`` acts on head records, whose
             gradient comes from the vocabulary pass).
+        shard: the vocabulary split, or None: the entries are gathered on their shards and assembled on every
+            rank (one SUM all-reduce of ``nnz + N`` values), the head normaliser is the primitive's global one.
     """
     n = tokens.shape[0]
     device = tokens.device
@@ -71,9 +73,9 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
     ninf = torch.full((), -float("inf"), dtype=acc, device=device)
     if support:
         if model.logits is not None:
-            x = entry_logits(model.logits, rows, cols)
+            x = entry_logits(model.logits, rows, cols, shard)
         else:
-            x = linear_entry_logits(model.hidden, model.weight, model.bias, rows, cols)
+            x = linear_entry_logits(model.hidden, model.weight, model.bias, rows, cols, shard)
         x = x * inv_temp[rows]
         x_e, x_y = x[:m], x[m:]
         x_e = torch.where(active[row], x_e, ninf)
@@ -88,10 +90,10 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
         return SparseLogSoftmax(target, cand, lse, entropy)
     if model.logits is not None:
         target, lse, entropy, x = log_softmax_with_entries(model.logits, tokens, rows, cols, temperature, skip=skip,
-                                                           backend=backend, inplace_grad=inplace_grad)
+                                                           shard=shard, backend=backend, inplace_grad=inplace_grad)
     else:
         target, lse, entropy, x = linear_log_softmax_with_entries(model.hidden, model.weight, model.bias, tokens,
-                                                                  rows, cols, temperature, skip=skip,
+                                                                  rows, cols, temperature, skip=skip, shard=shard,
                                                                   backend=backend)
     x = x * inv_temp[rows]
     x_e, x_y = x[:m], x[m:]

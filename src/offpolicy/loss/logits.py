@@ -65,8 +65,7 @@ def policy_loss(
             (renormalised over the support when sampling was filtered).
         advantages: ``[N]`` float, detached.
         candidates: :class:`~offpolicy.Candidates` record (``kind="head"`` or ``"support"``), its unpadded
-            :class:`~offpolicy.CSRCandidates` form (read at its ``nnz`` entries, never padded; not with
-            ``tp_group``), or None.
+            :class:`~offpolicy.CSRCandidates` form (read at its ``nnz`` entries, never padded), or None.
         loss_mask: ``[N]`` bool, True on trained tokens; None trains all.
         temperature: float or ``[N]`` tensor, ``> 0``: the sampling temperature.
         correction: :class:`~offpolicy.Correction`; the default is plain REINFORCE/GRPO.
@@ -127,9 +126,6 @@ def _policy_loss(model: ModelInputs, tokens: Tensor, temperature, candidates: Ca
     """:func:`policy_loss`'s body, on the checked and grouped arguments."""
     loss_mask, tp_group, vocab_start, cp_group = data.loss_mask, par.tp_group, par.vocab_start, par.cp_group
     csr = isinstance(candidates, CSRCandidates)
-    if csr and tp_group is not None:
-        raise ValueError("candidates: a CSRCandidates record is not supported with a vocabulary split (tp_group or "
-                         "sharded DTensor logits); pass candidates.to_padded()")
     if check:
         _validate(model, tokens, temperature, candidates, data, agg, par, correction)
     n = tokens.shape[0]
@@ -141,7 +137,7 @@ def _policy_loss(model: ModelInputs, tokens: Tensor, temperature, candidates: Ca
 
     # The primitive's value checks (ids in range, temperatures) are the ones _validate has just made.
     if csr:
-        lp = csr_log_probs(model, tokens, candidates, temperature, ~active, backend, inplace_grad)
+        lp = csr_log_probs(model, tokens, candidates, temperature, ~active, backend, inplace_grad, shard)
     else:
         lp = _log_probs(model, tokens, cand_ids, temperature, support, ~active, shard, inplace_grad, backend)
     if check:
