@@ -125,3 +125,21 @@ def test_collate_csr_multi_turn_equals_padded():
     outs = [op.policy_loss(logits, b.tokens, b.sampler_logprobs, adv, candidates=b.candidates, loss_mask=b.loss_mask,
                            correction=corr) for b in (batch, padded)]
     assert abs(float(outs[0].loss) - float(outs[1].loss)) <= 1e-6
+
+
+def test_trl_support_records_reach_the_loss_as_csr():
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from offpolicy.adapters.trl import IDS_KEY, LOGPROBS_KEY, OffPolicyGRPOTrainer
+
+    ids = torch.tensor([[[3, 5, -1], [7, -1, -1]], [[1, 2, 4], [-1, -1, -1]]])
+    lq = torch.where(ids >= 0, torch.tensor(-1.0986), torch.tensor(float("-inf")))
+    inputs = {"completion_ids": torch.tensor([[3, 7], [2, 0]]), "completion_mask": torch.tensor([[1, 1], [1, 0]]),
+              IDS_KEY: ids, LOGPROBS_KEY: lq}
+    flat = OffPolicyGRPOTrainer._flat_inputs(SimpleNamespace(offpolicy_record="support"), inputs)
+    rec = flat["candidates"]
+    assert isinstance(rec, op.CSRCandidates) and rec.kind == "support"
+    assert rec.ids.tolist() == [3, 5, 7, 1, 2, 4] and rec.offsets.tolist() == [0, 2, 3, 6, 6]
+    head = OffPolicyGRPOTrainer._flat_inputs(SimpleNamespace(offpolicy_record="head"), inputs)["candidates"]
+    assert isinstance(head, op.Candidates) and head.ids.shape == (4, 3)

@@ -18,7 +18,8 @@ slime calls ``policy_loss(args, batch, logits, sum_of_sample_mean) -> (loss, met
   ``--custom-rollout-data-keys``).
 
 The loss is built on :func:`offpolicy.adapters.megatron.make_loss_func` over all ``T`` rows of the packed logits
-(prompt and padding rows masked: no row gather, no ``[N, V]`` copy), with the tensor- and context-parallel groups
+(prompt and padding rows masked: no row gather, no ``[N, V]`` copy; the support record as slime ships it, in CSR,
+never padded), with the tensor- and context-parallel groups
 from ``megatron.core.parallel_state``. It returns what slime's reducer would: ``sum_of_sample_mean`` semantics
 (the sum over this rank's samples of each sample's token-loss sum over its whole-sequence token count; slime
 then scales by ``num_microbatches / global_batch_size * dp``), or with ``args.calculate_per_token_loss`` the token
