@@ -327,3 +327,17 @@ def test_csr_inplace_grad_and_non_contiguous_logits():
     out.loss.backward()
     assert abs(out.loss.item() - want.loss.item()) <= 1e-6 and _rel(wide.grad[:, :V], g_want) <= 2e-6
     assert bool((wide.grad[:, V:] == 0).all())
+
+
+@pytest.mark.parametrize("kind", ["head", "support"])
+def test_csr_bf16_logits_match_padded(kind):
+    """bf16 logits: statistics in fp32 on both paths; the CSR gradient rounds each entry once more (the entries'
+    part is added into the bf16 gradient), within bf16's resolution."""
+    z, y, lq, rec, mask = _csr_batch(kind, 101, dtype=torch.bfloat16)
+    corr = op.Correction(weights="mis", score_centering=True)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(102))
+    out, g = _loss(z, y, lq, rec, mask, corr, adv, 0.9)
+    pad, g_pad = _loss(z, y, lq, rec.to_padded(), mask, corr, adv, 0.9)
+    assert g.dtype == torch.bfloat16
+    assert abs(out.loss.item() - pad.loss.item()) <= 1e-5 * max(1.0, abs(pad.loss.item()))
+    assert _rel(g, g_pad) <= 1e-2
