@@ -143,3 +143,21 @@ def test_trl_support_records_reach_the_loss_as_csr():
     assert rec.ids.tolist() == [3, 5, 7, 1, 2, 4] and rec.offsets.tolist() == [0, 2, 3, 6, 6]
     head = OffPolicyGRPOTrainer._flat_inputs(SimpleNamespace(offpolicy_record="head"), inputs)["candidates"]
     assert isinstance(head, op.Candidates) and head.ids.shape == (4, 3)
+
+
+def test_reference_sampler_flattens_to_csr():
+    from offpolicy.fleet.sampler import sample
+
+    class _LM(torch.nn.Module):
+        def forward(self, input_ids):
+            gen = torch.Generator().manual_seed(int(input_ids.sum()))
+            return torch.randn(*input_ids.shape, 40, generator=gen)
+
+    r = sample(_LM(), [[1, 2]] * 6, 4, temperature=0.8, top_p=0.7, record="support",
+               generator=torch.Generator().manual_seed(3))
+    padded, csr = r.flatten(), r.flatten(csr=True)
+    assert isinstance(csr.candidates, op.CSRCandidates)
+    assert csr.candidates.nnz == int(padded.candidates.valid.sum())
+    csr.candidates.validate(40, csr.tokens.shape[0], csr.tokens)
+    back = csr.candidates.to_padded(width=padded.candidates.width)
+    assert torch.equal(back.ids, padded.candidates.ids.masked_fill(~padded.candidates.valid, -1))
