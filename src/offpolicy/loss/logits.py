@@ -93,7 +93,8 @@ def policy_loss(
         reference_logprobs: ``[N]`` float ``log p_ref(y_t)`` of the reference model, for ``correction.kl_penalty``
             (both or neither).
         inplace_grad: write the logits' gradient into ``logits`` (saves an ``[N, V]`` buffer; the logits are
-            overwritten by the backward and autograd's version check is bypassed).
+            overwritten by the backward and autograd's version check is bypassed). A CSR support record's
+            gradient, which no vocabulary pass produces, is a fresh buffer whatever this says.
         backend: ``"torch"``, ``"cpu"`` or ``"triton"``; default by device.
         validate: check inputs at the boundary (host syncs); skipped automatically under ``torch.compile``.
 
