@@ -341,3 +341,16 @@ def test_csr_bf16_logits_match_padded(kind):
     assert g.dtype == torch.bfloat16
     assert abs(out.loss.item() - pad.loss.item()) <= 1e-5 * max(1.0, abs(pad.loss.item()))
     assert _rel(g, g_pad) <= 1e-2
+
+
+@pytest.mark.parametrize("kind", ["head", "support"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_csr_broken_logit_in_a_trained_row_raises(kind, bad):
+    z, y, lq, rec, mask = _csr_batch(kind, 111)
+    z = z.clone()
+    z[3, rec.ids[int(rec.offsets[3])]] = bad  # an entry of row 3's record (trained, 2 ids)
+    with pytest.raises(ValueError, match="logits: NaN or \\+inf in row 3"):
+        op.policy_loss(z, y, lq, torch.ones(N), rec, mask)
+    z[3] = 1e38  # finite, but z / tau overflows fp32
+    with pytest.raises(ValueError, match="overflows"):
+        op.policy_loss(z.float(), y, lq, torch.ones(N), rec, mask, temperature=0.01)

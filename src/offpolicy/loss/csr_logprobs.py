@@ -80,12 +80,14 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
         x_e, x_y = x[:m], x[m:]
         x_e = torch.where(active[row], x_e, ninf)
         lse = layout.logsumexp(x_e)
-        ok = torch.isfinite(lse)
-        safe = torch.where(ok, lse, torch.zeros_like(lse))
-        cand = torch.where(ok[row], x_e - safe[row], ninf)
-        target = torch.where(ok, x_y - safe, ninf)
-        p = torch.exp(cand.detach())
-        entropy = -layout.sum(torch.where(p > 0, p * cand.detach(), torch.zeros_like(p)))
+        # Only rows without mass (untrained, or all -inf) are set aside: a NaN or +inf logit in the support
+        # propagates into the row's values (NaN), which the boundary check refuses, as on the padded path.
+        none = lse == -float("inf")
+        safe = torch.where(none, torch.zeros_like(lse), lse)
+        cand = torch.where(none[row], ninf, x_e - safe[row])
+        target = torch.where(none, ninf, x_y - safe)
+        c = cand.detach()
+        entropy = -layout.sum(torch.where(c == -float("inf"), torch.zeros_like(c), torch.exp(c) * c))
         lse = torch.where(active, lse.detach(), torch.full_like(lse, float("inf")))
         return SparseLogSoftmax(target, cand, lse, entropy)
     if model.logits is not None:

@@ -53,10 +53,11 @@ class EntryRows:
 
     def logsumexp(self, x: Tensor) -> Tensor:
         """``[N]`` ``log sum_v exp(x_v)`` over each row's entries, ``-inf`` on a row that is empty or all
-        ``-inf``; differentiable, with zero (not NaN) gradient on such rows."""
+        ``-inf`` (NaN if an entry is NaN); differentiable, with zero (not NaN) gradient on empty rows."""
         m = self.max(x)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         s = self.sum(torch.exp(x - self.spread(m)))
-        # log(0) would pass 0 / 0 back through the where below: the empty rows take log(1) instead.
-        ok = s > 0
-        return torch.where(ok, torch.log(torch.where(ok, s, torch.ones_like(s))) + m, torch.full_like(s, -float("inf")))
+        # log(0) would pass 0 / 0 back through the where below: the empty rows take log(1) instead. A NaN sum
+        # (a NaN entry) is not empty: it stays NaN.
+        empty = s == 0
+        return torch.where(empty, torch.full_like(s, -float("inf")), torch.log(torch.where(empty, torch.ones_like(s), s)) + m)
