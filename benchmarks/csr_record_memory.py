@@ -9,7 +9,9 @@ MIS with score centering, validation on.
 
     python benchmarks/csr_record_memory.py
 
-Results go to benchmarks/results/csr_memory_<date>.json.
+Then each layout's forward + backward is timed (``--calls`` calls after one warm-up, median and min, without the
+meter), the two layouts alternating; on a shared machine the times are indicative only (the load average is
+recorded). Results go to benchmarks/results/csr_memory_<date>.json.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -77,7 +81,9 @@ def batch(kind: str, n: int = 64, v: int = 151_936, seed: int = 81):
 
 
 def main() -> None:
+    calls = int(sys.argv[sys.argv.index("--calls") + 1]) if "--calls" in sys.argv else 5
     os.environ["OFFPOLICY_REUSE_GRAD"] = "0"
+    load_before = os.getloadavg()
     rows = []
     corr = op.Correction(weights="mis", score_centering=True)
     for kind in ("head", "support"):
@@ -93,9 +99,23 @@ def main() -> None:
             rows.append({"kind": kind, "layout": layout, "N": n, "V": z.shape[1], "nnz": rec.nnz, "K_max": k_max,
                          "extra_bytes": extra, "extra_bytes_per_recorded_id": extra / rec.nnz,
                          "padded_record_bytes": n * k_max * 12})
-            print(rows[-1], flush=True)
+        times = {"csr": [], "padded": []}
+        records = {"csr": rec, "padded": rec.to_padded()}
+        for i in range(calls + 1):
+            for layout in ("csr", "padded"):
+                leaf = z.clone().requires_grad_()
+                t0 = time.perf_counter()
+                op.policy_loss(leaf, y, lq, adv, records[layout], None, 1.0, corr).loss.backward()
+                if i:  # the first call of each builds and warms up
+                    times[layout].append(time.perf_counter() - t0)
+        for r in rows[-2:]:
+            r["seconds_median"] = statistics.median(times[r["layout"]])
+            r["seconds_min"] = min(times[r["layout"]])
+            print(r, flush=True)
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(), "torch": torch.__version__,
-            "machine": platform.machine(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+            "machine": platform.machine(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+            "load_before": load_before, "load_after": os.getloadavg(),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"csr_memory_{dt.date.today().isoformat()}.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
