@@ -161,3 +161,26 @@ def test_reference_sampler_flattens_to_csr():
     csr.candidates.validate(40, csr.tokens.shape[0], csr.tokens)
     back = csr.candidates.to_padded(width=padded.candidates.width)
     assert torch.equal(back.ids, padded.candidates.ids.masked_fill(~padded.candidates.valid, -1))
+
+
+def test_trl_proximal_logprobs_on_a_csr_support_equal_the_padded_ones():
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from offpolicy.adapters.trl import OffPolicyGRPOTrainer
+
+    gen = torch.Generator().manual_seed(9)
+    n, d, v = 6, 8, 20
+    hidden, head = torch.randn(n, d, generator=gen), torch.nn.Linear(d, v, bias=False)
+    ids = torch.full((n, 4), -1)
+    for t, k in enumerate([1, 4, 2, 3, 1, 2]):
+        ids[t, :k] = torch.randperm(v, generator=gen)[:k]
+    tokens = ids[:, 0].clone()
+    pad = op.Candidates(ids, torch.where(ids >= 0, -0.5, float("-inf")), "support")
+    mask = torch.tensor([True, True, False, True, True, True])
+    me = SimpleNamespace(temperature=0.7, offpolicy_record="support")
+    got = [OffPolicyGRPOTrainer._sampled_logprobs(me, hidden, head, {"candidates": c, "loss_mask": mask,
+                                                                      "tokens": tokens})
+           for c in (op.CSRCandidates.from_padded(pad), pad)]
+    torch.testing.assert_close(got[0], got[1], rtol=1e-6, atol=1e-6)
+    assert float(got[0][2]) == 0.0
