@@ -13,13 +13,14 @@ from offpolicy import advantages
 from offpolicy.corrections import Correction, KLPenalty, KLRejection, RatioRejection, TrustRegion
 from offpolicy.loss import PolicyLossOutput, policy_loss, policy_loss_from_logprobs
 from offpolicy.loss.proximal import interpolated_proximal_logprobs
-from offpolicy.records import Candidates, TokenBatch
+from offpolicy.records import Candidates, CSRCandidates, TokenBatch
 from offpolicy.ops import SparseLogSoftmax, sparse_log_softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Candidates",
+    "CSRCandidates",
     "Correction",
     "KLPenalty",
     "KLRejection",

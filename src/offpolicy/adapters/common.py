@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral, Real
 
 import torch
 from torch import Tensor
 
 from offpolicy.records.candidates import SUPPORT_SUM_TOL, Candidates
+from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.records.token_batch import TokenBatch
 
 #: Two log-probabilities of the same token from the same response agree to this (JSON floats are fp32 values
@@ -128,12 +129,15 @@ def _version_ints(record: TurnRecord, override: int | None, version_of: Callable
 
 
 def collate(
-    trajectories: Sequence[Trajectory], pad_token_id: int = 0, version_of: Callable[[str], int] = int
+    trajectories: Sequence[Trajectory], pad_token_id: int = 0, version_of: Callable[[str], int] = int,
+    csr: bool = False,
 ) -> tuple[Tensor, TokenBatch]:
     """Right-pad trajectories into ``sequences [B, L]`` and flatten their sampled tokens into a TokenBatch.
 
     ``TokenBatch.gather(trainer_model(sequences))`` then gives the trainer logits ``[N, V]`` of each sampled
-    token. Every turn must carry the same kind of candidate record (or none).
+    token. Every turn must carry the same kind of candidate record (or none). With ``csr`` the record is a
+    :class:`~offpolicy.CSRCandidates` (each turn's entries back to back, no padding to the batch's widest row:
+    ``12`` bytes per recorded id, docs/spec.md#record-memory); otherwise a padded ``[N, K]`` one.
     """
     if not trajectories:
         raise ValueError("trajectories must be non-empty")
@@ -156,7 +160,9 @@ def collate(
             cols.append(torch.arange(start, start + n, dtype=torch.int64))
             vers.append(torch.tensor(_version_ints(rec, override, version_of), dtype=torch.int64))
             temps.append(torch.full((n,), rec.temperature, dtype=torch.float32))
-            if rec.candidates is not None:
+            if rec.candidates is not None and csr:
+                cid.append(CSRCandidates.from_padded(rec.candidates))
+            elif rec.candidates is not None:
                 cid.append(rec.candidates.ids.to(torch.int64))
                 clp.append(rec.candidates.logprobs.float())
 
@@ -164,7 +170,10 @@ def collate(
         return torch.cat(xs) if xs else torch.zeros(0, dtype=dt)
 
     cands = None
-    if kind is not None:
+    if kind is not None and csr:
+        cands = CSRCandidates.cat(cid)
+        cands = replace(cands, logprobs=cands.logprobs.float())
+    elif kind is not None:
         width = max(c.shape[1] for c in cid)
         ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=-1) for c in cid])
         lps = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=float("-inf")) for c in clp])

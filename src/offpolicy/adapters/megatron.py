@@ -42,6 +42,7 @@ from torch import Tensor
 
 from offpolicy.loss.aggregation import SEQUENCE_AGGREGATIONS
 from offpolicy.records.candidates import Candidates
+from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.logits import policy_loss
 from offpolicy.loss.metrics import token_stats
@@ -197,6 +198,7 @@ def make_loss_func(
     max_staleness: int | None = None,
     current_version: int | None = None,
     config: Any = None,
+    csr_candidates: CSRCandidates | None = None,
     **policy_loss_kwargs: Any,
 ) -> Callable[[Tensor], tuple[Tensor, Tensor, dict[str, Tensor]]]:
     """The ``loss_func`` for Megatron's per-token-loss path (``calculate_per_token_loss=True``).
@@ -226,6 +228,9 @@ def make_loss_func(
             ``0 .. max_staleness`` (needs ``batch["versions"]``; the trainer's version is given, not inferred,
             because ranks see different batches).
         config: Megatron's ``TransformerConfig``, optional: checked for ``calculate_per_token_loss``.
+        csr_candidates: the candidate record as :class:`~offpolicy.CSRCandidates` over the ``b * s`` tokens in
+            ``[b, s]`` order (instead of ``batch["candidate_ids"]`` / ``["candidate_logprobs"]``; its own kind),
+            read by the loss without padding.
         policy_loss_kwargs: passed on to :func:`offpolicy.policy_loss` (``backend``, ``inplace_grad``, ...).
 
     Returns:
@@ -283,6 +288,14 @@ def make_loss_func(
     inner = "seq_mean_token_sum" if aggregation == "constant" else aggregation
     buckets = _bucket_spec(batch, num_groups, max_staleness, current_version)
     tp_group, cp_group, dp_group = _default_groups(tp_group, cp_group, dp_group, use_parallel_state)
+    if csr_candidates is not None:
+        if not isinstance(csr_candidates, CSRCandidates):
+            raise TypeError(f"csr_candidates must be an offpolicy.CSRCandidates, got {type(csr_candidates).__name__}")
+        if "candidate_ids" in batch:
+            raise ValueError("pass the record once: batch['candidate_ids'] or csr_candidates, not both")
+        if csr_candidates.num_rows != b * s:
+            raise ValueError(f"csr_candidates must hold b * s = {b * s} rows (one per token), got "
+                             f"{csr_candidates.num_rows}")
 
     def loss_func(output_tensor: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         logits, order = _flatten_logits(output_tensor, b, s, logits_layout)
@@ -299,6 +312,8 @@ def make_loss_func(
         cands = None
         if "candidate_ids" in flat:
             cands = Candidates(flat["candidate_ids"], flat["candidate_logprobs"], candidate_kind)
+        elif csr_candidates is not None:
+            cands = csr_candidates if order is None else csr_candidates.take_rows(order)
         mask = flat["loss_mask"].to(torch.bool)
         seq_ids = flat.get("seq_ids")
         out = policy_loss(

@@ -18,7 +18,8 @@ slime calls ``policy_loss(args, batch, logits, sum_of_sample_mean) -> (loss, met
   ``--custom-rollout-data-keys``).
 
 The loss is built on :func:`offpolicy.adapters.megatron.make_loss_func` over all ``T`` rows of the packed logits
-(prompt and padding rows masked: no row gather, no ``[N, V]`` copy), with the tensor- and context-parallel groups
+(prompt and padding rows masked: no row gather, no ``[N, V]`` copy; the support record as slime ships it, in CSR,
+never padded), with the tensor- and context-parallel groups
 from ``megatron.core.parallel_state``. It returns what slime's reducer would: ``sum_of_sample_mean`` semantics
 (the sum over this rank's samples of each sample's token-loss sum over its whole-sequence token count; slime
 then scales by ``num_microbatches / global_batch_size * dp``), or with ``args.calculate_per_token_loss`` the token
@@ -54,6 +55,7 @@ from offpolicy.adapters.megatron import make_loss_func
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.logprobs import policy_loss_from_logprobs
 from offpolicy.records.candidates import Candidates
+from offpolicy.records.csr_candidates import CSRCandidates
 
 SUPPORT_KEYS = ("rollout_top_p_token_ids", "rollout_top_p_token_offsets")
 SUPPORT_LOGPROBS_KEY = "rollout_top_p_token_logprobs"
@@ -137,7 +139,8 @@ def _per_sample(x, name: str, i: int, resp: Tensor, response_length: int, device
                      f"{response_length} or this CP rank's share {resp.numel()}")
 
 
-def _support_rows(batch, i: int, resp: Tensor, response_length: int, device) -> Candidates:
+def _support_rows(batch, i: int, resp: Tensor, response_length: int, device) -> CSRCandidates:
+    """Sample ``i``'s support record at this rank's response tokens ``resp``, in CSR as slime ships it."""
     ids = torch.as_tensor(batch[SUPPORT_KEYS[0]][i], device=device).long()
     offsets = torch.as_tensor(batch[SUPPORT_KEYS[1]][i], device=device).long()
     if offsets.numel() != response_length + 1:
@@ -148,9 +151,13 @@ def _support_rows(batch, i: int, resp: Tensor, response_length: int, device) -> 
     else:
         sizes = (offsets[1:] - offsets[:-1]).clamp_min(1).float()
         lq = torch.repeat_interleave(-torch.log(sizes), offsets[1:] - offsets[:-1])
-    full = Candidates.from_csr(ids, offsets, lq, kind="support")
-    sel = resp.to(device)
-    return Candidates(full.ids[sel], full.logprobs[sel], kind="support")
+    if ids.dim() != 1 or lq.shape != ids.shape or offsets.dim() != 1:
+        raise ValueError(f"batch{list(SUPPORT_KEYS)}[{i}] must be 1-D CSR (ids [nnz], offsets [R + 1]) with the "
+                         f"log-probs aligned with the ids, got {tuple(ids.shape)}, {tuple(offsets.shape)} and "
+                         f"{tuple(lq.shape)}")
+    full = CSRCandidates(ids, offsets, lq, kind="support")
+    full.check_offsets()
+    return full.take_rows(resp)
 
 
 def _head_rows(batch, i: int, resp: Tensor, response_length: int, device) -> Candidates:
@@ -160,10 +167,14 @@ def _head_rows(batch, i: int, resp: Tensor, response_length: int, device) -> Can
 
 
 def megatron_batch(args, batch: Mapping[str, Any], t: int, device, cp_size: int = 1,
-                   cp_rank: int = 0) -> tuple[dict[str, Tensor], str | None]:
+                   cp_rank: int = 0, csr: bool = False) -> tuple[dict[str, Tensor], str | None]:
     """slime's per-sample micro-batch as the Megatron adapter's ``[1, T]`` dict over all ``T`` local rows.
 
-    Returns ``(batch_dict, candidate_kind or None)``; prompt and padding rows carry ``loss_mask`` False.
+    Returns ``(batch_dict, candidate_kind or None)``; prompt and padding rows carry ``loss_mask`` False. With
+    ``csr`` (what :func:`policy_loss` asks for) a support record is returned as ``batch_dict["candidates"]``, a
+    :class:`~offpolicy.CSRCandidates` over the ``T`` rows (prompt and padding rows empty), never padded;
+    otherwise (and for head records) it is padded to ``[1, T, K]`` under ``candidate_ids`` /
+    ``candidate_logprobs``.
     """
     required = ("unconcat_tokens", "total_lengths", "response_lengths", "loss_masks", "advantages",
                 "rollout_log_probs")
@@ -190,7 +201,7 @@ def megatron_batch(args, batch: Mapping[str, Any], t: int, device, cp_size: int 
     mask = torch.zeros(t, dtype=torch.bool, device=device)
     seq = torch.full((t,), n, dtype=torch.long, device=device)
     prox = torch.zeros(t, dtype=torch.float32, device=device) if "log_probs" in batch else None
-    cand_rows: list[tuple[Tensor, Candidates]] = []
+    cand_rows: list[tuple[Tensor, Candidates | CSRCandidates]] = []
     start = 0
     for i in range(n):
         total, length = int(batch["total_lengths"][i]), int(batch["response_lengths"][i])
@@ -220,7 +231,13 @@ def megatron_batch(args, batch: Mapping[str, Any], t: int, device, cp_size: int 
     out = {"labels": labels, "sampler_logprobs": lq, "advantages": adv, "loss_mask": mask, "seq_ids": seq}
     if prox is not None:
         out["proximal_logprobs"] = prox
-    if kind is not None:
+    record = None
+    if kind == "support":
+        record = _rows_at(cand_rows, t, device)
+    if kind == "support" and not csr:
+        record = record.to_padded(width=max(1, int(record.lengths.max()) if t else 1))
+        out["candidate_ids"], out["candidate_logprobs"] = record.ids, record.logprobs
+    elif kind is not None and not csr:
         width = max([c.width for _, c in cand_rows] + [1])
         ids = torch.full((t, width), -1, dtype=torch.long, device=device)
         vals = torch.full((t, width), float("-inf"), dtype=torch.float32, device=device)
@@ -228,7 +245,24 @@ def megatron_batch(args, batch: Mapping[str, Any], t: int, device, cp_size: int 
             ids[at, :c.width] = c.ids
             vals[at, :c.width] = c.logprobs
         out["candidate_ids"], out["candidate_logprobs"] = ids, vals
-    return {k: v.unsqueeze(0) for k, v in out.items()}, kind
+    mb = {k: v.unsqueeze(0) for k, v in out.items()}
+    if kind == "support" and csr:
+        mb["candidates"] = record
+    return mb, kind
+
+
+def _rows_at(cand_rows: list[tuple[Tensor, CSRCandidates]], t: int, device) -> CSRCandidates:
+    """One CSR record over the ``t`` local rows from each sample's ``(rows, record)``: row ``rows[j]`` gets the
+    sample's row ``j``; rows of no response are empty."""
+    # The samples' rows one after another, then one empty row (index m) for the rows of no response.
+    empty = CSRCandidates(torch.zeros(0, dtype=torch.int64, device=device),
+                          torch.zeros(2, dtype=torch.int64, device=device),
+                          torch.zeros(0, dtype=torch.float32, device=device), "support")
+    m = sum(c.num_rows for _, c in cand_rows)
+    src = torch.full((t,), m, dtype=torch.int64, device=device)
+    if cand_rows:
+        src[torch.cat([at for at, _ in cand_rows])] = torch.arange(m, device=device)
+    return CSRCandidates.cat([c for _, c in cand_rows] + [empty]).take_rows(src)
 
 
 def policy_loss(args, batch: Mapping[str, Any], logits: Tensor,
@@ -252,7 +286,9 @@ def policy_loss(args, batch: Mapping[str, Any], logits: Tensor,
         raise ValueError(f"logits must be slime's packed [1, T, V/TP], got {tuple(logits.shape)}")
     correction = correction_from_args(args)
     tp_group, _, cp_group, cp_size, cp_rank = _parallel()
-    mb, kind = megatron_batch(args, batch, logits.shape[1], logits.device, cp_size, cp_rank)
+    # The support goes to the loss as slime ships it, in CSR (never padded).
+    mb, kind = megatron_batch(args, batch, logits.shape[1], logits.device, cp_size, cp_rank, csr=True)
+    csr_record = mb.pop("candidates", None)
     flags = check_sampler_logprobs(GUARD, mb["sampler_logprobs"], mb["loss_mask"], name="batch['rollout_log_probs']",
                                    trainer_logprobs=mb.get("proximal_logprobs") if kind != "support" else None)
     if correction.ppo_clip is None:
@@ -265,6 +301,7 @@ def policy_loss(args, batch: Mapping[str, Any], logits: Tensor,
         aggregation="token_mean" if per_token else "seq_mean_token_mean",
         temperature=float(getattr(args, "rollout_temperature", 1.0)), vocab_size=getattr(args, "vocab_size", None),
         logits_layout="bsv", tp_group=tp_group, cp_group=cp_group, use_parallel_state=False, reduce_metrics=False,
+        csr_candidates=csr_record,
     )
     loss, _count, report = loss_func(logits)
     metrics = {}

@@ -88,9 +88,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without TRL
 from offpolicy.adapters.guard import Guard, Suspect
 from offpolicy.adapters.trl_compat import VLLM_DEFAULT_MAX_LOGPROBS, check_trl_api, engine_dtype, vllm_engine_options
 from offpolicy.corrections.correction import Correction
-from offpolicy.loss.logits import policy_loss
+from offpolicy.loss.csr_logprobs import csr_log_probs
+from offpolicy.loss.logits import ModelInputs, policy_loss
 from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax
 from offpolicy.records.candidates import Candidates
+from offpolicy.records.csr_candidates import CSRCandidates
 
 RECORD_MODES = ("logprobs", "head", "support")
 IDS_KEY = "offpolicy_candidate_ids"
@@ -597,7 +599,9 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
 
     def _flat_inputs(self, inputs: dict) -> dict[str, Any]:
         """The micro-batch flattened to ``N = B T`` tokens: ``tokens [N]``, ``loss_mask [N]`` bool, ``mask [B, T]``
-        and ``candidates`` (a :class:`~offpolicy.Candidates` ``[N, K]`` or None)."""
+        and ``candidates``: a head record as :class:`~offpolicy.Candidates` ``[N, K]``, a support record as
+        :class:`~offpolicy.CSRCandidates` (the loss reads each token's own support, not the batch's widest), or
+        None."""
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         b, t = completion_ids.shape
@@ -607,6 +611,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             ids, clq = inputs[IDS_KEY], inputs[LOGPROBS_KEY]
             candidates = Candidates(ids.reshape(n, ids.shape[-1]), clq.reshape(n, clq.shape[-1]).float(),
                                     kind=self.offpolicy_record)
+            if self.offpolicy_record == "support":
+                candidates = CSRCandidates.from_padded(candidates)
         return {"tokens": completion_ids.reshape(n), "loss_mask": mask.reshape(n).bool(), "mask": mask,
                 "candidates": candidates}
 
@@ -623,6 +629,11 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         else the full vocabulary), by the primitive :func:`offpolicy.policy_loss` runs; 0 on untrained tokens."""
         cands, mask = flat["candidates"], flat["loss_mask"]
         with torch.no_grad(), torch.autocast(device_type=hidden.device.type, enabled=False):
+            if isinstance(cands, CSRCandidates):
+                model = ModelInputs(None, hidden.detach(), head.weight.detach(),
+                                    None if head.bias is None else head.bias.detach())
+                lp = csr_log_probs(model, flat["tokens"], cands, self.temperature, ~mask, None)
+                return torch.where(mask, lp.target, torch.zeros_like(lp.target))
             lp = linear_sparse_log_softmax(
                 hidden.detach(), head.weight.detach(), flat["tokens"], None if cands is None else cands.ids,
                 self.temperature, bias=None if head.bias is None else head.bias.detach(),

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from offpolicy.records.candidates import Candidates
+from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.records.token_batch import TokenBatch
 
 FILTER_SEMANTICS = ("sglang", "vllm")
@@ -172,14 +173,17 @@ class Rollout:
                 lengths[b] += n
         return replace(out, sequences=seq, lengths=lengths)
 
-    def flatten(self) -> TokenBatch:
-        """The sampled positions as flat ``[N]`` tensors (row-major order)."""
+    def flatten(self, csr: bool = False) -> TokenBatch:
+        """The sampled positions as flat ``[N]`` tensors (row-major order); with ``csr`` the record is a
+        :class:`~offpolicy.CSRCandidates` (each position's own entries, no padding; docs/spec.md#record-memory)."""
         rows, cols = self.sampled.nonzero(as_tuple=True)
         cands = None
         if self.cand_ids is not None:
             ids, lps = self.cand_ids[rows, cols], self.cand_logprobs[rows, cols]
             width = int((ids >= 0).sum(dim=1).max()) if ids.shape[0] else 0
             cands = Candidates(ids[:, :width].contiguous(), lps[:, :width].contiguous(), self.kind)
+            if csr:
+                cands = CSRCandidates.from_padded(cands)
         return TokenBatch(
             tokens=self.sequences[rows, cols],
             sampler_logprobs=self.sampler_logprobs[rows, cols],

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from offpolicy.corrections.correction import Correction
 from offpolicy.corrections.weights import weight_function
+from offpolicy.loss.entry_rows import EntryRows
 
 TAIL_EPS = 1e-6
 
@@ -36,30 +37,36 @@ class Centering(NamedTuple):
     """Coefficients and diagnostics, all detached.
 
     Attributes:
-        coef: ``[N, K]`` ``c(v)``, 0 at padding.
+        coef: ``[N, K]`` ``c(v)``, 0 at padding (``[nnz]`` for a CSR record).
         p_head: ``[N]`` ``P_H``, trainer mass on the candidates.
         q_head: ``[N]`` ``Q_H``, sampler mass on the candidates.
         rho: ``[N]`` tail ratio (1 for support records).
+        abs_coef_sum: ``[N]`` ``sum_v |c(v)|`` over the row's candidates.
     """
 
     coef: Tensor
     p_head: Tensor
     q_head: Tensor
     rho: Tensor
+    abs_coef_sum: Tensor
 
 
 def centering_coefficients(
-    cand_logp: Tensor, cand_lq: Tensor, valid: Tensor, support: bool, corr: Correction
+    cand_logp: Tensor, cand_lq: Tensor, valid: Tensor, support: bool, corr: Correction,
+    rows: EntryRows | None = None,
 ) -> Centering:
     """Compute ``c(v)`` for every candidate.
 
     Args:
-        cand_logp: ``[N, K]`` trainer log-probabilities of the candidates (full or support-normalised), detached.
+        cand_logp: ``[N, K]`` trainer log-probabilities of the candidates (full or support-normalised), detached
+            (``[nnz]`` for a CSR record, and likewise the next two).
         cand_lq: ``[N, K]`` sampler log-probabilities, ``-inf`` at padding.
         valid: ``[N, K]`` bool, real entries.
         support: the record is a support (mask replay) rather than a head.
         corr: the correction, whose ``f`` defines ``m`` and ``alpha``.
+        rows: where each row's entries lie (:class:`~offpolicy.loss.entry_rows.EntryRows`); None: padded.
     """
+    rows = EntryRows(None, cand_logp.shape[0]) if rows is None else rows
     zero = torch.zeros_like(cand_logp)
     p = torch.where(valid, torch.exp(cand_logp), zero)
     q = torch.where(valid, torch.exp(cand_lq.to(cand_logp.dtype)), zero)
@@ -67,12 +74,12 @@ def centering_coefficients(
     m = torch.where(q > 0, q * weight_function(cand_logp - cand_lq.to(cand_logp.dtype), corr), zero)
     # The tail masses 1 - P_H and 1 - Q_H cancel catastrophically when the head holds nearly all the mass: they
     # are formed in float64 (O(N K) work) so that rho keeps its accuracy down to the eps floor.
-    p_head, q_head = p.double().sum(dim=1), q.double().sum(dim=1)
+    p_head, q_head = rows.sum(p.double()), rows.sum(q.double())
     if support:
         rho = torch.ones_like(p_head)
     else:
         rho = (1.0 - q_head).clamp_min(TAIL_EPS) / (1.0 - p_head).clamp_min(TAIL_EPS)
     alpha = (rho * weight_function(-torch.log(rho), corr)).to(p.dtype)
     p_head, q_head, rho = p_head.to(p.dtype), q_head.to(p.dtype), rho.to(p.dtype)
-    coef = torch.where(valid, m - alpha[:, None] * p, zero)
-    return Centering(coef, p_head, q_head, rho)
+    coef = torch.where(valid, m - rows.spread(alpha) * p, zero)
+    return Centering(coef, p_head, q_head, rho, rows.sum(coef.abs()))

@@ -15,8 +15,10 @@ import torch
 from torch import Tensor
 
 from offpolicy.records.candidates import Candidates
+from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.corrections.correction import Correction
 from offpolicy.parallel.dtensor import vocab_shard_of
+from offpolicy.loss.csr_logprobs import csr_log_probs
 from offpolicy.loss.inputs import Aggregation, Parallelism, TokenData
 from offpolicy.loss.logprobs import PolicyLossOutput, loss_from_logprobs
 from offpolicy.ops import SparseLogSoftmax, VocabShard, input_checks, row_threads, sparse_log_softmax
@@ -28,7 +30,7 @@ def policy_loss(
     tokens: Tensor | None = None,
     sampler_logprobs: Tensor | None = None,
     advantages: Tensor | None = None,
-    candidates: Candidates | None = None,
+    candidates: Candidates | CSRCandidates | None = None,
     loss_mask: Tensor | None = None,
     temperature: float | Tensor = 1.0,
     correction: Correction = Correction(),
@@ -62,7 +64,8 @@ def policy_loss(
         sampler_logprobs: ``[N]`` float ``lq_t``, the sampler's log-probability of ``y_t`` after temperature
             (renormalised over the support when sampling was filtered).
         advantages: ``[N]`` float, detached.
-        candidates: :class:`~offpolicy.Candidates` record (``kind="head"`` or ``"support"``), or None.
+        candidates: :class:`~offpolicy.Candidates` record (``kind="head"`` or ``"support"``), its unpadded
+            :class:`~offpolicy.CSRCandidates` form (read at its ``nnz`` entries, never padded), or None.
         loss_mask: ``[N]`` bool, True on trained tokens; None trains all.
         temperature: float or ``[N]`` tensor, ``> 0``: the sampling temperature.
         correction: :class:`~offpolicy.Correction`; the default is plain REINFORCE/GRPO.
@@ -90,7 +93,8 @@ def policy_loss(
         reference_logprobs: ``[N]`` float ``log p_ref(y_t)`` of the reference model, for ``correction.kl_penalty``
             (both or neither).
         inplace_grad: write the logits' gradient into ``logits`` (saves an ``[N, V]`` buffer; the logits are
-            overwritten by the backward and autograd's version check is bypassed).
+            overwritten by the backward and autograd's version check is bypassed). A CSR support record's
+            gradient, which no vocabulary pass produces, is a fresh buffer whatever this says.
         backend: ``"torch"``, ``"cpu"`` or ``"triton"``; default by device.
         validate: check inputs at the boundary (host syncs); skipped automatically under ``torch.compile``.
 
@@ -116,27 +120,32 @@ def policy_loss(
                             backend, check)
 
 
-def _policy_loss(model: ModelInputs, tokens: Tensor, temperature, candidates: Candidates | None, data: TokenData,
+def _policy_loss(model: ModelInputs, tokens: Tensor, temperature, candidates: Candidates | CSRCandidates | None,
+                 data: TokenData,
                  agg: Aggregation, par: Parallelism, correction: Correction, inplace_grad: bool,
                  backend: str | None, check: bool) -> PolicyLossOutput:
     """:func:`policy_loss`'s body, on the checked and grouped arguments."""
     loss_mask, tp_group, vocab_start, cp_group = data.loss_mask, par.tp_group, par.vocab_start, par.cp_group
+    csr = isinstance(candidates, CSRCandidates)
     if check:
         _validate(model, tokens, temperature, candidates, data, agg, par, correction)
     n = tokens.shape[0]
     device = tokens.device
     active = torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.to(torch.bool)
     support = candidates is not None and candidates.kind == "support"
-    cand_ids = candidates.ids if candidates is not None else None
+    cand_ids = candidates.ids if candidates is not None and not csr else None
     shard = VocabShard(tp_group, vocab_start) if tp_group is not None else None
 
     # The primitive's value checks (ids in range, temperatures) are the ones _validate has just made.
-    lp = _log_probs(model, tokens, cand_ids, temperature, support, ~active, shard, inplace_grad, backend)
+    if csr:
+        lp = csr_log_probs(model, tokens, candidates, temperature, ~active, backend, inplace_grad, shard)
+    else:
+        lp = _log_probs(model, tokens, cand_ids, temperature, support, ~active, shard, inplace_grad, backend)
     if check:
         # A NaN logit makes the row's log-probabilities NaN; a +inf one makes its normaliser inf - inf (NaN
         # entropy, NaN gradient): neither is a distribution, so a trained row holding one is refused.
         broken = (torch.isnan(lp.target) | torch.isnan(lp.entropy)) & active
-        if model.logits is not None and shard is None:
+        if model.logits is not None and shard is None and not (csr and support):
             broken |= _overflowed(model.logits, torch.isposinf(lp.lse) & active & ~broken, cand_ids, support)
         if bool(broken.any()):
             raise ValueError(_broken_row(model, int(broken.nonzero()[0]), temperature))

@@ -23,8 +23,9 @@ import torch
 from torch import Tensor
 
 from offpolicy.loss.aggregation import aggregate
-from offpolicy.records.candidates import Candidates
+from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.loss.centering import Centering, centering_coefficients
+from offpolicy.loss.entry_rows import EntryRows, Record
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.metrics import TokenView, policy_metrics, token_view
 from offpolicy.loss.penalty import kl_penalty_terms
@@ -66,7 +67,7 @@ def policy_loss_from_logprobs(
     logprobs: Tensor,
     sampler_logprobs: Tensor,
     advantages: Tensor,
-    candidates: Candidates | None = None,
+    candidates: Record | None = None,
     candidate_logprobs: Tensor | None = None,
     loss_mask: Tensor | None = None,
     correction: Correction = Correction(),
@@ -93,11 +94,11 @@ def policy_loss_from_logprobs(
             (the caller's log-softmax does the masking; it cannot be checked without the logits).
         sampler_logprobs: ``[N]`` float ``lq_t``.
         advantages: ``[N]`` float.
-        candidates: the sampler's :class:`~offpolicy.Candidates` record (ids and ``log q``); needed for score
-            centering.
+        candidates: the sampler's :class:`~offpolicy.Candidates` record (ids and ``log q``), padded or
+            :class:`~offpolicy.CSRCandidates`; needed for score centering.
         candidate_logprobs: ``[N, K]`` float, differentiable: the trainer's log-probabilities at
-            ``candidates.ids`` (same normalisation as ``logprobs``; any finite value at ``-1`` padding). Required
-            with score centering and a record.
+            ``candidates.ids`` (same normalisation as ``logprobs``; any finite value at ``-1`` padding); ``[nnz]``
+            for a CSR record. Required with score centering and a record.
         loss_mask, correction, seq_ids, aggregation, num_loss_tokens, groups, versions, proximal_logprobs,
             num_sequences, constant_normalizer, cp_group, current_version, reference_logprobs, validate: as in
             :func:`offpolicy.policy_loss`.
@@ -119,7 +120,7 @@ def policy_loss_from_logprobs(
 
 def loss_from_logprobs(
     logprobs: Tensor,
-    candidates: Candidates | None,
+    candidates: Record | None,
     candidate_logprobs: Tensor | None,
     entropy: Tensor | None,
     data: TokenData,
@@ -166,7 +167,8 @@ def loss_from_logprobs(
     # 5. Surrogate (and score centering).
     # A surrogate that goes without a proximal policy takes the sampler's (the trust region's u = p / q).
     ref = prox if prox is not None else lq
-    token_loss, centering = _surrogate(logp_y, w, scale, adv, ref, seg, candidates, candidate_logprobs, corr)
+    rows = EntryRows.of(candidates) if candidates is not None else None
+    token_loss, centering = _surrogate(logp_y, w, scale, adv, ref, seg, candidates, candidate_logprobs, rows, corr)
     token_loss = torch.where(trained, token_loss, zero)
     tr_penalty = None
     if tr is not None and tr.penalty:
@@ -199,7 +201,8 @@ def loss_from_logprobs(
                       advantages=adv)
     metrics = policy_metrics(
         view=view, drops=drops, active=active, entropy=zero if entropy is None else entropy, corr=corr,
-        kept=kept, centering=centering, cand_valid=(candidates.ids >= 0) if candidates is not None else None,
+        kept=kept, centering=centering,
+        support_size=rows.sum(candidates.valid.to(torch.int64)) if candidates is not None else None,
         seg=seg.local() if seg is not None else None, groups=data.groups,
         versions=data.versions, current_version=data.current_version,
     )
@@ -239,7 +242,7 @@ def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, corr: Correction,
 
 
 def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | None, seg: Segments | None,
-               candidates: Candidates | None, cand_lp: Tensor | None,
+               candidates: Record | None, cand_lp: Tensor | None, rows: EntryRows | None,
                corr: Correction) -> tuple[Tensor, Centering | None]:
     """``[N]`` token loss ``-w_t s_t`` of the correction's surrogate; for the score-function surrogate
     ``-A_t (w_t log p(y_t) - sum_v sg(c_t(v)) log p(v))`` with the centering sum under score centering."""
@@ -255,13 +258,12 @@ def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | Non
     policy_term = torch.where(w != 0, w * logp_y, zero)
     centering = None
     if corr.score_centering:
-        valid = candidates.ids >= 0
-        centering = centering_coefficients(cand_lp.detach(), candidates.logprobs.detach(), valid,
-                                           candidates.kind == "support", corr)
+        centering = centering_coefficients(cand_lp.detach(), candidates.logprobs.detach(), candidates.valid,
+                                           candidates.kind == "support", corr, rows)
         coef = centering.coef * scale
         # A candidate the trainer gives probability 0 (log p = -inf) contributes exactly 0.
         live = (coef != 0) & (cand_lp.detach() > float("-inf"))
-        policy_term = policy_term - torch.where(live, coef * cand_lp, torch.zeros_like(coef)).sum(1)
+        policy_term = policy_term - rows.sum(torch.where(live, coef * cand_lp, torch.zeros_like(coef)))
     return -adv * policy_term, centering
 
 
@@ -298,15 +300,17 @@ def _validate(logprobs, candidates, cand_lp, entropy, data: TokenData, agg: Aggr
     if cand_lp is not None and candidates is None:
         raise ValueError("candidate_logprobs needs candidates (the sampler's record at the same ids)")
     if candidates is not None and corr.score_centering and cand_lp is None:
-        raise ValueError("score centering needs candidate_logprobs [N, K]: the trainer's log-probabilities at "
-                         "candidates.ids")
+        raise ValueError("score centering needs candidate_logprobs [N, K] ([nnz] for a CSR record): the trainer's "
+                         "log-probabilities at candidates.ids")
     if cand_lp is not None:
+        csr = isinstance(candidates, CSRCandidates)
+        shape = "[nnz]" if csr else "[N, K]"
         if not isinstance(cand_lp, Tensor) or tuple(cand_lp.shape) != tuple(candidates.ids.shape):
-            raise ValueError(f"candidate_logprobs must be [N, K] = {list(candidates.ids.shape)} like candidates.ids, "
+            raise ValueError(f"candidate_logprobs must be {shape} = {list(candidates.ids.shape)} like candidates.ids, "
                              f"got {list(getattr(cand_lp, 'shape', []))}")
         if not cand_lp.is_floating_point():
             raise TypeError(f"candidate_logprobs must be a floating-point tensor, got {cand_lp.dtype}")
-        on = active[:, None] & (candidates.ids >= 0)
+        on = active[candidates.row_index()] if csr else active[:, None] & (candidates.ids >= 0)
         vals = cand_lp.detach()[on]
         if bool(torch.isnan(vals).any()) or bool((vals > LOGPROB_SLACK).any()):
             raise ValueError("candidate_logprobs: NaN or a value > 0 at a recorded candidate of a trained token")

@@ -191,7 +191,7 @@ def policy_metrics(
     corr: Correction,
     kept: Tensor | None = None,
     centering: Centering | None = None,
-    cand_valid: Tensor | None = None,
+    support_size: Tensor | None = None,
     seg: Segments | None = None,
     groups: Tensor | None = None,
     versions: Tensor | None = None,
@@ -206,7 +206,7 @@ def policy_metrics(
         entropy: ``[N]`` entropy of the trainer's (full or support) distribution.
         kept: ``[N]`` bool, tokens not dropped by a sequence-level rejection (None: all kept).
         centering: score-centering coefficients and diagnostics, or None.
-        cand_valid: ``[N, K]`` bool valid candidate entries, or None.
+        support_size: ``[N]`` number of recorded candidates per row, or None (no record).
         seg: sequence segments (for ``share_samples``), or None.
         groups, versions: ``[N]`` int sampler group and policy version of each token, or None.
         current_version: the trainer's version for staleness; default ``versions.max()``.
@@ -223,13 +223,13 @@ def policy_metrics(
     out["rejected_frac"] = (
         _mean((~kept).to(lr.dtype), active) if kept is not None else lr.new_zeros(())
     )
-    if cand_valid is not None:
-        out["support_size"] = _mean(cand_valid.sum(dim=1).to(lr.dtype), active)
+    if support_size is not None:
+        out["support_size"] = _mean(support_size.to(lr.dtype), active)
     if centering is not None:
         out["sc_p_head"] = _mean(centering.p_head, active)
         out["sc_q_head"] = _mean(centering.q_head, active)
         out["sc_rho"] = _mean(centering.rho, active)
-        out["sc_abs_coef_sum"] = _mean(centering.coef.abs().sum(dim=1), active)
+        out["sc_abs_coef_sum"] = _mean(centering.abs_coef_sum, active)
     if groups is not None:
         out.update(_split(view, active, corr, groups, "group", seg))
     if versions is not None:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
 from offpolicy.records.candidates import Candidates
+from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.inputs import Aggregation, TokenData
 from offpolicy.ops.input_checks import INT_NAMES, INTS
@@ -133,13 +134,15 @@ def check_candidates(candidates, vocab: int | None, n: int, device, active: Tens
     ``tokens`` are known)."""
     if candidates is None:
         return
-    if not isinstance(candidates, Candidates):
-        raise TypeError(f"candidates must be an offpolicy.Candidates, got {type(candidates).__name__}")
+    if not isinstance(candidates, (Candidates, CSRCandidates)):
+        raise TypeError(f"candidates must be an offpolicy.Candidates or offpolicy.CSRCandidates, got "
+                        f"{type(candidates).__name__}")
     if candidates.ids.device != device:
         raise ValueError(f"candidates are on {candidates.ids.device}, expected {device}")
     candidates.validate(vocab, n, tokens, active)
     if candidates.kind == "support":
-        empty = active & ~(candidates.ids >= 0).any(dim=1)
+        nonempty = candidates.lengths > 0 if isinstance(candidates, CSRCandidates) else (candidates.ids >= 0).any(1)
+        empty = active & ~nonempty
         if bool(empty.any()):
             row = int(empty.nonzero()[0])
             raise ValueError(f"candidates: kind='support' row {row} is empty but its token is trained")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from offpolicy.records.candidates import Candidates
+from offpolicy.records.csr_candidates import CSRCandidates
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,8 @@ class TokenBatch:
         tokens: ``[N]`` int64 sampled ids.
         sampler_logprobs: ``[N]`` fp32, ``lq_t`` (after temperature, renormalised over the support when
             filtered).
-        candidates: the :class:`Candidates` record ``[N, K]``, or ``None``.
+        candidates: the :class:`Candidates` record ``[N, K]``, its unpadded :class:`CSRCandidates` form
+            (``ids [nnz]``, ``offsets [N + 1]``), or ``None``.
         loss_mask: ``[N]`` bool, True on trained tokens.
         seq_ids: ``[N]`` int64, the rollout row of each token.
         versions: ``[N]`` int64 policy version that sampled each token.
@@ -28,7 +30,7 @@ class TokenBatch:
 
     tokens: Tensor
     sampler_logprobs: Tensor
-    candidates: Candidates | None
+    candidates: Candidates | CSRCandidates | None
     loss_mask: Tensor
     seq_ids: Tensor
     versions: Tensor

@@ -1,0 +1,204 @@
+"""The candidate record in CSR layout: each row's entries stored back to back, without padding.
+
+``CSRCandidates(ids [nnz], offsets [N + 1], logprobs [nnz], kind)``: row ``t`` owns
+``ids[offsets[t]:offsets[t + 1]]`` and the sampler log-probabilities at the same positions. The kinds mean what
+they mean for the padded :class:`~offpolicy.records.candidates.Candidates` (docs/spec.md#records); a row may be
+empty (``offsets[t] == offsets[t + 1]``). A batch whose realised supports range from 2 to thousands of ids stores
+``12`` bytes per recorded id (an int64 id and an fp32 log-probability) plus ``8`` per row, instead of ``12 K`` per
+row with ``K`` the widest row (docs/spec.md#record-memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from offpolicy.records.candidates import KINDS, SUPPORT_SUM_TOL, Candidates, Kind
+
+
+@dataclass(frozen=True)
+class CSRCandidates:
+    """Candidate ids and sampler log-probabilities per position, stored row after row.
+
+    Attributes:
+        ids: ``[nnz]`` int32/int64 token ids (no padding).
+        offsets: ``[N + 1]`` int32/int64, non-decreasing, ``offsets[0] == 0``, ``offsets[N] == nnz``.
+        logprobs: ``[nnz]`` float sampler log-probabilities of ``ids`` after temperature (renormalised over the
+            row for ``kind="support"``).
+        kind: ``"head"`` or ``"support"``.
+
+    Shapes, dtypes and devices are checked on construction; the values (offsets, ids, sums) by :meth:`validate`,
+    which the loss calls at its boundary.
+    """
+
+    ids: Tensor
+    offsets: Tensor
+    logprobs: Tensor
+    kind: Kind = "head"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"CSRCandidates.kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("ids", "offsets", "logprobs"):
+            x = getattr(self, name)
+            if not isinstance(x, Tensor):
+                raise TypeError(f"CSRCandidates.{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 1:
+                raise ValueError(f"CSRCandidates.{name} must be 1-D, got shape {tuple(x.shape)}")
+            if x.device != self.ids.device:
+                raise ValueError(f"CSRCandidates.{name} is on {x.device}, expected {self.ids.device} like ids")
+        for name in ("ids", "offsets"):
+            if getattr(self, name).dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"CSRCandidates.{name} must be int32 or int64, got {getattr(self, name).dtype}")
+        if not self.logprobs.is_floating_point():
+            raise TypeError(f"CSRCandidates.logprobs must be a float tensor, got {self.logprobs.dtype}")
+        if self.logprobs.shape != self.ids.shape:
+            raise ValueError(f"CSRCandidates.logprobs must have the shape of ids [nnz] = [{self.ids.numel()}], "
+                             f"got {tuple(self.logprobs.shape)}")
+        if self.offsets.numel() == 0:
+            raise ValueError("CSRCandidates.offsets must hold N + 1 >= 1 entries")
+
+    @property
+    def num_rows(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def nnz(self) -> int:
+        """The number of recorded entries."""
+        return self.ids.numel()
+
+    @property
+    def lengths(self) -> Tensor:
+        """``[N]`` int64 entries per row."""
+        off = self.offsets.to(torch.int64)
+        return off[1:] - off[:-1]
+
+    @property
+    def valid(self) -> Tensor:
+        """``[nnz]`` bool, all True (a CSR record has no padding); the padded record's ``[N, K]`` twin."""
+        return torch.ones(self.ids.shape, dtype=torch.bool, device=self.ids.device)
+
+    def row_index(self) -> Tensor:
+        """``[nnz]`` int64 row of each entry (needs valid offsets)."""
+        n = self.num_rows
+        return torch.repeat_interleave(torch.arange(n, device=self.ids.device), self.lengths, output_size=self.nnz)
+
+    def to_padded(self, width: int | None = None) -> Candidates:
+        """The padded ``[N, K]`` record (``K = width``, default the longest row); see :meth:`Candidates.from_csr`."""
+        return Candidates.from_csr(self.ids, self.offsets, self.logprobs, self.kind, width)
+
+    @classmethod
+    def from_padded(cls, candidates: Candidates) -> "CSRCandidates":
+        """The CSR record of a padded one (its ``-1`` entries dropped, the others kept in column order)."""
+        if not isinstance(candidates, Candidates):
+            raise TypeError(f"from_padded: candidates must be an offpolicy.Candidates, got "
+                            f"{type(candidates).__name__}")
+        valid = candidates.ids >= 0
+        offsets = torch.zeros(candidates.num_rows + 1, dtype=torch.int64, device=candidates.ids.device)
+        offsets[1:] = valid.sum(dim=1).cumsum(0)
+        return cls(candidates.ids[valid], offsets, candidates.logprobs[valid], candidates.kind)
+
+    def take_rows(self, index: Tensor) -> "CSRCandidates":
+        """The record whose row ``j`` is this record's row ``index[j]`` (``index [M]`` int, in ``[0, N)``; rows
+        may repeat or be left out), entries in their order. ``O(nnz_out)``, one host sync (the output size)."""
+        index = index.to(device=self.ids.device, dtype=torch.int64)
+        lengths = self.lengths[index]
+        offsets = torch.zeros(index.numel() + 1, dtype=torch.int64, device=self.ids.device)
+        offsets[1:] = lengths.cumsum(0)
+        nnz = int(offsets[-1])
+        # Entry e of output row j sits at starts[j] + (e - offsets[j]) in this record.
+        shift = self.offsets.to(torch.int64)[:-1][index] - offsets[:-1]
+        pos = torch.repeat_interleave(shift, lengths, output_size=nnz) + torch.arange(nnz, device=self.ids.device)
+        return CSRCandidates(self.ids[pos], offsets, self.logprobs[pos], self.kind)
+
+    @classmethod
+    def cat(cls, records: "list[CSRCandidates]") -> "CSRCandidates":
+        """The records' rows one after another (all of one kind)."""
+        if not records:
+            raise ValueError("CSRCandidates.cat: records must be non-empty")
+        kinds = {r.kind for r in records}
+        if len(kinds) != 1:
+            raise ValueError(f"CSRCandidates.cat: records of different kinds {sorted(kinds)}")
+        lengths = torch.cat([r.lengths for r in records])
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        offsets[1:] = lengths.cumsum(0)
+        return cls(torch.cat([r.ids.to(torch.int64) for r in records]), offsets,
+                   torch.cat([r.logprobs for r in records]), kinds.pop())
+
+    def check_offsets(self) -> None:
+        """Raise ``ValueError`` unless ``offsets`` start at 0, end at ``nnz`` and never decrease."""
+        off = self.offsets
+        if int(off[0]) != 0 or int(off[-1]) != self.nnz:
+            raise ValueError(f"candidates.offsets must start at 0 and end at nnz = {self.nnz}, got {int(off[0])} "
+                             f"and {int(off[-1])}")
+        if self.num_rows and bool((off[1:] < off[:-1]).any()):
+            row = int((off[1:] < off[:-1]).nonzero()[0])
+            raise ValueError(f"candidates.offsets must be non-decreasing; offsets[{row + 1}] < offsets[{row}]")
+
+    def validate(self, vocab_size: int | None, num_rows: int, tokens: Tensor | None = None,
+                 loss_mask: Tensor | None = None) -> None:
+        """The checks of :meth:`Candidates.validate` on the CSR layout (``O(nnz log nnz)``, a few host syncs):
+        row count and offsets, ids in ``[0, vocab_size)``, no duplicate id within a row, no NaN or ``+inf``
+        log-probability; on trained rows (``loss_mask [N]``, None: all) no log-probability above 0, support rows
+        summing to one within the tolerance of :func:`~offpolicy.records.candidates.support_sum_tolerance` and
+        holding the sampled token, head rows of mass at most 1."""
+        if self.num_rows != num_rows:
+            raise ValueError(f"candidates: expected {num_rows} rows (one per token), got {self.num_rows} "
+                             f"(offsets holds {self.offsets.numel()} entries, N + 1)")
+        self.check_offsets()
+        if self.nnz == 0:
+            return
+        ids, lp = self.ids, self.logprobs
+        row = self.row_index()
+        trained = (torch.ones(num_rows, dtype=torch.bool, device=ids.device) if loss_mask is None
+                   else loss_mask.to(device=ids.device, dtype=torch.bool))
+        if bool((ids < 0).any()):
+            raise ValueError(f"candidates.ids: id {int(ids.min())} is negative (a CSR record has no padding)")
+        if vocab_size is not None and bool((ids >= vocab_size).any()):
+            raise ValueError(f"candidates.ids: id {int(ids.max())} is out of range for vocabulary size {vocab_size}")
+        if bool(torch.isnan(lp).any()):
+            raise ValueError("candidates.logprobs: NaN found")
+        if bool((lp == float("inf")).any()):
+            raise ValueError("candidates.logprobs: +inf found (log-probabilities are <= 0)")
+        if bool((lp[trained[row]] > 1e-4).any()):
+            raise ValueError("candidates.logprobs: a log-probability above 0 found (probabilities are <= 1)")
+        # One sort of (row, id) keys finds a repeated id within a row.
+        key = row * (int(ids.max()) + 1) + ids.to(torch.int64)
+        srt = torch.sort(key).values
+        dup = srt[1:] == srt[:-1]
+        if bool(dup.any()):
+            bad = int(srt[1:][dup][0])
+            raise ValueError(f"candidates.ids: duplicate id within row {bad // (int(ids.max()) + 1)}")
+        lp64 = lp.double()
+        mass = torch.zeros(num_rows, dtype=torch.float64, device=ids.device).index_add_(0, row, torch.exp(lp64))
+        nonempty = (self.lengths > 0) & trained
+        if self.kind == "support":
+            # support_sum_tolerance's bound, its entropy term summed per row.
+            ent = torch.where(torch.isfinite(lp64), -torch.exp(lp64) * lp64, torch.zeros_like(lp64))
+            spread = torch.zeros_like(mass).index_add_(0, row, ent)
+            tol = SUPPORT_SUM_TOL + torch.finfo(lp.dtype).eps * spread
+            off = nonempty & ((mass - 1.0).abs() > tol)
+            if bool(off.any()):
+                r = int(off.nonzero()[0])
+                raise ValueError(
+                    f"candidates: kind='support' rows must sum to 1 (+-{float(tol[r]):.2g} for {lp.dtype}); row {r} "
+                    f"sums to {float(mass[r]):.6f}. Were the sampler log-probabilities renormalised over the support?"
+                )
+            if tokens is not None:
+                hit = (ids.to(torch.int64) == tokens.to(device=ids.device, dtype=torch.int64)[row]).to(torch.int64)
+                inside = torch.zeros(num_rows, dtype=torch.int64, device=ids.device).index_add_(0, row, hit) > 0
+                outside = nonempty & ~inside
+                if bool(outside.any()):
+                    r = int(outside.nonzero()[0])
+                    raise ValueError(f"candidates: the sampled token of row {r} (id {int(tokens[r])}) is outside its "
+                                     "recorded support")
+        else:
+            over = (mass > 1.0 + SUPPORT_SUM_TOL) & trained
+            if bool(over.any()):
+                r = int(over.nonzero()[0])
+                raise ValueError(
+                    f"candidates: kind='head' row {r} has sampler mass {float(mass[r]):.6f} > 1. Head records hold "
+                    "full-vocabulary probabilities; a renormalised top-p/top-k record is kind='support'."
+                )
