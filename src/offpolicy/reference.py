@@ -20,6 +20,7 @@ a ``TrustRegion`` and a ``KLPenalty`` are read by attribute name (:data:`TRUST_R
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Mapping
@@ -112,7 +113,8 @@ def _unknown_fields(item: Any, defaults: dict[str, Any]) -> list[str]:
     """The keys of a mapping, or the public dataclass fields of an object, that ``defaults`` does not name."""
     if isinstance(item, Mapping):
         return sorted(set(item) - set(defaults))
-    return sorted(k for k in getattr(item, "__dataclass_fields__", {}) if not k.startswith("_") and k not in defaults)
+    names = [f.name for f in dataclasses.fields(item)] if dataclasses.is_dataclass(item) else []
+    return sorted(k for k in names if not k.startswith("_") and k not in defaults)
 
 
 class _Fields:

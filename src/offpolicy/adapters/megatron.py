@@ -417,7 +417,7 @@ def _report(out, mask: Tensor, count: Tensor, group, buckets: list[tuple[str, Te
     has = [n]
     lr = out.log_ratio.detach().double().clamp(-corr.max_log_ratio, corr.max_log_ratio)
     for _, sel in buckets:
-        st = token_stats(out.token_view._replace(lr=lr, w=w), sel, corr)
+        st = token_stats(out.token_view._replace(lr=lr, w=w), sel, corr.tree)
         nb = st["num_tokens"]
         wb = torch.where(sel, w, torch.zeros_like(w))
         parts += [nb, wb.sum(), (wb * wb).sum()] + [st[k] * nb for k in _BUCKET_MEAN_KEYS]

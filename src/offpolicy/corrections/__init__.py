@@ -1,7 +1,16 @@
-"""The correction family: the :class:`Correction` configuration and the importance weights and rejections it
-selects."""
+"""The correction family: the :class:`Correction` keyword configuration and the typed nodes of the
+:class:`~offpolicy.corrections.tree.CorrectionTree` it builds."""
 
-from offpolicy.corrections.correction import Correction, KLPenalty, KLRejection, RatioRejection
+from offpolicy.corrections.correction import Correction
+from offpolicy.corrections.kl_penalty import KLPenalty
+from offpolicy.corrections.normalisation import SequenceMean, TokenMean
+from offpolicy.corrections.rules import OPSM, KLRejection, RatioRejection, Veto
+from offpolicy.corrections.surrogates import CISPO, GMPO, PPO, SAPO, VESPO, RatioSurrogate, ScoreFunction
+from offpolicy.corrections.tree import CorrectionTree, ScoreCentering
 from offpolicy.corrections.trust_region import TrustRegion
+from offpolicy.corrections.weighting import MIS, TIS, GeometricLevel, NoWeights, Reject, SequenceLevel, TokenLevel, Weighting
 
-__all__ = ["Correction", "KLPenalty", "KLRejection", "RatioRejection", "TrustRegion"]
+__all__ = ["CISPO", "GMPO", "MIS", "OPSM", "PPO", "SAPO", "TIS", "VESPO", "Correction", "CorrectionTree",
+           "GeometricLevel", "KLPenalty", "KLRejection", "NoWeights", "RatioRejection", "RatioSurrogate", "Reject",
+           "ScoreCentering", "ScoreFunction", "SequenceLevel", "SequenceMean", "TokenLevel", "TokenMean",
+           "TrustRegion", "Veto", "Weighting"]

@@ -30,107 +30,33 @@
   weight mode that rejects, such as ``reject``, ratios outside its band) from the aggregation's normaliser (verl's
   convention); by default they stay in it like masked weights.
 
-Every mode, level, estimator, rule and surrogate named here is an entry of :mod:`offpolicy.corrections.registry`;
-this class only checks that the fields name entries and combine.
+The keywords are a thin constructor of a :class:`~offpolicy.corrections.tree.CorrectionTree` (``corr.tree``),
+whose typed nodes (weight mode, level, rules, surrogate, normalisation, centering) hold the fast functions, the
+traits, the jump points and the validation; the loss pipeline reads only the tree. ``Correction.from_tree(tree)``
+goes the other way. This class checks the keywords' types and which keywords go together, and names the keyword
+in every error.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 from offpolicy.corrections import registry as reg
+from offpolicy.corrections.kl_penalty import KLPenalty
+from offpolicy.corrections.node import NodeError, real
+from offpolicy.corrections.normalisation import SequenceMean, TokenMean
+from offpolicy.corrections.rules import OPSM, KLRejection, RatioRejection, Veto
+from offpolicy.corrections.surrogates import CISPO, GMPO, PPO, SAPO, VESPO, RatioSurrogate, ScoreFunction
+from offpolicy.corrections.tree import MAX_LOG_RATIO_LIMIT, CorrectionTree, ScoreCentering
 from offpolicy.corrections.trust_region import TrustRegion
+from offpolicy.corrections.weighting import Weighting
 
+__all__ = ["MAX_LOG_RATIO_LIMIT", "Correction", "KLPenalty", "KLRejection", "RatioRejection"]
 
-#: Largest accepted ``Correction.max_log_ratio``: ``exp(2 * 40) = 5.5e34`` (a squared ratio) is finite in fp32,
-#: whose largest value is about ``exp(88.7)``; beyond it fp32 weights, KL estimates and metrics overflow to inf.
-MAX_LOG_RATIO_LIMIT = 40.0
-
-
-@dataclass(frozen=True)
-class KLRejection:
-    """Reject tokens or sequences whose KL estimate exceeds ``threshold`` (or, with ``threshold=(lo, hi)``, lies
-    outside ``[lo, hi]``: two-sided, meaningful for the signed ``k1``).
-
-    ``estimator``: ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r`` (Schulman's estimators of
-    KL(q||p) on tokens drawn from q). ``level``: per token, or the sum / mean / max over each sequence's trained
-    tokens.
-    """
-
-    threshold: float | tuple[float, float]
-    estimator: str = "k3"
-    level: str = "token"
-    kind = "kl"
-
-    def __post_init__(self) -> None:
-        if self.estimator not in reg.ESTIMATORS:
-            raise ValueError(f"KLRejection.estimator must be one of {tuple(reg.ESTIMATORS)}, got {self.estimator!r}")
-        if self.level not in reg.KL_LEVELS:
-            raise ValueError(f"KLRejection.level must be one of {tuple(reg.KL_LEVELS)}, got {self.level!r}")
-        if isinstance(self.threshold, list):
-            object.__setattr__(self, "threshold", tuple(self.threshold))
-        if isinstance(self.threshold, tuple):
-            if not (len(self.threshold) == 2 and all(_finite_number(t) for t in self.threshold)
-                    and self.threshold[0] <= self.threshold[1]):
-                raise ValueError(f"KLRejection.threshold must be a finite number or (lo, hi) with lo <= hi, got "
-                                 f"{self.threshold!r}")
-            return
-        if not _finite_number(self.threshold):
-            raise ValueError(f"KLRejection.threshold must be a finite number, got {self.threshold!r}")
-        if not reg.ESTIMATORS[self.estimator].signed and self.threshold < 0:
-            raise ValueError(f"KLRejection.threshold must be >= 0 for {self.estimator}, got {self.threshold}")
-
-
-@dataclass(frozen=True)
-class KLPenalty:
-    """A KL-to-reference penalty ``coef * k_t`` on every trained token (docs/spec.md#kl-penalty).
-
-    ``k_t`` estimates ``KL(p || p_ref)`` on tokens drawn from ``p`` at ``rho = p_ref / p``: ``k1 = -log rho``,
-    ``k2 = (log rho)^2 / 2``, ``k3 = rho - 1 - log rho`` (Schulman). ``importance_weighted=True`` multiplies it by
-    the ratio ``p / pi_old`` (``pi_old`` = ``proximal_logprobs`` when given, else the sampler's), differentiable as
-    in DeepSeek-V3.2, TRL's ``use_bias_correction_kl`` and slime's ``--use-unbiased-kl``: its gradient is then the
-    unbiased gradient of the reverse KL on tokens drawn from ``pi_old``.
-    """
-
-    coef: float
-    estimator: str = "k3"
-    importance_weighted: bool = False
-
-    def __post_init__(self) -> None:
-        if not (_finite_number(self.coef) and self.coef >= 0):
-            raise ValueError(f"KLPenalty.coef must be a finite number >= 0, got {self.coef!r}")
-        if self.estimator not in reg.ESTIMATORS:
-            raise ValueError(f"KLPenalty.estimator must be one of {tuple(reg.ESTIMATORS)}, got {self.estimator!r}")
-        if not isinstance(self.importance_weighted, bool):
-            raise TypeError(f"KLPenalty.importance_weighted must be a bool, got {self.importance_weighted!r}")
-
-
-def _real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _finite_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-@dataclass(frozen=True)
-class RatioRejection:
-    """Reject tokens (``level="token"``) or whole sequences (``"sequence"``: ``prod_t r_t``; ``"geometric"``:
-    ``exp(mean_t log r_t)``) whose ratio lies outside ``[lower, upper]`` (inclusive), independently of the weight
-    mode's own bounds: importance weights and a rejection band at different bounds or levels at once."""
-
-    lower: float
-    upper: float
-    level: str = "token"
-    kind = "ratio"
-
-    def __post_init__(self) -> None:
-        if self.level not in reg.LEVELS:
-            raise ValueError(f"RatioRejection.level must be one of {tuple(reg.LEVELS)}, got {self.level!r}")
-        if not (_finite_number(self.lower) and _finite_number(self.upper) and 0 <= self.lower <= self.upper):
-            raise ValueError(f"RatioRejection needs 0 <= lower <= upper < inf, got ({self.lower!r}, {self.upper!r})")
+#: The keywords that each select a surrogate other than the score function (at most one may be set).
+SURROGATE_FIELDS = ("ppo_clip", "cispo", "sapo", "vespo", "gmpo")
 
 
 @dataclass(frozen=True)
@@ -190,7 +116,7 @@ class Correction:
     vespo: tuple[float, float, float, float] | None = None
     gmpo: tuple[float, float] | None = None
     kl_penalty: KLPenalty | None = None
-    _bounds: tuple[float, float] = field(init=False, repr=False, compare=False)
+    _tree: CorrectionTree = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -198,52 +124,37 @@ class Correction:
             raise ValueError(f"Correction.weights must be one of {tuple(reg.WEIGHT_MODES)}, got {self.weights!r}")
         if self.level not in reg.LEVELS:
             raise ValueError(f"Correction.level must be one of {tuple(reg.LEVELS)}, got {self.level!r}")
-        object.__setattr__(self, "_bounds", self._resolve_bounds())
-        if reg.LEVELS[self.level].per_sequence and not reg.WEIGHT_MODES[self.weights].bounded:
-            bounded = tuple(m.name for m in reg.WEIGHT_MODES.values() if m.bounded)
-            raise ValueError(f"Correction(level={self.level!r}) needs weights={' | '.join(map(repr, bounded))}")
         if not (self.batch_normalize is False or self.batch_normalize is True
                 or (isinstance(self.batch_normalize, str) and self.batch_normalize in reg.NORMALISATIONS)):
             raise ValueError(f"Correction.batch_normalize must be a bool or one of {tuple(reg.NORMALISATIONS)}, "
                              f"got {self.batch_normalize!r}")
-        self._check_surrogate_options()
-        if not isinstance(self.rejected_in_normalizer, bool):
-            raise TypeError(f"Correction.rejected_in_normalizer must be a bool, got {self.rejected_in_normalizer!r}")
-        if self.score_centering and reg.LEVELS[self.level].per_sequence:
-            raise ValueError(
-                f"score_centering=True is defined for token-level weights only, got level={self.level!r}: "
-                "sequence and geometric weights depend on later tokens and break the per-prefix centering "
-                "(docs/spec.md#score-centering)"
-            )
-        if self.score_centering and not self.surrogate.centerable:
-            raise ValueError(
-                f"score_centering=True cannot be combined with ppo_clip or cispo, nor sapo / vespo / gmpo (the "
-                f"{self.surrogate.name!r} "
-                "surrogate): "
-                "the clipped surrogate is not of the form w * log p that centering corrects"
-            )
-        if self.veto is not None and not (0.0 < self.veto < 1.0):
-            raise ValueError(f"Correction.veto must be in (0, 1), got {self.veto!r}")
-        if self.kl_rejection is not None and not isinstance(self.kl_rejection, KLRejection):
-            raise TypeError("Correction.kl_rejection must be a KLRejection")
-        if isinstance(self.rejections, list):
-            object.__setattr__(self, "rejections", tuple(self.rejections))
-        if not (isinstance(self.rejections, tuple)
-                and all(isinstance(r, (KLRejection, RatioRejection)) for r in self.rejections)):
-            raise TypeError("Correction.rejections must be a tuple of KLRejection / RatioRejection items, got "
-                            f"{self.rejections!r}")
-        self._check_trust_region()
-        if self.opsm_delta is not None and not (math.isfinite(self.opsm_delta) and self.opsm_delta >= 0):
-            raise ValueError(f"Correction.opsm_delta must be a finite number >= 0, got {self.opsm_delta!r}")
-        if self.ppo_clip is not None:
-            lo, hi = self.ppo_clip
-            if not (0.0 <= lo < 1.0 and 0.0 <= hi and math.isfinite(hi)):
-                raise ValueError(f"Correction.ppo_clip must be (eps_lo in [0, 1), eps_hi >= 0), got {self.ppo_clip}")
-        if not 0 < self.max_log_ratio <= MAX_LOG_RATIO_LIMIT:
-            raise ValueError(
-                f"Correction.max_log_ratio must be in (0, {MAX_LOG_RATIO_LIMIT:g}], got {self.max_log_ratio}: the "
-                "squared ratio exp(2 * max_log_ratio) (chi2 metric) must stay finite in fp32 (about exp(88.7))"
-            )
+        weighting = Weighting(self._mode(), reg.LEVELS[self.level]())
+        surrogate = self._surrogate()
+        names, rules = self._rules()
+        norm = None if self.batch_normalize is False else (
+            TokenMean() if self.batch_normalize in (True, "tokens") else SequenceMean())
+        tree = self._node(lambda: CorrectionTree(
+            weighting=weighting, rejections=rules, rule_names=names, surrogate=surrogate, normalisation=norm,
+            centering=ScoreCentering() if self.score_centering else None, trust_region=self.trust_region,
+            kl_penalty=self.kl_penalty, max_log_ratio=self.max_log_ratio,
+            rejected_in_normalizer=self.rejected_in_normalizer), max_log_ratio="max_log_ratio")
+        object.__setattr__(self, "_tree", tree)
+
+    def _node(self, build: Callable[[], Any], **keywords: str) -> Any:
+        """``build()``, re-raising a node's :class:`~offpolicy.corrections.node.NodeError` with the keyword its
+        argument came from (``keywords``: node argument -> keyword): ``"Correction.{keyword} {reason}"`` when the
+        keyword feeds that argument alone, else ``"Correction.{keyword} must be (args) as {node} takes them: ..."``."""
+        try:
+            return build()
+        except NodeError as err:
+            keyword = keywords.get(err.arg)
+            if keyword is None:
+                raise
+            args = [a for a, k in keywords.items() if k == keyword]
+            if len(args) == 1:
+                raise ValueError(f"Correction.{keyword} {err.reason}") from None
+            raise ValueError(f"Correction.{keyword} must be ({', '.join(args)}) as {err.node} takes them: {err} "
+                             f"(Correction.{keyword}={getattr(self, keyword)!r})") from None
 
     def _check_types(self) -> None:
         """Each field has its type (a string ``"no"`` is truthy, ``True`` is the number 1: neither may pass as a
@@ -256,21 +167,49 @@ class Correction:
                 raise TypeError(f"Correction.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("veto", "opsm_delta", "dual_clip", "ppo_delta", "max_log_ratio"):
             val = getattr(self, name)
-            if not (val is None and name != "max_log_ratio") and not _real(val):
+            if not (val is None and name != "max_log_ratio") and not real(val):
                 raise TypeError(f"Correction.{name} must be a number, got {val!r}")
         for name in ("ppo_clip", "cispo", "bounds", "sapo", "gmpo", "vespo"):
             val, size = getattr(self, name), 4 if name == "vespo" else 2
-            if val is None or (name == "bounds" and _real(val)):
+            if val is None or (name == "bounds" and real(val)):
                 continue
-            if not (isinstance(val, (tuple, list)) and len(val) == size and all(_real(x) for x in val)):
+            if not (isinstance(val, (tuple, list)) and len(val) == size and all(real(x) for x in val)):
                 raise TypeError(f"Correction.{name} must be {'a pair' if size == 2 else 'four'} of numbers"
                                 f"{' or a number' * (name == 'bounds')}, got {val!r}")
             if isinstance(val, list):
                 object.__setattr__(self, name, tuple(val))
         if self.kl_penalty is not None and not isinstance(self.kl_penalty, KLPenalty):
             raise TypeError(f"Correction.kl_penalty must be a KLPenalty, got {self.kl_penalty!r}")
+        if self.kl_rejection is not None and not isinstance(self.kl_rejection, KLRejection):
+            raise TypeError("Correction.kl_rejection must be a KLRejection")
+        if isinstance(self.rejections, list):
+            object.__setattr__(self, "rejections", tuple(self.rejections))
+        if not (isinstance(self.rejections, tuple)
+                and all(isinstance(r, (KLRejection, RatioRejection)) for r in self.rejections)):
+            raise TypeError("Correction.rejections must be a tuple of KLRejection / RatioRejection items, got "
+                            f"{self.rejections!r}")
+        if self.trust_region is not None and not isinstance(self.trust_region, TrustRegion):
+            raise TypeError(f"Correction.trust_region must be a TrustRegion, got {self.trust_region!r}")
 
-    def _check_surrogate_options(self) -> None:
+    def _mode(self):
+        """The weight mode node from ``weights`` and ``bounds`` (a scalar ``C`` means ``(0, C)`` where the mode
+        takes one; no bounds: the node's own defaults)."""
+        cls = reg.WEIGHT_MODES[self.weights]
+        if not cls.bounded:
+            if self.bounds is not None:
+                raise ValueError(f"Correction.bounds is meaningless with weights={self.weights!r}")
+            return cls()
+        if self.bounds is None:
+            return cls()
+        bounds = self.bounds
+        if real(bounds):
+            if not cls.scalar_bound:
+                raise ValueError(f"Correction.bounds for weights={self.weights!r} must be a pair (L, U)")
+            bounds = (0.0, bounds)
+        return self._node(lambda: cls(*bounds), lower="bounds", upper="bounds")
+
+    def _surrogate(self):
+        """The surrogate node the keywords select (the score function when none is set)."""
         if self.ppo_ratio not in ("token", "gspo_token"):
             raise ValueError(f"Correction.ppo_ratio must be 'token' or 'gspo_token', got {self.ppo_ratio!r}")
         needs_clip = {"dual_clip": self.dual_clip, "ppo_delta": self.ppo_delta,
@@ -278,70 +217,83 @@ class Correction:
         for name, val in needs_clip.items():
             if val is not None and self.ppo_clip is None:
                 raise ValueError(f"Correction.{name} needs ppo_clip (it modifies the clipped PPO surrogate)")
-        if self.dual_clip is not None and not (math.isfinite(self.dual_clip) and self.dual_clip > 1):
-            raise ValueError(f"Correction.dual_clip must be a finite number > 1, got {self.dual_clip!r}")
-        if self.ppo_delta is not None and not (math.isfinite(self.ppo_delta) and self.ppo_delta > 1):
-            raise ValueError(f"Correction.ppo_delta must be a finite number > 1, got {self.ppo_delta!r}")
-        chosen = [name for name in reg.SURROGATE_FIELDS if getattr(self, name) is not None]
+        chosen = [name for name in SURROGATE_FIELDS if getattr(self, name) is not None]
         if len(chosen) > 1:
             raise ValueError(f"Correction.{' and '.join(chosen)} exclude each other (each selects a surrogate)")
-        if self.sapo is not None and not all(math.isfinite(t) and t > 0 for t in self.sapo):
-            raise ValueError(f"Correction.sapo must be (tau_pos, tau_neg) with finite temperatures > 0, got "
-                             f"{self.sapo}")
-        if self.vespo is not None and not (all(math.isfinite(x) for x in self.vespo) and self.vespo[0] >= 0
-                                           and self.vespo[2] >= 0 and self.vespo[1] > 0 and self.vespo[3] > 0):
-            raise ValueError(f"Correction.vespo must be (k_pos, lam_pos, k_neg, lam_neg) finite with k >= 0 and "
-                             f"lam > 0, got {self.vespo}")
-        if self.gmpo is not None and not all(math.isfinite(e) and e >= 0 for e in self.gmpo):
-            raise ValueError(f"Correction.gmpo must be (eps_lo, eps_hi) finite and >= 0, got {self.gmpo}")
-        if self.cispo is not None:
-            lo, hi = self.cispo
-            if not (0.0 <= lo < hi and math.isfinite(hi)):
-                raise ValueError(f"Correction.cispo must be (lo, hi) with 0 <= lo < hi < inf, got {self.cispo}")
+        if self.ppo_clip is not None:
+            return self._node(lambda: PPO(*self.ppo_clip, dual_clip=self.dual_clip, delta=self.ppo_delta,
+                                          ratio=self.ppo_ratio),
+                              eps_lo="ppo_clip", eps_hi="ppo_clip", dual_clip="dual_clip", delta="ppo_delta",
+                              ratio="ppo_ratio")
+        for keyword, cls in (("cispo", CISPO), ("sapo", SAPO), ("vespo", VESPO), ("gmpo", GMPO)):
+            val = getattr(self, keyword)
+            if val is not None:
+                return self._node(lambda: cls(*val), **{f.name: keyword for f in fields(cls)})
+        tr = self.trust_region
+        return RatioSurrogate() if tr is not None and tr.on == "update" else ScoreFunction()
 
-    def _check_trust_region(self) -> None:
-        if self.trust_region is None:
-            return
-        if not isinstance(self.trust_region, TrustRegion):
-            raise TypeError(f"Correction.trust_region must be a TrustRegion, got {self.trust_region!r}")
-        if self.score_centering:
-            raise ValueError("score_centering=True cannot be combined with trust_region: its mask depends on the "
-                             "probabilities, not on the ratio f acts on, so the centering coefficients miss it")
-        taken = [name for name in ("sapo", "vespo", "gmpo") if getattr(self, name) is not None]
-        if taken:
-            raise ValueError(f"Correction.trust_region cannot be combined with {taken[0]}: no peer combines them and "
-                             "their soft gates are trust regions of their own; use ppo_clip or cispo with it")
+    def _rules(self) -> tuple[tuple[str, ...], tuple]:
+        """``(names, rules)``: ``veto``, ``opsm``, then :attr:`rejection_rules`."""
+        named = []
+        if self.veto is not None:
+            named.append(("veto", self._node(lambda: Veto(self.veto), threshold="veto")))
+        if self.opsm_delta is not None:
+            named.append(("opsm", self._node(lambda: OPSM(self.opsm_delta), delta="opsm_delta")))
+        named += list(self.rejection_rules)
+        return tuple(n for n, _ in named), tuple(r for _, r in named)
 
-    def _resolve_bounds(self) -> tuple[float, float]:
-        mode = reg.WEIGHT_MODES[self.weights]
-        if not mode.bounded:
-            if self.bounds is not None:
-                raise ValueError(f"Correction.bounds is meaningless with weights={self.weights!r}")
-            return (0.0, math.inf)
-        bounds = mode.default_bounds if self.bounds is None else self.bounds
-        if isinstance(bounds, (int, float)):
-            if not mode.scalar_bound:
-                raise ValueError(f"Correction.bounds for weights={self.weights!r} must be a pair (L, U)")
-            bounds = (0.0, float(bounds))
-        lo, hi = (float(b) for b in bounds)
-        if not (0.0 <= lo <= hi and math.isfinite(hi) and hi > 0):
-            raise ValueError(f"Correction.bounds must satisfy 0 <= lower <= upper < inf, got {bounds}")
-        return (lo, hi)
+    @classmethod
+    def from_tree(cls, tree: CorrectionTree) -> "Correction":
+        """The keyword form of ``tree`` (``Correction.from_tree(corr.tree) == corr``). Rule names other than the
+        keyword constructor's (``veto``, ``opsm``, ``kl``, ``rule{i}``) are not kept."""
+        if not isinstance(tree, CorrectionTree):
+            raise TypeError(f"Correction.from_tree needs a CorrectionTree, got {tree!r}")
+        mode, sur, kw = tree.weighting.mode, tree.surrogate, {}
+        if mode.bounded and mode != type(mode)():
+            kw["bounds"] = (mode.lower, mode.upper)
+        rules = []
+        for name, rule in tree.named_rules:
+            if isinstance(rule, Veto):
+                kw["veto"] = rule.threshold
+            elif isinstance(rule, OPSM):
+                kw["opsm_delta"] = rule.delta
+            elif name == "kl" and isinstance(rule, KLRejection) and "kl_rejection" not in kw:
+                kw["kl_rejection"] = rule
+            else:
+                rules.append(rule)
+        if isinstance(sur, PPO):
+            kw.update(ppo_clip=(sur.eps_lo, sur.eps_hi), dual_clip=sur.dual_clip, ppo_delta=sur.delta,
+                      ppo_ratio=sur.ratio)
+        for keyword, node_cls, args in (("cispo", CISPO, ("lo", "hi")), ("sapo", SAPO, ("tau_pos", "tau_neg")),
+                                        ("vespo", VESPO, ("k_pos", "lam_pos", "k_neg", "lam_neg")),
+                                        ("gmpo", GMPO, ("eps_lo", "eps_hi"))):
+            if isinstance(sur, node_cls):
+                kw[keyword] = tuple(getattr(sur, a) for a in args)
+        norm = tree.normalisation
+        return cls(weights=mode.name, level=tree.weighting.level.name, score_centering=tree.centering is not None,
+                   batch_normalize=False if norm is None else norm.name, rejections=tuple(rules),
+                   max_log_ratio=tree.max_log_ratio, rejected_in_normalizer=tree.rejected_in_normalizer,
+                   trust_region=tree.trust_region, kl_penalty=tree.kl_penalty, **kw)
+
+    @property
+    def tree(self) -> CorrectionTree:
+        """The typed nodes this correction builds (what the loss pipeline reads)."""
+        return self._tree
 
     @property
     def lower(self) -> float:
         """Lower ratio bound (0 when one-sided)."""
-        return self._bounds[0]
+        return self.tree.weighting.mode.lower
 
     @property
     def upper(self) -> float:
         """Upper ratio bound (inf for weights='none')."""
-        return self._bounds[1]
+        return self.tree.weighting.mode.upper
 
     @property
     def sequence_level(self) -> bool:
         """Whether the weight acts on a per-sequence ratio."""
-        return reg.LEVELS[self.level].per_sequence
+        return self.tree.weighting.level.per_sequence
 
     @property
     def rejection_rules(self) -> tuple[tuple[str, KLRejection | RatioRejection], ...]:
@@ -352,24 +304,20 @@ class Correction:
 
     def token_rejection_rules(self) -> tuple[KLRejection | RatioRejection, ...]:
         """The rejection rules that act on each token's own ratio (folded into ``f``)."""
-        return tuple(r for _, r in self.rejection_rules if not reg.REJECTION_KINDS[r.kind].per_sequence(r))
+        return self.tree.token_rules
 
     @property
     def sequence_rules(self) -> tuple[str, ...]:
-        """Names of the sequence rejection rules the correction switches on (registry rules, then the
-        sequence-level KL / ratio rejections)."""
-        own = tuple(rule.name for rule in reg.SEQUENCE_RULES.values() if rule.applies(self))
-        return own + tuple(n for n, r in self.rejection_rules if reg.REJECTION_KINDS[r.kind].per_sequence(r))
+        """Names of the rules that drop whole sequences (veto, OPSM, then the sequence-level KL / ratio
+        rejections)."""
+        return tuple(name for name, _ in self.tree.sequence_rules)
 
     @property
-    def surrogate(self) -> reg.Surrogate:
-        """The registry's surrogate this correction selects."""
-        return reg.surrogate_of(self)
+    def surrogate(self):
+        """The surrogate node this correction selects (``.name``: ``"score_function"``, ``"ppo"``, ...)."""
+        return self.tree.surrogate
 
     @property
     def needs_sequences(self) -> bool:
         """Whether ``seq_ids`` are required."""
-        norm = reg.normalisation_of(self)
-        return (self.sequence_level or bool(self.sequence_rules) or (norm is not None and norm.needs_sequences)
-                or self.surrogate.needs_sequences
-                or (self.trust_region is not None and self.trust_region.per_sequence))
+        return self.tree.needs_sequences

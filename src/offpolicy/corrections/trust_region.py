@@ -23,9 +23,12 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+from offpolicy.corrections.node import Jump
 
 DIVERGENCES = ("difference", "binary_kl", "binary_kl_max")
 SIGNS = ("advantage", "none")
@@ -66,6 +69,9 @@ class TrustRegion:
     level: str = "token"
     on: str = "update"
     penalty: float = 0.0
+    anchor: ClassVar[str] = "docs/spec.md#trust-region"
+    source: ClassVar[str] = ("DPPO (arXiv 2602.04879, verl #5397), prime-rl's default loss and 'IPO' mask, ROLL's "
+                             "probability-difference filters, AReaL's KPop (#1405)")
 
     def __post_init__(self) -> None:
         for name, options in (("divergence", DIVERGENCES), ("sign", SIGNS), ("level", LEVELS), ("on", TARGETS)):
@@ -87,6 +93,15 @@ class TrustRegion:
     def per_sequence(self) -> bool:
         """Whether the mask is one per sequence (needs ``seq_ids``)."""
         return self.level != "token"
+
+    def jumps(self) -> tuple[Jump, ...]:
+        """Where the mask jumps: ``"tr_diff"`` is ``d = p - p_ref``, ``"tr_div"`` the divergence ``D`` (``detail``:
+        its name), both from the pair of policies ``on`` names, per token or reduced as the level says."""
+        if self.level in ("sequence", "geometric"):
+            quantity = "tr_diff" if self.divergence == "difference" else "tr_div"
+            at = (-self.lower, self.upper) if quantity == "tr_diff" else (self.upper,)
+            return (Jump(quantity, at, self.level, self.divergence),)
+        return (Jump("tr_div", (self.lower, self.upper), "token", self.divergence), Jump("tr_diff", (0.0,)))
 
     def masked(self, log_p: Tensor, log_ref: Tensor, adv: Tensor, seg=None) -> Tensor:
         """``[N]`` bool, the tokens the trust region masks.

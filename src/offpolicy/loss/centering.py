@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.correction import Correction
+from offpolicy.corrections.tree import CorrectionTree
 from offpolicy.corrections.weights import weight_function
 from offpolicy.loss.entry_rows import EntryRows
 
@@ -51,8 +51,14 @@ class Centering(NamedTuple):
     abs_coef_sum: Tensor
 
 
+def tail_ratio(p_head: Tensor, q_head: Tensor) -> Tensor:
+    """``rho = (1 - Q_H) / (1 - P_H)``, both masses floored at :data:`TAIL_EPS`; ``[N]`` from the ``[N]`` head
+    masses (any float dtype; the pipeline passes float64, where the cancellation near 1 keeps its accuracy)."""
+    return (1.0 - q_head).clamp_min(TAIL_EPS) / (1.0 - p_head).clamp_min(TAIL_EPS)
+
+
 def centering_coefficients(
-    cand_logp: Tensor, cand_lq: Tensor, valid: Tensor, support: bool, corr: Correction,
+    cand_logp: Tensor, cand_lq: Tensor, valid: Tensor, support: bool, tree: CorrectionTree,
     rows: EntryRows | None = None,
 ) -> Centering:
     """Compute ``c(v)`` for every candidate.
@@ -63,7 +69,7 @@ def centering_coefficients(
         cand_lq: ``[N, K]`` sampler log-probabilities, ``-inf`` at padding.
         valid: ``[N, K]`` bool, real entries.
         support: the record is a support (mask replay) rather than a head.
-        corr: the correction, whose ``f`` defines ``m`` and ``alpha``.
+        tree: the correction's nodes, whose ``f`` defines ``m`` and ``alpha``.
         rows: where each row's entries lie (:class:`~offpolicy.loss.entry_rows.EntryRows`); None: padded.
     """
     rows = EntryRows(None, cand_logp.shape[0]) if rows is None else rows
@@ -71,15 +77,15 @@ def centering_coefficients(
     p = torch.where(valid, torch.exp(cand_logp), zero)
     q = torch.where(valid, torch.exp(cand_lq.to(cand_logp.dtype)), zero)
     # m(v) = q f(p/q); where q = 0 the sampler puts no mass on v and m = 0 whatever f(inf) is.
-    m = torch.where(q > 0, q * weight_function(cand_logp - cand_lq.to(cand_logp.dtype), corr), zero)
+    m = torch.where(q > 0, q * weight_function(cand_logp - cand_lq.to(cand_logp.dtype), tree), zero)
     # The tail masses 1 - P_H and 1 - Q_H cancel catastrophically when the head holds nearly all the mass: they
     # are formed in float64 (O(N K) work) so that rho keeps its accuracy down to the eps floor.
     p_head, q_head = rows.sum(p.double()), rows.sum(q.double())
     if support:
         rho = torch.ones_like(p_head)
     else:
-        rho = (1.0 - q_head).clamp_min(TAIL_EPS) / (1.0 - p_head).clamp_min(TAIL_EPS)
-    alpha = (rho * weight_function(-torch.log(rho), corr)).to(p.dtype)
+        rho = tail_ratio(p_head, q_head)
+    alpha = (rho * weight_function(-torch.log(rho), tree)).to(p.dtype)
     p_head, q_head, rho = p_head.to(p.dtype), q_head.to(p.dtype), rho.to(p.dtype)
     coef = torch.where(valid, m - rows.spread(alpha) * p, zero)
     return Centering(coef, p_head, q_head, rho, rows.sum(coef.abs()))

@@ -27,12 +27,12 @@ from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.loss.centering import Centering, centering_coefficients
 from offpolicy.loss.entry_rows import EntryRows, Record
 from offpolicy.corrections.correction import Correction
+from offpolicy.corrections.tree import CorrectionTree
 from offpolicy.loss.metrics import TokenView, policy_metrics, token_view
 from offpolicy.loss.penalty import kl_penalty_terms
 from offpolicy.loss.segments import Segments
 from offpolicy.loss.inputs import Aggregation, TokenData
 from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_flag, check_vector
-from offpolicy.corrections.registry import WEIGHT_MODES, normalisation_of
 from offpolicy.corrections.weights import (bounded_log_ratio, inside_bounds, sequence_drops, sequence_keep,
                                            token_rejected, token_weight)
 
@@ -129,8 +129,9 @@ def loss_from_logprobs(
     cp_group=None,
 ) -> PolicyLossOutput:
     """The pipeline behind both entry points, on validated records: ratios -> weights -> rejections ->
-    normalisation -> surrogate (+ score centering) -> aggregation -> metrics, each stage reading the entries of
-    :mod:`offpolicy.corrections.registry` the correction selects."""
+    normalisation -> surrogate (+ score centering) -> aggregation -> metrics, each stage reading the nodes of the
+    correction's :class:`~offpolicy.corrections.tree.CorrectionTree`."""
+    tree = corr.tree
     n = logprobs.shape[0]
     active = (torch.ones(n, dtype=torch.bool, device=logprobs.device) if data.loss_mask is None
               else data.loss_mask.to(torch.bool))
@@ -148,27 +149,27 @@ def loss_from_logprobs(
     log_w = log_r if prox is None else torch.where(active, prox - lq, zero)
     # 2. Weights w = f(r) at the correction's level. A sampled token the trainer gives probability 0 gets weight
     # exactly 0 in every mode: its score is undefined and w log p(y) would be infinite (counted in zero_prob_frac).
-    w = token_weight(log_w, seg, corr)
+    w = token_weight(log_w, seg, tree)
     impossible = active & (logp_y.detach() == float("-inf"))
     w = torch.where(impossible, zero, w)
     # 3. Rejections: sequences dropped by veto / sequence KL / OPSM.
-    drops = sequence_drops(log_w, log_r, adv, seg, corr)
+    drops = sequence_drops(log_w, log_r, adv, seg, tree)
     kept = sequence_keep(drops)
     sel = active if kept is None else active & kept
     trained = sel & (adv != 0)
     w = torch.where(sel, w, zero)
     # 3b. Trust region (docs/spec.md#trust-region): a mask on probability differences zeroes the weight.
-    tr = corr.trust_region
+    tr = tree.trust_region
     tr_masked = None if tr is None else _trust_region_masked(tr, logp_y.detach(), lq, prox, adv, seg)
     if tr_masked is not None:
         w = torch.where(tr_masked, zero, w)
     # 4. Normalisation: a batch constant on the weights and the centering coefficients alike (drift stays zero).
-    w, scale = _normalise(w, sel, seg, corr, cp_group)
+    w, scale = _normalise(w, sel, seg, tree, cp_group)
     # 5. Surrogate (and score centering).
     # A surrogate that goes without a proximal policy takes the sampler's (the trust region's u = p / q).
     ref = prox if prox is not None else lq
     rows = EntryRows.of(candidates) if candidates is not None else None
-    token_loss, centering = _surrogate(logp_y, w, scale, adv, ref, seg, candidates, candidate_logprobs, rows, corr)
+    token_loss, centering = _surrogate(logp_y, w, scale, adv, ref, seg, candidates, candidate_logprobs, rows, tree)
     token_loss = torch.where(trained, token_loss, zero)
     tr_penalty = None
     if tr is not None and tr.penalty:
@@ -178,29 +179,29 @@ def loss_from_logprobs(
         token_loss = token_loss + tr_penalty
     # 6. Aggregation (without the rejected tokens in the normaliser when the correction says so).
     counted, seg_counted = active, seg
-    if not corr.rejected_in_normalizer:
-        tok_rej = token_rejected(log_w, corr)
+    if not tree.rejected_in_normalizer:
+        tok_rej = token_rejected(log_w, tree)
         counted = sel if tok_rej is None else sel & ~tok_rej
         counted = counted if tr_masked is None else counted & ~tr_masked
-        if WEIGHT_MODES[corr.weights].rejects:
-            counted = counted & inside_bounds(bounded_log_ratio(log_w, seg, corr), corr)
+        if tree.weighting.mode.rejects:
+            counted = counted & inside_bounds(bounded_log_ratio(log_w, seg, tree), tree)
         seg_counted = replace(seg, active=counted) if seg is not None else None
     loss = aggregate(token_loss, counted, agg.name, seg_counted, agg.num_loss_tokens, agg.num_sequences,
                      agg.constant_normalizer, cp_group)
     kl_penalty = None
-    if corr.kl_penalty is not None:
+    if tree.kl_penalty is not None:
         # The KL penalty acts on every trained token, rejected or not, with the same aggregation over them.
-        pen, kl_est = kl_penalty_terms(logp_y, data.reference_logprobs.to(dtype).detach(), ref, active, corr)
+        pen, kl_est = kl_penalty_terms(logp_y, data.reference_logprobs.to(dtype).detach(), ref, active, tree)
         kl_penalty = aggregate(pen, active, agg.name, seg, agg.num_loss_tokens, agg.num_sequences,
                                agg.constant_normalizer, cp_group)
         loss = loss + kl_penalty
         token_loss = token_loss + pen
     # 7. Metrics.
-    view = token_view(log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, corr), impossible=impossible,
-                      weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, corr=corr,
+    view = token_view(log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, tree), impossible=impossible,
+                      weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, tree=tree,
                       advantages=adv)
     metrics = policy_metrics(
-        view=view, drops=drops, active=active, entropy=zero if entropy is None else entropy, corr=corr,
+        view=view, drops=drops, active=active, entropy=zero if entropy is None else entropy, tree=tree,
         kept=kept, centering=centering,
         support_size=rows.sum(candidates.valid.to(torch.int64)) if candidates is not None else None,
         seg=seg.local() if seg is not None else None, groups=data.groups,
@@ -228,11 +229,11 @@ def _trust_region_masked(tr, logp_y: Tensor, lq: Tensor, prox: Tensor | None, ad
     return tr.masked(prox if prox is not None else logp_y, lq, adv, seg)
 
 
-def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, corr: Correction,
+def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, tree: CorrectionTree,
                cp_group) -> tuple[Tensor, Tensor | float]:
-    """``(w / mean, 1 / mean)`` under the correction's normalisation (mean over ``cp_group`` too), else
-    ``(w, 1.0)``. A batch whose kept weights are all 0 keeps them (scale 1)."""
-    norm = normalisation_of(corr)
+    """``(w / mean, 1 / mean)`` under the tree's normalisation (mean over ``cp_group`` too), else ``(w, 1.0)``. A
+    batch whose kept weights are all 0 keeps them (scale 1)."""
+    norm = tree.normalisation
     if norm is None:
         return w, 1.0
     num, den = _group_sum(torch.stack(norm.fast(w, sel, seg)), cp_group)
@@ -243,23 +244,23 @@ def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, corr: Correction,
 
 def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | None, seg: Segments | None,
                candidates: Record | None, cand_lp: Tensor | None, rows: EntryRows | None,
-               corr: Correction) -> tuple[Tensor, Centering | None]:
+               tree: CorrectionTree) -> tuple[Tensor, Centering | None]:
     """``[N]`` token loss ``-w_t s_t`` of the correction's surrogate; for the score-function surrogate
     ``-A_t (w_t log p(y_t) - sum_v sg(c_t(v)) log p(v))`` with the centering sum under score centering."""
-    if corr.score_centering and candidates is None:
+    if tree.centering is not None and candidates is None:
         raise ValueError("score_centering=True needs candidates (the sampler's Candidates record, head or support): "
                          "centering sums over the recorded candidates; got candidates=None")
-    sur = corr.surrogate
+    sur = tree.surrogate
     zero = torch.zeros_like(logp_y)
     if sur.fast is not None:
         # w = 0 (masked, rejected, impossible) contributes exactly 0 whatever the surrogate holds there.
-        return torch.where(w != 0, -w * sur.fast(logp_y, prox, adv, seg, corr), zero), None
+        return torch.where(w != 0, -w * sur.fast(logp_y, prox, adv, seg, tree.max_log_ratio), zero), None
     # w * log p(y) with w = 0 where the token's own weight is masked (0 * -inf must not make a NaN).
     policy_term = torch.where(w != 0, w * logp_y, zero)
     centering = None
-    if corr.score_centering:
+    if tree.centering is not None:
         centering = centering_coefficients(cand_lp.detach(), candidates.logprobs.detach(), candidates.valid,
-                                           candidates.kind == "support", corr, rows)
+                                           candidates.kind == "support", tree, rows)
         coef = centering.coef * scale
         # A candidate the trainer gives probability 0 (log p = -inf) contributes exactly 0.
         live = (coef != 0) & (cand_lp.detach() > float("-inf"))
@@ -299,7 +300,7 @@ def _validate(logprobs, candidates, cand_lp, entropy, data: TokenData, agg: Aggr
     check_candidates(candidates, None, n, device, active, None)
     if cand_lp is not None and candidates is None:
         raise ValueError("candidate_logprobs needs candidates (the sampler's record at the same ids)")
-    if candidates is not None and corr.score_centering and cand_lp is None:
+    if candidates is not None and corr.tree.centering is not None and cand_lp is None:
         raise ValueError("score centering needs candidate_logprobs [N, K] ([nnz] for a CSR record): the trainer's "
                          "log-probabilities at candidates.ids")
     if cand_lp is not None:

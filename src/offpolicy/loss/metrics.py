@@ -48,9 +48,11 @@ import torch
 from torch import Tensor
 
 from offpolicy.loss.centering import Centering
-from offpolicy.corrections.correction import Correction
+from offpolicy.corrections.rules import Veto
+from offpolicy.corrections.tree import CorrectionTree
 from offpolicy.loss.segments import Segments
-from offpolicy.corrections.weights import kl_estimate, log_bound
+from offpolicy.corrections.node import log_bound
+from offpolicy.corrections.weights import kl_estimate
 
 EXTREME_RATIO = (0.2, 5.0)
 
@@ -105,7 +107,7 @@ class TokenView(NamedTuple):
     adv: Tensor | None = None
 
 
-def token_stats(v: TokenView, sel: Tensor, corr: Correction) -> dict[str, Tensor]:
+def token_stats(v: TokenView, sel: Tensor, tree: CorrectionTree) -> dict[str, Tensor]:
     """Mismatch and weight statistics over the tokens selected by ``sel [N]`` (bool). Keys: the token-level keys
     of the module docstring, ``ess`` and ``num_tokens``."""
     lr, lb, impossible, w = v.lr, v.lb, v.impossible, v.w
@@ -126,8 +128,8 @@ def token_stats(v: TokenView, sel: Tensor, corr: Correction) -> dict[str, Tensor
         "weight_mean": _mean(w, sel),
         "weight_min": _min(w, sel),
         "weight_max": _max(w, sel),
-        "ratio_below_lower_frac": _mean((lb < log_bound(corr.lower)).to(lr.dtype), sel),
-        "ratio_above_upper_frac": _mean((lb > log_bound(corr.upper)).to(lr.dtype), sel),
+        "ratio_below_lower_frac": _mean((lb < log_bound(tree.weighting.mode.lower)).to(lr.dtype), sel),
+        "ratio_above_upper_frac": _mean((lb > log_bound(tree.weighting.mode.upper)).to(lr.dtype), sel),
         "zero_prob_frac": _mean(impossible.to(lr.dtype), sel),
         "chi2_token": torch.where(n > 0, _mean(r * r, sel) - 1, zero.sum() * 0),
         "ratio_mean": _mean(r, sel),
@@ -135,8 +137,8 @@ def token_stats(v: TokenView, sel: Tensor, corr: Correction) -> dict[str, Tensor
         "ratio_min": _min(r, sel),
         # Two passes (mean, then the mean squared deviation): E[w^2] - E[w]^2 cancels to noise for equal weights.
         "weight_std": _mean((w - mean_w).square(), sel).sqrt(),
-        "weight_before_bound_mean": _mean(torch.exp(lb.clamp(-corr.max_log_ratio, corr.max_log_ratio)), sel),
-        "weight_before_bound_max": _max(torch.exp(lb.clamp(-corr.max_log_ratio, corr.max_log_ratio)), sel),
+        "weight_before_bound_mean": _mean(torch.exp(lb.clamp(-tree.max_log_ratio, tree.max_log_ratio)), sel),
+        "weight_before_bound_max": _max(torch.exp(lb.clamp(-tree.max_log_ratio, tree.max_log_ratio)), sel),
         # Both KL directions from tokens drawn from q (Schulman's k3 forms, each term >= 0): KL(q||p) = E_q[r - 1 -
         # log r] and KL(p||q) = E_q[r log r] = E_q[r log r - (r - 1)] since E_q[r] = 1.
         "kl_sampler_trainer": _mean(r - 1 - lr, sel),
@@ -146,8 +148,9 @@ def token_stats(v: TokenView, sel: Tensor, corr: Correction) -> dict[str, Tensor
         "ppl_sampler": saturating_exp(neg_lq),
         "ppl_ratio": saturating_exp(neg_logp - neg_lq),
     }
-    if corr.veto is not None:
-        out["veto_catastrophic_frac"] = _mean((v.lw < math.log(corr.veto)).to(lr.dtype), sel)
+    for rule in tree.rejections:
+        if isinstance(rule, Veto):
+            out["veto_catastrophic_frac"] = _mean((v.lw < math.log(rule.threshold)).to(lr.dtype), sel)
     if v.adv is not None:
         masked = w == 0
         for key, side in (("masked_share_pos_adv", v.adv > 0), ("masked_share_neg_adv", v.adv < 0)):
@@ -162,7 +165,7 @@ def _extreme(lr: Tensor) -> Tensor:
 
 
 def token_view(*, log_ratio: Tensor, bounded_log_ratio: Tensor, impossible: Tensor, weight_ratio: Tensor,
-               logprobs: Tensor, sampler_logprobs: Tensor, weight: Tensor, corr: Correction,
+               logprobs: Tensor, sampler_logprobs: Tensor, weight: Tensor, tree: CorrectionTree,
                advantages: Tensor | None = None) -> TokenView:
     """The :class:`TokenView` of a batch, detached.
 
@@ -176,7 +179,7 @@ def token_view(*, log_ratio: Tensor, bounded_log_ratio: Tensor, impossible: Tens
         weight: ``[N]`` final token weights (after rejection and batch normalisation).
         advantages: ``[N]`` advantages, for the ``masked_share_*_adv`` keys (None: left out).
     """
-    lr = log_ratio.detach().clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    lr = log_ratio.detach().clamp(-tree.max_log_ratio, tree.max_log_ratio)
     adv = advantages.detach().to(lr.dtype) if advantages is not None else None
     return TokenView(lr, weight_ratio.detach(), bounded_log_ratio.detach(), impossible, weight.detach(),
                      logprobs.detach(), sampler_logprobs.detach().to(lr.dtype), adv)
@@ -188,7 +191,7 @@ def policy_metrics(
     drops: dict[str, Tensor],
     active: Tensor,
     entropy: Tensor,
-    corr: Correction,
+    tree: CorrectionTree,
     kept: Tensor | None = None,
     centering: Centering | None = None,
     support_size: Tensor | None = None,
@@ -212,10 +215,10 @@ def policy_metrics(
         current_version: the trainer's version for staleness; default ``versions.max()``.
     """
     lr = view.lr
-    out = token_stats(view, active, corr)
+    out = token_stats(view, active, tree)
     if seg is not None:
-        out.update(_sequence_stats(lr, seg, corr))
-        if corr.sequence_level:
+        out.update(_sequence_stats(lr, seg, tree))
+        if tree.weighting.level.per_sequence:
             out["seq_ess"] = _ess(seg.mean(view.w), seg.has_active())
         for name, dropped in drops.items():
             out[f"rejected_frac/{name}"] = _mean(dropped.to(lr.dtype), active)
@@ -231,11 +234,11 @@ def policy_metrics(
         out["sc_rho"] = _mean(centering.rho, active)
         out["sc_abs_coef_sum"] = _mean(centering.abs_coef_sum, active)
     if groups is not None:
-        out.update(_split(view, active, corr, groups, "group", seg))
+        out.update(_split(view, active, tree, groups, "group", seg))
     if versions is not None:
         now = int(versions[active].max()) if current_version is None and bool(active.any()) else current_version
         if now is not None:
-            out.update(_split(view, active, corr, now - versions, "staleness", seg))
+            out.update(_split(view, active, tree, now - versions, "staleness", seg))
             if seg is not None:
                 # The sequence's newest token version is the version it finished under: in flight before, queued
                 # after (docs/spec.md#metrics).
@@ -253,10 +256,10 @@ def _ess(w: Tensor, sel: Tensor) -> Tensor:
     return torch.where(sq > 0, ws.sum() ** 2 / (sel.sum().clamp_min(1) * sq), torch.zeros_like(sq))
 
 
-def _sequence_stats(lr: Tensor, seg: Segments, corr: Correction) -> dict[str, Tensor]:
+def _sequence_stats(lr: Tensor, seg: Segments, tree: CorrectionTree) -> dict[str, Tensor]:
     """The ``seq_*`` keys over the sequences of ``seg`` with a trained token (``lr``: clamped log-ratios)."""
     has = seg.has_active()
-    log_rho = seg.sum(lr).clamp(-corr.max_log_ratio, corr.max_log_ratio)
+    log_rho = seg.sum(lr).clamp(-tree.max_log_ratio, tree.max_log_ratio)
     rho = torch.exp(log_rho)
     d = -seg.mean(lr)
     n = has.sum()
@@ -276,7 +279,7 @@ def _sequence_stats(lr: Tensor, seg: Segments, corr: Correction) -> dict[str, Te
 
 
 def _split(
-    view: TokenView, active: Tensor, corr: Correction, key: Tensor, name: str, seg: Segments | None,
+    view: TokenView, active: Tensor, tree: CorrectionTree, key: Tensor, name: str, seg: Segments | None,
 ) -> dict[str, Tensor]:
     """Per-value statistics of ``key [N]`` over the active tokens, with each value's shares."""
     lr = view.lr
@@ -287,7 +290,7 @@ def _split(
     seq_total = seg.has_active().sum().clamp_min(1).to(lr.dtype) if seg is not None else None
     for value in torch.unique(key[active]).tolist():
         sel = active & (key == value)
-        stats = token_stats(view, sel, corr)
+        stats = token_stats(view, sel, tree)
         stats["share_tokens"] = sel.sum().to(lr.dtype) / n_total
         stats["share_extreme"] = torch.where(
             n_extreme > 0, (extreme & sel).sum().to(lr.dtype) / n_extreme.clamp_min(1), n_extreme * 0

@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.correction import Correction
-from offpolicy.corrections.registry import ESTIMATORS
+from offpolicy.corrections.rules import ESTIMATORS
+from offpolicy.corrections.tree import CorrectionTree
 
 
 def kl_penalty_terms(logp_y: Tensor, reference_logprobs: Tensor, old_logprobs: Tensor, active: Tensor,
-                     corr: Correction) -> tuple[Tensor, Tensor]:
+                     tree: CorrectionTree) -> tuple[Tensor, Tensor]:
     """``(pen [N], est [N])``: the differentiable per-token penalty (0 off ``active`` and on tokens the trainer
     gives probability 0) and the detached weighted estimate ``(p / pi_old) k`` (or ``k``) it is ``coef`` times.
 
@@ -31,11 +31,11 @@ def kl_penalty_terms(logp_y: Tensor, reference_logprobs: Tensor, old_logprobs: T
         old_logprobs: ``[N]`` float ``log pi_old(y_t)`` (proximal or sampler), detached.
         active: ``[N]`` bool trained tokens.
     """
-    pen = corr.kl_penalty
+    pen = tree.kl_penalty
     zero = torch.zeros_like(logp_y)
     live = active & (logp_y.detach() > float("-inf"))
     lp = torch.where(live, logp_y, zero)
-    bound = corr.max_log_ratio
+    bound = tree.max_log_ratio
     est = ESTIMATORS[pen.estimator].fast((torch.where(live, reference_logprobs, zero) - lp).clamp(-bound, bound))
     if pen.importance_weighted:
         est = torch.exp((lp - torch.where(live, old_logprobs, zero)).clamp(-bound, bound)) * est

@@ -87,12 +87,13 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
         raise ValueError(f"aggregation={agg.name!r} needs seq_ids")
     if agg.name == "constant" and agg.constant_normalizer is None:
         raise ValueError("aggregation='constant' needs constant_normalizer > 0")
-    if corr.needs_sequences and seq_ids is None:
+    tree = corr.tree
+    if tree.needs_sequences and seq_ids is None:
         raise ValueError("this correction (sequence-level weights or a sequence rejection) needs seq_ids")
     for name, val in (("num_loss_tokens", agg.num_loss_tokens), ("num_sequences", agg.num_sequences),
                       ("constant_normalizer", agg.constant_normalizer)):
         check_positive_count(name, val)
-    if not corr.surrogate.proximal_optional and corr.surrogate.needs_proximal != (proximal is not None):
+    if not tree.surrogate.proximal_optional and tree.surrogate.needs_proximal != (proximal is not None):
         raise ValueError("correction.ppo_clip and proximal_logprobs go together (decoupled PPO; likewise cispo, sapo, "
                          "vespo and gmpo)")
     if proximal is not None:
@@ -103,9 +104,9 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
             raise ValueError(f"proximal_logprobs: value {float(proximal[active].max()):.4g} > 0 on a trained token "
                              "(log-probabilities are <= 0)")
     ref = data.reference_logprobs
-    if (corr.kl_penalty is None) != (ref is None):
+    if (tree.kl_penalty is None) != (ref is None):
         raise ValueError("correction.kl_penalty and reference_logprobs go together: the penalty needs the reference "
-                         f"model's [N] log-probabilities (got kl_penalty={corr.kl_penalty!r}, reference_logprobs="
+                         f"model's [N] log-probabilities (got kl_penalty={tree.kl_penalty!r}, reference_logprobs="
                          f"{'None' if ref is None else 'a tensor'})")
     if ref is not None:
         check_vector("reference_logprobs", ref, n, device, "float")

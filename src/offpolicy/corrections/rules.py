@@ -1,0 +1,207 @@
+"""Rejection rules: nodes that zero whole tokens or sequences (docs/spec.md#veto, #kl-rejection, #opsm).
+
+:class:`Veto` and :class:`OPSM` drop sequences; :class:`KLRejection` and :class:`RatioRejection` act per token
+(``level="token"``: a bound on each token's own ratio, folded into ``f`` so that score centering sees it exactly)
+or per sequence. Every rule has ``per_sequence``; a token rule has ``token_keep(log_r, max_log_ratio) -> [N] bool``,
+a sequence rule ``drop(log_r, log_p_ratio, adv, seg, max_log_ratio) -> [num] bool`` (``log_r``: the unclamped ratio
+the weights act on, ``pi_prox / q`` under decoupled PPO; ``log_p_ratio``: the current policy's ``log p - lq``).
+The KL estimators of ``KL(q || p)`` on tokens drawn from ``q`` are :data:`ESTIMATORS`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, ClassVar, NamedTuple, Union
+
+import torch
+from torch import Tensor
+
+from offpolicy.corrections.node import Jump, NodeError, finite, log_bound
+from offpolicy.corrections.weighting import GeometricLevel, SequenceLevel, TokenLevel
+
+
+class Estimator(NamedTuple):
+    """A per-token estimator ``k`` of ``KL(q || p)`` from clamped log-ratios ``lr = log p - lq``.
+
+    Attributes:
+        fast: ``lr -> k``, same shape and dtype.
+        signed: the estimate can be negative (a negative threshold is then meaningful).
+    """
+
+    name: str
+    fast: Callable[[Tensor], Tensor]
+    signed: bool = False
+
+
+#: Schulman's estimators by name: ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r`` (as
+#: ``expm1(log r) - log r``, accurate near ``log r = 0``).
+ESTIMATORS: dict[str, Estimator] = {
+    e.name: e
+    for e in (
+        Estimator("k1", lambda lr: -lr, signed=True),
+        Estimator("k2", lambda lr: 0.5 * lr.square()),
+        Estimator("k3", lambda lr: torch.expm1(lr) - lr),
+    )
+}
+
+#: The per-sequence statistics of a KL rejection (``"token"``: none, the rule bounds each token's ratio).
+KL_LEVELS: dict[str, Callable | None] = {
+    "token": None,
+    "seq_sum": lambda k, seg: seg.sum(k),
+    "seq_mean": lambda k, seg: seg.mean(k),
+    "seq_max": lambda k, seg: seg.max(k),
+}
+
+#: The ratio levels of a :class:`RatioRejection`, by name.
+RATIO_LEVELS = {c.name: c for c in (TokenLevel, SequenceLevel, GeometricLevel)}
+
+
+def _in_band(x: Tensor, lo: float, hi: float) -> Tensor:
+    return (x >= lo) & (x <= hi)
+
+
+@dataclass(frozen=True)
+class Veto:
+    """Drop a sequence if any of its trained tokens has ``r < threshold`` (``0 < threshold < 1``), on the
+    unclamped log-ratio."""
+
+    threshold: float
+    name: ClassVar[str] = "veto"
+    per_sequence: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#veto"
+    source: ClassVar[str] = "Liu & Li, 'When speed kills stability' (catastrophic-token veto)"
+
+    def __post_init__(self) -> None:
+        if not (finite(self.threshold) and 0.0 < self.threshold < 1.0):
+            raise NodeError("Veto", "threshold", f"must be in (0, 1), got {self.threshold!r}")
+
+    def drop(self, log_r: Tensor, log_p_ratio: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        return seg.min(log_r) < math.log(self.threshold)
+
+    def jumps(self) -> tuple[Jump, ...]:
+        return (Jump("log_r", (math.log(self.threshold),), "min"),)
+
+
+@dataclass(frozen=True)
+class OPSM:
+    """Off-policy sequence masking: drop sequence ``i`` iff its mean advantage is negative and
+    ``mean_t (lq - log p) > delta`` with the *current* policy ``p`` (also under decoupled PPO: drift during the PPO
+    epochs must be caught)."""
+
+    delta: float
+    name: ClassVar[str] = "opsm"
+    per_sequence: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#opsm"
+    source: ClassVar[str] = "DeepSeek-V3.2 arXiv 2512.02556 (off-policy sequence masking)"
+
+    def __post_init__(self) -> None:
+        if not (finite(self.delta) and self.delta >= 0):
+            raise NodeError("OPSM", "delta", f"must be a finite number >= 0, got {self.delta!r}")
+
+    def drop(self, log_r: Tensor, log_p_ratio: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        return (seg.mean(adv) < 0) & (seg.mean(-log_p_ratio) > self.delta)
+
+    def jumps(self) -> tuple[Jump, ...]:
+        return (Jump("neg_log_p_ratio", (self.delta,), "mean"),)
+
+
+@dataclass(frozen=True)
+class KLRejection:
+    """Reject tokens or sequences whose KL estimate exceeds ``threshold`` (or, with ``threshold=(lo, hi)``, lies
+    outside ``[lo, hi]``: two-sided, meaningful for the signed ``k1``).
+
+    ``estimator``: ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r`` (Schulman's estimators of
+    KL(q||p) on tokens drawn from q). ``level``: per token, or the sum / mean / max over each sequence's trained
+    tokens.
+    """
+
+    threshold: float | tuple[float, float]
+    estimator: str = "k3"
+    level: str = "token"
+    kind: ClassVar[str] = "kl"
+    name: ClassVar[str] = "kl"
+    anchor: ClassVar[str] = "docs/spec.md#kl-rejection"
+    source: ClassVar[str] = "Schulman's KL estimators k1 / k2 / k3 as a rejection (slime, Miles, verl)"
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"KLRejection.estimator must be one of {tuple(ESTIMATORS)}, got {self.estimator!r}")
+        if self.level not in KL_LEVELS:
+            raise ValueError(f"KLRejection.level must be one of {tuple(KL_LEVELS)}, got {self.level!r}")
+        if isinstance(self.threshold, list):
+            object.__setattr__(self, "threshold", tuple(self.threshold))
+        if isinstance(self.threshold, tuple):
+            if not (len(self.threshold) == 2 and all(finite(t) for t in self.threshold)
+                    and self.threshold[0] <= self.threshold[1]):
+                raise ValueError(f"KLRejection.threshold must be a finite number or (lo, hi) with lo <= hi, got "
+                                 f"{self.threshold!r}")
+            return
+        if not finite(self.threshold):
+            raise ValueError(f"KLRejection.threshold must be a finite number, got {self.threshold!r}")
+        if not ESTIMATORS[self.estimator].signed and self.threshold < 0:
+            raise ValueError(f"KLRejection.threshold must be >= 0 for {self.estimator}, got {self.threshold}")
+
+    @property
+    def per_sequence(self) -> bool:
+        return KL_LEVELS[self.level] is not None
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """``(lo, hi)``: the statistic is kept iff it lies in it."""
+        return tuple(self.threshold) if isinstance(self.threshold, tuple) else (-math.inf, self.threshold)
+
+    def _k(self, log_r: Tensor, max_log_ratio: float) -> Tensor:
+        return ESTIMATORS[self.estimator].fast(log_r.clamp(-max_log_ratio, max_log_ratio))
+
+    def token_keep(self, log_r: Tensor, max_log_ratio: float) -> Tensor:
+        return _in_band(self._k(log_r, max_log_ratio), *self.band)
+
+    def drop(self, log_r: Tensor, log_p_ratio: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        return ~_in_band(KL_LEVELS[self.level](self._k(log_r, max_log_ratio), seg), *self.band)
+
+    def jumps(self) -> tuple[Jump, ...]:
+        level = "token" if self.level == "token" else self.level[len("seq_"):]
+        return (Jump("kl", tuple(t for t in self.band if math.isfinite(t)), level, self.estimator),)
+
+
+@dataclass(frozen=True)
+class RatioRejection:
+    """Reject tokens (``level="token"``) or whole sequences (``"sequence"``: ``prod_t r_t``; ``"geometric"``:
+    ``exp(mean_t log r_t)``) whose ratio lies outside ``[lower, upper]`` (inclusive), independently of the weight
+    mode's own bounds: importance weights and a rejection band at different bounds or levels at once."""
+
+    lower: float
+    upper: float
+    level: str = "token"
+    kind: ClassVar[str] = "ratio"
+    name: ClassVar[str] = "ratio"
+    anchor: ClassVar[str] = "docs/spec.md#kl-rejection"
+    source: ClassVar[str] = "a ratio band as a rejection (IcePop's mask at its own level)"
+
+    def __post_init__(self) -> None:
+        if self.level not in RATIO_LEVELS:
+            raise ValueError(f"RatioRejection.level must be one of {tuple(RATIO_LEVELS)}, got {self.level!r}")
+        if not (finite(self.lower) and finite(self.upper) and 0 <= self.lower <= self.upper):
+            raise ValueError(f"RatioRejection needs 0 <= lower <= upper < inf, got ({self.lower!r}, {self.upper!r})")
+
+    @property
+    def per_sequence(self) -> bool:
+        return RATIO_LEVELS[self.level].per_sequence
+
+    @property
+    def log_band(self) -> tuple[float, float]:
+        return (log_bound(self.lower), log_bound(self.upper))
+
+    def token_keep(self, log_r: Tensor, max_log_ratio: float) -> Tensor:
+        return _in_band(log_r, *self.log_band)
+
+    def drop(self, log_r: Tensor, log_p_ratio: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        return ~_in_band(RATIO_LEVELS[self.level]().reduce(log_r, seg), *self.log_band)
+
+    def jumps(self) -> tuple[Jump, ...]:
+        return (Jump("log_r", tuple(math.log(b) for b in (self.lower, self.upper) if b > 0), self.level),)
+
+
+Rule = Union[Veto, OPSM, KLRejection, RatioRejection]
+RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection)
