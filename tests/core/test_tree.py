@@ -79,10 +79,10 @@ def test_invalid_trees_cannot_be_built(build, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(weights="mis", bounds=(5.0, 0.5)), r"Correction\.bounds must be \(lower, upper\) as MIS takes them"),
-    (dict(ppo_clip=(1.5, 0.2)), r"Correction\.ppo_clip must be \(eps_lo, eps_hi\) as PPO takes them: PPO\.eps_lo"),
+    (dict(weights="mis", bounds=(5.0, 0.5)), r"Correction\.bounds must be \(lower, upper\) with 0 <= lower <= upper < inf, got \(5\.0, 0\.5\) \(MIS\.lower"),
+    (dict(ppo_clip=(1.5, 0.2)), r"Correction\.ppo_clip must be \(eps_lo, eps_hi\) with eps_lo in \[0, 1\).* \(PPO\.eps_lo"),
     (dict(ppo_clip=(0.2, 0.2), ppo_delta=0.5), r"Correction\.ppo_delta must be a finite number > 1, got 0\.5"),
-    (dict(vespo=(2.0, 3.0, 3.0, 0.0)), r"Correction\.vespo must be .* VESPO\.lam_neg"),
+    (dict(vespo=(2.0, 3.0, 3.0, 0.0)), r"Correction\.vespo must be .*VESPO\.lam_neg"),
     (dict(veto=1.5), r"Correction\.veto must be in \(0, 1\), got 1\.5"),
     (dict(max_log_ratio=50.0), r"Correction\.max_log_ratio must be in \(0, 40\]"),
 ])

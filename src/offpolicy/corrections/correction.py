@@ -140,10 +140,10 @@ class Correction:
             rejected_in_normalizer=self.rejected_in_normalizer), max_log_ratio="max_log_ratio")
         object.__setattr__(self, "_tree", tree)
 
-    def _node(self, build: Callable[[], Any], **keywords: str) -> Any:
+    def _node(self, build: Callable[[], Any], expects: str = "", **keywords: str) -> Any:
         """``build()``, re-raising a node's :class:`~offpolicy.corrections.node.NodeError` with the keyword its
         argument came from (``keywords``: node argument -> keyword): ``"Correction.{keyword} {reason}"`` when the
-        keyword feeds that argument alone, else ``"Correction.{keyword} must be (args) as {node} takes them: ..."``."""
+        keyword feeds that argument alone, else ``"Correction.{keyword} must be (args) {expects}, got ..."``."""
         try:
             return build()
         except NodeError as err:
@@ -153,8 +153,8 @@ class Correction:
             args = [a for a, k in keywords.items() if k == keyword]
             if len(args) == 1:
                 raise ValueError(f"Correction.{keyword} {err.reason}") from None
-            raise ValueError(f"Correction.{keyword} must be ({', '.join(args)}) as {err.node} takes them: {err} "
-                             f"(Correction.{keyword}={getattr(self, keyword)!r})") from None
+            raise ValueError(f"Correction.{keyword} must be ({', '.join(args)}) {expects}, got "
+                             f"{getattr(self, keyword)!r} ({err})") from None
 
     def _check_types(self) -> None:
         """Each field has its type (a string ``"no"`` is truthy, ``True`` is the number 1: neither may pass as a
@@ -206,7 +206,7 @@ class Correction:
             if not cls.scalar_bound:
                 raise ValueError(f"Correction.bounds for weights={self.weights!r} must be a pair (L, U)")
             bounds = (0.0, bounds)
-        return self._node(lambda: cls(*bounds), lower="bounds", upper="bounds")
+        return self._node(lambda: cls(*bounds), cls.expects, lower="bounds", upper="bounds")
 
     def _surrogate(self):
         """The surrogate node the keywords select (the score function when none is set)."""
@@ -222,13 +222,13 @@ class Correction:
             raise ValueError(f"Correction.{' and '.join(chosen)} exclude each other (each selects a surrogate)")
         if self.ppo_clip is not None:
             return self._node(lambda: PPO(*self.ppo_clip, dual_clip=self.dual_clip, delta=self.ppo_delta,
-                                          ratio=self.ppo_ratio),
+                                          ratio=self.ppo_ratio), PPO.expects,
                               eps_lo="ppo_clip", eps_hi="ppo_clip", dual_clip="dual_clip", delta="ppo_delta",
                               ratio="ppo_ratio")
         for keyword, cls in (("cispo", CISPO), ("sapo", SAPO), ("vespo", VESPO), ("gmpo", GMPO)):
             val = getattr(self, keyword)
             if val is not None:
-                return self._node(lambda: cls(*val), **{f.name: keyword for f in fields(cls)})
+                return self._node(lambda: cls(*val), cls.expects, **{f.name: keyword for f in fields(cls)})
         tr = self.trust_region
         return RatioSurrogate() if tr is not None and tr.on == "update" else ScoreFunction()
 

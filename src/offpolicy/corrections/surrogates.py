@@ -66,6 +66,7 @@ class PPO(_Surrogate):
     dual_clip: float | None = None
     delta: float | None = None
     ratio: str = "token"
+    expects: ClassVar[str] = "with eps_lo in [0, 1) and eps_hi >= 0, finite"
     source: ClassVar[str] = ("decoupled PPO: min(u A, clip(u, 1 - eps_lo, 1 + eps_hi) A), u = p / pi_prox; dual clip "
                              "(Ye et al. 2020, verl clip_ratio_c); delta caps u (TRL); GSPO-token (Zheng et al. 2025)")
 
@@ -118,6 +119,7 @@ class CISPO(_Surrogate):
 
     lo: float
     hi: float
+    expects: ClassVar[str] = "with 0 <= lo < hi < inf"
     name: ClassVar[str] = "cispo"
     source: ClassVar[str] = "CISPO (MiniMax-M1 arXiv 2506.13585; TRL loss_type='cispo', slime): sg(clamp(u, lo, hi)) A log p"
 
@@ -136,6 +138,7 @@ class SAPO(_Surrogate):
 
     tau_pos: float
     tau_neg: float
+    expects: ClassVar[str] = "with finite temperatures > 0"
     name: ClassVar[str] = "sapo"
     takes_trust_region: ClassVar[bool] = False
     anchor: ClassVar[str] = "docs/spec.md#sapo"
@@ -163,6 +166,7 @@ class VESPO(_Surrogate):
     lam_pos: float
     k_neg: float
     lam_neg: float
+    expects: ClassVar[str] = "finite with k >= 0 and lam > 0"
     name: ClassVar[str] = "vespo"
     needs_sequences: ClassVar[bool] = True
     takes_trust_region: ClassVar[bool] = False
@@ -196,6 +200,7 @@ class GMPO(_Surrogate):
 
     eps_lo: float
     eps_hi: float
+    expects: ClassVar[str] = "finite and >= 0"
     name: ClassVar[str] = "gmpo"
     needs_sequences: ClassVar[bool] = True
     takes_trust_region: ClassVar[bool] = False

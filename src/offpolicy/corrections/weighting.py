@@ -122,6 +122,7 @@ class _Bounded(_Mode):
     lower: float = 0.0
     upper: float = math.inf
     bounded: ClassVar[bool] = True
+    expects: ClassVar[str] = "with 0 <= lower <= upper < inf"
 
     def __post_init__(self) -> None:
         me = type(self).__name__
