@@ -508,7 +508,8 @@ def test_the_kit_keeps_examples_off_the_jumps_a_trait_names():
     """``_near_discontinuity`` reads the registry's traits: a ratio on a MIS bound is flagged (``masks_outside``:
     the weight jumps there), the same ratio under TIS (continuous clamp) is not; a one-sided KL threshold jumps at
     its threshold only, not at an implicit lower end 0; the veto jumps at ``log veto``."""
-    from offpolicy.testing.checks import _Fed, _near_discontinuity
+    from offpolicy.testing.harness import _Fed
+    from offpolicy.testing.tolerances import _near_discontinuity
 
     def fed(log_r, seq=None):
         # V = 2 uniform logits: log p(y) = log 1/2 at every token; lq puts log p - lq at log_r.

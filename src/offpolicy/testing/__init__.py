@@ -10,20 +10,21 @@ Point it at your own loss implementation through one adapter signature and a dec
     check_all(my_loss, LossConfig(weights="mis", bounds=(0.5, 5.0), score_centering=True, record="support"))
 
 or run ``OFFPOLICY_LOSS=mypkg.losses:my_loss OFFPOLICY_CONFIG="weights=mis,sc=1,record=support" pytest --pyargs
-offpolicy.testing``. See :mod:`offpolicy.testing.checks` for the invariants and
-:mod:`offpolicy.testing.strategies` for the hypothesis strategies (public, reusable in your own tests).
+offpolicy.testing``. See :mod:`offpolicy.testing.invariants` for the invariants (the properties in
+:mod:`~offpolicy.testing.properties`, their tolerances in :mod:`~offpolicy.testing.tolerances`, the runner in
+:mod:`~offpolicy.testing.runner`) and :mod:`offpolicy.testing.strategies` for the hypothesis strategies (public,
+reusable in your own tests).
 Requires ``hypothesis`` (``pip install offpolicy[test]``).
 """
 
 from offpolicy.testing import strategies
 from offpolicy.testing.project import project_loss
-from offpolicy.testing.checks import (
+from offpolicy.testing.harness import LossFn
+from offpolicy.testing.invariants import INVARIANTS, Invariant
+from offpolicy.testing.runner import (
     DEFAULT_MAX_EXAMPLES,
-    INVARIANTS,
     CheckResult,
-    Invariant,
     InvariantViolation,
-    LossFn,
     Report,
     check_all,
     pytest_suite,

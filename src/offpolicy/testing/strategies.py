@@ -12,7 +12,7 @@ Building blocks (public):
 * :func:`sglang_support`: the realised top-p / top-k support, with SGLang's rule; :func:`support_record` and
   :func:`head_record` turn a sampler distribution into a :class:`~offpolicy.Candidates` record.
 
-Composite strategies (what the checkers in :mod:`offpolicy.testing.checks` draw from):
+Composite strategies (what the checkers in :mod:`offpolicy.testing.properties` draw from):
 
 * :func:`problems`: a batch (:class:`Problem`) for a given record kind, tokens drawn from the sampler's support;
   :func:`with_sequences` packs a batch into sequences; :func:`with_proximal` adds proximal log-probabilities.
