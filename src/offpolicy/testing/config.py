@@ -1,27 +1,31 @@
 """What a user's loss function claims to compute: :class:`LossConfig`.
 
 The checkers compare the function against :func:`offpolicy.reference.reference_policy_loss` under the
-:class:`~offpolicy.Correction` this configuration names, and decide which invariants apply (zero drift only when
-score centering is claimed, support replay only for support records, ...). Every field of
-:class:`~offpolicy.Correction` can be declared: the weights and their level, score centering, the rejection rules
-(``veto``, ``kl_rejection``, ``opsm_delta``, chained ``rejections``), batch normalisation, the normaliser
-convention and the surrogates (decoupled PPO with its dual clip, delta and GSPO-token ratio, CISPO, SAPO, VESPO,
-GMPO).
+:class:`~offpolicy.Correction` this configuration wraps, and decide which invariants apply (zero drift only when
+score centering is claimed, support replay only for support records, ...). A ``LossConfig`` is one correction
+(its tree of nodes is ``config.correction.tree``) plus how the kit feeds the function: the record kind, the
+aggregation, the dtype and the tolerances. The correction's keywords can be given directly
+(``LossConfig(weights="mis", veto=0.1, record="head")``) or as a whole (``LossConfig(op.Correction(...))``), and are
+read back as attributes (``config.weights``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
-from offpolicy.corrections.correction import KLRejection, RatioRejection
-from offpolicy.corrections.trust_region import TrustRegion
-
-from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
 from offpolicy.corrections.correction import Correction
-from offpolicy.corrections.registry import LEVELS, WEIGHT_MODES
+from offpolicy.corrections.registry import WEIGHT_MODES
+from offpolicy.corrections.rules import KLRejection, RatioRejection
+from offpolicy.corrections.trust_region import TrustRegion
+from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
 from offpolicy.testing.strategies import RECORDS, Record
+
+#: The keywords of :class:`~offpolicy.Correction` a ``LossConfig`` takes and reads through.
+CORRECTION_FIELDS = tuple(f.name for f in fields(Correction) if f.init)
 
 #: Default comparison tolerances ``(rtol, atol)`` by the dtype the kit feeds: a difference passes when
 #: ``max |yours - reference| <= atol + rtol * max |reference|`` over the compared tensor.
@@ -38,8 +42,7 @@ DEFAULT_TOLERANCES = {
     torch.bfloat16: (3e-2, 1e-3),
 }
 
-#: The :class:`LossConfig` fields that mirror :class:`~offpolicy.Correction` beyond the weights (shown by
-#: :meth:`LossConfig.describe` when not at their defaults).
+#: The correction keywords beyond the weights that :meth:`LossConfig.describe` shows when not at their defaults.
 _CORRECTION_EXTRAS = ("veto", "kl_rejection", "opsm_delta", "rejections", "batch_normalize", "rejected_in_normalizer",
                       "ppo_clip", "dual_clip", "ppo_delta", "ppo_ratio", "cispo", "trust_region", "sapo", "vespo",
                       "gmpo")
@@ -49,104 +52,87 @@ _CORRECTION_EXTRAS = ("veto", "kl_rejection", "opsm_delta", "rejections", "batch
 DISCONTINUITY_MARGIN = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LossConfig:
     """The correction a loss function claims to implement, and how the kit should feed it.
 
+    ``LossConfig(correction=None, *, record=None, aggregation=None, constant_normalizer=None, dtype=torch.float64,
+    rtol=None, atol=None, **keywords)``: ``keywords`` are :class:`~offpolicy.Correction`'s (``weights``,
+    ``bounds``, ``level``, ``score_centering``, the rules, the surrogates, ``trust_region``, ``max_log_ratio``...),
+    applied on top of ``correction`` (default ``Correction()``), and read back as attributes.
+
     Attributes:
-        weights: ``"none" | "tis" | "mis" | "reject"`` (docs/spec.md#weights).
-        bounds: the ratio bounds, as in :class:`~offpolicy.Correction` (``tis``: ``C`` or ``(c, C)``; ``mis`` /
-            ``reject``: ``(L, U)``); None takes the defaults ((0, 2) for tis, (0.5, 5) otherwise).
-        score_centering: the function subtracts the sampler-expected weighted score (docs/spec.md#score-centering).
+        correction: the :class:`~offpolicy.Correction` (docs/spec.md#correction-table). Sequence-level weights,
+            rules, normalisation and surrogates need a function that takes a ``seq_ids`` keyword: the kit packs
+            each batch into random sequences. Decoupled PPO, CISPO, SAPO, VESPO and GMPO need a function that takes
+            a ``proximal_logprobs`` keyword (``[N]``, ``log pi_prox`` of each token; the kit draws it near the
+            trainer's own log-probability); a trust region compares against it when given, else against the
+            sampler. A ``kl_penalty`` is refused: the kit feeds no reference model.
         record: the candidate record the function consumes: ``"head"``, ``"support"`` or None (no record; the
-            function then receives ``candidates=None``).
-        level: ``"token"``, or ``"sequence"`` / ``"geometric"`` ratios (docs/spec.md#family). Sequence levels need a
-            function that takes a ``seq_ids`` keyword: the kit packs each batch into random sequences.
+            function then receives ``candidates=None``). Score centering needs one.
         aggregation: None: the function returns the per-token loss ``[N]``. Otherwise the function returns the
             aggregated scalar and this names how it aggregates (``"token_mean"``, ``"seq_mean_token_mean"``,
             ``"seq_mean_token_sum"`` (these two need a ``seq_ids`` keyword) or ``"constant"``, dividing the sum by
             ``constant_normalizer``).
         constant_normalizer: the divisor of ``aggregation="constant"``.
-        max_log_ratio: log-ratios are clamped to ``[-max, max]`` before exponentiating (docs/spec.md#weights).
         dtype: the dtype of every float tensor the kit passes (logits, log-probabilities, advantages).
         rtol, atol: comparison tolerances; None takes :data:`DEFAULT_TOLERANCES` for ``dtype``.
-        veto, kl_rejection, opsm_delta, rejections: rejection rules, as in :class:`~offpolicy.Correction`
-            (``rejections``: a tuple of ``KLRejection`` / ``RatioRejection`` items, chained). Sequence-level rules
-            need a ``seq_ids`` keyword.
-        batch_normalize: ``False``, ``True`` / ``"tokens"`` or ``"sequences"`` (the latter needs ``seq_ids``).
-        rejected_in_normalizer: False removes rejected tokens from the aggregation's normaliser (only visible
-            with an ``aggregation``).
-        ppo_clip, dual_clip, ppo_delta, ppo_ratio, cispo, sapo, vespo, gmpo: the surrogate
-            (docs/spec.md#decoupled-ppo, #sapo, #vespo, #gmpo; VESPO and GMPO also need ``seq_ids``). Decoupled
-            PPO and CISPO need a function that takes a ``proximal_logprobs`` keyword (``[N]``, ``log pi_prox`` of
-            each token; the kit draws it near the trainer's own log-probability); ``ppo_ratio="gspo_token"`` also
-            needs ``seq_ids``.
-        trust_region: a :class:`~offpolicy.TrustRegion` (docs/spec.md#trust-region); with a proximal surrogate
-            it compares against ``proximal_logprobs``, else against the sampler (its own ratio surrogate takes
-            none).
     """
 
-    weights: str = "none"
-    bounds: tuple[float, float] | float | None = None
-    score_centering: bool = False
+    correction: Correction = field(default_factory=Correction)
     record: Record = None
-    level: str = "token"
     aggregation: str | None = None
     constant_normalizer: float | None = None
-    max_log_ratio: float = 20.0
     dtype: torch.dtype = torch.float64
     rtol: float | None = None
     atol: float | None = None
-    veto: float | None = None
-    kl_rejection: KLRejection | None = None
-    opsm_delta: float | None = None
-    rejections: tuple[KLRejection | RatioRejection, ...] = ()
-    batch_normalize: bool | str = False
-    rejected_in_normalizer: bool = True
-    ppo_clip: tuple[float, float] | None = None
-    dual_clip: float | None = None
-    ppo_delta: float | None = None
-    ppo_ratio: str = "token"
-    cispo: tuple[float, float] | None = None
-    trust_region: TrustRegion | None = None
-    sapo: tuple[float, float] | None = None
-    vespo: tuple[float, float, float, float] | None = None
-    gmpo: tuple[float, float] | None = None
+
+    def __init__(self, correction: Correction | None = None, *, record: Record = None,
+                 aggregation: str | None = None, constant_normalizer: float | None = None,
+                 dtype: torch.dtype = torch.float64, rtol: float | None = None, atol: float | None = None,
+                 **keywords: Any) -> None:
+        unknown = sorted(set(keywords) - set(CORRECTION_FIELDS))
+        if unknown:
+            raise TypeError(f"LossConfig got unexpected keyword arguments {unknown}: it takes correction, record, "
+                            f"aggregation, constant_normalizer, dtype, rtol, atol and Correction's {CORRECTION_FIELDS}")
+        if correction is not None and not isinstance(correction, Correction):
+            raise TypeError(f"LossConfig.correction must be an offpolicy.Correction, got {correction!r}")
+        base = Correction() if correction is None else correction
+        corr = dataclasses.replace(base, **keywords) if keywords else base
+        for name, val in (("correction", corr), ("record", record), ("aggregation", aggregation),
+                          ("constant_normalizer", constant_normalizer), ("dtype", dtype), ("rtol", rtol),
+                          ("atol", atol)):
+            object.__setattr__(self, name, val)
+        self.__post_init__()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not attributes: the correction's keywords read through.
+        if name in CORRECTION_FIELDS and "correction" in self.__dict__:
+            return getattr(self.__dict__["correction"], name)
+        raise AttributeError(f"'LossConfig' object has no attribute {name!r}")
 
     def __post_init__(self) -> None:
         if self.record not in RECORDS:
             raise ValueError(f"LossConfig.record must be 'head', 'support' or None, got {self.record!r}")
         if self.dtype not in DEFAULT_TOLERANCES:
             raise ValueError(f"LossConfig.dtype must be one of {list(DEFAULT_TOLERANCES)}, got {self.dtype}")
-        if self.score_centering and self.record is None:
+        tree = self.correction.tree
+        if tree.centering is not None and self.record is None:
             raise ValueError(
                 "LossConfig(score_centering=True) needs record='head' or 'support': centering sums over the "
                 "sampler's recorded candidates"
             )
+        if tree.kl_penalty is not None:
+            raise ValueError("LossConfig(kl_penalty=...) is not supported: the kit feeds no reference_logprobs")
         if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
             raise ValueError(f"LossConfig.aggregation must be None or one of {AGGREGATIONS}, got {self.aggregation!r}")
         if (self.aggregation == "constant") != (self.constant_normalizer is not None):
             raise ValueError("LossConfig.constant_normalizer goes with aggregation='constant' (and only with it)")
         if self.constant_normalizer is not None and not self.constant_normalizer > 0:
             raise ValueError(f"LossConfig.constant_normalizer must be > 0, got {self.constant_normalizer!r}")
-        for name in ("bounds", "rejections", "ppo_clip", "cispo", "sapo", "vespo", "gmpo"):
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
-        self.correction  # validates every correction field with Correction's own messages
-        if not self.rejected_in_normalizer and self.aggregation is None:
+        if not tree.rejected_in_normalizer and self.aggregation is None:
             raise ValueError("LossConfig(rejected_in_normalizer=False) changes only the aggregation's normaliser: "
                              "declare the aggregation the function returns (e.g. aggregation='token_mean')")
-
-    @property
-    def correction(self) -> Correction:
-        """The :class:`~offpolicy.Correction` the reference is run with."""
-        return Correction(weights=self.weights, bounds=self.bounds, level=self.level,
-                          score_centering=self.score_centering, max_log_ratio=self.max_log_ratio, veto=self.veto,
-                          kl_rejection=self.kl_rejection, opsm_delta=self.opsm_delta, rejections=self.rejections,
-                          batch_normalize=self.batch_normalize, rejected_in_normalizer=self.rejected_in_normalizer,
-                          ppo_clip=self.ppo_clip, dual_clip=self.dual_clip, ppo_delta=self.ppo_delta,
-                          ppo_ratio=self.ppo_ratio, cispo=self.cispo, trust_region=self.trust_region,
-                          sapo=self.sapo, vespo=self.vespo, gmpo=self.gmpo)
 
     @property
     def needs_sequences(self) -> bool:
@@ -157,18 +143,18 @@ class LossConfig:
     @property
     def needs_proximal(self) -> bool:
         """Whether the function receives ``proximal_logprobs`` (decoupled PPO, CISPO)."""
-        return self.correction.surrogate.needs_proximal
+        return self.correction.tree.surrogate.needs_proximal
 
     @property
     def surrogate(self) -> str:
-        """The name of the registry's surrogate the configuration selects (``"score_function"``, ``"ppo"``,
-        ``"ppo_dual_clip"``, ``"gspo_token"``, ``"cispo"``)."""
-        return self.correction.surrogate.name
+        """The name of the surrogate node the configuration selects (``"score_function"``, ``"ppo"``,
+        ``"ppo_dual_clip"``, ``"gspo_token"``, ``"cispo"``, ...)."""
+        return self.correction.tree.surrogate.name
 
     @property
     def has_sequence_rejections(self) -> bool:
         """Whether a rule drops whole sequences (veto, OPSM, sequence-level KL / ratio rejections)."""
-        return bool(self.correction.sequence_rules)
+        return bool(self.correction.tree.sequence_rules)
 
     @property
     def tolerances(self) -> tuple[float, float]:
@@ -190,7 +176,7 @@ class LossConfig:
 
     def describe(self) -> str:
         corr = self.correction
-        bounded = WEIGHT_MODES[self.weights].bounded
+        bounded = corr.tree.weighting.mode.bounded
         bounds = f", bounds=({corr.lower:g}, {corr.upper:g})" if bounded else ""
         rtol, atol = self.tolerances
         tol = "" if self.rtol is None and self.atol is None else f", rtol={rtol:g}, atol={atol:g}"
@@ -199,8 +185,8 @@ class LossConfig:
         agg = "" if self.aggregation is None else f", aggregation={self.aggregation!r}"
         if self.constant_normalizer is not None:
             agg += f", constant_normalizer={self.constant_normalizer:g}"
-        extra = "".join(f", {f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                        if f.name in _CORRECTION_EXTRAS and getattr(self, f.name) != f.default)
+        extra = "".join(f", {f.name}={getattr(corr, f.name)!r}" for f in fields(Correction)
+                        if f.name in _CORRECTION_EXTRAS and getattr(corr, f.name) != f.default)
         return (f"LossConfig(weights={self.weights!r}{bounds}, score_centering={self.score_centering}, "
                 f"record={self.record!r}{level}{agg}{extra}, dtype={str(self.dtype).replace('torch.', '')}{mlr}"
                 f"{tol})")
@@ -233,7 +219,7 @@ class LossConfig:
         ``a:b:c:d``); ``batch_normalize`` is
         ``0``, ``1``, ``tokens`` or ``sequences``. Rejection rules (``kl_rejection``, ``rejections``) are objects:
         declare them with :func:`~offpolicy.testing.with_config` instead."""
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} - {"correction"} | set(CORRECTION_FIELDS)
         kw: dict = {}
         for item in filter(None, (s.strip() for s in text.split(","))):
             if "=" not in item:
@@ -242,7 +228,7 @@ class LossConfig:
             key = "score_centering" if key == "sc" else key
             if key not in names:
                 raise ValueError(f"OFFPOLICY_CONFIG: unknown key {key!r}; expected one of {sorted(names)}")
-            if key in ("kl_rejection", "rejections", "trust_region"):
+            if key in ("kl_rejection", "rejections", "trust_region", "kl_penalty"):
                 raise ValueError(f"OFFPOLICY_CONFIG: {key} holds rule objects; declare it in Python with "
                                  "offpolicy.testing.with_config(LossConfig(...))")
             if key == "bounds":
@@ -308,7 +294,7 @@ def family_configs(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
 
 
 def every_config(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
-    """Every registered weight mode (:data:`offpolicy.corrections.registry.WEIGHT_MODES`) x score centering x
+    """Every weight mode class named in :data:`offpolicy.corrections.registry.WEIGHT_MODES` x score centering x
     record kind (head / support), default bounds, then :func:`family_configs`: the matrix the kit runs the
     project's own loss over."""
     return [

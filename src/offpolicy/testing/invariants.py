@@ -49,7 +49,7 @@ from typing import Callable
 
 from hypothesis import strategies as st
 
-from offpolicy.corrections.registry import LEVELS, WEIGHT_MODES
+from offpolicy.corrections.registry import WEIGHT_MODES
 from offpolicy.testing.config import LossConfig
 from offpolicy.testing.strategies import Problem, hostile_problems, positions
 from offpolicy.testing.harness import LossFn
@@ -87,24 +87,25 @@ def _needs_centering(cfg: LossConfig) -> str | None:
 
 
 def _needs_token_level(cfg: LossConfig) -> str | None:
-    if LEVELS[cfg.level].per_sequence:
+    if cfg.correction.tree.weighting.level.per_sequence:
         return f"not applicable: level={cfg.level!r} (the per-position expectation is a token-level property)"
     return None
 
 
 def _needs_identity_weight(cfg: LossConfig) -> str | None:
     corr = cfg.correction
-    if LEVELS[cfg.level].per_sequence:
+    tree = corr.tree
+    if tree.weighting.level.per_sequence:
         return _needs_token_level(cfg)
-    if cfg.surrogate != "score_function":
+    if not tree.surrogate.centerable:
         return (f"not applicable: the {cfg.surrogate!r} surrogate multiplies f(pi_prox / q) by a clipped function "
                 "of u = p / pi_prox, not by log p: it is plain IS only where every u lies inside the clip band")
-    if corr.rejection_rules or corr.sequence_rules or corr.trust_region is not None:
+    if tree.rejections or tree.trust_region is not None:
         return "not applicable: rejection rules zero tokens or sequences where f(r) = r alone would keep them"
-    if cfg.batch_normalize is not False:
+    if tree.normalisation is not None:
         return ("not applicable: batch normalisation divides the weights by the batch's mean weight, a "
                 "data-dependent constant, so E_q[grad loss] is E_p[grad of -A log p] divided by it")
-    if not WEIGHT_MODES[cfg.weights].ratio_inside:
+    if not tree.weighting.mode.ratio_inside:
         modes = [m.name for m in WEIGHT_MODES.values() if m.ratio_inside]
         names = " and ".join([", ".join(modes[:-1]), modes[-1]] if len(modes) > 1 else modes)
         return f"not applicable: weights={cfg.weights!r} is not f(r) = r anywhere (only {names} are)"

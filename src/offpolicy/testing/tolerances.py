@@ -15,36 +15,29 @@ import math
 import torch
 from torch import Tensor
 
-from offpolicy.corrections import registry as reg
-from offpolicy.corrections.registry import LEVELS, WEIGHT_MODES
+from offpolicy.corrections.node import Jump
 from offpolicy.corrections.trust_region import binary_kl
-from offpolicy.reference import TAIL_EPS, kl, kl_statistic, log_probs, sequence_log_ratio, support_mask
+from offpolicy.loss.centering import TAIL_EPS, tail_ratio
+from offpolicy.reference import kl, log_probs, support_mask
 from offpolicy.testing.config import LossConfig
 from offpolicy.testing.harness import _Fed
 
 
-def _kl_band(rule) -> tuple[float, float]:
-    """A KL rule's kept band: ``(lo, hi)`` two-sided, else ``(-inf, threshold)``."""
-    return tuple(rule.threshold) if isinstance(rule.threshold, tuple) else (-math.inf, rule.threshold)
-
-
 def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     """Whether a statistic the loss jumps on (in value or gradient) lies within the margin of the jump, where
-    rounding alone may put it on either side:
+    rounding alone may put it on either side. The jumps are the nodes' own (``CorrectionTree.jumps()``: the weight
+    mode's bounds at its level, each rule's band or threshold, each surrogate's kinks in ``log u``, the trust
+    region's edges); this function only evaluates the statistic each names, in float64 from the example:
 
-    * the weight function's bounds (MIS / rejection) on the ratio it sees (``p / q``, or ``pi_prox / q`` under
-      a proximal surrogate; each sequence's reduction at the sequence levels), on each candidate under centering
-      and on the head's tail ratio;
-    * token-level rejection rules (ratio bands, KL thresholds) on the same ratios;
-    * sequence rules: ratio and KL bands on each sequence's statistic, the veto on its smallest ratio, OPSM on its
-      mean ``lq - log p``;
-    * the clipped surrogates' kinks: ``u = p / pi_prox`` (GSPO-token: the sequence's geometric ``u``) at
-      ``1 - eps_lo``, ``1 + eps_hi``, the delta cap and the dual clip ``c`` (CISPO's clamp is continuous), and
-      each surrogate's own ``log_u_kinks`` (GMPO's log-space clip);
-    * a trust region's mask edges: the divergence of each token at ``lower`` / ``upper`` and the probability
-      difference at 0 (or each sequence's summed / mean difference at ``-lower`` / ``upper``).
+    * ``log_r``: the ratio the weights see (``p / q``, or ``pi_prox / q`` under a proximal surrogate), per token or
+      reduced per sequence (sum, mean, min); under score centering also each candidate's ``p / q`` and the head's
+      tail ratio, for the weight mode's and the token rules' jumps;
+    * ``kl``: a KL estimator of the clamped ratio, per token or per sequence (sum, mean, max);
+    * ``neg_log_p_ratio``: the current policy's ``lq - log p`` (OPSM: its sequence mean);
+    * ``log_u``: ``log p - log pi_prox`` per token (GSPO-token: the sequence mean), when a proximal is fed;
+    * ``tr_diff`` / ``tr_div``: a trust region's probability difference and divergence, per token or per sequence.
     """
-    corr = cfg.correction
+    tree = cfg.correction.tree
     n = fed.tokens.shape[0]
     if n == 0:
         return False
@@ -55,79 +48,55 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     logp_y = lp[torch.arange(n), fed.tokens]
     lq = fed.lq.detach().double()
     prox = None if fed.prox is None else fed.prox.detach().double()
-    base = logp_y if prox is None else prox
-    token_log_r = torch.where(trained, base - lq, 0.0)
     seqs = []
     if fed.seq_ids is not None:
         for sid in torch.unique(fed.seq_ids).tolist():
             rows = ((fed.seq_ids == sid) & trained).nonzero().reshape(-1)
             if rows.numel():
                 seqs.append(rows)
-    pairs: list[tuple[Tensor, list[float]]] = []  # (statistics, the values they jump at)
+    token_log_r = torch.where(trained, (logp_y if prox is None else prox) - lq, 0.0)
 
-    mode_jumps = ([math.log(b) for b in (corr.lower, corr.upper) if 0 < b < math.inf]
-                  if WEIGHT_MODES[corr.weights].masks_outside else [])
-    level = LEVELS[cfg.level]
+    def quantity(node, jump: Jump) -> Tensor | None:
+        """``[N]`` the statistic ``jump`` names at each token (None where the example does not define it)."""
+        if jump.quantity == "log_r":
+            return token_log_r
+        if jump.quantity == "kl":
+            return kl(torch.exp(token_log_r.clamp(-tree.max_log_ratio, tree.max_log_ratio)), jump.detail)
+        if jump.quantity == "neg_log_p_ratio":
+            return torch.where(trained, lq - logp_y, 0.0)
+        if jump.quantity == "log_u":
+            return None if prox is None else torch.where(trained, logp_y - prox, 0.0)
+        num, den = _trust_region_pair(node, logp_y, lq, prox)
+        d = torch.where(trained, num.exp() - den.exp(), 0.0)
+        if jump.quantity == "tr_diff":
+            return d
+        kl_ref = binary_kl(den, num)
+        div = {"difference": d.abs(), "binary_kl": kl_ref,
+               "binary_kl_max": torch.maximum(kl_ref, binary_kl(num, den))}[jump.detail]
+        return torch.where(trained, div, 0.0)
 
-    def token_ratio_pairs(log_r: Tensor, with_mode: bool = True) -> None:
-        # The weight function and the token-level rejection rules folded into it, at log-ratios log_r.
-        if with_mode:
-            pairs.append((log_r, mode_jumps))
-        clamped = log_r.clamp(-corr.max_log_ratio, corr.max_log_ratio)
-        for rule in corr.token_rejection_rules():
-            if rule.kind == "ratio":
-                pairs.append((log_r, [math.log(b) for b in (rule.lower, rule.upper) if b > 0]))
-            else:
-                k = kl(torch.exp(clamped), rule.estimator)
-                pairs.append((k, [t for t in _kl_band(rule) if math.isfinite(t)]))
-
-    if level.per_sequence:
-        pairs.append((torch.stack([sequence_log_ratio(token_log_r[idx], cfg.level) for idx in seqs]) if seqs
-                      else torch.zeros(0, dtype=torch.float64), mode_jumps))
-        token_ratio_pairs(token_log_r[trained], with_mode=False)
-    else:
-        token_ratio_pairs(token_log_r[trained])
-    for _, rule in corr.rejection_rules:
-        if not reg.REJECTION_KINDS[rule.kind].per_sequence(rule) or not seqs:
-            continue
-        if rule.kind == "ratio":
-            stats = torch.stack([sequence_log_ratio(token_log_r[idx], rule.level) for idx in seqs])
-            pairs.append((stats, [math.log(b) for b in (rule.lower, rule.upper) if b > 0]))
-        else:
-            stats = torch.stack([kl_statistic(
-                kl(torch.exp(token_log_r[idx].clamp(-corr.max_log_ratio, corr.max_log_ratio)), rule.estimator),
-                rule.level) for idx in seqs])
-            pairs.append((stats, [t for t in _kl_band(rule) if math.isfinite(t)]))
-    if corr.veto is not None and seqs:
-        pairs.append((torch.stack([token_log_r[idx].min() for idx in seqs]), [math.log(corr.veto)]))
-    if corr.opsm_delta is not None and seqs:
-        current = torch.where(trained, logp_y - lq, 0.0)
-        pairs.append((torch.stack([(-current[idx]).mean() for idx in seqs]), [corr.opsm_delta]))
-    if cfg.score_centering and fed.cands is not None:
+    pairs: list[tuple[Tensor, tuple[float, ...]]] = []  # (statistics, the values they jump at)
+    for node, jump in tree.jumps():
+        x = quantity(node, jump)
+        if x is not None:
+            pairs.append((_reduce(x, trained, seqs, jump.level), jump.at))
+    if tree.centering is not None and fed.cands is not None:
+        # The weight function and the token rules folded into it, at each candidate's ratio and the tail ratio.
         valid = fed.cands.ids >= 0
         lpc = lp.gather(1, fed.cands.ids.clamp_min(0))
         lqc = fed.cands.logprobs.detach().double()
-        token_ratio_pairs((lpc - lqc)[valid & torch.isfinite(lqc) & torch.isfinite(lpc)])
+        ratios = [(lpc - lqc)[valid & torch.isfinite(lqc) & torch.isfinite(lpc)]]
         if not support:
             p_h = torch.where(valid, lpc.exp(), torch.zeros_like(lpc)).sum(1)
             q_h = torch.where(valid, lqc.exp(), torch.zeros_like(lqc)).sum(1)
-            rho = (1 - q_h).clamp_min(TAIL_EPS) / (1 - p_h).clamp_min(TAIL_EPS)
-            token_ratio_pairs(-torch.log(rho))
-    if corr.ppo_clip is not None and prox is not None:
-        log_u = torch.where(trained, logp_y - prox, 0.0)
-        if corr.ppo_ratio == "gspo_token":
-            log_u = torch.stack([log_u[idx].mean() for idx in seqs]) if seqs else log_u[:0]
-        else:
-            log_u = log_u[trained]
-        lo, hi = corr.ppo_clip
-        kinks = [math.log(1 - lo), math.log(1 + hi)] if lo < 1 else [math.log(1 + hi)]
-        kinks += [math.log(c) for c in (corr.ppo_delta, corr.dual_clip) if c is not None]
-        pairs.append((log_u, kinks))
-    if corr.trust_region is not None:
-        pairs.extend(_trust_region_pairs(corr.trust_region, logp_y, lq, prox, trained, seqs))
-    kinks_of = corr.surrogate.log_u_kinks
-    if kinks_of is not None and prox is not None:
-        pairs.append((torch.where(trained, logp_y - prox, 0.0)[trained], kinks_of(corr)))
+            ratios.append(-torch.log(tail_ratio(p_h, q_h)))
+        own = [(node, j) for node, j in tree.jumps()
+               if node is tree.weighting.mode or any(node is r for r in tree.token_rules)]
+        for log_r in ratios:
+            for _, jump in own:
+                x = log_r if jump.quantity == "log_r" else kl(
+                    torch.exp(log_r.clamp(-tree.max_log_ratio, tree.max_log_ratio)), jump.detail)
+                pairs.append((x, jump.at))
     for stats, jumps in pairs:
         vals = stats.reshape(-1)
         vals = vals[torch.isfinite(vals)]
@@ -136,21 +105,20 @@ def _near_discontinuity(fed: _Fed, cfg: LossConfig) -> bool:
     return False
 
 
-def _trust_region_pairs(tr, logp_y: Tensor, lq: Tensor, prox: Tensor | None, trained: Tensor,
-                        seqs: list) -> list[tuple[Tensor, list[float]]]:
-    """``(statistic, jumps)`` of a trust region's mask (docs/spec.md#trust-region), in float64."""
+def _reduce(x: Tensor, trained: Tensor, seqs: list[Tensor], level: str) -> Tensor:
+    """``x`` on the trained tokens (``level="token"``) or reduced over each sequence's trained tokens."""
+    if level == "token":
+        return x[trained]
+    op = {"sequence": torch.sum, "sum": torch.sum, "geometric": torch.mean, "mean": torch.mean,
+          "max": torch.max, "min": torch.min}[level]
+    return torch.stack([op(x[idx]) for idx in seqs]) if seqs else x[:0]
+
+
+def _trust_region_pair(tr, logp_y: Tensor, lq: Tensor, prox: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(log p, log p_ref)`` a trust region compares (docs/spec.md#trust-region), in float64."""
     if tr.on == "update":
-        num, den = logp_y, (prox if prox is not None else lq)
-    else:
-        num, den = (prox if prox is not None else logp_y), lq
-    d = torch.where(trained, num.exp() - den.exp(), 0.0)
-    if tr.per_sequence:
-        stats = [d[idx].sum() if tr.level == "sequence" else d[idx].mean() for idx in seqs]
-        return [(torch.stack(stats) if stats else d[:0], [-tr.lower, tr.upper])]
-    kl_ref = binary_kl(den, num)
-    div = {"difference": d.abs(), "binary_kl": kl_ref,
-           "binary_kl_max": torch.maximum(kl_ref, binary_kl(num, den))}[tr.divergence]
-    return [(div[trained], [tr.lower, tr.upper]), (d[trained], [0.0])]
+        return logp_y, (prox if prox is not None else lq)
+    return (prox if prox is not None else logp_y), lq
 
 
 def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
@@ -174,7 +142,7 @@ def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
     finite = z[torch.isfinite(z)]
     x_max = max(1.0, float(finite.abs().max()) / fed.tau if finite.numel() else 0.0)
     unit = torch.finfo(cfg.dtype).eps / 2
-    ratio_inside = WEIGHT_MODES[cfg.weights].ratio_inside
+    ratio_inside = corr.tree.weighting.mode.ratio_inside
     cap = max(1.0, corr.upper if (ratio_inside and math.isfinite(corr.upper)) else 1.0)
     coef = torch.full((n,), cap, dtype=torch.float64)
     tail = torch.zeros(n, dtype=torch.float64)
@@ -189,14 +157,14 @@ def _rounding_floor(fed: _Fed, cfg: LossConfig) -> float:
             p_h = torch.where(valid, lp.gather(1, fed.cands.ids.clamp_min(0)).exp(), zero).sum(1)
             q_h = torch.where(valid, fed.cands.logprobs.detach().double().exp(), zero).sum(1)
             rest_q, rest_p = (1 - q_h).clamp_min(TAIL_EPS), (1 - p_h).clamp_min(TAIL_EPS)
-            rho = rest_q / rest_p
+            rho = tail_ratio(p_h, q_h)
             alpha = rho * weight_f(1 / rho, corr)
             k = valid.sum(1).double() + 1
             rel_rho = (4 * k * unit * (1 / rest_q + 1 / rest_p)).clamp(max=1.0)
             tail = alpha * rel_rho * (1 + 2 * x_max)
         coef = coef + 2 * cap + alpha
     per_token = fed.adv.detach().double().abs() * (16 * unit * x_max * coef + tail)
-    if fed.seq_ids is not None and LEVELS[cfg.level].per_sequence:
+    if fed.seq_ids is not None and corr.tree.weighting.level.per_sequence:
         # A sequence weight exp(sum_s log r_s) carries the log-probability errors of all L tokens of its sequence
         # (relative error L * 16 u x_max), and the loss multiplies it by |log p(y_t)|.
         lp = log_probs(z, fed.tau)
