@@ -1,0 +1,67 @@
+"""The table of corrections (docs/spec.md#correction-table) enumerates the node classes: every class a
+``CorrectionTree`` is built from has a row naming it and its module, each node's ``anchor`` resolves to an anchor of
+docs/spec.md, and each node that carries a ``source`` names one."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import offpolicy.corrections as oc
+from offpolicy.corrections.normalisation import NORMALISATION_CLASSES
+from offpolicy.corrections.rules import RULE_CLASSES
+from offpolicy.corrections.surrogates import SURROGATE_CLASSES
+from offpolicy.corrections.weighting import LEVEL_CLASSES, MODE_CLASSES
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = (ROOT / "docs" / "spec.md").read_text()
+
+NODE_CLASSES = (*MODE_CLASSES, *LEVEL_CLASSES, *RULE_CLASSES, *SURROGATE_CLASSES, *NORMALISATION_CLASSES,
+                oc.Weighting, oc.ScoreCentering, oc.TrustRegion, oc.KLPenalty, oc.CorrectionTree)
+
+
+def table_rows(text: str) -> dict[str, str]:
+    """``{node class name: module}`` of the table after the ``correction-table`` anchor."""
+    start = text.index('<a id="correction-table"></a>')
+    rows = {}
+    for line in text[start:].splitlines():
+        m = re.match(r"\| `(\w+)` \| `([\w.]+)` \|", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+        elif rows and not line.startswith("|"):
+            break
+    return rows
+
+
+def test_every_node_class_has_a_row_naming_its_module():
+    rows = table_rows(SPEC)
+    missing = [c.__name__ for c in NODE_CLASSES if c.__name__ not in rows]
+    assert not missing, f"node classes without a row in docs/spec.md#correction-table: {missing}"
+    wrong = {c.__name__: rows[c.__name__] for c in NODE_CLASSES
+             if not c.__module__.endswith("." + rows[c.__name__].removesuffix(".py"))}
+    assert not wrong, f"rows naming the wrong module: {wrong}"
+    extra = sorted(set(rows) - {c.__name__ for c in NODE_CLASSES})
+    assert not extra, f"rows naming no node class: {extra}"
+
+
+def test_every_public_node_is_exported():
+    assert {c.__name__ for c in NODE_CLASSES} <= set(oc.__all__)
+
+
+def test_anchors_resolve_and_sources_are_given():
+    anchors = set(re.findall(r'<a id="([\w-]+)"></a>', SPEC))
+    for cls in NODE_CLASSES:
+        anchor = getattr(cls, "anchor", None)
+        if cls is not oc.CorrectionTree:
+            assert anchor, f"{cls.__name__} has no spec anchor"
+        if anchor:
+            path, _, name = anchor.partition("#")
+            assert path == "docs/spec.md" and name in anchors, f"{cls.__name__}.anchor={anchor!r} does not resolve"
+        if cls not in (oc.Weighting, oc.CorrectionTree):
+            assert getattr(cls, "source", ""), f"{cls.__name__} names no published source"
+
+
+def test_a_missing_row_is_caught():
+    """The check reads the table itself: a table without a row loses that class."""
+    assert "MIS" in table_rows(SPEC)
+    assert "MIS" not in table_rows(re.sub(r"^\| `MIS` .*\n", "", SPEC, flags=re.M))
