@@ -14,7 +14,7 @@ from offpolicy.corrections.surrogates import SURROGATE_CLASSES
 from offpolicy.corrections.weighting import LEVEL_CLASSES, MODE_CLASSES
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = (ROOT / "docs" / "spec.md").read_text()
+spec_md = (ROOT / "docs" / "spec.md").read_text()
 
 NODE_CLASSES = (*MODE_CLASSES, *LEVEL_CLASSES, *RULE_CLASSES, *SURROGATE_CLASSES, *NORMALISATION_CLASSES,
                 oc.Weighting, oc.ScoreCentering, oc.TrustRegion, oc.KLPenalty, oc.CorrectionTree)
@@ -34,7 +34,7 @@ def table_rows(text: str) -> dict[str, str]:
 
 
 def test_every_node_class_has_a_row_naming_its_module():
-    rows = table_rows(SPEC)
+    rows = table_rows(spec_md)
     missing = [c.__name__ for c in NODE_CLASSES if c.__name__ not in rows]
     assert not missing, f"node classes without a row in docs/spec.md#correction-table: {missing}"
     wrong = {c.__name__: rows[c.__name__] for c in NODE_CLASSES
@@ -49,7 +49,7 @@ def test_every_public_node_is_exported():
 
 
 def test_anchors_resolve_and_sources_are_given():
-    anchors = set(re.findall(r'<a id="([\w-]+)"></a>', SPEC))
+    anchors = set(re.findall(r'<a id="([\w-]+)"></a>', spec_md))
     for cls in NODE_CLASSES:
         anchor = getattr(cls, "anchor", None)
         if cls is not oc.CorrectionTree:
@@ -63,5 +63,5 @@ def test_anchors_resolve_and_sources_are_given():
 
 def test_a_missing_row_is_caught():
     """The check reads the table itself: a table without a row loses that class."""
-    assert "MIS" in table_rows(SPEC)
-    assert "MIS" not in table_rows(re.sub(r"^\| `MIS` .*\n", "", SPEC, flags=re.M))
+    assert "MIS" in table_rows(spec_md)
+    assert "MIS" not in table_rows(re.sub(r"^\| `MIS` .*\n", "", spec_md, flags=re.M))
