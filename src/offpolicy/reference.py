@@ -239,7 +239,7 @@ def f(r: Tensor, corr: Any, token_rejection: bool = True) -> Tensor:
 def _level_per_sequence(level: str) -> bool:
     if level == "token":
         return False
-    if level in ("sequence", "geometric"):
+    if level in ("sequence", "geometric", "segment"):
         return True
     raise ValueError(f"reference: level={level!r} is not implemented here")
 
@@ -249,7 +249,8 @@ def sequence_log_ratio(log_r: Tensor, level: str) -> Tensor:
     (``"geometric"``)."""
     if level == "sequence":
         return log_r.sum()
-    if level == "geometric":
+    if level in ("geometric", "segment"):
+        # "segment": the same mean, over one turn's trained tokens instead of the whole sequence's.
         return log_r.mean()
     raise ValueError(f"reference: no per-sequence ratio for level={level!r}")
 
@@ -607,18 +608,19 @@ def reference_policy_loss(
     num_sequences: float | None = None,
     constant_normalizer: float | None = None,
     reference_logprobs: Tensor | None = None,
+    segment_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Literal float64 policy loss. Returns ``(loss, token_loss [N], weight [N])``; ``loss`` is differentiable
     with respect to ``logits`` (pass float64 logits with ``requires_grad`` for gradients).
 
     ``candidates``: anything with ``.ids [N, K]``, ``.logprobs [N, K]`` and ``.kind`` (``"head"`` | ``"support"``);
     ``correction``: a ``Correction`` or a mapping of its fields (None: plain REINFORCE); ``reference_logprobs``
-    ``[N]`` goes with ``correction.kl_penalty``."""
+    ``[N]`` goes with ``correction.kl_penalty``, ``segment_ids`` ``[N]`` with ``level="segment"``."""
     cfg = _config(correction)
     if cfg.kl_penalty is not None and reference_logprobs is None:
         raise ValueError("reference: kl_penalty needs reference_logprobs")
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, cfg, seq_ids,
-                proximal_logprobs)
+                proximal_logprobs, segment_ids)
     n, lp, logp_y, adv, mask, keep, w = st["n"], st["lp"], st["logp_y"], st["adv"], st["mask"], st["keep"], st["w"]
     if cfg.score_centering and candidates is None:
         raise ValueError("score centering needs candidates")
@@ -667,7 +669,7 @@ def reference_policy_loss(
 
 
 def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, cfg: _Config, seq_ids,
-           proximal_logprobs) -> dict:
+           proximal_logprobs, segment_ids=None) -> dict:
     """Everything before the surrogate, token by token and sequence by sequence: log-probabilities, ratios, the
     ratio the bounds act on, weights, kept sequences, the normalisation scale."""
     n, vocab = logits.shape
@@ -684,7 +686,9 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
     r_p = torch.where(mask, torch.exp(logp_y.detach() - lq), torch.ones_like(lq))
     seqs = _sequences(seq_ids, mask) if seq_ids is not None else []
     tr_per_sequence = cfg.trust_region is not None and _trust_region_per_sequence(cfg.trust_region.level)
-    if seq_ids is None and (cfg.per_sequence or _sequence_rules(cfg) or cfg.batch_normalize == "sequences"
+    if (cfg.level == "segment") != (segment_ids is not None):
+        raise ValueError("reference: level='segment' and segment_ids go together")
+    if seq_ids is None and ((cfg.per_sequence and cfg.level != "segment") or _sequence_rules(cfg) or cfg.batch_normalize == "sequences"
                             or _surrogate_name(cfg) in ("gspo_token", "vespo", "gmpo") or tr_per_sequence):
         raise ValueError("reference: this correction needs seq_ids")
 
@@ -694,7 +698,7 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
         w = f(r, cfg)
     else:
         w = torch.zeros(n, dtype=torch.float64)
-        for idx in seqs:
+        for idx in (seqs if cfg.level != "segment" else _turns(seq_ids, segment_ids, mask)):
             bounded[idx] = torch.exp(sequence_log_ratio(torch.log(r[idx]), cfg.level))
             w[idx] = f(bounded[idx][:1], cfg, token_rejection=False)[0]
         w = w * _token_keep(r, cfg)
@@ -744,6 +748,17 @@ def _centering_row(lp_row: Tensor, cands: Any, t: int, is_support: bool, cfg: _C
     return (m - alpha * p).tolist(), ids.tolist(), (float(p.sum()), float(q.sum()), rho)
 
 
+def _turns(seq_ids: Tensor | None, segment_ids: Tensor, mask: Tensor) -> list[Tensor]:
+    """Index tensors of each turn's trained tokens: the tokens sharing both a sequence id and a segment id (a
+    segment id alone without ``seq_ids``), token by token."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for t in range(mask.shape[0]):
+        if mask[t]:
+            key = (int(seq_ids[t]) if seq_ids is not None else 0, int(segment_ids[t]))
+            groups.setdefault(key, []).append(t)
+    return [torch.tensor(v, dtype=torch.int64) for v in groups.values()]
+
+
 def _sequences(seq_ids: Tensor, mask: Tensor) -> list[Tensor]:
     """Index tensors of each sequence's trained tokens (sequences without any are left out)."""
     out = []
@@ -779,6 +794,7 @@ def reference_metrics(
     num_loss_tokens: float | None = None,
     num_sequences: float | None = None,
     constant_normalizer: float | None = None,
+    segment_ids: Tensor | None = None,
 ) -> dict[str, float]:
     """Every key of docs/spec.md#metrics (those of ``policy_loss``'s ``out.metrics``, entropy included), literally,
     token by token in float64; same arguments as :func:`reference_policy_loss` plus the metric-only ones (the
@@ -787,7 +803,7 @@ def reference_metrics(
     if corr.kl_penalty is not None and reference_logprobs is None:
         raise ValueError("reference: kl_penalty needs reference_logprobs")
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
-                proximal_logprobs)
+                proximal_logprobs, segment_ids)
     mask, n = st["mask"], st["n"]
     lp = st["lp"].detach()
     ent = -torch.where(lp > -math.inf, lp.exp() * lp, torch.zeros_like(lp)).sum(1)

@@ -327,6 +327,49 @@ def test_roll_seq_importance_sampling():
            _theirs(theirs, logp, ("sample-mean", B), mask))
 
 
+def _roll_segment_mean(x, mask):
+    """Transcription of ROLL's ``compute_segment_masked_mean`` (roll/pipeline/agentic/utils.py, read from its
+    source): per row of ``[B, T]``, every maximal run of ones in the mask is one segment; each position of the run
+    gets the mean of ``x`` over the run, positions outside runs 0."""
+    out = torch.zeros_like(x)
+    for b in range(mask.shape[0]):
+        t = 0
+        while t < mask.shape[1]:
+            if not mask[b, t]:
+                t += 1
+                continue
+            end = t
+            while end < mask.shape[1] and mask[b, end]:
+                end += 1
+            out[b, t:end] = x[b, t:end].mean()
+            t = end
+    return out
+
+
+@pytest.mark.parametrize("ub", [1.3, 1e30])
+def test_roll_segment_is_weight(ub):
+    """``is_weight`` with ``weight_type="segment"`` (``ratio_segment = exp(compute_segment_masked_mean(old - infer,
+    response_mask))``, then ``clamp(0, upper_bound)``) on multi-turn rows (observation tokens split each row into
+    turns), under PPO with ``pg_clip`` and ``seq-mean-token-mean``: ``weights="tis", bounds=(0, ub),
+    level="segment"`` with ``segment_ids`` = each token's run index in its row."""
+    logp, old, roll, mask, adv = _batch(91)
+    mask = mask.clone()
+    mask[:, 2] = False  # an observation token: rows longer than 3 hold two or three turns
+    mask[:, 4] = False
+    w = _roll_segment_mean(old - roll, mask).exp().clamp(0.0, ub)
+    starts = torch.diff(mask.long(), dim=1, prepend=torch.zeros(B, 1, dtype=torch.long)) == 1
+    turn = torch.cumsum(starts.long(), dim=1)
+    assert int(turn.max()) == 3
+
+    def theirs(lp):
+        return w * _ppo(torch.exp(lp - old), adv, 0.2, 0.2), torch.ones_like(mask)
+
+    corr = op.Correction(weights="tis", bounds=(0.0, ub), level="segment", ppo_clip=(0.2, 0.2))
+    _check(_ours(logp, old, roll, mask, adv, corr, aggregation="seq_mean_token_mean",
+                 segment_ids=turn.reshape(-1)),
+           _theirs(theirs, logp, "seq-mean-token-mean", mask))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # SkyRL (NovaSky-AI/SkyRL at a956457; skyrl 0.3.0 as installed in .venv-trainers has the same code:
 # skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py, ppo_utils.py: ppo_policy_loss, reduce_loss)

@@ -8,9 +8,10 @@ from offpolicy.corrections.rules import OPSM, KLRejection, RatioRejection, Veto
 from offpolicy.corrections.surrogates import CISPO, GMPO, PPO, SAPO, VESPO, RatioSurrogate, ScoreFunction
 from offpolicy.corrections.tree import CorrectionTree, ScoreCentering
 from offpolicy.corrections.trust_region import TrustRegion
-from offpolicy.corrections.weighting import MIS, TIS, GeometricLevel, NoWeights, Reject, SequenceLevel, TokenLevel, Weighting
+from offpolicy.corrections.weighting import (MIS, TIS, GeometricLevel, NoWeights, Reject, SegmentLevel, SequenceLevel,
+                                             TokenLevel, Weighting)
 
 __all__ = ["CISPO", "GMPO", "MIS", "OPSM", "PPO", "SAPO", "TIS", "VESPO", "Correction", "CorrectionTree",
            "GeometricLevel", "KLPenalty", "KLRejection", "NoWeights", "RatioRejection", "RatioSurrogate", "Reject",
-           "ScoreCentering", "ScoreFunction", "SequenceLevel", "SequenceMean", "TokenLevel", "TokenMean",
+           "ScoreCentering", "ScoreFunction", "SegmentLevel", "SequenceLevel", "SequenceMean", "TokenLevel", "TokenMean",
            "TrustRegion", "Veto", "Weighting"]

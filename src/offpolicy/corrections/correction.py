@@ -5,8 +5,9 @@
 * ``weights`` picks ``f`` in ``w = sg(f(r))`` (docs/spec.md#weights): ``none`` (1), ``tis`` (``min(r, C)``, or
   ``clamp(r, c, C)`` two-sided), ``mis`` (``r * 1[L <= r <= U]``), or ``reject`` (``1[L <= r <= U]``, pure
   rejection sampling: the kept tokens get weight 1).
-* ``level`` picks ``r``: the token ratio, the sequence product ``exp(sum_t log r_t)`` or the geometric mean
-  ``exp(mean_t log r_t)`` (docs/spec.md#sequence-level). ``level="geometric", weights="reject"`` keeps a
+* ``level`` picks ``r``: the token ratio, the sequence product ``exp(sum_t log r_t)``, the geometric mean
+  ``exp(mean_t log r_t)`` or, ``level="segment"``, each turn's geometric mean (the ``segment_ids`` input names the
+  turns; docs/spec.md#sequence-level). ``level="geometric", weights="reject"`` keeps a
   sequence iff its geometric ratio lies in ``[L, U]``.
 * ``score_centering`` subtracts the sampler-expected weighted score at each position
   (docs/spec.md#score-centering). It is defined for token-level weights only.
@@ -39,7 +40,6 @@ in every error.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
@@ -67,7 +67,7 @@ class Correction:
         weights: ``"none" | "tis" | "mis" | "reject"``.
         bounds: ``(lower, upper)`` on the ratio. ``tis``: a float ``C`` or ``(c, C)`` for a two-sided clamp
             (default ``(0, 2)``); ``mis`` / ``reject``: ``(L, U)``, inclusive (default ``(0.5, 5)``).
-        level: ``"token" | "sequence" | "geometric"``.
+        level: ``"token" | "sequence" | "geometric" | "segment"``.
         score_centering: subtract the sampler-expected weighted score (token level only).
         veto: drop a sequence if any of its trained tokens has ``r < veto`` (e.g. ``1e-4``).
         kl_rejection: a :class:`KLRejection`, or None.

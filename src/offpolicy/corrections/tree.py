@@ -147,9 +147,14 @@ class CorrectionTree:
     @property
     def needs_sequences(self) -> bool:
         """Whether ``seq_ids`` are required."""
-        return (self.weighting.level.per_sequence or bool(self.sequence_rules) or self.surrogate.needs_sequences
+        return (self.weighting.level.needs_sequences or bool(self.sequence_rules) or self.surrogate.needs_sequences
                 or (self.normalisation is not None and self.normalisation.needs_sequences)
                 or (self.trust_region is not None and self.trust_region.per_sequence))
+
+    @property
+    def needs_segments(self) -> bool:
+        """Whether ``segment_ids`` are required (and read: per-turn weights)."""
+        return self.weighting.level.needs_segments
 
     def nodes(self) -> Iterator[object]:
         """Every node of the tree (weight mode, level, rules, surrogate, and the optional ones that are set)."""

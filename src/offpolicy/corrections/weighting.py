@@ -30,6 +30,8 @@ class TokenLevel:
 
     name: ClassVar[str] = "token"
     per_sequence: ClassVar[bool] = False
+    needs_sequences: ClassVar[bool] = False
+    needs_segments: ClassVar[bool] = False
     anchor: ClassVar[str] = "docs/spec.md#weights"
     source: ClassVar[str] = "per-token ratio r_t"
 
@@ -44,6 +46,8 @@ class SequenceLevel:
 
     name: ClassVar[str] = "sequence"
     per_sequence: ClassVar[bool] = True
+    needs_sequences: ClassVar[bool] = True
+    needs_segments: ClassVar[bool] = False
     anchor: ClassVar[str] = "docs/spec.md#sequence-level"
     source: ClassVar[str] = "Liu & Li, 'When speed kills stability' (sequence-level IS)"
 
@@ -67,8 +71,21 @@ class GeometricLevel(SequenceLevel):
         return seg.mean(log_r)
 
 
-Level = Union[TokenLevel, SequenceLevel, GeometricLevel]
-LEVEL_CLASSES: tuple[type, ...] = (TokenLevel, SequenceLevel, GeometricLevel)
+@dataclass(frozen=True)
+class SegmentLevel(GeometricLevel):
+    """Per-turn IS for multi-turn trajectories: each segment's geometric mean ``exp(mean_{t in k} log r_t)`` over
+    its trained tokens, a segment being one ``(seq_ids, segment_ids)`` pair (ROLL's ``"segment"`` granularity, a
+    masked mean per run of response tokens; needs the ``segment_ids`` input, and ``seg`` is then the segments)."""
+
+    name: ClassVar[str] = "segment"
+    needs_sequences: ClassVar[bool] = False
+    needs_segments: ClassVar[bool] = True
+    source: ClassVar[str] = ("ROLL (alibaba/ROLL, train-infer correction, weight_type / agg_type 'segment': "
+                             "compute_segment_masked_mean of the log-ratio per turn)")
+
+
+Level = Union[TokenLevel, SequenceLevel, GeometricLevel, SegmentLevel]
+LEVEL_CLASSES: tuple[type, ...] = (TokenLevel, SequenceLevel, GeometricLevel, SegmentLevel)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Weight modes: w = sg(f(r))

@@ -47,19 +47,25 @@ def _token_keep(log_r: Tensor, tree: CorrectionTree) -> Tensor | None:
     return keep
 
 
-def bounded_log_ratio(log_r: Tensor, seg: Segments | None, tree: CorrectionTree) -> Tensor:
-    """``[N]`` the log-ratio the weight function acts on at each token: the token's own, or its sequence's."""
-    return tree.weighting.level.ratio(log_r, seg)
+def _level_segments(tree: CorrectionTree, seg: Segments | None, turns: Segments | None) -> Segments | None:
+    return turns if tree.weighting.level.needs_segments else seg
 
 
-def token_weight(log_r: Tensor, seg: Segments | None, tree: CorrectionTree) -> Tensor:
+def bounded_log_ratio(log_r: Tensor, seg: Segments | None, tree: CorrectionTree,
+                      turns: Segments | None = None) -> Tensor:
+    """``[N]`` the log-ratio the weight function acts on at each token: the token's own, or its sequence's (or
+    its turn's, ``turns``: the segments of ``segment_ids``)."""
+    return tree.weighting.level.ratio(log_r, _level_segments(tree, seg, turns))
+
+
+def token_weight(log_r: Tensor, seg: Segments | None, tree: CorrectionTree, turns: Segments | None = None) -> Tensor:
     """``[N]`` ``w = f(r)`` at the ratio of the tree's level. Token-level rejection rules fold into ``f`` at the
     token level; at the sequence levels they zero the rejected tokens' weights (they bound each token's own ratio,
     not the sequence's)."""
     level = tree.weighting.level
     if not level.per_sequence:
         return weight_function(log_r, tree)
-    w = weight_function(level.ratio(log_r, seg), tree, token_rejection=False)
+    w = weight_function(level.ratio(log_r, _level_segments(tree, seg, turns)), tree, token_rejection=False)
     keep = _token_keep(log_r, tree)
     return w if keep is None else torch.where(keep, w, torch.zeros_like(w))
 

@@ -24,6 +24,7 @@ class TokenData:
         current_version: the trainer's version for staleness metrics, or None (the newest).
         reference_logprobs: ``[N]`` float ``log p_ref(y_t)`` of the reference model (``Correction.kl_penalty``),
             or None.
+        segment_ids: ``[N]`` int turn of each token within its sequence (``Correction(level="segment")``), or None.
     """
 
     sampler_logprobs: Tensor
@@ -35,6 +36,7 @@ class TokenData:
     proximal_logprobs: Tensor | None = None
     current_version: int | None = None
     reference_logprobs: Tensor | None = None
+    segment_ids: Tensor | None = None
 
 
 @dataclass(frozen=True)

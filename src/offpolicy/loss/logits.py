@@ -51,6 +51,7 @@ def policy_loss(
     cp_group=None,
     current_version: int | None = None,
     reference_logprobs: Tensor | None = None,
+    segment_ids: Tensor | None = None,
     inplace_grad: bool = False,
     backend: str | None = None,
     validate: bool = True,
@@ -92,6 +93,9 @@ def policy_loss(
         current_version: the trainer's policy version (staleness = current - version); default the newest.
         reference_logprobs: ``[N]`` float ``log p_ref(y_t)`` of the reference model, for ``correction.kl_penalty``
             (both or neither).
+        segment_ids: ``[N]`` int turn of each token within its sequence, for ``Correction(level="segment")`` (both
+            or neither; a turn is one ``(seq_ids, segment_ids)`` pair, or one ``segment_ids`` value without
+            ``seq_ids``). Not under ``cp_group``.
         inplace_grad: write the logits' gradient into ``logits`` (saves an ``[N, V]`` buffer; the logits are
             overwritten by the backward and autograd's version check is bypassed). A CSR support record's
             gradient, which no vocabulary pass produces, is a fresh buffer whatever this says.
@@ -107,7 +111,7 @@ def policy_loss(
     logits, tp_group, vocab_start = vocab_shard_of(logits, tp_group, vocab_start)
     model = ModelInputs(logits, hidden, weight, bias)
     data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
-                     current_version, reference_logprobs)
+                     current_version, reference_logprobs, segment_ids)
     agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
     par = Parallelism(tp_group, vocab_start, cp_group)
     # On CPU the checks and the O(N K) math are many small ops; each parallel region waits for all its threads,

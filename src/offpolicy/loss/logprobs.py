@@ -84,6 +84,7 @@ def policy_loss_from_logprobs(
     cp_group=None,
     current_version: int | None = None,
     reference_logprobs: Tensor | None = None,
+    segment_ids: Tensor | None = None,
     validate: bool = True,
 ) -> PolicyLossOutput:
     """Off-policy-corrected policy-gradient loss from the trainer's per-token log-probabilities.
@@ -100,7 +101,7 @@ def policy_loss_from_logprobs(
             ``candidates.ids`` (same normalisation as ``logprobs``; any finite value at ``-1`` padding); ``[nnz]``
             for a CSR record. Required with score centering and a record.
         loss_mask, correction, seq_ids, aggregation, num_loss_tokens, groups, versions, proximal_logprobs,
-            num_sequences, constant_normalizer, cp_group, current_version, reference_logprobs, validate: as in
+            num_sequences, constant_normalizer, cp_group, current_version, reference_logprobs, segment_ids, validate: as in
             :func:`offpolicy.policy_loss`.
         entropy: ``[N]`` detached entropy of the trainer's distribution, for the ``entropy`` metric (omitted from
             the metrics when None).
@@ -110,7 +111,7 @@ def policy_loss_from_logprobs(
         ``candidate_logprobs``.
     """
     data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
-                     current_version, reference_logprobs)
+                     current_version, reference_logprobs, segment_ids)
     agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
     check_flag("validate", validate)
     if validate and not torch.compiler.is_compiling():
@@ -142,6 +143,7 @@ def loss_from_logprobs(
     adv = data.advantages.to(dtype).detach()
     zero = torch.zeros_like(logp_y)
     seg = Segments.from_ids(data.seq_ids, active, cp_group) if data.seq_ids is not None else None
+    turns = _turns(data, active, cp_group) if tree.needs_segments else None
 
     # 1. Ratios: log r = log p - lq, and the ratio the weights act on (pi_prox / q under decoupled PPO).
     log_r = torch.where(active, logp_y.detach() - lq, zero)
@@ -149,7 +151,7 @@ def loss_from_logprobs(
     log_w = log_r if prox is None else torch.where(active, prox - lq, zero)
     # 2. Weights w = f(r) at the correction's level. A sampled token the trainer gives probability 0 gets weight
     # exactly 0 in every mode: its score is undefined and w log p(y) would be infinite (counted in zero_prob_frac).
-    w = token_weight(log_w, seg, tree)
+    w = token_weight(log_w, seg, tree, turns)
     impossible = active & (logp_y.detach() == float("-inf"))
     w = torch.where(impossible, zero, w)
     # 3. Rejections: sequences dropped by veto / sequence KL / OPSM.
@@ -184,7 +186,7 @@ def loss_from_logprobs(
         counted = sel if tok_rej is None else sel & ~tok_rej
         counted = counted if tr_masked is None else counted & ~tr_masked
         if tree.weighting.mode.rejects:
-            counted = counted & inside_bounds(bounded_log_ratio(log_w, seg, tree), tree)
+            counted = counted & inside_bounds(bounded_log_ratio(log_w, seg, tree, turns), tree)
         seg_counted = replace(seg, active=counted) if seg is not None else None
     loss = aggregate(token_loss, counted, agg.name, seg_counted, agg.num_loss_tokens, agg.num_sequences,
                      agg.constant_normalizer, cp_group)
@@ -197,7 +199,7 @@ def loss_from_logprobs(
         loss = loss + kl_penalty
         token_loss = token_loss + pen
     # 7. Metrics.
-    view = token_view(log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, tree), impossible=impossible,
+    view = token_view(log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, tree, turns), impossible=impossible,
                       weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, tree=tree,
                       advantages=adv)
     metrics = policy_metrics(
@@ -218,6 +220,18 @@ def loss_from_logprobs(
         metrics["ref_kl"] = torch.where(active, kl_est, zero).sum() / active.sum().clamp_min(1)
         metrics["kl_penalty"] = kl_penalty.detach()
     return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach(), view)
+
+
+def _turns(data: TokenData, active: Tensor, cp_group) -> Segments:
+    """The segments of the turns: one per ``(seq_ids, segment_ids)`` pair (``segment_ids`` alone without
+    ``seq_ids``), so that turn ``k`` of two sequences never merges."""
+    if cp_group is not None:
+        raise ValueError("Correction(level='segment') under cp_group is not supported: a turn's mean is taken over "
+                         "this rank's tokens only")
+    ids = data.segment_ids.to(torch.int64)
+    if data.seq_ids is not None and ids.numel():
+        ids = torch.unique(torch.stack([data.seq_ids.to(torch.int64), ids], 1), dim=0, return_inverse=True)[1]
+    return Segments.from_ids(ids, active)
 
 
 def _trust_region_masked(tr, logp_y: Tensor, lq: Tensor, prox: Tensor | None, adv: Tensor,

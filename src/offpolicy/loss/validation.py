@@ -88,6 +88,10 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
     if agg.name == "constant" and agg.constant_normalizer is None:
         raise ValueError("aggregation='constant' needs constant_normalizer > 0")
     tree = corr.tree
+    if tree.needs_segments != (data.segment_ids is not None):
+        raise ValueError("Correction(level='segment') and segment_ids go together: per-turn weights need each token's "
+                         f"[N] turn id, and segment_ids is read by nothing else (got level={corr.level!r}, "
+                         f"segment_ids={'None' if data.segment_ids is None else 'a tensor'})")
     if tree.needs_sequences and seq_ids is None:
         raise ValueError("this correction (sequence-level weights or a sequence rejection) needs seq_ids")
     for name, val in (("num_loss_tokens", agg.num_loss_tokens), ("num_sequences", agg.num_sequences),
@@ -115,7 +119,8 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
         if bool((ref[active] > LOGPROB_SLACK).any()):
             raise ValueError(f"reference_logprobs: value {float(ref[active].max()):.4g} > 0 on a trained token "
                              "(log-probabilities are <= 0)")
-    for name, val in (("seq_ids", seq_ids), ("groups", data.groups), ("versions", data.versions)):
+    for name, val in (("seq_ids", seq_ids), ("groups", data.groups), ("versions", data.versions),
+                      ("segment_ids", data.segment_ids)):
         if val is not None:
             check_vector(name, val, n, device, "int")
     current = data.current_version

@@ -67,7 +67,8 @@ class LossConfig:
             each batch into random sequences. Decoupled PPO, CISPO, SAPO, VESPO and GMPO need a function that takes
             a ``proximal_logprobs`` keyword (``[N]``, ``log pi_prox`` of each token; the kit draws it near the
             trainer's own log-probability); a trust region compares against it when given, else against the
-            sampler. A ``kl_penalty`` is refused: the kit feeds no reference model.
+            sampler. A ``kl_penalty`` and ``level="segment"`` are refused: the kit feeds no reference model and no
+            turn ids.
         record: the candidate record the function consumes: ``"head"``, ``"support"`` or None (no record; the
             function then receives ``candidates=None``). Score centering needs one.
         aggregation: None: the function returns the per-token loss ``[N]``. Otherwise the function returns the
@@ -124,6 +125,8 @@ class LossConfig:
             )
         if tree.kl_penalty is not None:
             raise ValueError("LossConfig(kl_penalty=...) is not supported: the kit feeds no reference_logprobs")
+        if tree.needs_segments:
+            raise ValueError("LossConfig(level='segment') is not supported: the kit feeds no segment_ids")
         if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
             raise ValueError(f"LossConfig.aggregation must be None or one of {AGGREGATIONS}, got {self.aggregation!r}")
         if (self.aggregation == "constant") != (self.constant_normalizer is not None):
