@@ -302,10 +302,6 @@ class Correction:
         head = (("kl", self.kl_rejection),) if self.kl_rejection is not None else ()
         return head + tuple((f"rule{i}", r) for i, r in enumerate(self.rejections))
 
-    def token_rejection_rules(self) -> tuple[KLRejection | RatioRejection, ...]:
-        """The rejection rules that act on each token's own ratio (folded into ``f``)."""
-        return self.tree.token_rules
-
     @property
     def sequence_rules(self) -> tuple[str, ...]:
         """Names of the rules that drop whole sequences (veto, OPSM, then the sequence-level KL / ratio
