@@ -1,5 +1,5 @@
 """CSR support records from the adapters to the loss (docs/spec.md#record-memory): slime's
-``rollout_top_p_token_ids/_offsets`` reach the loss unpadded, ``collate(csr=True)`` gives a TokenBatch with a
+``rollout_top_p_token_ids/_offsets`` reach the loss unpadded, ``collate`` gives a TokenBatch with a
 ``CSRCandidates`` record, and the Megatron loss takes one in any logits layout; each equals the padded path."""
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def test_collate_csr_multi_turn_equals_padded():
                                                 vocab_size=fake.V))
             traj.add_tokens([15, 14])
         trajs.append(traj)
-    seqs, padded = collate(trajs)
-    seqs_c, batch = collate(trajs, csr=True)
+    seqs, padded = collate(trajs, csr=False)
+    seqs_c, batch = collate(trajs)
     assert torch.equal(seqs, seqs_c) and isinstance(batch.candidates, op.CSRCandidates)
     want = op.CSRCandidates.from_padded(padded.candidates)
     assert torch.equal(batch.candidates.ids, want.ids) and torch.equal(batch.candidates.offsets, want.offsets)
