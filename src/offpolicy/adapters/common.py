@@ -5,7 +5,7 @@ A *turn* is one generation request: the context sent (token ids), the tokens the
 log-probability of each (after temperature, renormalised over the support when sampling was filtered) and
 optionally a candidate record (the record contract: docs/spec.md#records, docs/spec.md#mask-replay): a support
 record as :class:`~offpolicy.records.csr_candidates.CSRCandidates`, each token's realised support and nothing more
-(:func:`support_record`; never padded to the widest row), a head record of the top ``K`` as a padded
+(:func:`csr_record`; never padded to the widest row), a head record of the top ``K`` as a padded
 :class:`~offpolicy.records.candidates.Candidates` ``[T, K]``. A *trajectory* strings turns together
 with non-trained tokens between them (tool outputs, chat-template markers), token in, token out: the next
 request's context must be exactly the trajectory so far, or the trainer would score tokens in a context the
@@ -23,7 +23,7 @@ from numbers import Integral, Real
 import torch
 from torch import Tensor
 
-from offpolicy.records.candidates import SUPPORT_SUM_TOL, Candidates
+from offpolicy.records.candidates import SUPPORT_SUM_TOL, Candidates, Kind
 from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.records.token_batch import TokenBatch
 
@@ -294,18 +294,19 @@ def check_sampled_possible(lq: Tensor, where: str) -> None:
         raise RecordError(f"{where}: a sampled token has log-prob -inf (probability 0 under the sampler)")
 
 
-def support_record(rows: Sequence[Sequence[int]], values: Sequence[Sequence[float]]) -> CSRCandidates:
-    """The CSR support record of per-token id lists and their log-probabilities (row ``t``: ``rows[t]`` with
-    ``values[t]``, in that order): ``ids [nnz]`` int64, ``offsets [T + 1]`` int64, ``logprobs [nnz]`` fp32 with
-    ``nnz = sum_t len(rows[t])``; nothing is padded to the widest row."""
+def csr_record(rows: Sequence[Sequence[int]], values: Sequence[Sequence[float]], kind: Kind = "support",
+               device: torch.device | str | None = None) -> CSRCandidates:
+    """The CSR record (``kind``, default ``"support"``) of per-token id lists and their log-probabilities (row
+    ``t``: ``rows[t]`` with ``values[t]``, in that order): ``ids [nnz]`` int64, ``offsets [T + 1]`` int64,
+    ``logprobs [nnz]`` fp32 with ``nnz = sum_t len(rows[t])``, on ``device``; nothing is padded to the widest row."""
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
     offsets[1:] = lengths.cumsum(0)
     ids = torch.tensor([int(i) for r in rows for i in r], dtype=torch.int64)
     lps = torch.tensor([float(v) for r in values for v in r], dtype=torch.float32)
     if lps.shape != ids.shape:
-        raise RecordError(f"support record: {lps.numel()} log-probs for {ids.numel()} ids")
-    return CSRCandidates(ids, offsets, lps, "support")
+        raise RecordError(f"candidate record: {lps.numel()} log-probs for {ids.numel()} ids")
+    return CSRCandidates(ids.to(device), offsets.to(device), lps.to(device), kind)
 
 
 def entry_at(cands: CSRCandidates, ids: Tensor) -> tuple[Tensor, Tensor]:

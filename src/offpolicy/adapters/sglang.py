@@ -53,6 +53,7 @@ from offpolicy.adapters.common import (
     check_support_offsets,
     check_support_rows,
     check_temperature,
+    csr_record,
     entry_at,
     head_record,
     json_field,
@@ -60,7 +61,6 @@ from offpolicy.adapters.common import (
     json_int,
     json_list,
     json_mapping,
-    support_record,
 )
 from offpolicy.records.candidates import Candidates
 
@@ -351,7 +351,7 @@ def parse_response(
                                   "with the sampling mask")
             rows.append([_token_id(v, f"output_token_sampling_mask[{t}][{j}]") for j, v in enumerate(m)])
             vals.append([json_float(v, f"output_token_sampling_logprobs[{t}][{j}]") for j, v in enumerate(lp)])
-        cands = support_record(rows, vals)  # each token's realised support, back to back: never [T, K_max]
+        cands = csr_record(rows, vals)  # each token's realised support, back to back: never [T, K_max]
         check_logprob_values(cands.logprobs, f"{where} output_token_sampling_logprobs")
         lq = entry_at(cands, tokens)[1]
         check_support_rows(cands, tokens, lq, where)

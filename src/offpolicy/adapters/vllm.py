@@ -35,7 +35,7 @@ What vLLM returns (documented in vLLM's "Sampling Mask (Distribution Replay)" gu
 * Malformed responses (a missing or mistyped field) raise :class:`RecordError` (a ``ValueError``) naming the
   field, never ``KeyError`` / ``AttributeError`` / ``IndexError``.
 * Record layout: a support record is a :class:`~offpolicy.CSRCandidates` built from the per-token rows
-  (:func:`~offpolicy.adapters.common.support_record`: ``12`` bytes per recorded id, never a ``[T, K_max]``
+  (:func:`~offpolicy.adapters.common.csr_record`: ``12`` bytes per recorded id, never a ``[T, K_max]``
   tensor), a head record a padded ``[T, K]`` :class:`~offpolicy.Candidates`.
 
 Response shapes parsed:
@@ -71,11 +71,11 @@ from offpolicy.adapters.common import (
     check_sampled_possible,
     check_support_rows,
     check_temperature,
+    csr_record,
     head_record,
     json_float,
     json_int,
     json_list,
-    support_record,
 )
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
@@ -426,7 +426,7 @@ def _record(
     if masks is not None or filtered:
         support = _support_rows(sampled, sampled_lp, tops, masks, k, top_p, top_k, where, incomplete_support)
     if support is not None:
-        cands = support_record(*support)  # each token's realised support, back to back: never [T, K_max]
+        cands = csr_record(*support)  # each token's realised support, back to back: never [T, K_max]
         check_logprob_values(cands.logprobs, f"{where} support log-probs")
         check_support_rows(cands, tokens, lq, where)
         if vocab_size is not None:
