@@ -377,7 +377,8 @@ def test_unfiltered_sampler_records_no_support():
 
 def test_support_record_memory_at_a_real_vocabulary():
     """V = 152k (Qwen's vocabulary), a peaked sampler at top_p = 0.9: the record of one step holds K = the largest
-    realised support entries per row (12 K bytes per token), not V."""
+    realised support entries per row (12 K bytes per token), not V, and the CSR record the generation batch stores
+    holds each token's own support: 12 |S_t| + 8 bytes per token (docs/spec.md#record-memory)."""
     v, b = 151_936, 4
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(b, v, generator=g) * 0.5
@@ -394,6 +395,10 @@ def test_support_record_memory_at_a_real_vocabulary():
     assert nbytes == 12 * rec.width * b
     assert torch.equal((rec.ids >= 0).sum(-1), sizes)
     assert torch.allclose(lq, torch.log_softmax(scores, -1).gather(1, tokens[:, None])[:, 0])
+    stored = op.CSRCandidates.from_padded(rec)  # what _generate_single_turn keeps of the step
+    assert torch.equal(stored.lengths, sizes)
+    nbytes = sum(x.element_size() * x.numel() for x in (stored.ids, stored.offsets, stored.logprobs))
+    assert nbytes == 12 * int(sizes.sum()) + 8 * (b + 1) <= 12 * int(sizes.sum()) + 16 * b
 
 
 def test_rejects_options_whose_terms_the_correction_replaces():
