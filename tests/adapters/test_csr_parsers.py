@@ -197,8 +197,8 @@ def test_sglang_support_record_is_csr_of_the_realised_supports():
 
 
 def test_collated_csr_batches_give_the_padded_loss():
-    """vLLM and SGLang turns collate into one CSR record (the turns' rows back to back); the loss on it equals
-    the loss on the padded batch of the same turns."""
+    """vLLM and SGLang turns collate into one CSR record (the turns' rows back to back); the loss and gradient on
+    it equal those on the padded batch of the same turns, with every token trained and with every token masked."""
     g = torch.Generator().manual_seed(5)
     trajs = []
     for p in range(3):
@@ -221,15 +221,17 @@ def test_collated_csr_batches_give_the_padded_loss():
     logits = (logits + 0.05 * torch.randn(logits.shape, generator=g, dtype=torch.float64)).requires_grad_(True)
     adv = torch.randn(batch.tokens.shape[0], generator=g, dtype=torch.float64)
     corr = op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True)
-    outs = []
-    for b in (batch, padded):
-        leaf = logits.detach().clone().requires_grad_(True)
-        out = op.policy_loss(leaf, b.tokens, b.sampler_logprobs.double(), adv, candidates=b.candidates,
-                             loss_mask=b.loss_mask, temperature=0.9, correction=corr)
-        out.loss.backward()
-        outs.append((out.loss.detach(), leaf.grad))
-    assert abs(float(outs[0][0] - outs[1][0])) <= 1e-10
-    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-9, atol=1e-12)
+    for mask in (batch.loss_mask, torch.zeros_like(batch.loss_mask)):  # everything trained, everything masked
+        outs = []
+        for b in (batch, padded):
+            leaf = logits.detach().clone().requires_grad_(True)
+            out = op.policy_loss(leaf, b.tokens, b.sampler_logprobs.double(), adv, candidates=b.candidates,
+                                 loss_mask=mask, temperature=0.9, correction=corr)
+            out.loss.backward()
+            outs.append((out.loss.detach(), leaf.grad))
+        assert abs(float(outs[0][0] - outs[1][0])) <= 1e-10
+        torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-9, atol=1e-12)
+    assert float(outs[0][0]) == 0.0 and not bool(outs[0][1].any())
 
 
 def test_turn_to_json_writes_csr_rows_ragged_and_reads_back():
