@@ -382,3 +382,19 @@ def test_policy_loss_and_the_primitive_refuse_alike(batch, over):
     assert type(from_loss.value) is type(from_op.value)
     assert str(from_loss.value) == str(from_op.value)
     assert str(from_loss.value).startswith("logits:" if "logits" in over else "temperature:")
+
+
+@pytest.mark.parametrize(
+    "over,match",
+    [(dict(logits=torch.randn(20, 6).t()), "logits: expected unit stride"),
+     (dict(tokens=torch.zeros(6)), "tokens must be an integer"),
+     (dict(temperature=True), "temperature: expected a finite number > 0"),
+     (dict(temperature=torch.ones(5)), "temperature: expected a float or a float \\[N=6\\] tensor"),
+     (dict(logits=torch.randn(1, 20).expand(6, 20), inplace_grad=True), "inplace_grad=True .* overlap")],
+    ids=["strided", "float_tokens", "bool_temperature", "short_temperature", "overlapping_inplace"],
+)
+def test_validate_false_keeps_the_checks_without_a_host_sync(batch, over, match):
+    """``validate=False`` (and tracing) skips the value checks only: what the log-softmax reads is checked from
+    shapes, dtypes and strides, which costs no host sync (the primitives do the same with ``validate=False``)."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        _call(batch, validate=False, **over)

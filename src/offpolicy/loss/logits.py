@@ -101,8 +101,9 @@ def policy_loss(
             gradient, which no vocabulary pass produces, is a fresh buffer whatever this says.
         backend: ``"torch"``, ``"cpu"`` or ``"triton"``; default by device.
         validate: check inputs at the boundary (host syncs); skipped automatically under ``torch.compile``.
-            Without it, what the log-softmax reads (``logits`` or ``hidden`` / ``weight`` / ``bias``, the
-            temperature's type and shape, ``inplace_grad`` on overlapping rows) is still checked: no host sync.
+            Without it, what the log-softmax reads (``logits`` or ``hidden`` / ``weight`` / ``bias``, the shape
+            and dtype of ``tokens``, the temperature's type and shape, ``inplace_grad`` on overlapping rows) is still
+            checked: no host sync.
 
     Returns:
         :class:`PolicyLossOutput`.
@@ -124,7 +125,7 @@ def policy_loss(
     # are large parallel regions.
     on_cpu = isinstance(logits, Tensor) and logits.device.type == "cpu"
     with row_threads.single_intra_op() if on_cpu and eager else contextlib.nullcontext():
-        n, v, device = _check_model(model, temperature, inplace_grad, values=check)
+        n, v, device = _check_op_inputs(model, tokens, temperature, inplace_grad, values=check)
         if check:
             _validate(tokens, candidates, n=n, v=v, device=device, data=data, agg=agg, par=par, corr=correction)
         src = model.logits if model.logits is not None else model.hidden
@@ -142,7 +143,8 @@ def _log_probs(model: ModelInputs, tokens: Tensor, candidates: Candidates | CSRC
                temperature: float | Tensor, *, skip: Tensor, shard: VocabShard | None, inplace_grad: bool,
                backend: Backend, eager: bool) -> SparseLogSoftmax:
     """The trainer's log-probabilities the loss reads: the op's unchecked entry (the arguments were checked by
-    :func:`_validate`, the backend resolved by :func:`policy_loss`), or a CSR record's entries."""
+    :func:`_check_op_inputs` and :func:`_validate`, the backend resolved by :func:`policy_loss`), or a CSR
+    record's entries."""
     if isinstance(candidates, CSRCandidates):
         return csr_log_probs(model, tokens, candidates, temperature, skip, backend=backend, inplace_grad=inplace_grad,
                              shard=shard, eager=eager)
@@ -242,13 +244,13 @@ class ModelInputs:
     bias: Tensor | None
 
 
-def _check_model(model: ModelInputs, temperature: float | Tensor, inplace_grad: bool, *,
-                 values: bool) -> tuple[int, int, torch.device]:
-    """The checks of what the log-softmax reads (logits, or hidden and weight), the temperature and the in-place
-    gradient: those of the ops' boundary (:mod:`offpolicy.ops.input_checks`), which :func:`policy_loss` makes for
-    them, since it calls them unchecked. Shapes, dtypes and strides cost no host sync and always run; the
-    temperature tensor's values are read with ``values``. Returns ``(N, V, device)`` (``V`` local under
-    ``tp_group``)."""
+def _check_op_inputs(model: ModelInputs, tokens: Tensor, temperature: float | Tensor, inplace_grad: bool, *,
+                     values: bool) -> tuple[int, int, torch.device]:
+    """The checks of what the log-softmax reads (logits, or hidden and weight; the tokens; the temperature; the
+    in-place gradient), which :func:`policy_loss` makes since it calls the ops unchecked: the ops' own
+    (:mod:`offpolicy.ops.input_checks`) for the model and the temperature, so both boundaries raise alike. Shapes,
+    dtypes and strides cost no host sync and always run; the temperature tensor's values are read with ``values``.
+    Returns ``(N, V, device)`` (``V`` local under ``tp_group``)."""
     logits, hidden, weight, bias = model.logits, model.hidden, model.weight, model.bias
     if logits is not None and (hidden is not None or weight is not None):
         raise ValueError("pass either logits, or hidden and weight, not both")
@@ -262,6 +264,9 @@ def _check_model(model: ModelInputs, temperature: float | Tensor, inplace_grad: 
         input_checks.check_logits(logits)
         input_checks.check_inplace_grad(logits, inplace_grad)
         src, v = logits, logits.shape[1]
+    if tokens is None:
+        raise ValueError("tokens, sampler_logprobs and advantages are required")
+    check_vector("tokens", tokens, src.shape[0], src.device, "int")
     n = src.shape[0]
     acc = torch.float64 if src.dtype == torch.float64 else torch.float32
     input_checks.check_temperature(temperature, n, acc, values=values)
@@ -270,16 +275,13 @@ def _check_model(model: ModelInputs, temperature: float | Tensor, inplace_grad: 
 
 def _validate(tokens: Tensor, candidates: Candidates | CSRCandidates | None, *, n: int, v: int,
               device: torch.device, data: TokenData, agg: Aggregation, par: Parallelism, corr: Correction) -> None:
-    """The value checks of :func:`policy_loss`'s other arguments (host syncs; after :func:`_check_model`), made once
-    here: the ops below run unchecked. Each error names the argument."""
-    if tokens is None:
-        raise ValueError("tokens, sampler_logprobs and advantages are required")
+    """The checks of :func:`policy_loss`'s other arguments and of the values (host syncs), after
+    :func:`_check_op_inputs`, made once here: the ops below run unchecked. Each error names the argument."""
     if isinstance(par.vocab_start, bool) or not isinstance(par.vocab_start, numbers.Integral):
         raise TypeError(f"vocab_start must be an int, got {type(par.vocab_start).__name__} {par.vocab_start!r}")
     if par.tp_group is None and par.vocab_start != 0:
         raise ValueError(f"vocab_start={par.vocab_start} needs tp_group (the group the vocabulary is split over); "
                          "without it the logits hold the whole vocabulary, starting at 0")
-    check_vector("tokens", tokens, n, device, "int")
     vocab = v if par.tp_group is None else _global_vocab(par.tp_group, par.vocab_start, v, n, device)
     if n and bool((tokens < 0).any()):
         raise ValueError(f"tokens: id {int(tokens.min())} is negative")
