@@ -136,7 +136,8 @@ def policy_loss(
                         backend=chosen, eager=eager)
         if check:
             _refuse_broken_rows(model, lp, candidates, temperature, active=active, shard=shard)
-        return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data, agg, correction, cp_group)
+        return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data=data, agg=agg, corr=correction,
+                                  cp_group=cp_group)
 
 
 def _log_probs(model: ModelInputs, tokens: Tensor, candidates: Candidates | CSRCandidates | None,
@@ -170,12 +171,13 @@ def _refuse_broken_rows(model: ModelInputs, lp: SparseLogSoftmax, candidates: Ca
     broken = (torch.isnan(lp.target) | torch.isnan(lp.entropy)) & active
     if model.logits is not None and shard is None and not (csr and support):
         cand_ids = candidates.ids if candidates is not None and not csr else None
-        broken |= _overflowed(model.logits, torch.isposinf(lp.lse) & active & ~broken, cand_ids, support)
+        broken |= _overflowed(model.logits, torch.isposinf(lp.lse) & active & ~broken, cand_ids=cand_ids,
+                              support=support)
     if bool(broken.any()):
         raise ValueError(_broken_row(model, int(broken.nonzero()[0]), temperature))
 
 
-def _overflowed(logits: Tensor, no_mass: Tensor, cand_ids: Tensor | None, support: bool) -> Tensor:
+def _overflowed(logits: Tensor, no_mass: Tensor, *, cand_ids: Tensor | None, support: bool) -> Tensor:
     """``[N]`` bool: rows among ``no_mass`` (normaliser ``+inf``) that hold a finite logit where the normaliser
     reads (the row, or its support), so ``z / tau`` overflowed. A row of ``-inf`` logits has no mass either and is
     allowed (``p(y) = 0``). Only the flagged rows are read."""
@@ -191,7 +193,7 @@ def _overflowed(logits: Tensor, no_mass: Tensor, cand_ids: Tensor | None, suppor
     return out
 
 
-def _broken_row(model: ModelInputs, row: int, temperature) -> str:
+def _broken_row(model: ModelInputs, row: int, temperature: float | Tensor) -> str:
     """The error for a trained row with no distribution: which of NaN, ``+inf`` or an overflow of ``z / tau`` it
     holds (read from that one row: the error path only)."""
     trained = "a trained token (loss_mask is True there)"
@@ -208,7 +210,7 @@ def _broken_row(model: ModelInputs, row: int, temperature) -> str:
             "temperature or scale the logits down")
 
 
-def _global_vocab(group, vocab_start: int, v_local: int, n: int, device) -> int:
+def _global_vocab(group, *, vocab_start: int, v_local: int, n: int, device: torch.device) -> int:
     """Size of the vocabulary split over ``group``, checking that the shards tile ``[0, V)`` and agree on ``N``.
 
     One all-gather of three integers per rank.
@@ -282,7 +284,8 @@ def _validate(tokens: Tensor, candidates: Candidates | CSRCandidates | None, *, 
     if par.tp_group is None and par.vocab_start != 0:
         raise ValueError(f"vocab_start={par.vocab_start} needs tp_group (the group the vocabulary is split over); "
                          "without it the logits hold the whole vocabulary, starting at 0")
-    vocab = v if par.tp_group is None else _global_vocab(par.tp_group, par.vocab_start, v, n, device)
+    vocab = v if par.tp_group is None else _global_vocab(par.tp_group, vocab_start=par.vocab_start, v_local=v, n=n,
+                                                                 device=device)
     if n and bool((tokens < 0).any()):
         raise ValueError(f"tokens: id {int(tokens.min())} is negative")
     if n and vocab is not None and bool((tokens >= vocab).any()):
