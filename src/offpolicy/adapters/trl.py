@@ -95,6 +95,7 @@ from offpolicy.adapters.trl_compat import VLLM_DEFAULT_MAX_LOGPROBS, check_trl_a
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.csr_logprobs import csr_log_probs
 from offpolicy.loss.logits import ModelInputs, policy_loss
+from offpolicy.ops import backend_registry
 from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax
 from offpolicy.records.candidates import Candidates
 from offpolicy.records.csr_candidates import CSRCandidates
@@ -632,7 +633,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         with torch.no_grad(), torch.autocast(device_type=hidden.device.type, enabled=False):
             if cands is not None:
                 model = ModelInputs(None, hidden.detach(), head.weight.detach(), bias)
-                lp = csr_log_probs(model, flat["tokens"], cands, self.temperature, ~mask, None)
+                lp = csr_log_probs(model, flat["tokens"], cands, self.temperature, ~mask,
+                                   backend=backend_registry.choose(None, hidden.device, hidden.dtype))
             else:
                 lp = linear_sparse_log_softmax(hidden.detach(), head.weight.detach(), flat["tokens"], None,
                                                self.temperature, bias=bias, skip=~mask)
