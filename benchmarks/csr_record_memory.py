@@ -23,42 +23,14 @@ import platform
 import statistics
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import offpolicy as op
+from offpolicy.testing.memory import LiveBytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages created by ops while the mode is on."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
-
-    def _free(self, key):
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                s = t.untyped_storage()
-                key = s.data_ptr()
-                if key and key not in seen and key not in self.live:
-                    self.live[key] = s.nbytes()
-                    self.now += s.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(s, self._free, key)
-        return out
 
 
 def batch(kind: str, n: int = 64, v: int = 151_936, seed: int = 81):

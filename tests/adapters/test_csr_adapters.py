@@ -1,5 +1,5 @@
 """CSR support records from the adapters to the loss (docs/spec.md#record-memory): slime's
-``rollout_top_p_token_ids/_offsets`` reach the loss unpadded, ``collate(csr=True)`` gives a TokenBatch with a
+``rollout_top_p_token_ids/_offsets`` reach the loss unpadded, ``collate`` gives a TokenBatch with a
 ``CSRCandidates`` record, and the Megatron loss takes one in any logits layout; each equals the padded path."""
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def test_collate_csr_multi_turn_equals_padded():
                                                 vocab_size=fake.V))
             traj.add_tokens([15, 14])
         trajs.append(traj)
-    seqs, padded = collate(trajs)
-    seqs_c, batch = collate(trajs, csr=True)
+    seqs, padded = collate(trajs, csr=False)
+    seqs_c, batch = collate(trajs)
     assert torch.equal(seqs, seqs_c) and isinstance(batch.candidates, op.CSRCandidates)
     want = op.CSRCandidates.from_padded(padded.candidates)
     assert torch.equal(batch.candidates.ids, want.ids) and torch.equal(batch.candidates.offsets, want.offsets)
@@ -127,22 +127,26 @@ def test_collate_csr_multi_turn_equals_padded():
     assert abs(float(outs[0].loss) - float(outs[1].loss)) <= 1e-6
 
 
-def test_trl_support_records_reach_the_loss_as_csr():
+def test_trl_records_reach_the_loss_as_one_csr_record():
     pytest.importorskip("trl")
     from types import SimpleNamespace
 
-    from offpolicy.adapters.trl import IDS_KEY, LOGPROBS_KEY, OffPolicyGRPOTrainer
+    from offpolicy.adapters.trl import CANDIDATES_KEY, OffPolicyGRPOTrainer
 
-    ids = torch.tensor([[[3, 5, -1], [7, -1, -1]], [[1, 2, 4], [-1, -1, -1]]])
-    lq = torch.where(ids >= 0, torch.tensor(-1.0986), torch.tensor(float("-inf")))
+    third = torch.tensor(-1.0986)
+    recs = [op.CSRCandidates(torch.tensor([3, 5, 7]), torch.tensor([0, 2, 3]), third.expand(3), "support"),
+            op.CSRCandidates(torch.tensor([1, 2, 4]), torch.tensor([0, 3]), third.expand(3), "support")]
     inputs = {"completion_ids": torch.tensor([[3, 7], [2, 0]]), "completion_mask": torch.tensor([[1, 1], [1, 0]]),
-              IDS_KEY: ids, LOGPROBS_KEY: lq}
+              CANDIDATES_KEY: recs}
     flat = OffPolicyGRPOTrainer._flat_inputs(SimpleNamespace(offpolicy_record="support"), inputs)
     rec = flat["candidates"]
     assert isinstance(rec, op.CSRCandidates) and rec.kind == "support"
+    # the second completion has one token: its second position is an empty row
     assert rec.ids.tolist() == [3, 5, 7, 1, 2, 4] and rec.offsets.tolist() == [0, 2, 3, 6, 6]
-    head = OffPolicyGRPOTrainer._flat_inputs(SimpleNamespace(offpolicy_record="head"), inputs)["candidates"]
-    assert isinstance(head, op.Candidates) and head.ids.shape == (4, 3)
+    with pytest.raises(RuntimeError, match="do not match the micro-batch's \\[2, 1\\] completions"):
+        OffPolicyGRPOTrainer._flat_inputs(SimpleNamespace(offpolicy_record="support"),
+                                          {**inputs, "completion_ids": inputs["completion_ids"][:, :1],
+                                           "completion_mask": inputs["completion_mask"][:, :1]})
 
 
 def test_reference_sampler_flattens_to_csr():
@@ -163,7 +167,9 @@ def test_reference_sampler_flattens_to_csr():
     assert torch.equal(back.ids, padded.candidates.ids.masked_fill(~padded.candidates.valid, -1))
 
 
-def test_trl_proximal_logprobs_on_a_csr_support_equal_the_padded_ones():
+def test_trl_proximal_logprobs_on_a_csr_record_equal_the_float64_ones():
+    """The proximal log-probs at generation read the CSR record: support-normalised for a support record, over
+    the vocabulary for a head record, 0 on untrained tokens; against a float64 recompute."""
     pytest.importorskip("trl")
     from types import SimpleNamespace
 
@@ -176,11 +182,16 @@ def test_trl_proximal_logprobs_on_a_csr_support_equal_the_padded_ones():
     for t, k in enumerate([1, 4, 2, 3, 1, 2]):
         ids[t, :k] = torch.randperm(v, generator=gen)[:k]
     tokens = ids[:, 0].clone()
-    pad = op.Candidates(ids, torch.where(ids >= 0, -0.5, float("-inf")), "support")
     mask = torch.tensor([True, True, False, True, True, True])
-    me = SimpleNamespace(temperature=0.7, offpolicy_record="support")
-    got = [OffPolicyGRPOTrainer._sampled_logprobs(me, hidden, head, {"candidates": c, "loss_mask": mask,
-                                                                      "tokens": tokens})
-           for c in (op.CSRCandidates.from_padded(pad), pad)]
-    torch.testing.assert_close(got[0], got[1], rtol=1e-6, atol=1e-6)
-    assert float(got[0][2]) == 0.0
+    z = (hidden.double() @ head.weight.detach().double().T) / 0.7
+    for kind in ("support", "head"):
+        rec = op.CSRCandidates.from_padded(op.Candidates(ids, torch.where(ids >= 0, -3.5, float("-inf")), kind))
+        me = SimpleNamespace(temperature=0.7, offpolicy_record=kind)
+        got = OffPolicyGRPOTrainer._sampled_logprobs(me, hidden, head, {"candidates": rec, "loss_mask": mask,
+                                                                        "tokens": tokens})
+        inside = torch.zeros(n, v + 1, dtype=torch.bool).scatter(1, torch.where(ids >= 0, ids, v), True)[:, :v]
+        zz = z.masked_fill(~inside, float("-inf")) if kind == "support" else z
+        want = torch.log_softmax(zz, -1).gather(1, tokens[:, None])[:, 0]
+        torch.testing.assert_close(got.double(), torch.where(mask, want, torch.zeros_like(want)), rtol=1e-6,
+                                   atol=1e-6)
+        assert float(got[2]) == 0.0

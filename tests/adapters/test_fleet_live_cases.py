@@ -62,13 +62,14 @@ def served_model(fleet, version: int, weight_format: str) -> torch.nn.Module:
 def record_error(model, turn, context: list[int]) -> float:
     """Largest |recorded - recomputed| log-prob over a turn's sampled tokens and support rows."""
     rec, worst = turn.record, 0.0
+    cands = rec.candidates.to_padded()  # the support record is CSR
     for t, (lp, keep) in enumerate(expected(model, context, rec.tokens.tolist(), rec.temperature, rec.top_p,
                                             rec.top_k)):
-        row = rec.candidates.ids[t]
+        row = cands.ids[t]
         ids = row[row >= 0]
         if set(ids.tolist()) != set(keep.nonzero().flatten().tolist()):
             return float("inf")
-        worst = max(worst, float((rec.candidates.logprobs[t][row >= 0].double() - lp[ids]).abs().max()),
+        worst = max(worst, float((cands.logprobs[t][row >= 0].double() - lp[ids]).abs().max()),
                     abs(float(rec.sampler_logprobs[t]) - float(lp[rec.tokens[t]])))
     return worst
 

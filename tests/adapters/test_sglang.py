@@ -107,9 +107,9 @@ def test_parse_support_fixture_with_weight_version_spans():
     assert rec.kind == "support" and rec.versions == ("6", "6", "6", "7", "7", "7")
     _, renorm, supports = true_record(req["input_ids"], resp["output_ids"], 0.7, 0.9, 8)
     assert torch.allclose(rec.sampler_logprobs.double(), renorm, atol=1e-5)
-    for t, s in enumerate(supports):
-        row = rec.candidates.ids[t]
-        assert set(row[row >= 0].tolist()) == s
+    c = rec.candidates
+    assert isinstance(c, op.CSRCandidates) and c.lengths.tolist() == [len(s) for s in supports]
+    assert [set(r.tolist()) for r in c.ids.split(c.lengths.tolist())] == supports
     rec.candidates.validate(fake.V, len(rec), rec.tokens)
     assert rec.top_p == 0.9 and rec.top_k == 8 and rec.temperature == 0.7
 
@@ -236,7 +236,8 @@ def test_multi_turn_trajectory_collate_and_policy_loss():
             traj.add_turn(sglang.parse_response(resp, body, vocab_size=fake.V))
             traj.add_tokens([15, 14])  # tool output, not trained
         trajs.append(traj)
-    seqs, batch = collate(trajs)
+    seqs, batch = collate(trajs, csr=False)
+    assert isinstance(collate(trajs)[1].candidates, op.CSRCandidates)  # the adapters' support records stay CSR
     assert seqs.shape == (2, 3 + 2 * 6) and batch.tokens.shape == (16,)
     assert batch.versions.tolist() == [3] * 4 + [4] * 4 + [3] * 4 + [4] * 4
     assert bool(batch.loss_mask.all()) and batch.candidates.kind == "support"

@@ -24,7 +24,7 @@ except ImportError as exc:
 import offpolicy as op
 from offpolicy.adapters.guard import GuardWarning
 from offpolicy.adapters import trl as trl_adapter
-from offpolicy.adapters.trl import (IDS_KEY, LOGPROBS_KEY, PROXIMAL_KEY, OffPolicyGRPOTrainer, records_from_scores,
+from offpolicy.adapters.trl import (CANDIDATES_KEY, PROXIMAL_KEY, OffPolicyGRPOTrainer, records_from_scores,
                                     resolve_correction)
 from offpolicy.reference import reference_policy_loss
 
@@ -105,10 +105,32 @@ def _train(correction, record, *, top_p=0.9, loss_type="dapo", steps=2, max_len=
     return trainer, before
 
 
+def _record_rows(x):
+    """A micro-batch's recorded ``(ids, log-probs)`` per token, ``B T`` rows (empty past each completion), read by
+    hand from the per-completion CSR records of the generation batch."""
+    t = x["completion_ids"].shape[1]
+    rows = []
+    for r in x[CANDIDATES_KEY]:
+        assert isinstance(r, op.CSRCandidates) and r.num_rows <= t
+        off = r.offsets.tolist()
+        rows += [(r.ids[off[i]:off[i + 1]], r.logprobs[off[i]:off[i + 1]]) for i in range(r.num_rows)]
+        rows += [(r.ids[:0], r.logprobs[:0])] * (t - r.num_rows)
+    return rows
+
+
+def _pad_rows(rows, width):
+    """``(ids [n, width] -1 padded, log-probs [n, width] float64 -inf padded)`` of per-token rows."""
+    ids = torch.full((len(rows), width), -1, dtype=torch.long)
+    lps = torch.full((len(rows), width), float("-inf"), dtype=torch.float64)
+    for i, (a, v) in enumerate(rows):
+        ids[i, :len(a)], lps[i, :len(v)] = a, v.double()
+    return ids, lps
+
+
 def _reference(seen, correction, record, aggregation, temperature=0.9, proximal=None):
     """float64 loss of one accumulation window (the micro-batches concatenated) by offpolicy.reference;
     ``proximal``: one ``[B, T]`` tensor of log pi_prox per micro-batch (decoupled PPO)."""
-    logits, tokens, lq, adv, mask, seq, ids, clq = [], [], [], [], [], [], [], []
+    logits, tokens, lq, adv, mask, seq, ids = [], [], [], [], [], [], []
     offset = 0
     for s in seen:
         x = s["inputs"]
@@ -121,10 +143,9 @@ def _reference(seen, correction, record, aggregation, temperature=0.9, proximal=
         seq.append((offset + torch.arange(b))[:, None].expand(b, t).reshape(-1))
         offset += b
         if record != "logprobs":
-            ids.append(x[IDS_KEY].reshape(b * t, -1))
-            clq.append(x[LOGPROBS_KEY].reshape(b * t, -1))
+            ids += _record_rows(x)
     m = torch.cat(mask)
-    cands = op.Candidates(torch.cat(ids), torch.cat(clq).double(), kind=record) if ids else None
+    cands = op.Candidates(*_pad_rows(ids, max(len(a) for a, _ in ids)), kind=record) if ids else None
     lqs = torch.where(m, torch.cat(lq).double(), torch.zeros_like(m, dtype=torch.float64))
     prox = None
     if proximal is not None:
@@ -152,6 +173,21 @@ def test_support_replay_trains_through_offpolicy(support_run):
     assert max(h["offpolicy/abs_log_ratio_max"] for h in logs) < 1e-5
     changed = [k for k, v in trainer.model.named_parameters() if not torch.equal(v.detach(), before[k])]
     assert "lm_head.weight" in changed and len(changed) > 10
+
+
+def test_support_records_are_csr_in_the_trained_micro_batches(support_run):
+    """After TRL's shuffle and split each micro-batch carries its completions' CSR records: one row per completion
+    token, non-empty exactly on completion tokens, filtered (fewer ids than the vocabulary), no ``[B, T, K]``."""
+    _, trainer, _ = support_run
+    for s in trainer.seen:
+        x = s["inputs"]
+        assert not any(isinstance(v, torch.Tensor) and v.dim() >= 3 for v in x.values())
+        recs = x[CANDIDATES_KEY]
+        assert len(recs) == x["completion_ids"].shape[0]
+        for r, m in zip(recs, x["completion_mask"].bool()):
+            assert isinstance(r, op.CSRCandidates) and r.kind == "support" and r.num_rows == int(m.sum())
+            assert r.nnz == int(r.lengths.sum()) and bool((r.lengths > 0).all())
+            assert int(r.lengths.max()) < len(WORDS)
 
 
 def test_support_loss_equals_float64_reference_over_accumulation_window(support_run):
@@ -272,7 +308,8 @@ def test_head_record_with_score_centering_matches_reference():
     corr = op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True)
     trainer, _ = _train(corr, "head", top_p=1.0, steps=1)
     window = trainer.seen[:2]
-    assert window[0]["inputs"][IDS_KEY].shape[-1] == 20
+    recs = window[0]["inputs"][CANDIDATES_KEY]  # every head row holds the top head_k = 20, stored in CSR
+    assert all(isinstance(r, op.CSRCandidates) and bool((r.lengths == 20).all()) for r in recs)
     got = sum(float(s["loss"]) for s in window)
     ref = float(_reference(window, corr, "head", "token_mean"))
     assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (got, ref)
@@ -326,7 +363,7 @@ def test_unfiltered_sampler_records_no_support():
     trainer, _ = _train(corr, "support", top_p=1.0, steps=1)
     assert trainer.offpolicy_record == "logprobs"
     window = trainer.seen[:2]
-    assert all(IDS_KEY not in s["inputs"] and LOGPROBS_KEY not in s["inputs"] for s in window)
+    assert all(CANDIDATES_KEY not in s["inputs"] for s in window)
     assert trainer.guard_warnings == []
     got = sum(float(s["loss"]) for s in window)
     ref = float(_reference(window, corr, "logprobs", "token_mean"))
@@ -340,7 +377,8 @@ def test_unfiltered_sampler_records_no_support():
 
 def test_support_record_memory_at_a_real_vocabulary():
     """V = 152k (Qwen's vocabulary), a peaked sampler at top_p = 0.9: the record of one step holds K = the largest
-    realised support entries per row (12 K bytes per token), not V."""
+    realised support entries per row (12 K bytes per token), not V, and the CSR record the generation batch stores
+    holds each token's own support: 12 |S_t| + 8 bytes per token (docs/spec.md#record-memory)."""
     v, b = 151_936, 4
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(b, v, generator=g) * 0.5
@@ -357,6 +395,10 @@ def test_support_record_memory_at_a_real_vocabulary():
     assert nbytes == 12 * rec.width * b
     assert torch.equal((rec.ids >= 0).sum(-1), sizes)
     assert torch.allclose(lq, torch.log_softmax(scores, -1).gather(1, tokens[:, None])[:, 0])
+    stored = op.CSRCandidates.from_padded(rec)  # what _generate_single_turn keeps of the step
+    assert torch.equal(stored.lengths, sizes)
+    nbytes = sum(x.element_size() * x.numel() for x in (stored.ids, stored.offsets, stored.logprobs))
+    assert nbytes == 12 * int(sizes.sum()) + 8 * (b + 1) <= 12 * int(sizes.sum()) + 16 * b
 
 
 def test_rejects_options_whose_terms_the_correction_replaces():
@@ -383,9 +425,10 @@ def _generation_logprobs(trainer, s, support, temperature=0.9):
                   attention_mask=torch.cat([x["prompt_mask"], x["completion_mask"]], 1)).logits[:, -t - 1:-1]
     z = z.double() / temperature
     if support:
-        cand = x[IDS_KEY]
-        inside = torch.zeros(z.shape, dtype=torch.long).scatter_add_(2, cand.clamp(min=0), (cand >= 0).long()) > 0
-        z = z.masked_fill(~inside, float("-inf"))
+        inside = torch.zeros(z.shape[0] * t, z.shape[2], dtype=torch.bool)
+        for i, (a, _) in enumerate(_record_rows(x)):
+            inside[i, a] = True
+        z = z.masked_fill(~inside.view(z.shape), float("-inf"))
     lp = torch.log_softmax(z, -1).gather(2, x["completion_ids"][..., None])[..., 0]
     return torch.where(x["completion_mask"].bool(), lp, torch.zeros_like(lp))
 
@@ -560,25 +603,36 @@ def test_completion_and_records_end_where_trls_completion_ends(record):
     theirs, _ = trl.GRPOTrainer._generate_single_turn(trainer, prompts, None, {}, 4)
     assert ours == theirs == [FIXED[b, :n].tolist() for b, n in enumerate(LENGTHS)]
     for b, n in enumerate(LENGTHS):
-        assert len(lqs[b]) == n and records[b][0].shape[0] == n and records[b][1].shape[0] == n
+        assert len(lqs[b]) == n and isinstance(records[b], op.CSRCandidates) and records[b].num_rows == n
+        off = records[b].offsets.tolist()
         for t in range(n):
             want = torch.log_softmax(scores[t][b].double(), -1)[FIXED[b, t]]
             assert lqs[b][t] == pytest.approx(float(want), abs=1e-5)
-            ids = records[b][0][t]
+            ids = records[b].ids[off[t]:off[t + 1]]
             assert int(FIXED[b, t]) in ids.tolist() or record == "head"
             if record == "support":
-                assert set(ids[ids >= 0].tolist()) == set(torch.isfinite(scores[t][b]).nonzero().flatten().tolist())
+                assert sorted(ids.tolist()) == torch.isfinite(scores[t][b]).nonzero().flatten().tolist()
 
 
 def test_generation_batch_records_cover_the_completion_mask_exactly():
-    """Through TRL's ``_generate_and_score_completions``: the ``[B, T, K]`` records hold a real row exactly where
-    TRL's ``completion_mask`` is 1 (EOS included), and ``sampling_per_token_logps`` carries the step's ``lq``."""
+    """Through TRL's ``_generate_and_score_completions``: the per-completion CSR records hold a non-empty row exactly
+    where TRL's ``completion_mask`` is 1 (EOS included), ``sampling_per_token_logps`` carries the step's ``lq``, and
+    no dense support tensor exists: the batch holds no ``[B, T, K]`` tensor and the records' ``nnz`` is the sum of
+    the realised supports (the finite post-warper scores of each completion's steps)."""
     trainer, scores = _boundary_trainer("support")
     trainer.model.train()
     out = trainer._generate_and_score_completions([{"prompt": "w0 w1"}] * 4)
     mask = out["completion_mask"].bool()
     assert mask.sum(1).tolist() == LENGTHS
-    assert torch.equal((out[IDS_KEY] >= 0).any(-1), mask)
+    has = torch.tensor([[len(a) > 0 for a, _ in _record_rows(out)[b * mask.shape[1]:(b + 1) * mask.shape[1]]]
+                        for b in range(mask.shape[0])])
+    assert torch.equal(has, mask)
+    recs = out[CANDIDATES_KEY]
+    assert isinstance(recs, list) and all(isinstance(r, op.CSRCandidates) for r in recs)
+    assert not any(isinstance(v, torch.Tensor) and v.dim() >= 3 for v in out.values())
+    realised = [sum(int(torch.isfinite(scores[t][b]).sum()) for t in range(n)) for b, n in enumerate(LENGTHS)]
+    assert [r.nnz for r in recs] == realised
+    assert [r.ids.untyped_storage().nbytes() for r in recs] == [8 * k for k in realised]  # not views of a padded one
     for b, n in enumerate(LENGTHS):
         want = [float(torch.log_softmax(scores[t][b], -1)[FIXED[b, t]]) for t in range(n)]
         assert out["sampling_per_token_logps"][b, :n].tolist() == pytest.approx(want, abs=1e-5)

@@ -8,11 +8,19 @@ import math
 import pytest
 import torch
 
+import offpolicy as op
 from offpolicy.adapters import RecordError, Trajectory, check_calibration, collate
 from offpolicy.adapters import vllm
 from offpolicy.fleet.sampler import support_mask
 
 from support.engine_fixtures import fake, load
+
+
+def rows(rec):
+    """Each token's recorded support ids (a CSR record's rows)."""
+    c = rec.candidates
+    assert isinstance(c, op.CSRCandidates)
+    return [r.tolist() for r in c.ids.split(c.lengths.tolist())]
 
 
 def processed(context, tokens, temperature, top_p=1.0, top_k=None):
@@ -62,8 +70,7 @@ def test_parse_generate_support_fixture():
     # float64 recompute of vLLM's fp32 processed log-probs
     assert torch.allclose(rec.sampler_logprobs.double(), truth, atol=1e-5)
     for t, s in enumerate(supports):
-        row = rec.candidates.ids[t]
-        assert set(row[row >= 0].tolist()) == s == set(resp["choices"][0]["sampling_mask"][t])
+        assert set(rows(rec)[t]) == s == set(resp["choices"][0]["sampling_mask"][t])
     rec.candidates.validate(fake.V, len(rec), rec.tokens)
     assert rec.versions is None and rec.finish_reason == "length"
 
@@ -128,7 +135,7 @@ def test_missing_support_logprobs_and_missing_mask_detected():
                              support_source="mask")
     full = fake.vllm_generate(req, torch.Generator().manual_seed(0), mask=False)
     rec = vllm.parse_generate_response(full, req)
-    assert rec.kind == "support" and (rec.candidates.ids >= 0).sum(1).tolist() == [3] * len(rec)
+    assert rec.kind == "support" and rec.candidates.lengths.tolist() == [3] * len(rec)
     assert all(-9999.0 not in [e["logprob"] for e in c["top_logprobs"]] for c in full["choices"][0]["logprobs"]["content"])
     # top-p supports cut at logprobs = 2: rows short of the whole mass cannot be proven complete
     req = vllm.build_request([2, 7], max_tokens=5, temperature=0.8, top_p=0.99, record="support")
@@ -183,7 +190,6 @@ def test_head_calibration_and_multi_turn():
     # raw_logprobs recorded for a T = 0.6 sampler but declared processed: caught only statistically
     recs = [vllm.parse_generate_response(fake.vllm_generate(b, g, logprobs_mode="raw_logprobs", mask=False), b)
             for b in bodies]
-    import offpolicy as op
     cands = op.Candidates(torch.cat([r.candidates.ids for r in recs]),
                           torch.cat([r.candidates.logprobs for r in recs]), "head")
     with pytest.raises(RecordError, match="miscalibrated"):
@@ -209,9 +215,7 @@ def test_support_from_complete_processed_logprobs(top_p, top_k):
     truth, supports = processed(req["token_ids"], rec.tokens.tolist(), 0.7, top_p, top_k)
     assert rec.kind == "support"
     assert torch.allclose(rec.sampler_logprobs.double(), truth, atol=1e-5)
-    for t, s in enumerate(supports):
-        row = rec.candidates.ids[t]
-        assert set(row[row >= 0].tolist()) == s
+    assert [set(r) for r in rows(rec)] == supports
 
 
 def test_completions_support_without_mask_and_clamp():
@@ -222,7 +226,7 @@ def test_completions_support_without_mask_and_clamp():
     rec = vllm.parse_completion_response(cresp, creq, vocab_size=fake.V)
     truth, supports = processed(creq["prompt"], rec.tokens.tolist(), 0.7, 0.9, 5)
     assert torch.allclose(rec.sampler_logprobs.double(), truth, atol=1e-5)
-    assert [set(r[r >= 0].tolist()) for r in rec.candidates.ids] == supports
+    assert [set(r) for r in rows(rec)] == supports
     assert any(v == -9999.0 for d in cresp["choices"][0]["logprobs"]["top_logprobs"] for v in d.values())
 
 
@@ -365,9 +369,10 @@ def test_captured_live_responses():
     req, resp = load("vllm_live_completions_support_request.json"), load("vllm_live_completions_support_response.json")
     rec = vllm.parse_completion_response(resp, req, vocab_size=512)
     assert rec.kind == "support" and len(rec) == req["max_tokens"]
-    sums = torch.exp(rec.candidates.logprobs.double()).sum(1)
+    c = rec.candidates
+    sums = torch.zeros(len(rec), dtype=torch.float64).index_add_(0, c.row_index(), torch.exp(c.logprobs.double()))
     assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5)
-    assert (rec.candidates.ids >= 0).sum(1).max() <= req["top_k"]
+    assert int(c.lengths.max()) <= req["top_k"]
     tops = resp["choices"][0]["logprobs"]["top_logprobs"]
     assert all(-9999.0 in d.values() for d in tops)  # each row proves its support complete
     req, resp = load("vllm_live_completions_head_request.json"), load("vllm_live_completions_head_response.json")

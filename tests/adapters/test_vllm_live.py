@@ -256,11 +256,13 @@ def test_server_support_records_from_processed_logprobs(engines, top_p, top_k):
         body = completion_body(p, **sp)
         rec = vllm.parse_completion_response(engines.complete(body), body, vocab_size=V)
         assert rec.kind == "support"
-        for t, (lp, keep) in enumerate(expected(engines.model, p, rec.tokens.tolist(), 0.7, top_p, top_k)):
-            row = rec.candidates.ids[t]
-            ids = row[row >= 0]
+        assert isinstance(rec.candidates, op.CSRCandidates)  # each token's own support, unpadded
+        sizes = rec.candidates.lengths.tolist()
+        rows = zip(rec.candidates.ids.split(sizes), rec.candidates.logprobs.split(sizes))
+        for t, ((lp, keep), (ids, got)) in enumerate(zip(expected(engines.model, p, rec.tokens.tolist(), 0.7, top_p,
+                                                                  top_k), rows)):
             assert set(ids.tolist()) == set(keep.nonzero().flatten().tolist())
-            got = rec.candidates.logprobs[t][row >= 0].double()
+            got = got.double()
             worst = max(worst, float((got - lp[ids]).abs().max()),
                         abs(float(rec.sampler_logprobs[t]) - float(lp[rec.tokens[t]])))
     report(f"server support top_p={top_p} top_k={top_k} max |lq - recomputed|", worst)
@@ -337,7 +339,9 @@ def test_policy_loss_on_live_records_matches_reference(engines, kind):
         body = completion_body(traj.input_ids, **sp)
         traj.add_turn(vllm.parse_completion_response(engines.complete(body), body, vocab_size=V), version=3)
         trajs.append(traj)
-    seqs, batch = collate(trajs)
+    seqs, batch = collate(trajs)  # a support record stays CSR; the oracle reads the padded one
+    padded = collate(trajs, csr=False)[1].candidates
+    assert kind == "head" or isinstance(batch.candidates, op.CSRCandidates)
     trainer = fake_quantize_module(engines.model, "fp8")
     with torch.no_grad():
         logits = batch.gather(trainer(seqs).logits.float())
@@ -349,7 +353,7 @@ def test_policy_loss_on_live_records_matches_reference(engines, kind):
     got = op.policy_loss(z, batch.tokens, batch.sampler_logprobs, adv, candidates=batch.candidates,
                          temperature=0.8, correction=corr, seq_ids=batch.seq_ids)
     ref, _, _ = reference.reference_policy_loss(z64, batch.tokens, batch.sampler_logprobs.double(), adv,
-                                                candidates=batch.candidates, temperature=0.8, correction=corr,
+                                                candidates=padded, temperature=0.8, correction=corr,
                                                 seq_ids=batch.seq_ids)
     assert math.isfinite(float(got.loss.detach()))
     report(f"policy_loss vs float64 reference ({kind}) |diff|", abs(float(got.loss.detach()) - float(ref.detach())))
@@ -360,7 +364,7 @@ def test_policy_loss_on_live_records_matches_reference(engines, kind):
     assert float(z.grad.abs().sum()) > 0
     # the numerics differ: the trainer's log-probs are not the sampler's, yet close (FP8 weights)
     lp_train = reference.log_probs(logits.double(), 0.8,
-                                   reference.support_mask(batch.candidates, V) if kind == "support" else None)
+                                   reference.support_mask(padded, V) if kind == "support" else None)
     gap = (lp_train.gather(1, batch.tokens[:, None])[:, 0] - batch.sampler_logprobs.double()).abs()
     assert 1e-4 < float(gap.max()) < 1.0
 
@@ -376,10 +380,11 @@ def test_generate_endpoint_records_and_weight_versions(engines):
         resp = engines.post("/inference/v1/generate", body)
         rec = vllm.parse_generate_response(resp, body, vocab_size=V)
         assert rec.kind == "support" and rec.versions == ("7",) * len(rec)
+        row = rec.candidates.to_padded()
         for t, (lp, keep) in enumerate(expected(engines.model, p, rec.tokens.tolist(), 0.7, 0.9, 16)):
-            row = rec.candidates.ids[t]
-            assert set(row[row >= 0].tolist()) == set(keep.nonzero().flatten().tolist())
-            worst = max(worst, float((rec.candidates.logprobs[t][row >= 0].double() - lp[row[row >= 0]]).abs().max()))
+            ids = row.ids[t][row.ids[t] >= 0]
+            assert set(ids.tolist()) == set(keep.nonzero().flatten().tolist())
+            worst = max(worst, float((row.logprobs[t][row.ids[t] >= 0].double() - lp[ids]).abs().max()))
     report("generate endpoint support records max |lq - recomputed|", worst)
     assert worst < LP_TOL, worst
 

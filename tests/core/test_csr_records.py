@@ -8,16 +8,14 @@ logits' gradient are bounded per recorded id at V = 151,936.
 
 from __future__ import annotations
 
-import weakref
 import zlib
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import offpolicy as op
 from offpolicy.reference import reference_policy_loss
+from offpolicy.testing.memory import LiveBytes
 
 N, V = 14, 700
 #: Row sizes: empty, single, pairs, a few, hundreds (an empty support row is untrained).
@@ -240,33 +238,6 @@ def test_candidate_logprobs_shape_for_csr():
                                      lp.gather(1, rec.to_padded().ids.clamp_min(0)), correction=op.Correction(score_centering=True))
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages that ops create while the mode is on (a storage is counted once, from the op
-    that made it, until it is freed; views and in-place results of existing storages are not new memory)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
-
-    def _free(self, key):
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                s = t.untyped_storage()
-                key = s.data_ptr()
-                if key and key not in seen and key not in self.live:
-                    self.live[key] = s.nbytes()
-                    self.now += s.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(s, self._free, key)
-        return out
-
-
 #: docs/spec.md#record-memory: the CSR loss allocates at most this many bytes per recorded id (plus per row)
 #: beyond the logits' gradient, over forward and backward.
 BYTES_PER_ID, BYTES_PER_ROW = 64, 1024
@@ -287,7 +258,7 @@ def test_csr_memory_bound_at_a_real_vocabulary(kind, monkeypatch):
     peaks = {}
     for name, r in (("csr", rec), ("padded", rec.to_padded())):
         leaf = z.clone().requires_grad_()
-        meter = _LiveBytes()
+        meter = LiveBytes()
         with meter:
             op.policy_loss(leaf, y, lq, adv, r, mask, 1.0, corr).loss.backward()
         peaks[name] = meter.peak - leaf.numel() * 4  # beyond the gradient itself

@@ -28,8 +28,8 @@ def _call(batch, **over):
 @pytest.mark.parametrize(
     "over,match",
     [
-        (dict(logits=torch.randn(6)), "logits must be a \\[N, V\\]"),
-        (dict(logits=torch.zeros(6, 20, dtype=torch.long)), "logits must be a floating-point"),
+        (dict(logits=torch.randn(6)), "logits: expected a \\[N, V\\] fp32/bf16/fp16/float64 tensor, got"),
+        (dict(logits=torch.zeros(6, 20, dtype=torch.long)), "logits: expected .* got torch.int64 tensor"),
         (dict(logits=torch.randn(20, 6).t()), "unit stride"),
         (dict(tokens=torch.zeros(5, dtype=torch.long)), "tokens must have shape \\[N\\] = \\[6\\]"),
         (dict(tokens=torch.zeros(6)), "tokens must be an integer"),
@@ -42,8 +42,8 @@ def _call(batch, **over):
         (dict(advantages=torch.full((6,), float("inf"))), "advantages: NaN or inf"),
         (dict(advantages=torch.randn(6, 1)), "advantages must have shape"),
         (dict(loss_mask=torch.full((6,), 2)), "loss_mask must be bool"),
-        (dict(temperature=0.0), "temperature must be finite and > 0"),
-        (dict(temperature=torch.ones(5)), "temperature must be a float or a \\[N\\]"),
+        (dict(temperature=0.0), "temperature: expected a finite number > 0, got float 0.0"),
+        (dict(temperature=torch.ones(5)), "temperature: expected a float or a float \\[N=6\\] tensor"),
         (dict(temperature=torch.tensor([1.0, 1, 1, 1, 1, -1])), "temperature: every entry must be finite and > 0"),
         (dict(aggregation="mean"), "aggregation must be one of"),
         (dict(aggregation="seq_mean_token_mean"), "needs seq_ids"),
@@ -56,14 +56,14 @@ def _call(batch, **over):
         (dict(seq_ids=torch.zeros(6)), "seq_ids must be an integer"),
         (dict(groups=torch.zeros(3, dtype=torch.long)), "groups must have shape"),
         (dict(hidden=torch.randn(6, 4), weight=torch.randn(20, 4)), "either logits, or hidden and weight"),
-        (dict(logits=None, hidden=torch.randn(6, 4), weight=torch.randn(20, 5)), "same D"),
+        (dict(logits=None, hidden=torch.randn(6, 4), weight=torch.randn(20, 5)), "weight: expected a \\[V, D=4\\] tensor"),
         (dict(logits=None), "needs logits \\[N, V\\], or hidden"),
         # issue 22, finding 8
         (dict(tokens=torch.zeros(6, dtype=torch.uint32)), "tokens must be an integer"),
         (dict(seq_ids=torch.zeros(6, dtype=torch.uint64)), "seq_ids must be an integer"),
         (dict(temperature=1e-39), "temperature: 1e-39 is too small"),
         (dict(temperature=torch.full((6,), 1e-39)), "temperature: an entry of 1e-39 is too small"),
-        (dict(temperature=torch.full((6,), 1 + 0j)), "temperature must be a float or a float \\[N\\] tensor"),
+        (dict(temperature=torch.full((6,), 1 + 0j)), "temperature: expected a float or a float \\[N=6\\] tensor"),
         (dict(logits=torch.empty(6, 20, device="meta")), "logits: a meta tensor"),
     ],
 )
@@ -200,8 +200,8 @@ def test_bad_kl_rejection():
         (dict(aggregation="constant", constant_normalizer=0.0), ValueError, "constant_normalizer must be finite"),
         (dict(aggregation="constant", constant_normalizer="3"), TypeError, "constant_normalizer must be a number"),
         (dict(num_loss_tokens=True), TypeError, "num_loss_tokens must be a number"),
-        (dict(temperature=True), TypeError, "temperature must be a number"),
-        (dict(temperature="1.0"), TypeError, "temperature must be a number"),
+        (dict(temperature=True), ValueError, "temperature: expected a finite number > 0, got bool True"),
+        (dict(temperature="1.0"), ValueError, "temperature: expected a finite number > 0, got str '1.0'"),
         (dict(validate="no"), TypeError, "validate must be a bool"),
         (dict(inplace_grad="no"), TypeError, "inplace_grad must be a bool"),
         (dict(versions=torch.tensor([1, 2, 2, 3, 5, 4]), current_version=3), ValueError,
@@ -361,3 +361,40 @@ def test_hidden_whose_logit_overflows_to_plus_inf_is_refused(batch):
     assert torch.isposinf(hidden[2] @ weight.T).sum() == 1
     with pytest.raises(ValueError, match="hidden @ weight.T .* in row 2"):
         op.policy_loss(hidden=hidden, weight=weight, tokens=y, sampler_logprobs=lq, advantages=adv, candidates=cands)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [dict(temperature=0.0), dict(temperature=True), dict(temperature="1.0"), dict(temperature=torch.ones(5)),
+     dict(temperature=torch.full((6,), 1 + 0j)), dict(temperature=torch.tensor([1.0, 1, 1, 1, 1, -1])),
+     dict(temperature=1e-39), dict(logits=torch.randn(20, 6).t())],
+    ids=["zero", "bool", "str", "short", "complex", "negative_entry", "too_small", "strided"],
+)
+def test_policy_loss_and_the_primitive_refuse_alike(batch, over):
+    """One check per argument, shared by both boundaries: the same bad temperature or strided logits raise the same
+    exception type with the same message from ``op.policy_loss`` and from ``op.sparse_log_softmax``."""
+    z, y, _, _, cands = batch
+    kw = {"logits": z, "temperature": 1.0, **over}
+    with pytest.raises(ValueError) as from_loss:
+        _call(batch, **over)
+    with pytest.raises(ValueError) as from_op:
+        op.sparse_log_softmax(kw["logits"], y, cands.ids, kw["temperature"])
+    assert type(from_loss.value) is type(from_op.value)
+    assert str(from_loss.value) == str(from_op.value)
+    assert str(from_loss.value).startswith("logits:" if "logits" in over else "temperature:")
+
+
+@pytest.mark.parametrize(
+    "over,match",
+    [(dict(logits=torch.randn(20, 6).t()), "logits: expected unit stride"),
+     (dict(tokens=torch.zeros(6)), "tokens must be an integer"),
+     (dict(temperature=True), "temperature: expected a finite number > 0"),
+     (dict(temperature=torch.ones(5)), "temperature: expected a float or a float \\[N=6\\] tensor"),
+     (dict(logits=torch.randn(1, 20).expand(6, 20), inplace_grad=True), "inplace_grad=True .* overlap")],
+    ids=["strided", "float_tokens", "bool_temperature", "short_temperature", "overlapping_inplace"],
+)
+def test_validate_false_keeps_the_checks_without_a_host_sync(batch, over, match):
+    """``validate=False`` (and tracing) skips the value checks only: what the log-softmax reads is checked from
+    shapes, dtypes and strides, which costs no host sync (the primitives do the same with ``validate=False``)."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        _call(batch, validate=False, **over)

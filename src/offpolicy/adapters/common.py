@@ -3,8 +3,10 @@
 
 A *turn* is one generation request: the context sent (token ids), the tokens the server sampled, the sampler's
 log-probability of each (after temperature, renormalised over the support when sampling was filtered) and
-optionally a :class:`~offpolicy.records.candidates.Candidates` row per token (the record contract:
-docs/spec.md#records, docs/spec.md#mask-replay). A *trajectory* strings turns together
+optionally a candidate record (the record contract: docs/spec.md#records, docs/spec.md#mask-replay): a support
+record as :class:`~offpolicy.records.csr_candidates.CSRCandidates`, each token's realised support and nothing more
+(:func:`csr_record`; never padded to the widest row), a head record of the top ``K`` as a padded
+:class:`~offpolicy.records.candidates.Candidates` ``[T, K]``. A *trajectory* strings turns together
 with non-trained tokens between them (tool outputs, chat-template markers), token in, token out: the next
 request's context must be exactly the trajectory so far, or the trainer would score tokens in a context the
 sampler never saw (the "multi-turn context" mismatch source of the mixed-fleet study, docs/spec.md#sources), so
@@ -21,7 +23,7 @@ from numbers import Integral, Real
 import torch
 from torch import Tensor
 
-from offpolicy.records.candidates import SUPPORT_SUM_TOL, Candidates
+from offpolicy.records.candidates import SUPPORT_SUM_TOL, Candidates, Kind
 from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.records.token_batch import TokenBatch
 
@@ -46,7 +48,8 @@ class TurnRecord:
         input_ids: the context the request sent (``None`` if unknown).
         tokens: ``[T]`` int64 sampled ids.
         sampler_logprobs: ``[T]`` fp32 ``lq`` of each sampled token.
-        candidates: ``[T, K]`` record (kind ``"head"`` or ``"support"``) or ``None``.
+        candidates: the support record as :class:`~offpolicy.CSRCandidates` (``T`` rows, ``nnz`` the sum of
+            the realised supports), the head record as :class:`~offpolicy.Candidates` ``[T, K]``, or ``None``.
         temperature, top_p, top_k: the sampling parameters used (``top_k=None``: off).
         versions: per-token policy (weight) version strings, or ``None`` when the server reports none.
         finish_reason: as the server reported it.
@@ -55,7 +58,7 @@ class TurnRecord:
     input_ids: tuple[int, ...] | None
     tokens: Tensor
     sampler_logprobs: Tensor
-    candidates: Candidates | None
+    candidates: Candidates | CSRCandidates | None
     temperature: float
     top_p: float
     top_k: int | None
@@ -130,14 +133,16 @@ def _version_ints(record: TurnRecord, override: int | None, version_of: Callable
 
 def collate(
     trajectories: Sequence[Trajectory], pad_token_id: int = 0, version_of: Callable[[str], int] = int,
-    csr: bool = False,
+    csr: bool | None = None,
 ) -> tuple[Tensor, TokenBatch]:
     """Right-pad trajectories into ``sequences [B, L]`` and flatten their sampled tokens into a TokenBatch.
 
     ``TokenBatch.gather(trainer_model(sequences))`` then gives the trainer logits ``[N, V]`` of each sampled
-    token. Every turn must carry the same kind of candidate record (or none). With ``csr`` the record is a
-    :class:`~offpolicy.CSRCandidates` (each turn's entries back to back, no padding to the batch's widest row:
-    ``12`` bytes per recorded id, docs/spec.md#record-memory); otherwise a padded ``[N, K]`` one.
+    token. Every turn must carry the same kind of candidate record (or none). The record's layout: with ``csr``
+    True a :class:`~offpolicy.CSRCandidates` (each turn's entries back to back, no padding to the batch's widest
+    row: ``12`` bytes per recorded id, docs/spec.md#record-memory), with False a padded ``[N, K]`` one; ``None``
+    (default) keeps the turns' own layout: CSR when any turn carries a CSR record (the support records of the
+    serving adapters), padded otherwise (head records).
     """
     if not trajectories:
         raise ValueError("trajectories must be non-empty")
@@ -145,9 +150,12 @@ def collate(
     if len(kinds) > 1:
         raise ValueError(f"turns carry different kinds of candidate records: {sorted(map(str, kinds))}")
     kind = kinds.pop() if kinds else None
+    records = [t.candidates for traj in trajectories for t in traj.turns if t.candidates is not None]
+    if csr is None:
+        csr = any(isinstance(c, CSRCandidates) for c in records)
     length = max(len(t.input_ids) for t in trajectories)
     seqs = torch.full((len(trajectories), length), pad_token_id, dtype=torch.int64)
-    toks, lqs, masks, rows, cols, vers, temps, cid, clp = [], [], [], [], [], [], [], [], []
+    toks, lqs, masks, rows, cols, vers, temps = [], [], [], [], [], [], []
     for b, traj in enumerate(trajectories):
         ids = traj.input_ids
         seqs[b, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
@@ -160,23 +168,21 @@ def collate(
             cols.append(torch.arange(start, start + n, dtype=torch.int64))
             vers.append(torch.tensor(_version_ints(rec, override, version_of), dtype=torch.int64))
             temps.append(torch.full((n,), rec.temperature, dtype=torch.float32))
-            if rec.candidates is not None and csr:
-                cid.append(CSRCandidates.from_padded(rec.candidates))
-            elif rec.candidates is not None:
-                cid.append(rec.candidates.ids.to(torch.int64))
-                clp.append(rec.candidates.logprobs.float())
 
     def cat(xs: list[Tensor], dt: torch.dtype) -> Tensor:
         return torch.cat(xs) if xs else torch.zeros(0, dtype=dt)
 
     cands = None
     if kind is not None and csr:
-        cands = CSRCandidates.cat(cid)
+        cands = CSRCandidates.cat([c if isinstance(c, CSRCandidates) else CSRCandidates.from_padded(c)
+                                   for c in records])
         cands = replace(cands, logprobs=cands.logprobs.float())
     elif kind is not None:
-        width = max(c.shape[1] for c in cid)
-        ids = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=-1) for c in cid])
-        lps = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=float("-inf")) for c in clp])
+        padded = [c.to_padded() if isinstance(c, CSRCandidates) else c for c in records]
+        width = max(c.width for c in padded)
+        pad = torch.nn.functional.pad
+        ids = torch.cat([pad(c.ids.to(torch.int64), (0, width - c.width), value=-1) for c in padded])
+        lps = torch.cat([pad(c.logprobs.float(), (0, width - c.width), value=float("-inf")) for c in padded])
         cands = Candidates(ids, lps, kind)
     rows_t = cat(rows, torch.int64)
     batch = TokenBatch(
@@ -288,13 +294,40 @@ def check_sampled_possible(lq: Tensor, where: str) -> None:
         raise RecordError(f"{where}: a sampled token has log-prob -inf (probability 0 under the sampler)")
 
 
-def check_support_rows(cands: Candidates, tokens: Tensor, lq: Tensor, where: str) -> None:
-    """Support rows: non-empty, sum to 1, contain the sampled token whose log-prob matches its entry."""
-    valid = cands.valid
-    empty = ~valid.any(dim=1)
+def csr_record(rows: Sequence[Sequence[int]], values: Sequence[Sequence[float]], kind: Kind = "support",
+               device: torch.device | str | None = None) -> CSRCandidates:
+    """The CSR record (``kind``, default ``"support"``) of per-token id lists and their log-probabilities (row
+    ``t``: ``rows[t]`` with ``values[t]``, in that order): ``ids [nnz]`` int64, ``offsets [T + 1]`` int64,
+    ``logprobs [nnz]`` fp32 with ``nnz = sum_t len(rows[t])``, on ``device``; nothing is padded to the widest row."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    ids = torch.tensor([int(i) for r in rows for i in r], dtype=torch.int64)
+    lps = torch.tensor([float(v) for r in values for v in r], dtype=torch.float32)
+    if lps.shape != ids.shape:
+        raise RecordError(f"candidate record: {lps.numel()} log-probs for {ids.numel()} ids")
+    return CSRCandidates(ids.to(device), offsets.to(device), lps.to(device), kind)
+
+
+def entry_at(cands: CSRCandidates, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``(found [T] bool, value [T])``: whether row ``t`` of a CSR record holds the id ``ids[t]`` (``[T]`` int; a
+    negative id is never held) and its recorded log-probability there (0 where not found). ``O(nnz)``."""
+    row = cands.row_index()
+    hit = cands.ids.to(torch.int64) == ids.to(device=cands.ids.device, dtype=torch.int64)[row]
+    n = cands.num_rows
+    found = torch.zeros(n, dtype=torch.int64, device=row.device).index_add_(0, row, hit.to(torch.int64)) > 0
+    vals = torch.where(hit, cands.logprobs, torch.zeros_like(cands.logprobs))
+    return found, torch.zeros(n, dtype=vals.dtype, device=row.device).index_add_(0, row, vals)
+
+
+def check_support_rows(cands: CSRCandidates, tokens: Tensor, lq: Tensor, where: str) -> None:
+    """Support rows (CSR, ``T`` rows): non-empty, sum to 1, contain the sampled token whose log-prob ``lq [T]``
+    matches its entry."""
+    empty = cands.lengths == 0
     if bool(empty.any()):
         raise RecordError(f"{where}: token {int(empty.nonzero()[0])} has an empty sampling support")
-    sums = torch.exp(cands.logprobs.double()).sum(dim=1)
+    sums = torch.zeros(cands.num_rows, dtype=torch.float64).index_add_(0, cands.row_index(),
+                                                                        torch.exp(cands.logprobs.double()))
     off = (sums - 1.0).abs() > SUPPORT_SUM_TOL
     if bool(off.any()):
         t = int(off.nonzero()[0])
@@ -303,12 +336,10 @@ def check_support_rows(cands: Candidates, tokens: Tensor, lq: Tensor, where: str
             "log-probs must be renormalised over the support (full-vocabulary values were returned; SGLang: "
             "sampling_logprobs_mode='support', vLLM: --logprobs-mode processed_logprobs)"
         )
-    hit = (cands.ids == tokens[:, None]) & valid
-    outside = ~hit.any(dim=1)
-    if bool(outside.any()):
-        t = int(outside.nonzero()[0])
+    inside, entry = entry_at(cands, tokens)
+    if bool((~inside).any()):
+        t = int((~inside).nonzero()[0])
         raise RecordError(f"{where}: sampled token {int(tokens[t])} at position {t} is outside its support")
-    entry = torch.where(hit, cands.logprobs, torch.zeros_like(cands.logprobs)).sum(dim=1)
     diff = (entry.double() - lq.double()).abs()
     if bool((diff > SAME_VALUE_TOL).any()):
         t = int(diff.argmax())
@@ -319,24 +350,24 @@ def check_support_rows(cands: Candidates, tokens: Tensor, lq: Tensor, where: str
 
 
 def check_support_offsets(
-    cands: Candidates, full_ids: Tensor, full_logprobs: Tensor, where: str
+    cands: CSRCandidates, full_ids: Tensor, full_logprobs: Tensor, where: str
 ) -> None:
     """Post-temperature check: full-vocabulary log-probs minus support log-probs are one constant per row.
 
     ``log p_T(v) - log q_S(v) = log P_T(S)`` for every ``v`` in ``S`` when both sides come from the same
     post-temperature distribution ``p_T``. Raw (pre-temperature) full-vocabulary values give
-    ``(1 - 1/T) z_v + const`` instead, which varies across the support. ``full_ids`` / ``full_logprobs`` are
-    ``[T, J]`` full-vocabulary entries (``-1`` / ``-inf`` padding), e.g. the top log-probs.
+    ``(1 - 1/T) z_v + const`` instead, which varies across the support. ``cands`` is the CSR support record
+    (``T`` rows); ``full_ids`` / ``full_logprobs`` are ``[T, J]`` full-vocabulary entries (``-1`` / ``-inf``
+    padding), e.g. the top log-probs.
     """
-    n = cands.ids.shape[0]
+    n = cands.num_rows
     hi = torch.full((n,), -math.inf, dtype=torch.float64)
     lo = torch.full((n,), math.inf, dtype=torch.float64)
     count = torch.zeros(n, dtype=torch.int64)
-    for j in range(full_ids.shape[1]):  # J is small (the requested top log-probs); [T, K] work per entry
-        hit = (cands.ids == full_ids[:, j : j + 1]) & cands.valid & (full_ids[:, j : j + 1] >= 0)
-        found = hit.any(dim=1) & torch.isfinite(full_logprobs[:, j])
-        entry = torch.where(hit, cands.logprobs, torch.zeros_like(cands.logprobs)).sum(dim=1).double()
-        d = full_logprobs[:, j].double() - entry
+    for j in range(full_ids.shape[1]):  # J is small (the requested top log-probs); O(nnz) work per entry
+        held, entry = entry_at(cands, full_ids[:, j])
+        found = held & torch.isfinite(full_logprobs[:, j])
+        d = full_logprobs[:, j].double() - entry.double()
         hi = torch.where(found, torch.maximum(hi, d), hi)
         lo = torch.where(found, torch.minimum(lo, d), lo)
         count += found.to(torch.int64)

@@ -135,19 +135,45 @@ def split_for_context_parallel(
 
     Without ``cu_seqlens_padded``: Megatron's ``bshd`` split (``get_batch_on_this_cp_rank``, the whole row in
     ``2 cp`` chunks). With it: the ``thd`` split (each packed sequence in ``2 cp`` chunks; pad the row with
-    :func:`offpolicy.parallel.packing.scatter_to_padded` first). ``seq_ids`` travel with their tokens.
+    :func:`offpolicy.parallel.packing.scatter_to_padded` first). ``seq_ids`` travel with their tokens. A CSR
+    candidate record goes with :func:`split_csr_for_context_parallel`.
     """
     if cp_size == 1:
         return dict(batch)
     s = batch["labels"].shape[1]
-    device = batch["labels"].device
-    if cu_seqlens_padded is None:
-        idx = zigzag_index(s, cp_size, cp_rank, device)
-    else:
-        if int(cu_seqlens_padded[-1]) != s:
-            raise ValueError(f"cu_seqlens_padded ends at {int(cu_seqlens_padded[-1])}, the row holds {s} tokens")
-        idx = thd_cp_index(cu_seqlens_padded, cp_size, cp_rank).to(device)
+    idx = _cp_index(s, cp_size, cp_rank, cu_seqlens_padded, batch["labels"].device)
     return {k: v.index_select(1, idx) for k, v in batch.items()}
+
+
+def split_csr_for_context_parallel(
+    record: CSRCandidates, b: int, s: int, cp_size: int, cp_rank: int, cu_seqlens_padded: Tensor | None = None
+) -> CSRCandidates:
+    """This context-parallel rank's share of a CSR candidate record over a ``[b, s]`` micro-batch.
+
+    ``record`` holds one row per token, ``b * s`` rows in ``[b, s]`` order; the result holds the rows of the
+    tokens :func:`split_for_context_parallel` keeps (the same zigzag or ``thd`` index), ``b * s / cp`` rows in
+    this rank's ``[b, s / cp]`` order, with their entries and rebuilt offsets (``O(nnz)`` of the kept rows, never
+    padded): pass it to :func:`make_loss_func` as ``csr_candidates`` with the split batch.
+    """
+    if not isinstance(record, CSRCandidates):
+        raise TypeError(f"record must be an offpolicy.CSRCandidates, got {type(record).__name__}")
+    if record.num_rows != b * s:
+        raise ValueError(f"record must hold b * s = {b} * {s} = {b * s} rows (one per token), got {record.num_rows}")
+    if cp_size == 1:
+        return record
+    device = record.ids.device
+    idx = _cp_index(s, cp_size, cp_rank, cu_seqlens_padded, device)
+    rows = torch.arange(b, device=device)[:, None] * s + idx[None, :]
+    return record.take_rows(rows.reshape(-1))
+
+
+def _cp_index(s: int, cp_size: int, cp_rank: int, cu_seqlens_padded: Tensor | None, device) -> Tensor:
+    """The positions of a length-``s`` row that context-parallel rank ``cp_rank`` keeps (zigzag, or ``thd``)."""
+    if cu_seqlens_padded is None:
+        return zigzag_index(s, cp_size, cp_rank, device)
+    if int(cu_seqlens_padded[-1]) != s:
+        raise ValueError(f"cu_seqlens_padded ends at {int(cu_seqlens_padded[-1])}, the row holds {s} tokens")
+    return thd_cp_index(cu_seqlens_padded, cp_size, cp_rank).to(device)
 
 
 def _default_groups(tp_group, cp_group, dp_group, use_parallel_state: bool):

@@ -22,6 +22,8 @@ takes token ids in and returns ``{"text", "output_ids", "meta_info"}``. Recordin
     is always the one actually sampled from, never truncated: SGLang aborts the request instead).
     ``sampling_logprobs_mode="selected"`` returns only the sampled token's renormalised log-prob, which is
     not enough for a support record and is refused.
+    The record is a :class:`~offpolicy.CSRCandidates` of the masks' ids, each token's support back to back
+    (never padded to the widest one).
 
 Weight versions: ``meta_info.weight_version`` (the server's ``--weight-version``, updated by the weight-sync
 endpoints' ``weight_version`` argument) and, when weights changed during the request, ``weight_versions`` spans
@@ -51,6 +53,8 @@ from offpolicy.adapters.common import (
     check_support_offsets,
     check_support_rows,
     check_temperature,
+    csr_record,
+    entry_at,
     head_record,
     json_field,
     json_float,
@@ -340,21 +344,16 @@ def parse_response(
         slps = json_list(slps, "output_token_sampling_logprobs")
         if len(masks) != n or len(slps) != n:
             raise RecordError(f"{where}: sampling mask / log-probs hold {len(masks)} / {len(slps)} rows for {n} tokens")
-        width = max((len(m) for m in masks), default=0)
-        ids = torch.full((n, width), -1, dtype=torch.int64)
-        lps = torch.full((n, width), float("-inf"))
+        rows, vals = [], []
         for t, (m, lp) in enumerate(zip(masks, slps)):
             if isinstance(lp, (str, bytes, Mapping)) or not isinstance(lp, Sequence) or len(lp) != len(m):
                 raise RecordError(f"{where}: token {t}: output_token_sampling_logprobs[{t}] must be a list aligned "
                                   "with the sampling mask")
-            ids[t, : len(m)] = torch.tensor([_token_id(v, f"output_token_sampling_mask[{t}][{j}]")
-                                             for j, v in enumerate(m)], dtype=torch.int64)
-            lps[t, : len(m)] = torch.tensor([json_float(v, f"output_token_sampling_logprobs[{t}][{j}]")
-                                             for j, v in enumerate(lp)], dtype=torch.float32)
-        check_logprob_values(lps, f"{where} output_token_sampling_logprobs")
-        cands = Candidates(ids, lps, "support")
-        hit = (ids == tokens[:, None]) & cands.valid
-        lq = torch.where(hit, lps, torch.zeros_like(lps)).sum(dim=1)
+            rows.append([_token_id(v, f"output_token_sampling_mask[{t}][{j}]") for j, v in enumerate(m)])
+            vals.append([json_float(v, f"output_token_sampling_logprobs[{t}][{j}]") for j, v in enumerate(lp)])
+        cands = csr_record(rows, vals)  # each token's realised support, back to back: never [T, K_max]
+        check_logprob_values(cands.logprobs, f"{where} output_token_sampling_logprobs")
+        lq = entry_at(cands, tokens)[1]
         check_support_rows(cands, tokens, lq, where)
         if vocab_size is not None:
             cands.validate(vocab_size, n, tokens)

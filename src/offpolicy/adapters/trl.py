@@ -18,14 +18,18 @@ What is recorded where (transformers generation, ``use_vllm=False``; for vLLM co
   renormalised ``log q`` over it, so the trainer replays the mask (docs/spec.md#mask-replay). Under a sampler that
   filters nothing (``top_p=1``, ``top_k=0``, no ``min_p`` or masking option) the support is the whole vocabulary and
   the ``"logprobs"`` record is exact: the trainer then records no support (with score centering that is an error
-  naming ``"head"``). Memory: ``12 K`` bytes per token (int64 id, fp32 log-prob), ``K`` the largest support of the
-  generation batch, plus ``[B, V]`` transients per generated position: a bool mask and ``topk``'s work (a stable
-  sort's int64 order past :data:`TOPK_SUPPORT_MAX` ids).
+  naming ``"head"``). Memory: ``12`` bytes per recorded id (int64 id, fp32 log-prob) plus ``8`` per token (the
+  offsets), i.e. ``12 |S_t| + 8`` per token, each token's own support (docs/spec.md#record-memory), plus
+  ``[B, V]`` transients per generated position: a bool mask and ``topk``'s work (a stable sort's int64 order past
+  :data:`TOPK_SUPPORT_MAX` ids), and that step's ``[B, K_t]`` record before it goes to CSR.
 
 transformers runs a user ``logits_processor`` *before* its temperature/top-k/top-p warpers, so a processor cannot
 see the support; the record is taken from ``generate(..., output_scores=True)``, whose scores are post-warper
-(``-inf`` outside the support). The candidate records ride in the generation batch as ``[B, T, K]`` tensors
-(``offpolicy_candidate_ids`` / ``offpolicy_candidate_logprobs``), so TRL's shuffle and micro-batch split carry them.
+(``-inf`` outside the support). The candidate records ride in the generation batch as a list of one
+:class:`~offpolicy.CSRCandidates` per completion (``offpolicy_candidates``, :data:`CANDIDATES_KEY`), built at
+generation time, so TRL's shuffle and micro-batch split carry them (they index lists per sample) and no
+``[B, T, K]`` tensor exists; the loss concatenates a micro-batch's records into one CSR record over its ``B T``
+tokens (head records too: every row holds the top ``head_k``).
 
 With ``use_vllm=True, vllm_mode="colocate"`` the records come from vLLM's ``processed_logprobs`` (TRL builds the
 engine with that mode): the sampled token's log-probability for ``"logprobs"``; for ``"support"`` the adapter asks
@@ -85,18 +89,20 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without TRL
     raise ImportError("offpolicy.adapters.trl needs TRL: pip install trl==1.16.0") from exc
 
+from offpolicy.adapters.common import csr_record
 from offpolicy.adapters.guard import Guard, Suspect
 from offpolicy.adapters.trl_compat import VLLM_DEFAULT_MAX_LOGPROBS, check_trl_api, engine_dtype, vllm_engine_options
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.csr_logprobs import csr_log_probs
 from offpolicy.loss.logits import ModelInputs, policy_loss
+from offpolicy.ops import backend_registry
 from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax
 from offpolicy.records.candidates import Candidates
 from offpolicy.records.csr_candidates import CSRCandidates
 
 RECORD_MODES = ("logprobs", "head", "support")
-IDS_KEY = "offpolicy_candidate_ids"
-LOGPROBS_KEY = "offpolicy_candidate_logprobs"
+#: The generation batch's candidate records: a list of one :class:`~offpolicy.CSRCandidates` per completion.
+CANDIDATES_KEY = "offpolicy_candidates"
 PROXIMAL_KEY = "offpolicy_proximal_logprobs"
 #: loss_type -> offpolicy aggregation; the divisor is set per micro-batch in :meth:`OffPolicyGRPOTrainer._divisor`.
 AGGREGATIONS = {
@@ -183,6 +189,14 @@ def _support_ids(scores: Tensor) -> tuple[Tensor, Tensor]:
     order = torch.argsort((~finite).to(torch.int8), dim=1, stable=True)[:, :width]
     valid = finite.gather(1, order)
     return torch.where(valid, order, -1), valid
+
+
+def _rows_to(record: CSRCandidates, t: int) -> CSRCandidates:
+    """``record`` (``n <= t`` rows) followed by ``t - n`` empty rows: a completion's record on the micro-batch's
+    ``T`` positions (offsets only, no entries)."""
+    off = record.offsets.to(torch.int64)
+    tail = off[-1:].expand(t - record.num_rows)
+    return CSRCandidates(record.ids, torch.cat([off, tail]), record.logprobs, record.kind)
 
 
 def trl_surrogate(args: Any) -> dict[str, Any] | None:
@@ -468,29 +482,28 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         generated = out.sequences[:, prompt_len:]
         if len(out.scores) != generated.shape[1]:
             raise RuntimeError(f"generate returned {len(out.scores)} score steps for {generated.shape[1]} tokens")
-        steps = [records_from_scores(s, generated[:, t], self.offpolicy_record, self.offpolicy_head_k)
-                 for t, s in enumerate(out.scores)]
+        steps = []
+        for t, s in enumerate(out.scores):  # each step's [B, K_t] record goes to CSR at once (K_t: its widest row)
+            lq, c = records_from_scores(s, generated[:, t], self.offpolicy_record, self.offpolicy_head_k)
+            steps.append((lq, None if c is None else CSRCandidates.from_padded(c)))
         eos = torch.isin(generated, torch.tensor(self.eos_token_ids, device=device))
         lengths = torch.where(eos.any(1), eos.int().argmax(1) + 1, torch.full_like(eos[:, 0], eos.shape[1],
                                                                                  dtype=torch.long))
         lq_rows = (torch.stack([lq for lq, _ in steps], dim=1).tolist() if steps
                    else [[] for _ in range(generated.shape[0])])
+        rows = generated.shape[0]
         if self.offpolicy_record != "logprobs":
-            # One [B, T, K] copy per step, then each row's [n, K_n] view (K_n: the widest of its n steps).
-            widths = [c.width for _, c in steps]
-            ids_all = torch.full((*generated.shape, max(widths, default=1)), -1, dtype=torch.long, device=device)
-            vals_all = torch.full(ids_all.shape, float("-inf"), device=device)
-            for t, (_, c) in enumerate(steps):
-                ids_all[:, t, :c.width] = c.ids
-                vals_all[:, t, :c.width] = c.logprobs
+            # The steps' rows back to back (row b of step t is row t * B + b), then each completion's rows gathered
+            # across the steps: no [B, T, K] tensor.
+            steps_csr = CSRCandidates.cat([c for _, c in steps]) if steps else None
         completion_ids, lqs, records = [], [], []
-        for b in range(generated.shape[0]):
+        for b in range(rows):
             n = int(lengths[b])
             completion_ids.append(generated[b, :n].tolist())
             lqs.append(lq_rows[b][:n])
             if self.offpolicy_record != "logprobs":
-                width = max(widths[:n]) if n else 1
-                records.append((ids_all[b, :n, :width].clone(), vals_all[b, :n, :width].clone()))
+                records.append(csr_record([], [], self.offpolicy_record, device) if steps_csr is None
+                               else steps_csr.take_rows(b + rows * torch.arange(n, device=device)))
         self._offpolicy_pending = records if self.offpolicy_record != "logprobs" else None
         return completion_ids, lqs
 
@@ -530,13 +543,7 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
                 cand_lq.append([entries[i] for i in keep])
             lqs.append(row_lq)
             if self.offpolicy_record != "logprobs":
-                width = max([len(k) for k in cand_ids] + [1])
-                ids_t = torch.full((len(ids), width), -1, dtype=torch.long)
-                lq_t = torch.full((len(ids), width), float("-inf"))
-                for t, (k, v) in enumerate(zip(cand_ids, cand_lq)):
-                    ids_t[t, :len(k)] = torch.tensor(k, dtype=torch.long)
-                    lq_t[t, :len(v)] = torch.tensor(v)
-                records.append((ids_t.to(self.accelerator.device), lq_t.to(self.accelerator.device)))
+                records.append(csr_record(cand_ids, cand_lq, self.offpolicy_record, self.accelerator.device))
         self._offpolicy_pending = records if self.offpolicy_record != "logprobs" else None
         return completion_ids, lqs
 
@@ -544,18 +551,12 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         records, self._offpolicy_pending = self._offpolicy_pending, None
         if self.offpolicy_record != "logprobs":
-            if records is None or len(records) != output["completion_ids"].shape[0]:
+            t = output["completion_ids"].shape[1]
+            if records is None or len(records) != output["completion_ids"].shape[0] or any(
+                    r.num_rows > t for r in records):
                 raise RuntimeError("the candidate records do not match the generation batch's rows")
-            b, t = output["completion_ids"].shape
-            width = max(ids.shape[1] for ids, _ in records)
-            device = output["completion_ids"].device
-            all_ids = torch.full((b, t, width), -1, dtype=torch.long, device=device)
-            all_lq = torch.full((b, t, width), float("-inf"), device=device)
-            for row, (ids, vals) in enumerate(records):
-                all_ids[row, :ids.shape[0], :ids.shape[1]] = ids
-                all_lq[row, :vals.shape[0], :vals.shape[1]] = vals
-            output[IDS_KEY] = all_ids
-            output[LOGPROBS_KEY] = all_lq
+            # One CSRCandidates per completion (a list: TRL's shuffle and split index it per sample).
+            output[CANDIDATES_KEY] = records
         if self.offpolicy_proximal_at_generation and self.model.training:
             output[PROXIMAL_KEY] = self._proximal_logprobs(output)
         return output
@@ -570,8 +571,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             for start in range(0, rows, step):
                 chunk = {k: batch[k][start:start + step] for k in
-                         ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", IDS_KEY,
-                          LOGPROBS_KEY)
+                         ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask",
+                          CANDIDATES_KEY)
                          if k in batch}
                 flat = self._flat_inputs(chunk)
                 hidden, head = self._head_inputs(self.model, chunk)
@@ -599,8 +600,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
 
     def _flat_inputs(self, inputs: dict) -> dict[str, Any]:
         """The micro-batch flattened to ``N = B T`` tokens: ``tokens [N]``, ``loss_mask [N]`` bool, ``mask [B, T]``
-        and ``candidates``: a head record as :class:`~offpolicy.Candidates` ``[N, K]``, a support record as
-        :class:`~offpolicy.CSRCandidates` (the loss reads each token's own support, not the batch's widest), or
+        and ``candidates``: the record as one :class:`~offpolicy.CSRCandidates` over the ``N`` tokens (each
+        completion's rows, then empty rows to ``T``; the loss reads each token's own entries, never padded), or
         None."""
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
@@ -608,11 +609,11 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         n = b * t
         candidates = None
         if self.offpolicy_record != "logprobs":
-            ids, clq = inputs[IDS_KEY], inputs[LOGPROBS_KEY]
-            candidates = Candidates(ids.reshape(n, ids.shape[-1]), clq.reshape(n, clq.shape[-1]).float(),
-                                    kind=self.offpolicy_record)
-            if self.offpolicy_record == "support":
-                candidates = CSRCandidates.from_padded(candidates)
+            records = inputs[CANDIDATES_KEY]
+            if len(records) != b or any(r.num_rows > t for r in records):
+                raise RuntimeError(f"the candidate records ({[r.num_rows for r in records]} rows) do not match the "
+                                   f"micro-batch's [{b}, {t}] completions")
+            candidates = CSRCandidates.cat([_rows_to(r, t) for r in records])
         return {"tokens": completion_ids.reshape(n), "loss_mask": mask.reshape(n).bool(), "mask": mask,
                 "candidates": candidates}
 
@@ -628,16 +629,15 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         """``[N]`` detached fp32 ``log p(y_t)`` in the loss's normalisation (the support for ``"support"`` records,
         else the full vocabulary), by the primitive :func:`offpolicy.policy_loss` runs; 0 on untrained tokens."""
         cands, mask = flat["candidates"], flat["loss_mask"]
+        bias = None if head.bias is None else head.bias.detach()
         with torch.no_grad(), torch.autocast(device_type=hidden.device.type, enabled=False):
-            if isinstance(cands, CSRCandidates):
-                model = ModelInputs(None, hidden.detach(), head.weight.detach(),
-                                    None if head.bias is None else head.bias.detach())
-                lp = csr_log_probs(model, flat["tokens"], cands, self.temperature, ~mask, None)
-                return torch.where(mask, lp.target, torch.zeros_like(lp.target))
-            lp = linear_sparse_log_softmax(
-                hidden.detach(), head.weight.detach(), flat["tokens"], None if cands is None else cands.ids,
-                self.temperature, bias=None if head.bias is None else head.bias.detach(),
-                support=self.offpolicy_record == "support", skip=~mask)
+            if cands is not None:
+                model = ModelInputs(None, hidden.detach(), head.weight.detach(), bias)
+                lp = csr_log_probs(model, flat["tokens"], cands, self.temperature, ~mask,
+                                   backend=backend_registry.choose(None, hidden.device, hidden.dtype))
+            else:
+                lp = linear_sparse_log_softmax(hidden.detach(), head.weight.detach(), flat["tokens"], None,
+                                               self.temperature, bias=bias, skip=~mask)
         return torch.where(mask, lp.target, torch.zeros_like(lp.target))
 
     def _compute_loss(self, model, inputs):
@@ -714,4 +714,5 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             self.accelerator.gather(policy_loss_value.float().reshape(1)).nanmean().item())
 
 
-__all__ = ["OffPolicyGRPOTrainer", "RECORD_MODES", "records_from_scores", "resolve_correction", "trl_surrogate"]
+__all__ = ["CANDIDATES_KEY", "OffPolicyGRPOTrainer", "RECORD_MODES", "records_from_scores", "resolve_correction",
+           "trl_surrogate"]

@@ -34,6 +34,9 @@ What vLLM returns (documented in vLLM's "Sampling Mask (Distribution Replay)" gu
   ``sampling_params`` on ``/inference/v1/generate``) is refused.
 * Malformed responses (a missing or mistyped field) raise :class:`RecordError` (a ``ValueError``) naming the
   field, never ``KeyError`` / ``AttributeError`` / ``IndexError``.
+* Record layout: a support record is a :class:`~offpolicy.CSRCandidates` built from the per-token rows
+  (:func:`~offpolicy.adapters.common.csr_record`: ``12`` bytes per recorded id, never a ``[T, K_max]``
+  tensor), a head record a padded ``[T, K]`` :class:`~offpolicy.Candidates`.
 
 Response shapes parsed:
 
@@ -68,12 +71,12 @@ from offpolicy.adapters.common import (
     check_sampled_possible,
     check_support_rows,
     check_temperature,
+    csr_record,
     head_record,
     json_float,
     json_int,
     json_list,
 )
-from offpolicy.records.candidates import Candidates
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 #: vLLM's JSON clamp for -inf log-probs.
@@ -384,7 +387,9 @@ def _record(
     versions: tuple[str, ...] | None = None,
     incomplete_support: str = "raise",
 ) -> TurnRecord:
-    """Build and check a record from per-token (sampled id, its log-prob, {id: log-prob} of the returned top)."""
+    """Build and check a record from per-token (sampled id, its log-prob, {id: log-prob} of the returned top): a
+    support record as :class:`~offpolicy.CSRCandidates` (``nnz`` = the sum of the realised supports), a head record
+    as a padded :class:`~offpolicy.Candidates` ``[T, K]``."""
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     if incomplete_support not in INCOMPLETE_SUPPORT:
@@ -421,15 +426,8 @@ def _record(
     if masks is not None or filtered:
         support = _support_rows(sampled, sampled_lp, tops, masks, k, top_p, top_k, where, incomplete_support)
     if support is not None:
-        rows, vals = support
-        width = max((len(r) for r in rows), default=0)
-        ids = torch.full((n, width), -1, dtype=torch.int64)
-        lps = torch.full((n, width), float("-inf"))
-        for t, (r, v) in enumerate(zip(rows, vals)):
-            ids[t, : len(r)] = torch.tensor(r, dtype=torch.int64)
-            lps[t, : len(r)] = torch.tensor(v)
-        check_logprob_values(lps, f"{where} support log-probs")
-        cands = Candidates(ids, lps, "support")
+        cands = csr_record(*support)  # each token's realised support, back to back: never [T, K_max]
+        check_logprob_values(cands.logprobs, f"{where} support log-probs")
         check_support_rows(cands, tokens, lq, where)
         if vocab_size is not None:
             cands.validate(vocab_size, n, tokens)

@@ -28,6 +28,7 @@ from torch import Tensor
 from offpolicy.adapters.common import TurnRecord
 from offpolicy.adapters.sglang import TOP_K_ALL
 from offpolicy.records.candidates import Candidates
+from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.records.token_batch import TokenBatch
 
 
@@ -89,7 +90,12 @@ def turn_to_json(record: TurnRecord, *, group: str, version: int | None = None, 
                              "version=") from exc
     if seq_id is not None:
         line["seq_id"] = int(seq_id)
-    if record.candidates is not None:
+    if isinstance(record.candidates, CSRCandidates):  # ragged rows: each token's own support
+        c = record.candidates
+        sizes = c.lengths.tolist()
+        line["candidates"] = {"kind": c.kind, "ids": [r.tolist() for r in c.ids.split(sizes)],
+                              "logprobs": [[_num(v) for v in r.tolist()] for r in c.logprobs.split(sizes)]}
+    elif record.candidates is not None:
         c = record.candidates
         line["candidates"] = {"kind": c.kind, "ids": c.ids.tolist(),
                               "logprobs": [[_num(v) for v in row] for row in c.logprobs.tolist()]}
@@ -289,13 +295,17 @@ def from_token_batch(
     top_k: int | None = None,
 ) -> RecordedRollouts:
     """Rollouts from a :class:`~offpolicy.records.TokenBatch` (e.g. the reference sampler's ``Rollout.flatten()``
-    or the adapters' ``collate``) and its ``sequences [B, L]``; ``top_p`` / ``top_k`` are the declared filter."""
+    or the adapters' ``collate``) and its ``sequences [B, L]``; ``top_p`` / ``top_k`` are the declared filter. A
+    CSR record is padded here (the diagnosis reads ``[N, K]`` records)."""
     n = batch.tokens.shape[0]
     gi = torch.zeros(n, dtype=torch.int64) if group_index is None else group_index.to(torch.int64)
     if gi.shape != (n,) or (n and (int(gi.min()) < 0 or int(gi.max()) >= len(group_names))):
         raise ValueError(f"group_index must be [N] = [{n}] int64 indexing group_names ({len(group_names)})")
+    cands = batch.candidates
+    if isinstance(cands, CSRCandidates):  # the diagnosis reads records padded (collate's support records are CSR)
+        cands = cands.to_padded()
     return RecordedRollouts(
-        tokens=batch.tokens, sampler_logprobs=batch.sampler_logprobs.float(), candidates=batch.candidates,
+        tokens=batch.tokens, sampler_logprobs=batch.sampler_logprobs.float(), candidates=cands,
         group_names=tuple(group_names), group_index=gi, versions=batch.versions.to(torch.int64),
         seq_ids=batch.seq_ids.to(torch.int64), temperature=batch.temperature.float(),
         top_p=torch.full((n,), float(top_p)), top_k=torch.full((n,), declared_top_k(top_k)),

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from offpolicy.loss.entry_rows import EntryRows
 from offpolicy.ops import SparseLogSoftmax, VocabShard
+from offpolicy.ops.backend_registry import Backend
 from offpolicy.ops.row_io import row_inputs
 from offpolicy.ops.support_entries import (entry_logits, linear_entry_logits, linear_log_softmax_with_entries,
                                            log_softmax_with_entries)
@@ -43,8 +44,8 @@ class _ValueWithGradOf(torch.autograd.Function):
         return None, g
 
 
-def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, skip: Tensor,
-                  backend: str | None, inplace_grad: bool = False, shard: VocabShard | None = None) -> SparseLogSoftmax:
+def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, skip: Tensor, *, backend: Backend,
+                  inplace_grad: bool = False, shard: VocabShard | None = None, eager: bool = True) -> SparseLogSoftmax:
     """:class:`~offpolicy.ops.SparseLogSoftmax` of the CSR record: ``target [N]``, ``candidates [nnz]`` (trainer
     log-probabilities at the record's entries, support-normalised for ``kind="support"``), ``lse [N]`` and
     ``entropy [N]`` (detached; of the support distribution under replay), with the primitive's conventions on
@@ -54,10 +55,12 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
         model: :class:`~offpolicy.loss.logits.ModelInputs` (``logits [N, V]``, or ``hidden``, ``weight``, ``bias``).
         tokens: ``[N]`` int sampled ids; record: the validated CSR record; temperature: float or ``[N]``.
         skip: ``[N]`` bool untrained rows.
-        backend, inplace_grad: as in :func:`offpolicy.policy_loss` (``inplace_grad`` acts on head records, whose
-            gradient comes from the vocabulary pass).
+        backend: the resolved backend (:func:`offpolicy.ops.backend_registry.choose`), for head records.
+        inplace_grad: as in :func:`offpolicy.policy_loss` (it acts on head records, whose gradient comes from the
+            vocabulary pass).
         shard: the vocabulary split, or None: the entries are gathered on their shards and assembled on every
             rank (one SUM all-reduce of ``nnz + N`` values), the head normaliser is the primitive's global one.
+        eager: False while ``torch.compile`` traces (:func:`offpolicy.ops.library.tracing`, asked by the caller).
     """
     n = tokens.shape[0]
     device = tokens.device
@@ -92,11 +95,12 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
         return SparseLogSoftmax(target, cand, lse, entropy)
     if model.logits is not None:
         target, lse, entropy, x = log_softmax_with_entries(model.logits, tokens, rows, cols, temperature, skip=skip,
-                                                           shard=shard, backend=backend, inplace_grad=inplace_grad)
+                                                           shard=shard, backend=backend, inplace_grad=inplace_grad,
+                                                           eager=eager)
     else:
         target, lse, entropy, x = linear_log_softmax_with_entries(model.hidden, model.weight, model.bias, tokens,
                                                                   rows, cols, temperature, skip=skip, shard=shard,
-                                                                  backend=backend)
+                                                                  backend=backend, eager=eager)
     x = x * inv_temp[rows]
     x_e, x_y = x[:m], x[m:]
     ok = active & torch.isfinite(lse)

@@ -21,7 +21,11 @@ from offpolicy.parallel.dtensor import vocab_shard_of
 from offpolicy.loss.csr_logprobs import csr_log_probs
 from offpolicy.loss.inputs import Aggregation, Parallelism, TokenData
 from offpolicy.loss.logprobs import PolicyLossOutput, loss_from_logprobs
-from offpolicy.ops import SparseLogSoftmax, VocabShard, input_checks, row_threads, sparse_log_softmax
+from offpolicy.ops import SparseLogSoftmax, VocabShard, backend_registry, input_checks, library, row_threads
+from offpolicy.ops.backend_registry import Backend
+from offpolicy.ops.linear_op import linear_torch_backend
+from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax_unchecked
+from offpolicy.ops.logits_op.sparse_log_softmax import sparse_log_softmax_unchecked
 from offpolicy.loss.validation import check_batch, check_candidates, check_flag, check_vector
 
 
@@ -101,13 +105,17 @@ def policy_loss(
             gradient, which no vocabulary pass produces, is a fresh buffer whatever this says.
         backend: ``"torch"``, ``"cpu"`` or ``"triton"``; default by device.
         validate: check inputs at the boundary (host syncs); skipped automatically under ``torch.compile``.
+            Without it, what the log-softmax reads (``logits`` or ``hidden`` / ``weight`` / ``bias``, the shape
+            and dtype of ``tokens``, the temperature's type and shape, ``inplace_grad`` on overlapping rows) is still
+            checked: no host sync.
 
     Returns:
         :class:`PolicyLossOutput`.
     """
     check_flag("validate", validate)
     check_flag("inplace_grad", inplace_grad)
-    check = validate and not torch.compiler.is_compiling()
+    eager = not library.tracing()  # the one question about torch.compile; the ops get the answer in their plan
+    check = validate and eager
     logits, tp_group, vocab_start = vocab_shard_of(logits, tp_group, vocab_start)
     model = ModelInputs(logits, hidden, weight, bias)
     data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
@@ -116,48 +124,64 @@ def policy_loss(
     par = Parallelism(tp_group, vocab_start, cp_group)
     # On CPU the checks and the O(N K) math are many small ops; each parallel region waits for all its threads,
     # which on shared cores costs more than the op. With logits they run with one intra-op thread, and the
-    # vocabulary passes share their rows out to torch.get_num_threads() workers (offpolicy.ops.row_threads). The
-    # fused-linear path keeps the caller's threads: its matmuls are large parallel regions.
+    # vocabulary passes share their rows out to torch.get_num_threads() workers (offpolicy.ops.row_threads); this
+    # is the call's one entry into that context. The fused-linear path keeps the caller's threads: its matmuls
+    # are large parallel regions.
     on_cpu = isinstance(logits, Tensor) and logits.device.type == "cpu"
-    with row_threads.single_intra_op() if on_cpu else contextlib.nullcontext():
-        return _policy_loss(model, tokens, temperature, candidates, data, agg, par, correction, inplace_grad,
-                            backend, check)
+    with row_threads.single_intra_op() if on_cpu and eager else contextlib.nullcontext():
+        n, v, device = _check_op_inputs(model, tokens, temperature, inplace_grad, values=check)
+        if check:
+            _validate(tokens, candidates, n=n, v=v, device=device, data=data, agg=agg, par=par, corr=correction)
+        src = model.logits if model.logits is not None else model.hidden
+        chosen = backend_registry.choose(backend, device, src.dtype)  # once per call, handed down
+        active = torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.to(torch.bool)
+        shard = VocabShard(tp_group, vocab_start) if tp_group is not None else None
+        lp = _log_probs(model, tokens, candidates, temperature, skip=~active, shard=shard, inplace_grad=inplace_grad,
+                        backend=chosen, eager=eager)
+        if check:
+            _refuse_broken_rows(model, lp, candidates, temperature, active=active, shard=shard)
+        return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data=data, agg=agg, corr=correction,
+                                  cp_group=cp_group)
 
 
-def _policy_loss(model: ModelInputs, tokens: Tensor, temperature, candidates: Candidates | CSRCandidates | None,
-                 data: TokenData,
-                 agg: Aggregation, par: Parallelism, correction: Correction, inplace_grad: bool,
-                 backend: str | None, check: bool) -> PolicyLossOutput:
-    """:func:`policy_loss`'s body, on the checked and grouped arguments."""
-    loss_mask, tp_group, vocab_start, cp_group = data.loss_mask, par.tp_group, par.vocab_start, par.cp_group
-    csr = isinstance(candidates, CSRCandidates)
-    if check:
-        _validate(model, tokens, temperature, candidates, data, agg, par, correction)
-    n = tokens.shape[0]
-    device = tokens.device
-    active = torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.to(torch.bool)
+def _log_probs(model: ModelInputs, tokens: Tensor, candidates: Candidates | CSRCandidates | None,
+               temperature: float | Tensor, *, skip: Tensor, shard: VocabShard | None, inplace_grad: bool,
+               backend: Backend, eager: bool) -> SparseLogSoftmax:
+    """The trainer's log-probabilities the loss reads: the op's unchecked entry (the arguments were checked by
+    :func:`_check_op_inputs` and :func:`_validate`, the backend resolved by :func:`policy_loss`), or a CSR
+    record's entries."""
+    if isinstance(candidates, CSRCandidates):
+        return csr_log_probs(model, tokens, candidates, temperature, skip, backend=backend, inplace_grad=inplace_grad,
+                             shard=shard, eager=eager)
     support = candidates is not None and candidates.kind == "support"
-    cand_ids = candidates.ids if candidates is not None and not csr else None
-    shard = VocabShard(tp_group, vocab_start) if tp_group is not None else None
-
-    # The primitive's value checks (ids in range, temperatures) are the ones _validate has just made.
-    if csr:
-        lp = csr_log_probs(model, tokens, candidates, temperature, ~active, backend, inplace_grad, shard)
-    else:
-        lp = _log_probs(model, tokens, cand_ids, temperature, support, ~active, shard, inplace_grad, backend)
-    if check:
-        # A NaN logit makes the row's log-probabilities NaN; a +inf one makes its normaliser inf - inf (NaN
-        # entropy, NaN gradient): neither is a distribution, so a trained row holding one is refused.
-        broken = (torch.isnan(lp.target) | torch.isnan(lp.entropy)) & active
-        if model.logits is not None and shard is None and not (csr and support):
-            broken |= _overflowed(model.logits, torch.isposinf(lp.lse) & active & ~broken, cand_ids, support)
-        if bool(broken.any()):
-            raise ValueError(_broken_row(model, int(broken.nonzero()[0]), temperature))
-
-    return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data, agg, correction, cp_group)
+    cand_ids = candidates.ids if candidates is not None else None
+    if model.logits is not None:
+        return sparse_log_softmax_unchecked(model.logits, tokens, cand_ids, temperature, backend=backend,
+                                            support=support, skip=skip, shard=shard, inplace_grad=inplace_grad,
+                                            sum_p2=False, eager=eager)
+    return linear_sparse_log_softmax_unchecked(model.hidden, model.weight, tokens, cand_ids, temperature,
+                                               bias=model.bias, backend=backend, support=support, skip=skip,
+                                               shard=shard, chunk_bytes=linear_torch_backend.CHUNK_BYTES,
+                                               grad_filter=None, sum_p2=False, eager=eager)
 
 
-def _overflowed(logits: Tensor, no_mass: Tensor, cand_ids: Tensor | None, support: bool) -> Tensor:
+def _refuse_broken_rows(model: ModelInputs, lp: SparseLogSoftmax, candidates: Candidates | CSRCandidates | None,
+                        temperature: float | Tensor, *, active: Tensor, shard: VocabShard | None) -> None:
+    """A NaN logit makes the row's log-probabilities NaN; a +inf one makes its normaliser inf - inf (NaN entropy,
+    NaN gradient): neither is a distribution, so a trained row holding one is refused (a host sync: only when
+    validating)."""
+    csr = isinstance(candidates, CSRCandidates)
+    support = candidates is not None and candidates.kind == "support"
+    broken = (torch.isnan(lp.target) | torch.isnan(lp.entropy)) & active
+    if model.logits is not None and shard is None and not (csr and support):
+        cand_ids = candidates.ids if candidates is not None and not csr else None
+        broken |= _overflowed(model.logits, torch.isposinf(lp.lse) & active & ~broken, cand_ids=cand_ids,
+                              support=support)
+    if bool(broken.any()):
+        raise ValueError(_broken_row(model, int(broken.nonzero()[0]), temperature))
+
+
+def _overflowed(logits: Tensor, no_mass: Tensor, *, cand_ids: Tensor | None, support: bool) -> Tensor:
     """``[N]`` bool: rows among ``no_mass`` (normaliser ``+inf``) that hold a finite logit where the normaliser
     reads (the row, or its support), so ``z / tau`` overflowed. A row of ``-inf`` logits has no mass either and is
     allowed (``p(y) = 0``). Only the flagged rows are read."""
@@ -173,7 +197,7 @@ def _overflowed(logits: Tensor, no_mass: Tensor, cand_ids: Tensor | None, suppor
     return out
 
 
-def _broken_row(model: ModelInputs, row: int, temperature) -> str:
+def _broken_row(model: ModelInputs, row: int, temperature: float | Tensor) -> str:
     """The error for a trained row with no distribution: which of NaN, ``+inf`` or an overflow of ``z / tau`` it
     holds (read from that one row: the error path only)."""
     trained = "a trained token (loss_mask is True there)"
@@ -190,7 +214,7 @@ def _broken_row(model: ModelInputs, row: int, temperature) -> str:
             "temperature or scale the logits down")
 
 
-def _global_vocab(group, vocab_start: int, v_local: int, n: int, device) -> int:
+def _global_vocab(group, *, vocab_start: int, v_local: int, n: int, device: torch.device) -> int:
     """Size of the vocabulary split over ``group``, checking that the shards tile ``[0, V)`` and agree on ``N``.
 
     One all-gather of three integers per rank.
@@ -226,70 +250,49 @@ class ModelInputs:
     bias: Tensor | None
 
 
-def _log_probs(model: ModelInputs, tokens, cand_ids, temperature, support, skip, shard, inplace_grad,
-               backend) -> SparseLogSoftmax:
-    if model.logits is not None:
-        return sparse_log_softmax(model.logits, tokens, cand_ids, temperature, support=support, skip=skip, shard=shard,
-                                  inplace_grad=inplace_grad, backend=backend, validate=False)
-    from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax
-
-    return linear_sparse_log_softmax(model.hidden, model.weight, tokens, cand_ids, temperature, bias=model.bias,
-                                     support=support, skip=skip, shard=shard, backend=backend, validate=False)
-
-
-def _validate(model: ModelInputs, tokens, temperature, candidates, data: TokenData, agg: Aggregation,
-              par: Parallelism, corr: Correction) -> None:
+def _check_op_inputs(model: ModelInputs, tokens: Tensor, temperature: float | Tensor, inplace_grad: bool, *,
+                     values: bool) -> tuple[int, int, torch.device]:
+    """The checks of what the log-softmax reads (logits, or hidden and weight; the tokens; the temperature; the
+    in-place gradient), which :func:`policy_loss` makes since it calls the ops unchecked: the ops' own
+    (:mod:`offpolicy.ops.input_checks`) for the model and the temperature, so both boundaries raise alike. Shapes,
+    dtypes and strides cost no host sync and always run; the temperature tensor's values are read with ``values``.
+    Returns ``(N, V, device)`` (``V`` local under ``tp_group``)."""
     logits, hidden, weight, bias = model.logits, model.hidden, model.weight, model.bias
     if logits is not None and (hidden is not None or weight is not None):
         raise ValueError("pass either logits, or hidden and weight, not both")
     if logits is None:
         if hidden is None or weight is None:
             raise ValueError("policy_loss needs logits [N, V], or hidden [N, D] and weight [V, D]")
-        if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-            raise ValueError(
-                f"hidden must be [N, D] and weight [V, D] with the same D, got {tuple(hidden.shape)} and "
-                f"{tuple(weight.shape)}"
-            )
-        if not (hidden.is_floating_point() and weight.is_floating_point()):
-            raise TypeError("hidden and weight must be floating-point tensors")
+        input_checks.check_layer(hidden, weight, bias, linear_torch_backend.CHUNK_BYTES, None)
         input_checks.check_has_data("hidden", hidden)
-        if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-            raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
-        n, v, device, dtype = hidden.shape[0], weight.shape[0], hidden.device, hidden.dtype
+        src, v = hidden, weight.shape[0]
     else:
-        if not isinstance(logits, Tensor) or logits.dim() != 2:
-            raise ValueError(f"logits must be a [N, V] tensor, got {getattr(logits, 'shape', type(logits))}")
-        if not logits.is_floating_point():
-            raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
-        input_checks.check_has_data("logits", logits)
-        # The stride only matters when a row holds two or more entries to address (V = 1 or N = 0 logits of
-        # any stride are contiguous).
-        if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
-            raise ValueError("logits must have unit stride along the vocabulary (call .contiguous())")
-        n, v, device, dtype = logits.shape[0], logits.shape[1], logits.device, logits.dtype
+        input_checks.check_logits(logits)
+        input_checks.check_inplace_grad(logits, inplace_grad)
+        src, v = logits, logits.shape[1]
     if tokens is None:
         raise ValueError("tokens, sampler_logprobs and advantages are required")
+    check_vector("tokens", tokens, src.shape[0], src.device, "int")
+    n = src.shape[0]
+    acc = torch.float64 if src.dtype == torch.float64 else torch.float32
+    input_checks.check_temperature(temperature, n, acc, values=values)
+    return n, v, src.device
+
+
+def _validate(tokens: Tensor, candidates: Candidates | CSRCandidates | None, *, n: int, v: int,
+              device: torch.device, data: TokenData, agg: Aggregation, par: Parallelism, corr: Correction) -> None:
+    """The checks of :func:`policy_loss`'s other arguments and of the values (host syncs), after
+    :func:`_check_op_inputs`, made once here: the ops below run unchecked. Each error names the argument."""
     if isinstance(par.vocab_start, bool) or not isinstance(par.vocab_start, numbers.Integral):
         raise TypeError(f"vocab_start must be an int, got {type(par.vocab_start).__name__} {par.vocab_start!r}")
     if par.tp_group is None and par.vocab_start != 0:
         raise ValueError(f"vocab_start={par.vocab_start} needs tp_group (the group the vocabulary is split over); "
                          "without it the logits hold the whole vocabulary, starting at 0")
-    check_vector("tokens", tokens, n, device, "int")
-    vocab = v if par.tp_group is None else _global_vocab(par.tp_group, par.vocab_start, v, n, device)
+    vocab = v if par.tp_group is None else _global_vocab(par.tp_group, vocab_start=par.vocab_start, v_local=v, n=n,
+                                                                 device=device)
     if n and bool((tokens < 0).any()):
         raise ValueError(f"tokens: id {int(tokens.min())} is negative")
     if n and vocab is not None and bool((tokens >= vocab).any()):
         raise ValueError(f"tokens: id {int(tokens.max())} is out of range for vocabulary size {vocab}")
     active = check_batch(n, device, data, agg, corr)
-    if isinstance(temperature, Tensor):
-        if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != n):
-            raise ValueError(f"temperature must be a float or a [N] = [{n}] tensor, got {tuple(temperature.shape)}")
-        if not temperature.is_floating_point():
-            raise TypeError(f"temperature must be a float or a float [N] tensor, got a {temperature.dtype} tensor")
-        input_checks.check_temperature_values(temperature, torch.float64 if dtype == torch.float64 else torch.float32)
-    elif isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a number or a [N] tensor, got {type(temperature).__name__} "
-                        f"{temperature!r}")
-    elif not 0 < float(temperature) < float("inf"):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
     check_candidates(candidates, vocab, n, device, active, tokens)

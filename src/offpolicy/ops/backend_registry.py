@@ -1,7 +1,8 @@
 """One registry of backends for both ops (the logits op and the fused-linear op), each a :class:`Backend` resolved
-once per call: the op's boundary picks it (:func:`choose`) and hands the record down in the op's plan; the autograd
-functions call its modules directly (eager) or, while ``torch.compile`` traces, through the custom ops of
-:mod:`offpolicy.ops.library`, which carry only the backend's name.
+once per call: the call's boundary picks it (:func:`choose`; the op's public function, or :func:`offpolicy.policy_loss`,
+which hands it to the ops' unchecked entries) and the record goes down in the op's plan, never as a name; the
+autograd functions call its modules directly (eager) or, while ``torch.compile`` traces, through the custom ops of
+:mod:`offpolicy.ops.library`, which carry only the backend's name (a graph holds no Python object).
 
 A backend's modules implement the contracts :class:`LogitsBackend` (``full_stats``, ``full_grad``; with
 ``caches_probs`` also :class:`CachingLogitsBackend`'s ``grad_from_probs``) and :class:`LinearBackend`

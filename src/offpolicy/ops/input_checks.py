@@ -1,11 +1,13 @@
 """The input checks of both ops (:func:`~offpolicy.ops.sparse_log_softmax` and
-:func:`~offpolicy.ops.linear_sparse_log_softmax`), made once, at their public boundary: nothing below it (autograd
-functions, backends) checks its arguments again.
+:func:`~offpolicy.ops.linear_sparse_log_softmax`), made once, at the public boundary of a call: nothing below it
+(autograd functions, backends) checks its arguments again. :func:`offpolicy.policy_loss` is a boundary too: it
+makes the same stride and temperature checks with these functions (:func:`check_unit_stride`,
+:func:`check_temperature`), then calls the ops' unchecked entries (``sparse_log_softmax_unchecked``,
+``linear_sparse_log_softmax_unchecked``), so each check runs once per call, whichever entry point it came in by.
 
-Shape, dtype, stride and option checks cost nothing and always run. Value checks (ids in range, temperatures
-``> 0``) read the tensors, which is a host sync on a GPU: the boundary runs them unless the caller passes
-``validate=False`` (a caller that has checked its batch already, such as :func:`offpolicy.policy_loss`) or
-``torch.compile`` is tracing (a graph cannot hold a host sync).
+Shape, dtype, stride and option checks cost nothing and always run at an op's boundary. Value checks (ids in
+range, temperatures ``> 0``) read the tensors, which is a host sync on a GPU: the boundary runs them unless the
+caller passes ``validate=False`` or ``torch.compile`` is tracing (a graph cannot hold a host sync).
 """
 
 from __future__ import annotations
@@ -38,8 +40,15 @@ def check_logits(logits: object) -> None:
     if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.dtype not in FLOATS:
         raise ValueError(f"logits: expected a [N, V] fp32/bf16/fp16/float64 tensor, got {describe(logits)}")
     check_has_data("logits", logits)
-    if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits: expected unit stride along V (call .contiguous()), got strides {logits.stride()}")
+    check_unit_stride("logits", logits)
+
+
+def check_unit_stride(name: str, x: Tensor) -> None:
+    """``x [N, V]`` has unit stride along ``V`` where a row holds two or more entries to address (``V <= 1`` or
+    ``N = 0`` logits of any stride are contiguous): the one stride check of both boundaries
+    (:func:`~offpolicy.ops.sparse_log_softmax` and :func:`offpolicy.policy_loss`); the backends rely on it."""
+    if x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name}: expected unit stride along V (call .contiguous()), got strides {x.stride()}")
 
 
 def check_has_data(name: str, x: Tensor) -> None:
@@ -67,10 +76,10 @@ def _too_small(acc: torch.dtype) -> str:
             f"{1 / torch.finfo(acc).max:.3g}")
 
 
-def check_rows(n: int, device: torch.device, targets: object, candidate_ids: object, temperature: object,
-               support: object, skip: object, shard: object, acc: torch.dtype = torch.float32) -> None:
-    """Static checks of the per-row arguments both primitives take (no tensor values are read); ``acc`` is the
-    dtype the statistics are computed in (``1 / temperature`` must be finite in it)."""
+def check_rows(n: int, device: torch.device, targets: object, candidate_ids: object, support: object, skip: object,
+               shard: object) -> None:
+    """Static checks of the per-row arguments both primitives take besides the temperature (no tensor values are
+    read)."""
     if not isinstance(targets, Tensor) or targets.shape != (n,) or targets.dtype not in INTS:
         raise ValueError(f"targets: expected an integer ({INT_NAMES}) [N={n}] tensor, got {describe(targets)}")
     if candidate_ids is not None and (not isinstance(candidate_ids, Tensor) or candidate_ids.dim() != 2
@@ -81,14 +90,6 @@ def check_rows(n: int, device: torch.device, targets: object, candidate_ids: obj
         raise ValueError(f"support: expected a bool, got {describe(support)}")
     if support and candidate_ids is None:
         raise ValueError("support=True normalises over each row's candidates: candidate_ids is required")
-    if isinstance(temperature, Tensor):
-        if temperature.dim() > 1 or temperature.numel() not in (1, n) or not temperature.is_floating_point():
-            raise ValueError(f"temperature: expected a float or a float [N={n}] tensor, got {describe(temperature)}")
-    elif isinstance(temperature, bool) or not isinstance(temperature, Real) \
-            or not (0 < float(temperature) < math.inf):
-        raise ValueError(f"temperature: expected a finite number > 0, got {describe(temperature)}")
-    elif 1 / float(temperature) > torch.finfo(acc).max:
-        raise ValueError(f"temperature: {float(temperature):.3g} is too small: {_too_small(acc)}")
     if skip is not None and (not isinstance(skip, Tensor) or skip.shape != (n,) or skip.dtype != torch.bool):
         raise ValueError(f"skip: expected a bool [N={n}] tensor or None, got {describe(skip)}")
     if shard is not None and not isinstance(shard, VocabShard):
@@ -98,11 +99,10 @@ def check_rows(n: int, device: torch.device, targets: object, candidate_ids: obj
             raise ValueError(f"{name}: expected a tensor on {device}, got one on {x.device}")
 
 
-def check_values(v: int, targets: Tensor, candidate_ids: Tensor | None, temperature: float | Tensor,
-                 shard: VocabShard | None, support: bool = False, acc: torch.dtype = torch.float32) -> None:
-    """Value checks (host syncs): ids in ``[0, V)`` (candidates may be ``-1``), no id twice in a row under
-    ``support`` (the normaliser would count it twice), temperatures finite and ``> 0`` with ``1 / temperature``
-    finite in ``acc``.
+def check_values(v: int, targets: Tensor, candidate_ids: Tensor | None, shard: VocabShard | None,
+                 support: bool = False) -> None:
+    """Value checks of the ids (host syncs): ids in ``[0, V)`` (candidates may be ``-1``), no id twice in a row
+    under ``support`` (the normaliser would count it twice).
 
     Under ``shard`` the global vocabulary size is not known here, so only the lower bounds are checked. Call it
     eagerly only (the boundary does not while ``torch.compile`` traces).
@@ -122,19 +122,32 @@ def check_values(v: int, targets: Tensor, candidate_ids: Tensor | None, temperat
         if row is not None:
             raise ValueError(f"candidate_ids: row {row} holds an id twice; support=True normalises over each row's "
                              "ids, so a repeated id would count twice (pass each id once)")
+
+
+def check_temperature(temperature: object, n: int, acc: torch.dtype, *, values: bool) -> None:
+    """The one temperature check of both boundaries (:func:`~offpolicy.ops.sparse_log_softmax`, its fused-linear
+    twin, and :func:`offpolicy.policy_loss`); every failure is a ``ValueError`` naming ``temperature``.
+
+    ``temperature`` is a real number (Python or NumPy; not a bool), finite and ``> 0``, or a float tensor of
+    ``[N]`` (or one element); ``1 / temperature`` must be finite in ``acc``, the dtype of the statistics. A
+    tensor's entries are read only with ``values`` (a host sync: the boundary skips it with ``validate=False`` and
+    while ``torch.compile`` traces).
+    """
     if isinstance(temperature, Tensor):
-        check_temperature_values(temperature, acc)
-
-
-def check_temperature_values(temperature: Tensor, acc: torch.dtype) -> None:
-    """Every entry of a temperature tensor is finite and ``> 0``, and its inverse is finite in ``acc`` (a host
-    sync)."""
-    if not temperature.numel():
-        return
-    if not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
-        raise ValueError("temperature: every entry must be finite and > 0")
-    if not bool(torch.isfinite(1 / temperature.to(acc)).all()):
-        raise ValueError(f"temperature: an entry of {float(temperature.min()):.3g} is too small: {_too_small(acc)}")
+        if temperature.dim() > 1 or temperature.numel() not in (1, n) or not temperature.is_floating_point():
+            raise ValueError(f"temperature: expected a float or a float [N={n}] tensor, got {describe(temperature)}")
+        if not values or not temperature.numel():
+            return
+        if not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
+            raise ValueError("temperature: every entry must be finite and > 0")
+        if not bool(torch.isfinite(1 / temperature.to(acc)).all()):
+            raise ValueError(f"temperature: an entry of {float(temperature.min()):.3g} is too small: "
+                             f"{_too_small(acc)}")
+    elif isinstance(temperature, bool) or not isinstance(temperature, Real) \
+            or not (0 < float(temperature) < math.inf):
+        raise ValueError(f"temperature: expected a finite number > 0, got {describe(temperature)}")
+    elif 1 / float(temperature) > torch.finfo(acc).max:
+        raise ValueError(f"temperature: {float(temperature):.3g} is too small: {_too_small(acc)}")
 
 
 def check_sum_p2(sum_p2: object) -> None:

@@ -3,7 +3,11 @@ traces them as opaque ops with shape-only fake (meta) implementations. At run ti
 named by its ``backend`` argument (:mod:`offpolicy.ops.backend_registry`; a graph holds a name, not the record).
 The autograd functions (:mod:`offpolicy.ops.logits_op.logits_function`,
 :mod:`offpolicy.ops.linear_op.linear_function`) call them only while ``torch.compile`` traces (eagerly they call the
-backend record directly), so they carry no autograd formula.
+backend record directly), so they carry no autograd formula. :func:`tracing` is the one place the call path asks
+whether it is being traced.
+
+At run time (a compiled graph executing) the logits ops enter the single-intra-op-thread context of
+:mod:`offpolicy.ops.row_threads` on CPU: the boundary that enters it eagerly was traced, not run.
 
 Logits op:
 
@@ -24,10 +28,30 @@ Fused-linear op:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
-from offpolicy.ops import backend_registry
+from offpolicy.ops import backend_registry, row_threads
+
+
+def tracing() -> bool:
+    """Whether ``torch.compile`` is tracing the calling code: the custom-op dispatch's question.
+
+    A traced graph can hold neither a host sync nor a Python object as an op's argument. So while tracing, the
+    boundaries (:func:`offpolicy.policy_loss`, :func:`~offpolicy.ops.sparse_log_softmax`,
+    :func:`~offpolicy.ops.linear_sparse_log_softmax`) skip their value checks and the single-thread context, and
+    the autograd functions reach the backend through the custom ops below, which carry its name. Each boundary asks
+    once and passes the answer down in the op's plan; each autograd ``backward`` asks once itself (compiled
+    autograd may trace a backward whose forward ran eagerly).
+    """
+    return torch.compiler.is_compiling()
+
+
+def _threads(logits: Tensor):
+    """The single-thread context for CPU logits (see the module docstring), else a null context."""
+    return row_threads.single_intra_op() if logits.device.type == "cpu" else contextlib.nullcontext()
 
 
 @torch.library.custom_op("offpolicy::full_stats", mutates_args=())
@@ -35,7 +59,8 @@ def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: s
                sum_p2: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(m, s, t, q)`` per row of ``logits * inv_temp`` (the logits contract's ``full_stats``); ``q`` is empty
     unless ``sum_p2``."""
-    stats = backend_registry.get(backend).logits.full_stats(logits, inv_temp, skip, sum_p2=sum_p2)
+    with _threads(logits):
+        stats = backend_registry.get(backend).logits.full_stats(logits, inv_temp, skip, sum_p2=sum_p2)
     return (*stats, inv_temp.new_empty(0)) if not sum_p2 else tuple(stats)
 
 
@@ -51,7 +76,8 @@ def full_grad(
 ) -> Tensor:
     """A new contiguous ``[N, V]`` gradient in the logits' dtype (the logits contract's ``full_grad``)."""
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    return backend_registry.get(backend).logits.full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
+    with _threads(logits):
+        return backend_registry.get(backend).logits.full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
 
 
 @full_grad.register_fake
@@ -64,7 +90,8 @@ def full_grad_inplace_(
     logits: Tensor, ids: Tensor, inv_temp: Tensor, lse: Tensor, grad: Tensor, grad_sum: Tensor, backend: str
 ) -> None:
     """Overwrite ``logits`` with their gradient (the logits contract's ``full_grad`` with ``out = logits``)."""
-    backend_registry.get(backend).logits.full_grad(logits, ids, inv_temp, lse, grad, grad_sum, logits)
+    with _threads(logits):
+        backend_registry.get(backend).logits.full_grad(logits, ids, inv_temp, lse, grad, grad_sum, logits)
 
 
 @full_grad_inplace_.register_fake

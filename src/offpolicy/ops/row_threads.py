@@ -6,7 +6,10 @@ waits for all its threads; on a machine whose cores are shared (2 cores, other j
 every op, and a pass over a chunk that takes 0.1 ms alone can take 10-30 ms. Independent workers only meet once,
 at the end of the loop. The number of workers is ``torch.get_num_threads()`` of the calling thread (at most the
 number of chunks); the ops release the GIL, so the workers run in parallel. Around the loops the logits
-primitive runs its small ops with one intra-op thread too (:func:`single_intra_op`).
+primitive runs its small ops with one intra-op thread too (:func:`single_intra_op`), entered once per call where
+the call starts running: eagerly at the public boundary (:func:`offpolicy.policy_loss` with CPU logits, or
+:func:`~offpolicy.ops.sparse_log_softmax`) and in the autograd function's backward, and in a compiled graph by the
+custom ops of :mod:`offpolicy.ops.library`; the loops below run inside it.
 
 Threads and fork: the worker pool is global and shared by every calling thread (their chunks queue on it; a task
 never waits on another task, so callers cannot deadlock each other). One lock covers taking the pool, growing it
@@ -49,9 +52,10 @@ def single_intra_op() -> Iterator[None]:
     """Run the calling thread's ops with one intra-op thread, keeping its thread count for :func:`for_chunks`.
 
     The ``O(N K)`` ops around the vocabulary passes are small parallel regions; on a shared machine each can wait
-    milliseconds for a descheduled thread. Inside this context only :func:`for_chunks` runs in parallel.
+    milliseconds for a descheduled thread. Inside this context only :func:`for_chunks` runs in parallel. Eager
+    code only (the callers do not enter it while ``torch.compile`` traces); nested, it is a no-op.
     """
-    if getattr(_LOCAL, "workers", None) is not None or torch.compiler.is_compiling():
+    if getattr(_LOCAL, "workers", None) is not None:
         yield
         return
     threads = torch.get_num_threads()
@@ -79,9 +83,10 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 def for_chunks(total: int, step: int, body: Callable[[int, int], None]) -> None:
     """Call ``body(lo, hi)`` for every chunk ``[lo, hi)`` of ``range(total)`` in steps of ``step``.
 
-    Chunks are split into contiguous shares, one per worker; ``body`` must only write outputs of its own rows.
-    Eager code only: the backends call it at run time (directly, or inside a custom op), never while
-    ``torch.compile`` traces.
+    Chunks are split into contiguous shares, one per worker; ``body`` must only write outputs of its own rows. The
+    calling thread takes the first share; inside :func:`single_intra_op` (where the op's callers run it) it does so
+    with one intra-op thread, like the workers. Eager code only: the backends call it at run time (directly, or
+    inside a custom op), never while ``torch.compile`` traces.
     """
     starts = list(range(0, total, step))
     threads = getattr(_LOCAL, "workers", None) or torch.get_num_threads()
@@ -102,8 +107,7 @@ def for_chunks(total: int, step: int, body: Callable[[int, int], None]) -> None:
     with _POOL_LOCK:
         pool = _pool(workers)
         futures = [pool.submit(share, bounds[w], bounds[w + 1]) for w in range(1, workers)]
-    with single_intra_op():  # the calling thread works too, with one intra-op thread like the others
-        share(bounds[0], bounds[1])
+    share(bounds[0], bounds[1])  # the calling thread works too
     for f in futures:
         f.result()
 

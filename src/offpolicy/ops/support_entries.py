@@ -27,8 +27,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax
-from offpolicy.ops.logits_op.sparse_log_softmax import sparse_log_softmax
+from offpolicy.ops.backend_registry import Backend
+from offpolicy.ops.linear_op import linear_torch_backend
+from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax_unchecked
+from offpolicy.ops.logits_op.sparse_log_softmax import sparse_log_softmax_unchecked
 from offpolicy.ops.vocab_parallel import VocabShard, sum_shards
 
 __all__ = ["entry_logits", "linear_entry_logits", "linear_log_softmax_with_entries", "log_softmax_with_entries"]
@@ -186,13 +188,14 @@ def linear_entry_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, row
 class _LogSoftmaxWithEntries(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, rows: Tensor, cols: Tensor, temperature, skip: Tensor,
-                shard: VocabShard | None, backend: str | None, inplace_grad: bool):
+                shard: VocabShard | None, backend: Backend, inplace_grad: bool, eager: bool):
         # The primitive runs on a detached alias with its own graph; the backward asks that graph for its dense
         # gradient and adds the entries' into it.
         with torch.enable_grad():
             z = logits.detach().requires_grad_(logits.requires_grad)
-            lp = sparse_log_softmax(z, tokens, None, temperature, skip=skip, shard=shard, inplace_grad=inplace_grad,
-                                    backend=backend, validate=False)
+            lp = sparse_log_softmax_unchecked(z, tokens, None, temperature, backend=backend, support=False,
+                                              skip=skip, shard=shard, inplace_grad=inplace_grad, sum_p2=False,
+                                              eager=eager)
         ctx.inner = (z, lp.target)
         local, owned = _localise(cols, shard, logits.shape[1])
         ctx.save_for_backward(rows, local, owned)
@@ -207,28 +210,32 @@ class _LogSoftmaxWithEntries(torch.autograd.Function):
         (dz,) = torch.autograd.grad(target, z, g_target)
         if z.shape[1]:
             _add_entries(dz, rows * z.shape[1] + local, _own(g_x, owned), z.shape[1])
-        return dz, None, None, None, None, None, None, None, None
+        return dz, None, None, None, None, None, None, None, None, None
 
 
 def log_softmax_with_entries(logits: Tensor, tokens: Tensor, rows: Tensor, cols: Tensor, temperature, *,
-                             skip: Tensor, shard: VocabShard | None = None, backend: str | None = None,
-                             inplace_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(log p(y) [N], lse [N], entropy [N], logits[rows, cols] [M])``: :func:`sparse_log_softmax` at ``tokens``
+                             skip: Tensor, shard: VocabShard | None, backend: Backend, inplace_grad: bool,
+                             eager: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(log p(y) [N], lse [N], entropy [N], logits[rows, cols] [M])``: the sparse log-softmax at ``tokens``
     over the full vocabulary and the raw logits at the entries (fp32; float64 for float64 logits), one autograd
     node whose backward returns one dense ``[N, V]`` gradient (see the module docstring). The arguments are
-    those of :func:`sparse_log_softmax`, already checked by the caller; ``rows``, ``cols``: ``[M]`` int64."""
-    return _LogSoftmaxWithEntries.apply(logits, tokens, rows, cols, temperature, skip, shard, backend, inplace_grad)
+    those of :func:`~offpolicy.ops.logits_op.sparse_log_softmax.sparse_log_softmax_unchecked`, already checked
+    and resolved by the caller; ``rows``, ``cols``: ``[M]`` int64."""
+    return _LogSoftmaxWithEntries.apply(logits, tokens, rows, cols, temperature, skip, shard, backend, inplace_grad,
+                                        eager)
 
 
 class _LinearLogSoftmaxWithEntries(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, rows: Tensor,
-                cols: Tensor, temperature, skip: Tensor, shard: VocabShard | None, backend: str | None):
+                cols: Tensor, temperature, skip: Tensor, shard: VocabShard | None, backend: Backend, eager: bool):
         with torch.enable_grad():
             leaves = tuple(None if t is None else t.detach().requires_grad_(t.requires_grad)
                            for t in (hidden, weight, bias))
-            lp = linear_sparse_log_softmax(leaves[0], leaves[1], tokens, None, temperature, bias=leaves[2],
-                                           skip=skip, shard=shard, backend=backend, validate=False)
+            lp = linear_sparse_log_softmax_unchecked(leaves[0], leaves[1], tokens, None, temperature, bias=leaves[2],
+                                                     backend=backend, support=False, skip=skip, shard=shard,
+                                                     chunk_bytes=linear_torch_backend.CHUNK_BYTES, grad_filter=None,
+                                                     sum_p2=False, eager=eager)
         ctx.inner = (leaves, lp.target)
         local, owned = _localise(cols, shard, weight.shape[0])
         ctx.save_for_backward(rows, local, owned)
@@ -248,7 +255,7 @@ class _LinearLogSoftmaxWithEntries(torch.autograd.Function):
             grads[i] = torch.zeros_like(leaves[i]) if gr is None else gr
         hidden, weight, _ = leaves
         if weight.shape[0] == 0:
-            return (*grads, None, None, None, None, None, None, None)
+            return (*grads, None, None, None, None, None, None, None, None)
         dh, uniq, dwu = _linear_entry_grads(g_x, hidden, weight, rows, cols, grads[0] is not None,
                                             grads[1] is not None)
         if grads[0] is not None:
@@ -257,14 +264,15 @@ class _LinearLogSoftmaxWithEntries(torch.autograd.Function):
             _add_entries(grads[1], uniq, dwu)
         if grads[2] is not None:
             _add_entries(grads[2], cols, g_x)
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def linear_log_softmax_with_entries(hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor,
                                     rows: Tensor, cols: Tensor, temperature, *, skip: Tensor,
-                                    shard: VocabShard | None = None,
-                                    backend: str | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The fused-linear twin of :func:`log_softmax_with_entries`: :func:`linear_sparse_log_softmax` at ``tokens``
-    and ``hidden[rows] . weight[cols] (+ bias[cols])``, one node returning one gradient per input."""
+                                    shard: VocabShard | None, backend: Backend,
+                                    eager: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The fused-linear twin of :func:`log_softmax_with_entries`: the fused-linear sparse log-softmax
+    (:func:`~offpolicy.ops.linear_op.linear_log_softmax.linear_sparse_log_softmax_unchecked`) at ``tokens`` and
+    ``hidden[rows] . weight[cols] (+ bias[cols])``, one node returning one gradient per input."""
     return _LinearLogSoftmaxWithEntries.apply(hidden, weight, bias, tokens, rows, cols, temperature, skip, shard,
-                                              backend)
+                                              backend, eager)

@@ -21,6 +21,7 @@ from offpolicy.testing import strategies
 from offpolicy.testing.project import project_loss
 from offpolicy.testing.harness import LossFn
 from offpolicy.testing.invariants import INVARIANTS, Invariant
+from offpolicy.testing.memory import LiveBytes
 from offpolicy.testing.runner import (
     DEFAULT_MAX_EXAMPLES,
     CheckResult,
@@ -39,6 +40,7 @@ __all__ = [
     "CheckResult",
     "Invariant",
     "InvariantViolation",
+    "LiveBytes",
     "LossConfig",
     "LossFn",
     "Report",

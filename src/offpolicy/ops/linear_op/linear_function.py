@@ -21,7 +21,8 @@ the logits primitive (:mod:`offpolicy.ops.vocab_parallel`); each rank's ``dh`` i
 autograd through ``h @ W_local^T`` gives; the tensor-parallel layer that replicated ``h`` sums it over ranks).
 
 Eager, the backend (resolved once, at the boundary) is called directly; while ``torch.compile`` traces, through the
-custom ops of :mod:`offpolicy.ops.library`. The forward reads that choice from the plan, the backend asks once.
+custom ops of :mod:`offpolicy.ops.library`. The forward reads that choice from the plan, the backward asks once
+(:func:`offpolicy.ops.library.tracing`: it may run under compiled autograd).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
         active = torch.where(dz_ids != 0, local, torch.full_like(local, -1))
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_filter = None if plan.support else plan.grad_filter
-        if torch.compiler.is_compiling():
+        if library.tracing():
             dh, dw, db = library.linear_backward(hidden, weight, bias, active, dz_ids, inv_temp, lse, coef,
                                                  plan.chunk_bytes, grad_filter, need_h, need_w,
                                                  need_b and bias is not None, plan.backend.name)

@@ -4,7 +4,9 @@
 returns (the same :class:`~offpolicy.ops.row_io.SparseLogSoftmax`, the same padding, skip, temperature and NaN
 semantics), differentiable with respect to ``hidden``, ``weight`` and ``bias``, without the ``[N, V]`` logits or
 their gradient. This is the op's boundary: arguments checked once (:mod:`offpolicy.ops.input_checks`), the backend
-resolved once. The autograd function is :mod:`offpolicy.ops.linear_op.linear_function`; backends come from the
+resolved once; then :func:`linear_sparse_log_softmax_unchecked` runs the op, the entry of a caller that is a
+boundary itself (:func:`offpolicy.policy_loss`). The fused-linear path keeps the caller's intra-op threads (its
+matmuls are large parallel regions), so there is no single-thread context here. The autograd function is :mod:`offpolicy.ops.linear_op.linear_function`; backends come from the
 same registry as the logits primitive's (:mod:`offpolicy.ops.backend_registry`): ``torch``
 (:mod:`offpolicy.ops.linear_op.linear_torch_backend`, chunked, the CPU default) and ``triton``
 (:mod:`offpolicy.ops.linear_op.linear_triton_backend`, the CUDA default).
@@ -15,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offpolicy.ops import backend_registry, input_checks
+from offpolicy.ops import backend_registry, input_checks, library
+from offpolicy.ops.backend_registry import Backend
 from offpolicy.ops.linear_op import linear_torch_backend
 from offpolicy.ops.linear_op.linear_function import LinearPlan, LinearSparseLogSoftmaxFunction
 from offpolicy.ops.row_io import SparseLogSoftmax, result, row_inputs
@@ -80,14 +83,34 @@ def linear_sparse_log_softmax(
     input_checks.check_layer(hidden, weight, bias, budget, grad_filter)
     input_checks.check_sum_p2(sum_p2)
     n, v = hidden.shape[0], weight.shape[0]
-    dev = hidden.device
-    # fp32 statistics for 16/32-bit inputs; float64 inputs keep float64 throughout (gradcheck, references).
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    input_checks.check_rows(n, dev, targets, candidate_ids, temperature, support, skip, shard, acc)
-    eager = not torch.compiler.is_compiling()  # tracing: no host syncs, and the backend behind the custom ops
+    acc = _acc(hidden)
+    input_checks.check_rows(n, hidden.device, targets, candidate_ids, support, skip, shard)
+    eager = not library.tracing()  # tracing: no host syncs, and the backend behind the custom ops
+    input_checks.check_temperature(temperature, n, acc, values=validate and eager)
     if validate and eager:
-        input_checks.check_values(v, targets, candidate_ids, temperature, shard, support, acc)
-    ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, dev)
-    plan = LinearPlan(support, shard, backend_registry.choose(backend, dev, hidden.dtype), budget,
-                      None if grad_filter is None else float(grad_filter), sum_p2, eager)
+        input_checks.check_values(v, targets, candidate_ids, shard, support)
+    return linear_sparse_log_softmax_unchecked(
+        hidden, weight, targets, candidate_ids, temperature, bias=bias,
+        backend=backend_registry.choose(backend, hidden.device, hidden.dtype), support=support, skip=skip,
+        shard=shard, chunk_bytes=budget, grad_filter=None if grad_filter is None else float(grad_filter),
+        sum_p2=sum_p2, eager=eager)
+
+
+def linear_sparse_log_softmax_unchecked(hidden: Tensor, weight: Tensor, targets: Tensor, candidate_ids: Tensor | None,
+                                        temperature: float | Tensor, *, bias: Tensor | None, backend: Backend,
+                                        support: bool, skip: Tensor | None, shard: VocabShard | None,
+                                        chunk_bytes: int, grad_filter: float | None, sum_p2: bool,
+                                        eager: bool) -> SparseLogSoftmax:
+    """:func:`linear_sparse_log_softmax` on checked arguments with the backend resolved
+    (:func:`offpolicy.ops.backend_registry.choose`): the boundary of the call has done both. ``chunk_bytes`` is
+    the budget itself (not None); ``eager`` is False while ``torch.compile`` traces
+    (:func:`offpolicy.ops.library.tracing`, asked once by that boundary). Arguments and result as in
+    :func:`linear_sparse_log_softmax`."""
+    ids, inv_temp = row_inputs(targets, candidate_ids, temperature, hidden.shape[0], _acc(hidden), hidden.device)
+    plan = LinearPlan(support, shard, backend, chunk_bytes, grad_filter, sum_p2, eager)
     return result(*LinearSparseLogSoftmaxFunction.apply(hidden, weight, bias, ids, inv_temp, skip, plan), sum_p2)
+
+
+def _acc(hidden: Tensor) -> torch.dtype:
+    """The statistics' dtype: fp32 for 16/32-bit inputs; float64 keeps float64 (gradcheck, references)."""
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32

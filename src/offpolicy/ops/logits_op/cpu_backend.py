@@ -48,8 +48,6 @@ def _kernels(logits: Tensor):
         raise RuntimeError(f"backend 'cpu': the native CPU kernels are unavailable ({reason}); use backend='torch'")
     if logits.device.type != "cpu" or logits.dtype not in _SUFFIX:
         raise ValueError(f"backend 'cpu' takes CPU fp32/bf16/fp16 logits, got {logits.dtype} on {logits.device}")
-    if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
-        raise ValueError(f"backend 'cpu' needs logits with unit stride along V, got strides {logits.stride()}")
     suffix = _SUFFIX[logits.dtype]
     if suffix not in cpu_native.dtypes():
         if suffix not in _WARNED:
@@ -61,6 +59,12 @@ def _kernels(logits: Tensor):
     return lib, suffix
 
 
+def _unit_stride(logits: Tensor) -> Tensor:
+    """``logits`` in the C loops' layout, unit stride along ``V``: the boundaries refuse other logits
+    (:func:`offpolicy.ops.input_checks.check_unit_stride`), so only a direct call of this module pays a copy."""
+    return logits if logits.shape[1] <= 1 or logits.stride(1) == 1 else logits.contiguous()
+
+
 def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *, sum_p2: bool = False) -> tuple[Tensor, ...]:
     """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` (and ``q = sum exp(2 (x - m))`` with ``sum_p2``, from the
     same pass): the contract of :func:`torch_backend.full_stats`, for CPU fp32/bf16/fp16 logits and fp32
@@ -69,6 +73,7 @@ def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *, sum_p2:
     if kernels is None:
         return torch_backend.full_stats(logits, inv_temp, skip, sum_p2=sum_p2)
     lib, suffix = kernels
+    logits = _unit_stride(logits)
     n, v = logits.shape
     mz, s, t2 = (torch.zeros(n, dtype=torch.float32) for _ in range(3))
     q = torch.zeros(n, dtype=torch.float32) if sum_p2 else None
@@ -113,6 +118,7 @@ def full_grad(
     if kernels is None:
         return torch_backend.full_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
     lib, suffix = kernels
+    logits = _unit_stride(logits)
     n, v = logits.shape
     if n == 0 or v == 0:
         return out

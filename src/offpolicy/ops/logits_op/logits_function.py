@@ -12,7 +12,8 @@ gradient whatever their logits hold (NaN and inf included).
 Eager, the functions call the plan's backend directly (resolved once, at the boundary); while ``torch.compile``
 traces, they go through the custom ops of :mod:`offpolicy.ops.library` (opaque to the tracer, shape-only fakes). The
 forward reads that choice from the plan (made at the boundary, in the same trace), the backward asks once itself
-(it may run under compiled autograd).
+(:func:`offpolicy.ops.library.tracing`: it may run under compiled autograd) and, eagerly on CPU, enters the
+single-intra-op-thread context of :mod:`offpolicy.ops.row_threads` (the forward runs inside the boundary's).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class LogitsPlan:
 
 class SparseLogSoftmaxFunction(torch.autograd.Function):
     """``(logp [N, M], lse [N], entropy [N], sum_p2)`` of ``logits [N, V]`` at ``ids [N, M]`` (``-1`` padding);
-    ``sum_p2`` is ``[N]`` with ``plan.sum_p2`` and an empty tensor without. The forward runs inside the boundary's
-    single-thread context (:func:`offpolicy.ops.sparse_log_softmax`)."""
+    ``sum_p2`` is ``[N]`` with ``plan.sum_p2`` and an empty tensor without. Eagerly on CPU the forward runs inside the
+    single-thread context of its boundary (:func:`offpolicy.policy_loss` or :func:`offpolicy.ops.sparse_log_softmax`)."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | None, plan: LogitsPlan):
@@ -97,7 +98,7 @@ class SparseLogSoftmaxFunction(torch.autograd.Function):
     def backward(ctx, g: Tensor, _g_lse: Tensor, _g_entropy: Tensor, _g_sum_p2: Tensor):
         """``dz [N, V]`` from ``g [N, M]``: the support form, the cached exponentials, or the backend's
         ``full_grad`` (directly, or through the custom op while tracing)."""
-        eager = not torch.compiler.is_compiling()
+        eager = not library.tracing()
         with row_threads.single_intra_op() if eager and g.device.type == "cpu" else contextlib.nullcontext():
             logits, local, inv_temp, lse, pad, x = ctx.saved_tensors
             plan: LogitsPlan = ctx.plan

@@ -6,9 +6,10 @@ of ``x = z / tau``, the normaliser ``lse``, the entropy and, on request, ``sum_v
 (:class:`SparseLogSoftmax`). Only the full-vocabulary
 statistics and the backward touch ``[N, V]`` data; they run in a backend (:mod:`offpolicy.ops.backend_registry`). This
 is the op's boundary: the arguments are checked here once (:mod:`offpolicy.ops.input_checks`), the backend is
-resolved here once, and on CPU the single-intra-op-thread context is entered here for the forward. The autograd
-function is :mod:`offpolicy.ops.logits_op.logits_function`; its fused-linear twin is
-:func:`offpolicy.ops.linear_sparse_log_softmax`.
+resolved here once, and on CPU the single-intra-op-thread context is entered here for the forward; then
+:func:`sparse_log_softmax_unchecked` runs the op, the entry of callers that are boundaries themselves and have made
+those three steps (:func:`offpolicy.policy_loss`). The autograd function is
+:mod:`offpolicy.ops.logits_op.logits_function`; its fused-linear twin is :func:`offpolicy.ops.linear_sparse_log_softmax`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import contextlib
 import torch
 from torch import Tensor
 
-from offpolicy.ops import backend_registry, input_checks, row_threads
+from offpolicy.ops import backend_registry, input_checks, library, row_threads
+from offpolicy.ops.backend_registry import Backend
 from offpolicy.ops.logits_op.logits_function import LogitsPlan, SparseLogSoftmaxFunction
 from offpolicy.ops.row_io import SparseLogSoftmax, result, row_inputs
 from offpolicy.ops.vocab_parallel import VocabShard
 
-__all__ = ["SparseLogSoftmax", "VocabShard", "sparse_log_softmax"]
+__all__ = ["SparseLogSoftmax", "VocabShard", "sparse_log_softmax", "sparse_log_softmax_unchecked"]
 
 
 def sparse_log_softmax(
@@ -75,17 +77,35 @@ def sparse_log_softmax(
     """
     input_checks.check_logits(logits)
     n, v = logits.shape
-    # fp32 statistics for 16/32-bit logits; float64 logits keep float64 throughout (gradcheck, references).
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    input_checks.check_rows(n, logits.device, targets, candidate_ids, temperature, support, skip, shard, acc)
+    acc = _acc(logits)
+    input_checks.check_rows(n, logits.device, targets, candidate_ids, support, skip, shard)
+    eager = not library.tracing()  # tracing: no host syncs, and the backend behind the custom ops
+    input_checks.check_temperature(temperature, n, acc, values=validate and eager)
     input_checks.check_inplace_grad(logits, inplace_grad)
     input_checks.check_sum_p2(sum_p2)
-    eager = not torch.compiler.is_compiling()  # tracing: no host syncs, and the backend behind the custom ops
     if validate and eager:
-        input_checks.check_values(v, targets, candidate_ids, temperature, shard, support, acc)
-    plan = LogitsPlan(support, shard, inplace_grad, backend_registry.choose(backend, logits.device, logits.dtype),
-                      sum_p2, eager)
-    cpu = logits.device.type == "cpu"
-    with row_threads.single_intra_op() if cpu else contextlib.nullcontext():
-        ids, inv_temp = row_inputs(targets, candidate_ids, temperature, n, acc, logits.device)
-        return result(*SparseLogSoftmaxFunction.apply(logits, ids, inv_temp, skip, plan), sum_p2)
+        input_checks.check_values(v, targets, candidate_ids, shard, support)
+    chosen = backend_registry.choose(backend, logits.device, logits.dtype)
+    with row_threads.single_intra_op() if eager and logits.device.type == "cpu" else contextlib.nullcontext():
+        return sparse_log_softmax_unchecked(logits, targets, candidate_ids, temperature, backend=chosen,
+                                            support=support, skip=skip, shard=shard, inplace_grad=inplace_grad,
+                                            sum_p2=sum_p2, eager=eager)
+
+
+def sparse_log_softmax_unchecked(logits: Tensor, targets: Tensor, candidate_ids: Tensor | None,
+                                 temperature: float | Tensor, *, backend: Backend, support: bool,
+                                 skip: Tensor | None, shard: VocabShard | None, inplace_grad: bool, sum_p2: bool,
+                                 eager: bool) -> SparseLogSoftmax:
+    """:func:`sparse_log_softmax` on checked arguments (shapes, dtypes, options and, unless the caller opted out,
+    values), with the backend resolved (:func:`offpolicy.ops.backend_registry.choose`) and, eagerly on CPU, inside
+    the single-intra-op-thread context: the boundary of the call has done all three. ``eager`` is False while
+    ``torch.compile`` traces (:func:`offpolicy.ops.library.tracing`, asked once by that boundary). Arguments and
+    result as in :func:`sparse_log_softmax`."""
+    ids, inv_temp = row_inputs(targets, candidate_ids, temperature, logits.shape[0], _acc(logits), logits.device)
+    plan = LogitsPlan(support, shard, inplace_grad, backend, sum_p2, eager)
+    return result(*SparseLogSoftmaxFunction.apply(logits, ids, inv_temp, skip, plan), sum_p2)
+
+
+def _acc(logits: Tensor) -> torch.dtype:
+    """The statistics' dtype: fp32 for 16/32-bit logits; float64 logits keep float64 (gradcheck, references)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
