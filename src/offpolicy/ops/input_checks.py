@@ -163,7 +163,8 @@ def check_layer(hidden: object, weight: object, bias: object, chunk_bytes: objec
         raise ValueError(f"hidden: expected a [N, D] fp32/bf16/fp16/float64 tensor, got {describe(hidden)}")
     d = hidden.shape[1]
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != d:
-        raise ValueError(f"weight: expected a [V, D={d}] tensor, got {describe(weight)}")
+        raise ValueError(f"weight: expected a [V, D={d}] tensor (D of hidden {tuple(hidden.shape)}), got "
+                         f"{describe(weight)}")
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
         raise ValueError(f"weight: expected dtype {hidden.dtype} on {hidden.device} like hidden, "
                          f"got {weight.dtype} on {weight.device}")
