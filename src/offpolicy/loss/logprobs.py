@@ -32,6 +32,7 @@ from offpolicy.loss.metrics import TokenView, policy_metrics, token_view
 from offpolicy.loss.penalty import kl_penalty_terms
 from offpolicy.loss.segments import Segments
 from offpolicy.loss.inputs import Aggregation, TokenData
+from offpolicy.ops.library import tracing
 from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_flag, check_vector
 from offpolicy.corrections.weights import (bounded_log_ratio, inside_bounds, sequence_drops, sequence_keep,
                                            token_rejected, token_weight)
@@ -114,9 +115,10 @@ def policy_loss_from_logprobs(
                      current_version, reference_logprobs, segment_ids)
     agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
     check_flag("validate", validate)
-    if validate and not torch.compiler.is_compiling():
+    if validate and not tracing():
         _validate(logprobs, candidates, candidate_logprobs, entropy, data, agg, correction)
-    return loss_from_logprobs(logprobs, candidates, candidate_logprobs, entropy, data, agg, correction, cp_group)
+    return loss_from_logprobs(logprobs, candidates, candidate_logprobs, entropy, data=data, agg=agg, corr=correction,
+                              cp_group=cp_group)
 
 
 def loss_from_logprobs(
@@ -124,6 +126,7 @@ def loss_from_logprobs(
     candidates: Record | None,
     candidate_logprobs: Tensor | None,
     entropy: Tensor | None,
+    *,
     data: TokenData,
     agg: Aggregation,
     corr: Correction,
