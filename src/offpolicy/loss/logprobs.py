@@ -183,13 +183,14 @@ def loss_from_logprobs(
         tr_penalty = tr.penalty * torch.where(live, logp_y - ref, zero).square()
         token_loss = token_loss + tr_penalty
     # 6. Aggregation (without the rejected tokens in the normaliser when the correction says so).
+    level_log_r = bounded_log_ratio(log_w, seg, tree, turns)  # the ratio f acted on (also a metric below)
     counted, seg_counted = active, seg
     if not tree.rejected_in_normalizer:
         tok_rej = token_rejected(log_w, tree)
         counted = sel if tok_rej is None else sel & ~tok_rej
         counted = counted if tr_masked is None else counted & ~tr_masked
         if tree.weighting.mode.rejects:
-            counted = counted & inside_bounds(bounded_log_ratio(log_w, seg, tree, turns), tree)
+            counted = counted & inside_bounds(level_log_r, tree)
         seg_counted = replace(seg, active=counted) if seg is not None else None
     loss = aggregate(token_loss, counted, agg.name, seg_counted, agg.num_loss_tokens, agg.num_sequences,
                      agg.constant_normalizer, cp_group)
@@ -202,7 +203,7 @@ def loss_from_logprobs(
         loss = loss + kl_penalty
         token_loss = token_loss + pen
     # 7. Metrics.
-    view = token_view(log_ratio=log_r, bounded_log_ratio=bounded_log_ratio(log_w, seg, tree, turns), impossible=impossible,
+    view = token_view(log_ratio=log_r, bounded_log_ratio=level_log_r, impossible=impossible,
                       weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, tree=tree,
                       advantages=adv)
     metrics = policy_metrics(
