@@ -6,7 +6,8 @@ Reads the histories the report reads (``offpolicy demo --report-only``) and prin
 difference with its 95 % Student-t interval (``offpolicy.demo.report.paired``) for the primary outcome ``Y``
 (``success_mean``) and for the per-run scalars named below: what numerics add on top of the shared staleness (the
 mixed against the homogeneous fleet, arm by arm), what top-p costs each arm, and each arm against the on-policy
-control; then each configuration's change of entropy (last tenth of the steps minus the first).
+control; then each configuration's change of entropy (last tenth of the steps minus the first), and how many
+optimizer steps the gradient clip acted on (``clipped`` in each step's history) with the smallest pre-clip norm.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def report(paths: list[str]) -> str:
     for config in dict.fromkeys(r.config for r in rows):
         mean, ci = mean_ci([r.final_entropy - r.entropy_start for r in rows if r.config == config])
         out.append(f"| {config} | {mean:+.4f} ± {ci:.4f} | {sum(r.config == config for r in rows)} |")
+    steps = [h for r in results for h in r["history"]]
+    clipped = sum(bool(h["clipped"]) for h in steps)
+    smallest = min(h["grad_norm_preclip"] for h in steps)
+    out += ["", f"Gradient clipping: {clipped:,} of {len(steps):,} optimizer steps clipped; "
+                f"smallest pre-clip gradient norm {smallest:.3g}."]
     return "\n".join(out) + "\n"
 
 

@@ -136,6 +136,19 @@ def test_report_only_regenerates_the_committed_tables_byte_for_byte(folder, tmp_
         assert (tmp_path / name).read_bytes() == (committed / name).read_bytes(), f"{folder}/{name} differs"
 
 
+@pytest.mark.parametrize("grid", ["A"])
+def test_docs_verdict_table_is_the_committed_report(grid):
+    """docs/demo.md's verdict table for a grid is the committed tables.md's prediction rows, each and in order."""
+    doc = (ROOT / "docs" / "demo.md").read_text()
+    section = doc.split(f"## Grid {grid}: ", 1)[1].split("\n## ", 1)[0]
+    tables = (ROOT / "docs" / "demo_results" / f"full_grid{grid}" / "tables.md").read_text()
+    registered = tables.split("| prediction | measured | verdict |", 1)[1]
+    want = [line for line in registered.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+    got = [line.replace("\\|", "|").replace("**miss**", "miss") for line in section.splitlines()
+           if line.startswith(("| H", "| S", "| D"))]
+    assert len(want) == 17 and got == want
+
+
 def test_registered_claims_name_real_configurations():
     """Every claim of both registrations has its own label and names configurations the demo can run."""
     from dataclasses import fields
