@@ -5,12 +5,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
-GRID = ROOT / "docs" / "demo_results" / "full_gridA"
+RESULTS = ROOT / "docs" / "demo_results"
 
 
-def test_posthoc_pairs_match_the_reports_headline_and_name_themselves_post_hoc():
-    files = sorted(map(str, GRID.glob("seed*.runs.json.gz")))
+@pytest.mark.parametrize("grid", ["full_gridA"])
+def test_posthoc_pairs_match_the_reports_headline_and_name_themselves_post_hoc(grid):
+    folder = RESULTS / grid
+    files = sorted(map(str, folder.glob("seed*.runs.json.gz")))
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "demo_posthoc.py"), *files], capture_output=True,
                          text=True, timeout=300, env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
@@ -18,12 +22,12 @@ def test_posthoc_pairs_match_the_reports_headline_and_name_themselves_post_hoc()
     assert text.startswith("Post hoc (not registered; no verdict rests on it)")
     assert f"seeds 0 .. {len(files) - 1} ({len(files)})" in text
     # H1's pair, computed by the tool, is the registered report's H1 row to the printed digits
-    tables = (GRID / "tables.md").read_text()
+    tables = (folder / "tables.md").read_text()
     h1 = re.search(r"\| H1 .*? success_mean grpo@mixed - grpo@onpolicy: ([+-][\d.]+ ± [\d.]+) \(n = (\d+)\)", tables)
     assert h1, "H1 row missing from the committed tables"
     assert f"| against the control | grpo@mixed - grpo@onpolicy | {h1.group(1)} | {h1.group(2)} |" in text
     # the committed post-hoc file is this output
-    assert (GRID / "posthoc.md").read_text() == text
+    assert (folder / "posthoc.md").read_text() == text
 
 
 def test_posthoc_names_a_missing_file(tmp_path):
