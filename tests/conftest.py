@@ -9,8 +9,8 @@ imports :mod:`offpolicy.kernels`: without a GPU every Triton kernel then runs in
 backends never import Triton). With a GPU nothing changes: the kernels compile for it.
 
 The checkout's root leaves ``sys.path`` (``python -m pytest`` puts the working directory there): its ``kernels/``
-folder, installed as ``offpolicy.kernels``, would otherwise be found as the top-level ``kernels`` and refuse to load
-where transformers imports the Hugging Face package of that name (``kernels/__init__.py``).
+folder, installed as ``offpolicy.kernels``, would otherwise be found as the top-level ``kernels`` and shadow the
+Hugging Face package of that name, which transformers imports (``kernels/__init__.py``).
 """
 
 import os
