@@ -4,8 +4,9 @@
 
 Reads the histories the report reads (``offpolicy demo --report-only``) and prints, per pair, the mean per-seed
 difference with its 95 % Student-t interval (``offpolicy.demo.report.paired``) for the primary outcome ``Y``
-(``success_mean``) and for the per-run scalars named below: what numerics add on top of the shared staleness (the
-mixed against the homogeneous fleet, arm by arm), what top-p costs each arm, and each arm against the on-policy
+(``success_mean``) and for the per-run scalars named below: what the mixed fleet's numerics add (the mixed against
+the homogeneous fleet, arm by arm: on top of the shared staleness where the runs have one, alone where their
+staleness is 0), what top-p costs each arm, and each arm against the on-policy
 control; then each configuration's change of entropy (last tenth of the steps minus the first), and how many
 optimizer steps the gradient clip acted on (``clipped`` in each step's history) with the smallest pre-clip norm.
 """
@@ -39,6 +40,8 @@ def report(paths: list[str]) -> str:
         with gzip.open(path, "rt") as f:
             results += json.load(f)["runs"]
     rows = [summarize(r) for r in results]
+    stale = any(r["config"]["staleness"] > 0 for r in results)
+    numerics = "numerics on top of staleness" if stale else "numerics alone (staleness 0)"
     seeds = sorted({r.seed for r in rows})
     out = [f"Post hoc (not registered; no verdict rests on it): {len(results)} runs, seeds {seeds[0]} .. "
            f"{seeds[-1]} ({len(seeds)}), from {len(paths)} file(s).", ""]
@@ -48,7 +51,7 @@ def report(paths: list[str]) -> str:
         out += [f"Paired differences of {title} (`{key}`):", "",
                 "| question | pair | difference | seeds | 95 % interval |", "|---|---|---|---|---|"]
         for arm in ARMS:
-            out.append(_row(paired(rows, f"{arm}@mixed", f"{arm}@homogeneous", key), "numerics on top of staleness"))
+            out.append(_row(paired(rows, f"{arm}@mixed", f"{arm}@homogeneous", key), numerics))
         for fleet in ("mixed", "homogeneous"):
             for with_p, without in TOP_P:
                 out.append(_row(paired(rows, f"{with_p}@{fleet}", f"{without}@{fleet}", key), "what top-p changes"))

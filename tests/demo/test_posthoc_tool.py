@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "demo_results"
 
 
-@pytest.mark.parametrize("grid", ["full_gridA"])
+@pytest.mark.parametrize("grid", ["full_gridA", "full_gridB"])
 def test_posthoc_pairs_match_the_reports_headline_and_name_themselves_post_hoc(grid):
     folder = RESULTS / grid
     files = sorted(map(str, folder.glob("seed*.runs.json.gz")))
@@ -26,6 +26,9 @@ def test_posthoc_pairs_match_the_reports_headline_and_name_themselves_post_hoc(g
     h1 = re.search(r"\| H1 .*? success_mean grpo@mixed - grpo@onpolicy: ([+-][\d.]+ ± [\d.]+) \(n = (\d+)\)", tables)
     assert h1, "H1 row missing from the committed tables"
     assert f"| against the control | grpo@mixed - grpo@onpolicy | {h1.group(1)} | {h1.group(2)} |" in text
+    # the mixed - homogeneous rows are labelled by the grid's staleness: on top of staleness 4 (A), alone at 0 (B)
+    label = {"full_gridA": "numerics on top of staleness", "full_gridB": "numerics alone (staleness 0)"}[grid]
+    assert f"| {label} | grpo@mixed - grpo@homogeneous |" in text
     # the committed post-hoc file is this output
     assert (folder / "posthoc.md").read_text() == text
 
