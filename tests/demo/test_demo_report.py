@@ -136,17 +136,20 @@ def test_report_only_regenerates_the_committed_tables_byte_for_byte(folder, tmp_
         assert (tmp_path / name).read_bytes() == (committed / name).read_bytes(), f"{folder}/{name} differs"
 
 
+def _verdict_rows(text: str) -> list[str]:
+    """The body rows of the first verdict table (``| prediction | measured | verdict |``) in ``text``."""
+    table = text.split("| prediction | measured | verdict |", 1)[1].split("\n\n", 1)[0]
+    return [line for line in table.splitlines() if line.startswith("| ")]
+
+
 @pytest.mark.parametrize("grid", ["A", "B"])
 def test_docs_verdict_table_is_the_committed_report(grid):
     """docs/demo.md's verdict table for a grid is the committed tables.md's prediction rows, each and in order."""
     doc = (ROOT / "docs" / "demo.md").read_text()
     section = doc.split(f"## Grid {grid}: ", 1)[1].split("\n## ", 1)[0]
     tables = (ROOT / "docs" / "demo_results" / f"full_grid{grid}" / "tables.md").read_text()
-    registered = tables.split("| prediction | measured | verdict |", 1)[1]
-    want = [line for line in registered.splitlines() if line.startswith("| ") and not line.startswith("|---")]
-    verdicts = section.split("| prediction | measured | verdict |", 1)[1].split("\n\n", 1)[0]
-    got = [line.replace("\\|", "|").replace("**miss**", "miss") for line in verdicts.splitlines()
-           if line.startswith("| ")]
+    want = _verdict_rows(tables)
+    got = [line.replace("\\|", "|").replace("**miss**", "miss") for line in _verdict_rows(section)]
     assert len(want) == 17 and got == want
 
 
