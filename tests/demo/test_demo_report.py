@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from offpolicy.demo.report import mean_ci, paired, predictions_text, seed_spread_table, seeds_needed, summarize
+from offpolicy.demo.report import mean_ci, t_quantile, paired, predictions_text, seed_spread_table, seeds_needed, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,9 +17,33 @@ def test_mean_ci_is_the_student_t_interval():
     xs = [0.1, 0.4, 0.25]
     mean, half = mean_ci(xs)
     assert mean == pytest.approx(0.25)
-    assert half == pytest.approx(4.303 * statistics.stdev(xs) / math.sqrt(3))
+    assert half == pytest.approx(4.303 * statistics.stdev(xs) / math.sqrt(3), rel=1e-4)
     assert math.isnan(mean_ci([0.3])[1]) and mean_ci([0.3])[0] == 0.3
     assert all(math.isnan(v) for v in mean_ci([]))
+    xs30 = [math.sin(i) for i in range(30)]  # the grids' 30 seeds: df = 29, not the normal 1.96
+    assert mean_ci(xs30)[1] == pytest.approx(2.045 * statistics.stdev(xs30) / math.sqrt(30), rel=2e-4)
+
+
+#: Two-sided 95 % quantiles (t_{0.975, df}) as printed in standard statistical tables (3 decimals), written out here
+#: independently of the report's own computation.
+T975_TABLE = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+              11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+              20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+              29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 80: 1.990, 100: 1.984, 120: 1.980}
+
+
+@pytest.mark.parametrize("df", sorted(T975_TABLE))
+def test_t_quantile_matches_the_printed_table(df):
+    assert t_quantile(0.975, df) == pytest.approx(T975_TABLE[df], abs=6e-4)
+
+
+def test_t_quantile_other_levels_and_bad_arguments():
+    assert t_quantile(0.95, 29) == pytest.approx(1.699, abs=6e-4)
+    assert t_quantile(0.995, 29) == pytest.approx(2.756, abs=6e-4)
+    assert t_quantile(0.5, 7) == pytest.approx(0.0, abs=1e-8)
+    for p, df in ((1.0, 5), (0.4, 5), (0.975, 0)):
+        with pytest.raises(ValueError, match="t_quantile"):
+            t_quantile(p, df)
 
 
 def _run(arm: str, fleet: str, seed: int, success: list[float], kl: list[float], fmt: str = "seed") -> dict:
@@ -49,7 +73,7 @@ def test_paired_differences_use_shared_seeds_only():
     summary += [summarize(_run("grpo", "mixed", s, [0.25, v], [0.01] * 10)) for s, v in enumerate([0.28, 0.31])]
     d = paired(summary, "sc_mis@mixed", "grpo@mixed")
     assert d.seeds == 2 and d.diff == pytest.approx(0.015)
-    assert d.ci == pytest.approx(12.706 * statistics.stdev([0.02, 0.01]) / math.sqrt(2))
+    assert d.ci == pytest.approx(12.706 * statistics.stdev([0.02, 0.01]) / math.sqrt(2), rel=1e-4)
     assert paired(summary, "sc_mis@mixed", "grpo@homogeneous") is None
 
 
