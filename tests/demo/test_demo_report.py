@@ -195,3 +195,18 @@ def test_registered_claims_name_real_configurations():
                     arm, _, fleet = value.partition("@")
                     fleet, _, fmt = fleet.partition(":")
                     assert arm in ARMS and fleet in FLEETS and (not fmt or fmt in WEIGHT_FORMATS), (claim, value)
+
+
+def test_reading_note_names_staleness_when_no_homogeneous_fleet_ran():
+    """The quick demo (on-policy control and the mixed fleet at staleness 4) must not read as mixed precision's cost:
+    its printed summary and figure say the gap mixes staleness with numerics."""
+    from offpolicy.demo.report import reading_note
+
+    def run(fleet, staleness):
+        return {"config": {"fleet": fleet, "staleness": staleness}}
+
+    quick = reading_note([run("onpolicy", 4.0), run("mixed", 4.0)])
+    assert "staleness plus numerics" in quick and "No homogeneous fleet" in quick and "grid A" in quick
+    both = reading_note([run("onpolicy", 4.0), run("mixed", 4.0), run("homogeneous", 4.0)])
+    assert "staleness plus numerics" in both and "No homogeneous fleet" not in both
+    assert reading_note([run("onpolicy", 0.0), run("mixed", 0.0), run("homogeneous", 0.0)]) == ""

@@ -228,7 +228,7 @@ def run_demo(args: argparse.Namespace) -> dict:
 
     from offpolicy.demo.mismatch import numerics_table, step_kl_table
     from offpolicy.demo.model import ModelConfig
-    from offpolicy.demo.report import markdown_table, tables_text, write_outputs
+    from offpolicy.demo.report import markdown_table, reading_note, tables_text, write_outputs
     from offpolicy.demo.task import SortTask
     from offpolicy.demo.warmup import WarmupConfig, default_cache_dir, warmup
 
@@ -323,6 +323,9 @@ def run_demo(args: argparse.Namespace) -> dict:
     partial.unlink(missing_ok=True)
     print()
     print(tables_text(results))
+    note = reading_note(results)
+    if note:
+        print(f"How to read this: {note}")
     print(f"wrote {', '.join(sorted(files))} to {out}/ in {meta['seconds']:.0f} s")
     return {"results": results, "files": files, "meta": meta, "calibration": calibration}
 
