@@ -7,8 +7,10 @@ difference with its 95 % Student-t interval (``offpolicy.demo.report.paired``) f
 (``success_mean``) and for the per-run scalars named below: what the mixed fleet's numerics add (the mixed against
 the homogeneous fleet, arm by arm: on top of the shared staleness where the runs have one, alone where their
 staleness is 0), what top-p costs each arm, and each arm against the on-policy
-control; then each configuration's change of entropy (last tenth of the steps minus the first), and how many
-optimizer steps the gradient clip acted on (``clipped`` in each step's history) with the smallest pre-clip norm.
+control; then each configuration's change of entropy (last tenth of the steps minus the first), how many
+optimizer steps the gradient clip acted on (``clipped`` in each step's history) with the smallest pre-clip norm,
+and Holm's step-down correction over the registration's interval claims (the registration named no correction for
+its 17 predictions; the claims judged by a rule, not an interval, get no p-value and are listed as such).
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ import json
 import sys
 from pathlib import Path
 
-from offpolicy.demo.report import PairedDifference, mean_ci, paired, summarize
+from offpolicy.demo.claims import Direction, Equivalent
+from offpolicy.demo.predictions import CURRENT
+from offpolicy.demo.report import PairedDifference, mean_ci, paired, summarize, t_cdf, t_quantile
+
+ALPHA = 0.05
 
 ARMS = ("grpo", "grpo_mis", "sc", "grpo_topp_noreplay", "grpo_topp", "sc_mis", "sc_mis_topp")
 TOP_P = (("grpo_topp", "grpo"), ("grpo_topp_noreplay", "grpo"), ("sc_mis_topp", "sc_mis"))
@@ -30,6 +36,54 @@ def _row(d: PairedDifference | None, why: str) -> str:
     lo, hi = d.diff - d.ci, d.diff + d.ci
     side = "below 0" if hi < 0 else "above 0" if lo > 0 else "includes 0"
     return f"| {why} | {d.a} - {d.b} | {d.diff:+.4f} ± {d.ci:.4f} | {d.seeds} | {side} |"
+
+
+def claim_p_value(claim, rows) -> tuple[float, str] | None:
+    """The two-sided p-value that matches the registration's interval rule for ``claim``, or None when the claim is
+    not an interval claim (or did not run). A direction claim hits when the 95 % interval excludes 0 on the wanted
+    side: ``p = 2 P(T > |t|)`` when the mean has the wanted sign, else 1. A "holds" claim hits when the 95 % interval
+    lies inside ``±margin`` (two one-sided tests at 2.5 % each): ``p = 2 max(p_low, p_high)``. Both are < 0.05
+    exactly when the registered verdict is a hit."""
+    if isinstance(claim, Direction):
+        d = paired(rows, claim.a, claim.b, claim.key)
+    elif isinstance(claim, Equivalent):
+        d = paired(rows, claim.a, claim.b, "success_mean")
+    else:
+        return None
+    if d is None or d.seeds < 2 or not d.ci > 0:
+        return None
+    df = d.seeds - 1
+    se = d.ci / t_quantile(0.975, df)
+    if isinstance(claim, Direction):
+        t = d.diff / se
+        p = 2 * (1 - t_cdf(abs(t), df)) if t * claim.want > 0 else 1.0
+        return min(p, 1.0), f"{d.diff:+.4f} ± {d.ci:.4f}, t = {t:+.2f}"
+    p_low = 1 - t_cdf((d.diff + claim.margin) / se, df)
+    p_high = 1 - t_cdf((claim.margin - d.diff) / se, df)
+    return min(2 * max(p_low, p_high), 1.0), f"{d.diff:+.4f} ± {d.ci:.4f}, margin ±{claim.margin}"
+
+
+def holm_table(rows) -> list[str]:
+    """Holm's step-down correction at family-wise 0.05 over the registration's interval claims."""
+    tested, untested = [], []
+    for claim in CURRENT.claims:
+        got = claim_p_value(claim, rows)
+        (tested if got is not None else untested).append((claim.label, got))
+    order = sorted(range(len(tested)), key=lambda i: tested[i][1][0])
+    keep, going = {}, True
+    for rank, i in enumerate(order):
+        going = going and tested[i][1][0] <= ALPHA / (len(tested) - rank)
+        keep[i] = going
+    out = [f"Holm's correction over the {len(tested)} registered interval claims (post hoc: the registration named "
+           f"no correction; family-wise {ALPHA}):", "",
+           "| prediction | difference | p | registered verdict | after Holm |", "|---|---|---|---|---|"]
+    for i, (label, (p, text)) in enumerate(tested):
+        out.append(f"| {label} | {text} | {p:.2g} | {'hit' if p < ALPHA else 'miss'} | "
+                   f"{'hit' if keep[i] else 'miss'} |")
+    hits = sum(p < ALPHA for _, (p, _) in tested)
+    out += ["", f"{sum(keep.values())} of {hits} interval hits survive Holm's correction. Judged by a rule, with no "
+            f"p-value: {'; '.join(label.split(' ')[0] for label, _ in untested)}."]
+    return out
 
 
 def report(paths: list[str]) -> str:
@@ -69,7 +123,8 @@ def report(paths: list[str]) -> str:
     clipped = sum(bool(h["clipped"]) for h in steps)
     smallest = min(h["grad_norm_preclip"] for h in steps)
     out += ["", f"Gradient clipping: {clipped:,} of {len(steps):,} optimizer steps clipped; "
-                f"smallest pre-clip gradient norm {smallest:.3g}."]
+                f"smallest pre-clip gradient norm {smallest:.3g}.", ""]
+    out += holm_table(rows)
     return "\n".join(out) + "\n"
 
 

@@ -29,6 +29,14 @@ def test_posthoc_pairs_match_the_reports_headline_and_name_themselves_post_hoc(g
     # the mixed - homogeneous rows are labelled by the grid's staleness: on top of staleness 4 (A), alone at 0 (B)
     label = {"full_gridA": "numerics on top of staleness", "full_gridB": "numerics alone (staleness 0)"}[grid]
     assert f"| {label} | grpo@mixed - grpo@homogeneous |" in text
+    # Holm's table: its "registered verdict" column (p < 0.05) is the registered report's verdict for every interval
+    # claim, so the p-values follow the registration's interval rule exactly; a claim kept after Holm was a hit
+    verdicts = dict(re.findall(r"^\| ((?:H|S|D)\d\w* [^|]*?) \| [^\n]* \| (hit|miss) \|$", tables, re.M))
+    holm = re.findall(r"^\| ((?:H|S|D)\d\w* [^|]*?) \| [^|]* \| [^|]* \| (hit|miss) \| (hit|miss) \|$", text, re.M)
+    assert len(holm) == 12
+    for label, registered, after in holm:
+        assert verdicts[label] == registered, label
+        assert after == "miss" or registered == "hit", label
     # the committed post-hoc file is this output
     assert (folder / "posthoc.md").read_text() == text
 

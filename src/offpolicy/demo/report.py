@@ -72,9 +72,11 @@ def _t_density(x: float, df: int) -> float:
     return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
 
 
-def _t_cdf(x: float, df: int) -> float:
-    """``P(T <= x)`` for ``x >= 0``: one half plus the density's integral over ``[0, x]`` by composite Simpson's
+def t_cdf(x: float, df: int) -> float:
+    """``P(T <= x)`` (``x < 0`` by symmetry): one half plus the density's integral over ``[0, x]`` by composite Simpson's
     rule on 4,096 panels (the density is smooth, so the error is far below the 4 digits the report prints)."""
+    if x < 0:
+        return 1.0 - t_cdf(-x, df)
     n = 4096
     h = x / n
     inner = sum((4 if i % 2 else 2) * _t_density(i * h, df) for i in range(1, n))
@@ -88,11 +90,11 @@ def t_quantile(p: float, df: int) -> float:
     if not 0.5 <= p < 1 or df < 1:
         raise ValueError(f"t_quantile: need 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
     lo, hi = 0.0, 1.0
-    while _t_cdf(hi, df) < p:
+    while t_cdf(hi, df) < p:
         lo, hi = hi, 2 * hi
     while hi - lo > 1e-9:
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_cdf(mid, df) < p else (lo, mid)
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
     return (lo + hi) / 2
 
 
