@@ -4,7 +4,10 @@ Their files live in the checkout's top-level ``kernels/`` folder, which is delib
 ``__init__.py``): with the checkout's root on ``sys.path`` (``python -m`` or ``python -c`` run from it) a top-level
 ``import kernels`` then finds it only as a namespace portion, which never wins over a regular package of that name
 anywhere on ``sys.path`` (the Hugging Face ``kernels`` that transformers imports), and where there is none,
-transformers reads a namespace ``kernels`` as absent. This package is how the library reaches the folder:
+transformers reads a namespace ``kernels`` as absent. (Only a working directory inside the package's own source,
+``src/offpolicy/``, puts this package's folder on ``sys.path`` as a top-level ``kernels``, as it does every other
+subpackage of offpolicy under its own name: Python does not support running from inside a package.) This package
+is how the library reaches the folder:
 
 - from a wheel (``pip install .``), setup.py has installed the folder's files here, beside this file;
 - from a checkout (an editable install, or ``src`` on ``sys.path``), ``__path__`` is extended to the folder, so
