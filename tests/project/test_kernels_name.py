@@ -85,6 +85,23 @@ def test_offpolicy_kernels_reaches_the_folder_in_a_checkout():
     assert not (ROOT / "kernels" / "__init__.py").exists()
 
 
+def test_offpolicy_kernels_from_src_on_sys_path_without_an_install(tmp_path):
+    """``src`` on ``sys.path`` and no install (as the side environments run the checkout): with ``-S`` and the
+    site-packages added as a plain folder, no .pth file runs, so the editable install's finder is absent and only
+    this package's ``__path__`` can reach the folder's modules and C source."""
+    import sysconfig
+
+    probe = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT / "src")!r}, {sysconfig.get_paths()["purelib"]!r}]
+        import offpolicy.kernels as k, offpolicy.kernels.logsoftmax as l
+        assert not any("editable" in type(f).__module__ for f in sys.meta_path), sys.meta_path
+        print(l.__file__, k.source("vocab_pass_cpu.c"), sep="|")
+    """)
+    found = _run(["-S", "-c", probe], tmp_path, _env()).split("|")
+    assert found == [str(ROOT / "kernels" / "logsoftmax.py"), str(ROOT / "kernels" / "vocab_pass_cpu.c")]
+
+
 @pytest.mark.parametrize("name", ["", "../setup.py", "kernels/logsoftmax.py", 3])
 def test_source_refuses_what_is_not_a_file_name(name):
     with pytest.raises(ValueError, match="name: expected a file name"):
