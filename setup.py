@@ -36,5 +36,9 @@ setup(
     packages=sorted(set(find_packages("src")) | {KERNELS_PACKAGE}),
     package_dir={"": "src", KERNELS_PACKAGE: "kernels"},
     package_data={KERNELS_PACKAGE: ["*.c"]},
+    # Only the package data named above: src/ holds no other data, and the manifest's view of
+    # src/offpolicy/kernels/__init__.py (a module of offpolicy.kernels, whose folder is kernels/) would otherwise
+    # read it as data of offpolicy and warn that offpolicy.kernels is not packaged.
+    include_package_data=False,
     cmdclass={"build_py": BuildPy},
 )
