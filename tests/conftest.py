@@ -8,20 +8,15 @@ busy machine a tiny op can wait milliseconds for it).
 imports :mod:`offpolicy.kernels`: without a GPU every Triton kernel then runs in the interpreter (the torch
 backends never import Triton). With a GPU nothing changes: the kernels compile for it.
 
-The checkout's root leaves ``sys.path`` (``python -m pytest`` puts the working directory there): its ``kernels/``
-folder, installed as ``offpolicy.kernels``, would otherwise be found as the top-level ``kernels`` and shadow the
-Hugging Face package of that name, which transformers imports (``kernels/__init__.py``).
+``python -m pytest`` puts the checkout's root on ``sys.path``; that is harmless: none of its folders is a regular
+package (``kernels/`` has no ``__init__.py``, so it never shadows the Hugging Face ``kernels`` that transformers
+imports; tests/project/test_kernels_name.py).
 """
 
 import os
-import sys
-from pathlib import Path
 
 import torch
 from hypothesis import HealthCheck, settings
-
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
 
 torch.set_num_threads(1)
 if not torch.cuda.is_available():

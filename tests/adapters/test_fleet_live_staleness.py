@@ -168,6 +168,40 @@ def test_a_hung_group_moves_its_sessions_to_a_living_group(tmp_path):
         release.set()
 
 
+@pytest.mark.parametrize("dies_at_call", [1, 2])
+def test_a_dead_group_sends_its_sessions_again_to_a_living_group(tmp_path, dies_at_call):
+    """``b``'s call raises (its process died) at its first or second call: the sessions of that call are sent again,
+    unchanged, to ``a``; every session gets every turn exactly once, the turns ``b`` served before it died stay,
+    and later rollouts use only ``a``."""
+
+    def die(group):
+        if group.calls + 1 == dies_at_call:
+            raise RuntimeError("engine process died")
+
+    fleet, eng = make_fleet(tmp_path, before={"b": die})
+    batch = fleet.rollout([[1]] * 4, SP, turns=2)
+    [event] = batch.events
+    assert (event.kind, event.group, len(event.moved_sessions)) == ("died", "b", 2)
+    assert "engine process died" in event.detail
+    assert all(len(ts) == 2 for ts in batch.turns) and len(batch.batch.tokens) == 4 * 2 * 2
+    by_session = dict(zip(batch.session_ids, batch.turns))
+    moved = [[t.group for t in by_session[s]] for s in event.moved_sessions]
+    assert moved == [["a", "a"] if dies_at_call == 1 else ["b", "a"]] * 2
+    assert batch.group_ids.tolist().count(1) == (0 if dies_at_call == 1 else 2 * 2)  # b's tokens: turns it served
+    assert not fleet.alive["b"] and fleet.alive["a"]
+    assert fleet.rollout([[1]] * 4, SP).served_counts() == {"a": 4}
+    assert status_row(fleet, "b")[2] == "failed" and status_row(fleet, "b")[-1] == "2"
+
+
+def test_when_every_group_dies_the_rollout_says_so(tmp_path):
+    def die(group):
+        raise RuntimeError("engine process died")
+
+    fleet, _ = make_fleet(tmp_path, before={"a": die, "b": die})
+    with pytest.raises(RuntimeError, match="every engine group has failed; the last: '[ab]' died"):
+        fleet.rollout([[1]] * 4, SP)
+
+
 def test_staleness_arguments_are_checked(tmp_path):
     groups = [SamplerGroup("a", "CPU", "bf16", "fp32", 1.0)]
     with pytest.raises(ValueError, match=r"sync_every\['a'\] must be an integer >= 1"):

@@ -88,6 +88,25 @@ def test_prime_rl_default_loss_without_trust_region(kl_tau):
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.parametrize("seed", [50, 51, 52])
+def test_prime_rl_ipo_defaults_since_3418(seed):
+    """prime-rl#3418 (after 559b447) made IPO the only built-in loss and the default when ``[trainer.loss]`` is
+    omitted, with ``ipo_threshold`` renamed ``eps`` (default 0.1; ``adv_tau`` 1, ``kl_tau`` 1e-3). The PR renames;
+    the formula is 559b447's ``ipo_loss_fn`` (``_prime_rl_loss(..., ipo=eps)``): ``op.TrustRegion(eps, eps,
+    sign="none", penalty=kl_tau)`` on the sampler's log-probabilities, token mean over the rl token count."""
+    logp, old, roll, mask, adv = _batch(seed)
+    eps, adv_tau, kl_tau = 0.1, 1.0, 1e-3
+    gap = (logp.exp() - roll.exp()).abs()[mask]
+    assert bool((gap > eps).any() & (gap <= eps).any())  # the trust region masks some tokens, not all
+    leaf = logp.clone().requires_grad_()
+    theirs = _prime_rl_loss(leaf, roll, adv, mask, adv_tau, kl_tau, ipo=eps)
+    theirs.backward()
+    out, grad = _ours(logp, old, roll, mask, adv,
+                      op.Correction(trust_region=op.TrustRegion(eps, eps, sign="none", penalty=kl_tau)), proximal=None)
+    assert abs(out.loss.item() - theirs.item()) <= 1e-12 * max(1.0, abs(theirs.item()))
+    torch.testing.assert_close(grad, leaf.grad, rtol=1e-10, atol=1e-13)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # AReaL (inclusionAI/AReaL at 4aef98d, areal/utils/functional/functional.py: ppo_actor_loss_fn,
 # apply_rejection_sampling; areal/utils/data.py: KLEstimator._compute_approx_kl). The binary_kl metric (KPop) and

@@ -216,6 +216,69 @@ def test_world_writable_library_is_refused(cache, built):
     assert_rebuilt(lib, built)
 
 
+@pytest.mark.parametrize("which", ["library", "hash file"])
+def test_group_writable_file_is_refused(cache, built, which):
+    """Writable by the group only (no bit for others): refused as well, deleted and built again."""
+    lib = seed(built)
+    (lib if which == "library" else Path(f"{lib}.sha256")).chmod(0o664)
+    with pytest.warns(RuntimeWarning, match=r"writable by group or others \(mode 664\)"):
+        assert cpu_native.load() is not None
+    assert_rebuilt(lib, built)
+    assert stat.S_IMODE(Path(f"{lib}.sha256").stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o750, 0o770, 0o711])
+def test_an_existing_folder_is_brought_back_to_0700(cache, built, mode):
+    """A ``cpu-<uid>`` folder of one's own that others can read or enter (made by hand, or by an older version) is
+    used, and left at 0700."""
+    lib = seed(built)
+    lib.parent.chmod(mode)
+    assert cpu_native.load() is not None
+    assert stat.S_IMODE(lib.parent.stat().st_mode) == 0o700
+    assert lib.read_bytes() == built[0]  # the trusted library was used as it was
+
+
+def test_a_second_builder_waits_for_the_lock_and_reuses_the_first_ones_library(cache, built, monkeypatch):
+    """While one builder holds the folder's build lock (taken as a build takes it), a second ``load`` neither
+    compiles nor reads the cache: it waits, then loads the library the first builder left, without compiling."""
+    import threading
+
+    folder = cpu_native.library_path().parent
+    folder.mkdir(mode=0o700, parents=True)
+    real_flock, real_run = fcntl.flock, cpu_native._run
+    events: list[str] = []  # the second builder's lock attempts and compiler runs, in order
+    holder = threading.get_ident()
+
+    def flock(fd, op):
+        try:
+            return real_flock(fd, op)
+        except OSError:
+            if threading.get_ident() != holder:
+                events.append("blocked")
+            raise
+
+    def run(argv, stdin, timeout):
+        if "-o" in argv:
+            events.append("compile")
+        return real_run(argv, stdin, timeout)
+
+    monkeypatch.setattr(cpu_native.fcntl, "flock", flock)
+    monkeypatch.setattr(cpu_native, "_run", run)
+    result: list[object] = []
+    worker = threading.Thread(target=lambda: result.append(cpu_native.load()), daemon=True)
+    with cpu_native._folder_lock(folder, 5.0):
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events and events[0] == "blocked", events  # not past the lock, not compiling
+        lib = seed(built)  # what the first builder leaves before it lets go
+    worker.join(60)
+    assert not worker.is_alive() and result and result[0] is not None
+    assert "compile" not in events, events
+    assert lib.read_bytes() == built[0]
+
+
 def test_library_of_another_user_is_refused(cache, built, monkeypatch):
     lib = seed(built)
     owned_by_another_user(monkeypatch, lib)

@@ -132,12 +132,14 @@ def stale_paths(text: str, repository: list[str] = REPOSITORY) -> list[str]:
 
 def _module_file(dotted: str) -> Path | None:
     parts = dotted.split(".")
-    base = ROOT / "kernels" if parts[:2] == ["offpolicy", "kernels"] else ROOT / "src" / "offpolicy"
-    rest = parts[2:] if parts[:2] == ["offpolicy", "kernels"] else parts[1:]
-    for candidate in (base.joinpath(*rest, "__init__.py"), base.joinpath(*rest[:-1], rest[-1] + ".py") if rest
-                      else None):
-        if candidate is not None and candidate.is_file():
-            return candidate
+    bases = [(ROOT / "src" / "offpolicy", parts[1:])]
+    if parts[:2] == ["offpolicy", "kernels"]:  # src/offpolicy/kernels/__init__.py, its modules in kernels/
+        bases.append((ROOT / "kernels", parts[2:]))
+    for base, rest in bases:
+        for candidate in (base.joinpath(*rest, "__init__.py"), base.joinpath(*rest[:-1], rest[-1] + ".py") if rest
+                          else None):
+            if candidate is not None and candidate.is_file():
+                return candidate
     return None
 
 

@@ -75,7 +75,7 @@ def test_architecture_page_lists_every_top_level_part_in_its_layer_table():
     named = set(re.findall(r"`(?:src/offpolicy/)?([\w]+)(?:/|\.py)`", table))
     src = ROOT / "src" / "offpolicy"
     parts = {p.stem for p in src.glob("*.py")} | {p.name for p in src.iterdir() if (p / "__init__.py").exists()}
-    assert (ROOT / "kernels" / "__init__.py").exists() and "kernels" in named
+    assert (ROOT / "kernels").is_dir() and "kernels" in named
     assert parts <= named, f"parts missing from the layer table of docs/architecture.md: {sorted(parts - named)}"
 
 

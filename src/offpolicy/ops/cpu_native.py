@@ -44,7 +44,6 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from importlib import resources
 from pathlib import Path
 
 try:
@@ -131,8 +130,11 @@ def unavailable_reason() -> str | None:
 
 
 def source_path() -> Path:
-    """The C source shipped in the package."""
-    return Path(str(resources.files("offpolicy.kernels").joinpath("vocab_pass_cpu.c")))
+    """The C source shipped in the package (``kernels/vocab_pass_cpu.c``: beside ``offpolicy.kernels``'s
+    ``__init__.py`` in a wheel, in the checkout's ``kernels/`` folder otherwise)."""
+    from offpolicy import kernels
+
+    return kernels.source("vocab_pass_cpu.c")
 
 
 def declared_abi() -> str:
