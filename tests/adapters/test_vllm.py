@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch

@@ -17,8 +17,8 @@ for ``Correction.ppo_clip``. The :class:`~offpolicy.Correction` is looked up by 
 Guards (:mod:`offpolicy.adapters.guard`, on every batch, warned once,
 ``offpolicy/guard/<code>`` in the metrics): SkyRL applies ``algorithm.off_policy_correction`` (and the deprecated
 ``use_tis``) inside its own losses only, so under this loss a configured one is silently not applied
-(``skyrl_off_policy_correction``); trained ``rollout_logprobs`` above 0 are an error, all exactly 0 warn
-(``sampler_logprobs_zero``), and above the trainer's on almost every token warn (``narrower_sampler``: a top_p /
+(``skyrl_off_policy_correction``); trained ``rollout_logprobs`` above 0 or NaN are an error, exactly 0 on 32
+trained tokens in a row warn (``sampler_logprobs_zero``), and above the trainer's on almost every token warn (``narrower_sampler``: a top_p /
 top_k filter, which this loss cannot replay, or a lower sampler temperature).
 """
 
