@@ -71,8 +71,9 @@ _OLD_IS_SAMPLER: set[str] = set()
 OLD_IS_SAMPLER_PRESET = "offpolicy_old_is_sampler"
 #: verl's default ``algorithm.rollout_correction.rollout_is_threshold``.
 DEFAULT_IS_THRESHOLD = 2.0
-#: Batch maxima remembered (weight -> ``old_log_prob`` there) to recognise a threshold from one token per batch.
-MAX_REMEMBERED = 4096
+#: Recent batch maxima remembered (weight -> ``old_log_prob`` there) to recognise a threshold from one token per
+#: batch; few, so that an honest maximum equal to a remembered one to the last bit stays a ~1e-6 event per batch.
+MAX_REMEMBERED = 16
 TRUNCATED_WEIGHTS = Suspect(
     "rollout_is_threshold",
     "verl truncated rollout_is_weights at algorithm.rollout_correction.rollout_is_threshold (default 2.0): lq = "
