@@ -93,15 +93,19 @@ def test_vllm_support_record_is_csr_of_the_realised_supports(source):
     assert min(sizes) <= 2 and max(sizes) >= 1000  # the record spans supports of 1-2 ids to thousands
 
 
-def test_vllm_rows_at_max_logprobs_are_complete_and_kept():
-    """top_k = logprobs = 5: no row has a -inf entry (every list reached max_logprobs), each holds the whole mass
-    of its 5-id support: complete, one CSR row each; a top-p row cut at the list is refused or sampled-only."""
+def test_vllm_rows_at_max_logprobs_need_the_mask_or_are_refused():
+    """top_k = logprobs = 5 (the mask request's shape): no row has a -inf entry, so without the sampling mask the
+    response is refused naming the field; with the mask each 5-id support is one CSR row; a top-p row cut at the
+    list is refused or sampled-only."""
     body, resp = _vllm_case("logprobs", 3, top_k=5)
     body["sampling_params"]["logprobs"] = 5
     resp = fake.vllm_generate(body, torch.Generator().manual_seed(3), mask=False, logits_fn=varied_logits)
     assert all(e["logprob"] > -9999.0 for c in resp["choices"][0]["logprobs"]["content"] for e in c["top_logprobs"])
+    with pytest.raises(vllm.RecordError, match="no field 'sampling_mask'"):
+        vllm.parse_generate_response(resp, body, vocab_size=V)
+    resp = fake.vllm_generate(body, torch.Generator().manual_seed(3), mask=True, logits_fn=varied_logits)
     rec = vllm.parse_generate_response(resp, body, vocab_size=V)
-    rows, vals = vllm_rows(resp, "logprobs")
+    rows, vals = vllm_rows(resp, "mask")
     assert [len(r) for r in rows] == [5] * 12
     check_csr(rec, rows, vals)
     cut = copy.deepcopy(body)

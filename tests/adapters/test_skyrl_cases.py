@@ -2,33 +2,47 @@
 CPU. These run inside .venv-trainers: tests/adapters/test_skyrl.py runs this file there in a subprocess.
 
 skyrl 0.3.0's ``skyrl.backends/__init__`` imports its Tinker types, which pydantic refuses on Python < 3.12
-(``typing.TypedDict``); the package's ``ppo_utils`` itself is fine, so the test maps ``skyrl.backends`` to its folder
-without running that ``__init__`` (a documented pitfall, not a user-code change)."""
+(``typing.TypedDict``); the adapter's ``ppo_utils()`` imports SkyRL's loss registry past it, so these tests import
+nothing from ``skyrl.backends`` before the adapter has."""
 
-import os
+import re
+import subprocess
 import sys
-import types
+from pathlib import Path
 
 import pytest
 import torch
 
 try:
-    import skyrl
+    import skyrl  # noqa: F401
 except ImportError:
     pytest.skip("runs inside .venv-trainers, through tests/adapters/test_skyrl.py (tools/setup_test_envs.sh builds "
                 "it)", allow_module_level=True)
 
-_backends = types.ModuleType("skyrl.backends")
-_backends.__path__ = [os.path.join(os.path.dirname(skyrl.__file__), "backends")]
-sys.modules.setdefault("skyrl.backends", _backends)
-
-from skyrl.backends.skyrl_train.utils.ppo_utils import (  # noqa: E402
-    PolicyLossRegistry, apply_loss_reduction_to_advantages_minibatch,
-)
-from skyrl.train.config import AlgorithmConfig  # noqa: E402
-
 import offpolicy as op  # noqa: E402
 from offpolicy.adapters import skyrl as adapter  # noqa: E402
+
+PolicyLossRegistry = adapter.ppo_utils().PolicyLossRegistry
+apply_loss_reduction_to_advantages_minibatch = adapter.ppo_utils().apply_loss_reduction_to_advantages_minibatch
+from skyrl.train.config import AlgorithmConfig  # noqa: E402
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+
+
+def test_docs_snippet_registers_in_a_fresh_interpreter():
+    """docs/integrations.md's SkyRL snippet, exactly as written, in a fresh interpreter (Python 3.11 here: skyrl
+    0.3.0's own skyrl.backends/__init__ fails under pydantic there; the adapter imports past it)."""
+    section = DOCS.read_text().split("## SkyRL", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    check = ("\nfrom skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry\n"
+             "print('offpolicy' in PolicyLossRegistry.list_available())\n")
+    proc = subprocess.run([sys.executable, "-c", snippet + check], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True"]
+    if sys.version_info < (3, 12):  # the work-around was needed: skyrl's own import of the registry fails
+        plain = subprocess.run([sys.executable, "-c", "import skyrl.backends.skyrl_train.utils.ppo_utils"],
+                               capture_output=True, text=True)
+        assert plain.returncode != 0 and "TypedDict" in plain.stderr
 
 
 def _batch(seed, b=4, t=6, vocab=9, drift=0.4, step=0.1):
@@ -143,12 +157,13 @@ def test_guard_stays_silent_on_a_correct_run(fresh_guard):
 
 
 def test_guard_on_rollout_logprobs_that_are_not_log_probs(fresh_guard, monkeypatch):
-    """All-zero rollout_logprobs (a placeholder) warn; a positive one (probabilities passed) is an error."""
+    """All-zero rollout_logprobs (a placeholder) warn once 32 trained tokens in a row are 0 (24 per call here: the
+    second call); a positive one (probabilities passed) is an error."""
     config = AlgorithmConfig(policy_loss_type="offpolicy_test_guard")
-    x = _batch(8)
+    x = {**_batch(8), "mask": torch.ones(4, 6)}
     messages, metrics = _guard_run(config, {**x, "rollout": torch.zeros_like(x["rollout"])})
     assert len(messages) == 1 and "[sampler_logprobs_zero]" in messages[0]
-    assert metrics[0]["offpolicy/guard/sampler_logprobs_zero"] == 1.0
+    assert [m.get("offpolicy/guard/sampler_logprobs_zero", 0.0) for m in metrics] == [0.0, 1.0, 1.0]
     from offpolicy.adapters.guard import Guard
     monkeypatch.setattr(adapter, "GUARD", Guard([adapter.SKYRL_CORRECTION_IGNORED]))
     with pytest.raises(ValueError, match=r"rollout_logprobs must be the sampler's log-probabilities"):

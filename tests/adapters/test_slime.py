@@ -252,8 +252,8 @@ def test_guard_warns_once_on_a_narrower_sampler_and_stays_silent_on_a_correct_on
                                       [40, 40])[2] for _ in range(3)]
     messages = [str(w.message) for w in caught if issubclass(w.category, GuardWarning)]
     assert len(messages) == 1 and "[narrower_sampler]" in messages[0]
-    # Checked on the first two batches (Guard's first_batches), flagged on each, warned once.
-    assert [float(m.get("offpolicy/guard/narrower_sampler", 0)) for m in metrics] == [1.0, 1.0, 0.0]
+    # Checked on every batch (the checks are O(N)), flagged on each, warned once.
+    assert [float(m.get("offpolicy/guard/narrower_sampler", 0)) for m in metrics] == [1.0, 1.0, 1.0]
     monkeypatch.setattr(slime, "GUARD", slime.GUARD.__class__([]))
     args, batch, logits, _ = make_case(6)
     with warnings.catch_warnings(record=True) as caught:
@@ -265,15 +265,18 @@ def test_guard_warns_once_on_a_narrower_sampler_and_stays_silent_on_a_correct_on
 
 def test_guard_on_rollout_log_probs_that_are_not_log_probs(fresh_guard, monkeypatch):
     import warnings
-    from offpolicy.adapters.guard import Guard, GuardWarning
+    from offpolicy.adapters.guard import ZERO_MIN_TOKENS, Guard, GuardWarning
     args, batch, logits, _ = make_case(7, record="none")
     zeros = dict(batch, rollout_log_probs=[torch.zeros_like(x) for x in batch["rollout_log_probs"]])
+    trained = int(sum(float(m.sum()) for m in batch["loss_masks"]))
+    calls = -(-ZERO_MIN_TOKENS // trained)  # the zero run is counted across calls
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, metrics = slime.policy_loss(args, zeros, logits.float()[None])
+        runs = [slime.policy_loss(args, zeros, logits.float()[None])[1] for _ in range(calls)]
     assert [str(w.message) for w in caught if issubclass(w.category, GuardWarning)][0].startswith(
         "offpolicy guard [sampler_logprobs_zero]")
-    assert float(metrics["offpolicy/guard/sampler_logprobs_zero"]) == 1.0
+    assert float(runs[-1]["offpolicy/guard/sampler_logprobs_zero"]) == 1.0
+    assert all("offpolicy/guard/sampler_logprobs_zero" not in m for m in runs[:-1])
     monkeypatch.setattr(slime, "GUARD", Guard([]))
     probs = dict(batch, rollout_log_probs=[x.exp() for x in batch["rollout_log_probs"]])
     with pytest.raises(ValueError, match=r"batch\['rollout_log_probs'\] must be the sampler's log-probabilities"):

@@ -86,8 +86,10 @@ class RecordingTrainer(OffPolicyGRPOTrainer):
 
 
 def _train(correction, record, *, top_p=0.9, loss_type="dapo", steps=2, max_len=6, accum=2, temperature=0.9,
-           bf16=False, **config):
+           bf16=False, generation_config=None, **config):
     model = _model()
+    for k, v in (generation_config or {}).items():  # as a checkpoint's generation_config.json would set them
+        setattr(model.generation_config, k, v)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     ds = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
     args = trl.GRPOConfig(
@@ -636,3 +638,51 @@ def test_generation_batch_records_cover_the_completion_mask_exactly():
     for b, n in enumerate(LENGTHS):
         want = [float(torch.log_softmax(scores[t][b], -1)[FIXED[b, t]]) for t in range(n)]
         assert out["sampling_per_token_logps"][b, :n].tolist() == pytest.approx(want, abs=1e-5)
+
+
+# ---- greedy sampling and the checkpoint's generation_config ----
+
+def _build(record="support", generation_config=None, **options):
+    model = _model()
+    for k, v in (generation_config or {}).items():
+        setattr(model.generation_config, k, v)
+    return OffPolicyGRPOTrainer(model=model, reward_funcs=_reward, args=_config(**options),
+                                train_dataset=Dataset.from_dict({"prompt": ["w1 w2"] * 4}),
+                                processing_class=_tokenizer(), record=record)
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"generation_kwargs": {"do_sample": False}}, r"generation_kwargs=\{'do_sample': False\} \(greedy decoding\)"),
+    ({"generation_config": {"num_beams": 4}}, r"model.generation_config.num_beams=4 .*\(beam search\)"),
+])
+def test_a_sampler_that_does_not_sample_is_refused(options, words):
+    """Greedy decoding or beam search has no sampling distribution: refused at construction, named, with the fix
+    (it used to train and warn only the generic unexplained_mismatch)."""
+    with pytest.raises(ValueError, match=rf"the sampler does not sample: {words}.*Fix: drop 'do_sample'"):
+        _build(**options)
+
+
+@pytest.mark.parametrize("gen", [{"suppress_tokens": [5, 6]}, {"bad_words_ids": [[7]]}, {"min_p": 0.05}])
+def test_generation_config_filters_count_in_the_construction_check(gen):
+    """A filter shipped in the checkpoint's generation_config.json (transformers applies it where TRL's options leave
+    it unset) with record='logprobs': refused, naming model.generation_config."""
+    key = next(iter(gen))
+    with pytest.raises(ValueError, match=rf"filters its distribution \(model.generation_config.{key}=.*"
+                                         r"generation_config.json.*record='logprobs' does not replay"):
+        _build("logprobs", generation_config=gen, top_p=1.0)
+
+
+def test_generation_config_suppress_tokens_are_replayed_by_the_support_record():
+    """top_p=1 but the checkpoint suppresses tokens 5 and 6: the sampler filters, so record='support' is kept (not
+    downgraded to the log-prob record), the support never holds 5 or 6, the loss is the float64 reference's and
+    the guard stays silent (before: a log-prob record, off by -log P(S), and only unexplained_mismatch)."""
+    corr = op.Correction(weights="mis", bounds=(0.5, 5.0))
+    trainer, _ = _train(corr, "support", top_p=1.0, steps=1, generation_config={"suppress_tokens": [5, 6]})
+    assert trainer.offpolicy_record == "support" and trainer.guard_warnings == []
+    window = trainer.seen[:2]
+    for s in window:
+        for rec in s["inputs"][CANDIDATES_KEY]:
+            assert rec.nnz and not bool(torch.isin(rec.ids, torch.tensor([5, 6])).any())
+    got = sum(float(s["loss"]) for s in window)
+    ref = float(_reference(window, corr, "support", "token_mean", temperature=0.9))
+    assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (got, ref)

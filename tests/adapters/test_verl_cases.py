@@ -18,7 +18,10 @@ except ImportError:
 
 from tensordict import TensorDict
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+from verl.trainer.config.algorithm import RolloutCorrectionConfig
+from verl.trainer.ppo.rollout_corr_helper import (
+    compute_rollout_correction_and_rejection_mask, compute_rollout_correction_weights,
+)
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import ActorConfig
 from verl.workers.config.actor import PolicyLossConfig
@@ -32,9 +35,10 @@ AGG_MODES = sorted(adapter.AGGREGATIONS)
 EXACT = 1e30  # a rollout_is_threshold that truncates nothing (verl clamps the log-ratio to +-20 first)
 
 
-def _config(loss_mode="offpolicy", agg="token-mean", **info):
+def _config(loss_mode="offpolicy", agg="token-mean", policy_loss=None, **info):
     cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
-                      policy_loss=PolicyLossConfig(loss_mode=loss_mode), loss_agg_mode=agg, clip_ratio=0.2,
+                      policy_loss=policy_loss or PolicyLossConfig(loss_mode=loss_mode), loss_agg_mode=agg,
+                      clip_ratio=0.2,
                       clip_ratio_low=0.2, clip_ratio_high=0.2)
     cfg.global_batch_info.update(info)
     return cfg
@@ -202,18 +206,151 @@ def test_guard_warns_when_verl_truncated_the_weights(threshold, monkeypatch):
 
 def test_bad_configurations_are_named():
     x = _batch(4)
+    w = _weights(x, EXACT)
     with pytest.raises(ValueError, match="not an offpolicy loss"):
-        adapter.policy_loss(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean", _config("vanilla"), None)
+        adapter.policy_loss(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean", _config("vanilla"), w)
     with pytest.raises(ValueError, match="loss_agg_mode must be one of"):
-        adapter.policy_loss(x["old"], x["log_prob"], x["adv"], x["mask"], "seq-sum", _config(), None)
+        adapter.policy_loss(x["old"], x["log_prob"], x["adv"], x["mask"], "seq-sum", _config(), w)
     with pytest.raises(ValueError, match="batch_num_tokens.*dp_size > 1"):
-        adapter.policy_loss(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean", _config(dp_size=2), None)
-    zeroed = _weights(x, EXACT)
+        adapter.policy_loss(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean", _config(dp_size=2), w)
+    zeroed = w.clone()
     zeroed[0, 0] = 0.0
     with pytest.raises(ValueError, match="weight <= 0"):
         adapter.policy_loss(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean", _config(), zeroed)
-    with pytest.raises(ValueError, match="ppo_clip needs the proximal policy"):
-        adapter.policy_loss(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean",
-                            _config("offpolicy_ppo_mis"), None)
+    with pytest.raises(ValueError, match="no proximal policy for the Correction's PPO-family surrogate"):
+        adapter.register_correction("offpolicy_bad_ppo", adapter.PRESETS["offpolicy_ppo_mis"],
+                                    old_log_prob_is_sampler=True)
     with pytest.raises(ValueError, match="score_centering"):
         adapter.register_correction("offpolicy_bad", op.Correction(weights="mis", score_centering=True))
+
+
+# ---- what verl's own rollout_correction settings hand the loss ----
+
+def _verl_weights(x, rollout_is, threshold):
+    """The weights verl's trainer puts in the batch for ``algorithm.rollout_correction`` (None: it adds none)."""
+    w, _, _ = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=x["old"], rollout_log_prob=x["rollout"], response_mask=x["mask"].float(), rollout_is=rollout_is,
+        rollout_is_threshold=threshold)
+    return None if w is None else w.batch["rollout_is_weights"]
+
+
+def _true_loss(x, mode="offpolicy"):
+    b, t = x["mask"].shape
+    return op.policy_loss_from_logprobs(
+        x["log_prob"].reshape(-1), x["rollout"].reshape(-1), x["adv"].reshape(-1),
+        loss_mask=x["mask"].reshape(-1), correction=adapter.PRESETS[mode],
+        seq_ids=torch.arange(b)[:, None].expand(b, t).reshape(-1)).loss
+
+
+def test_rollout_is_null_is_an_error_naming_rollout_is_token():
+    """verl's YAML default rollout_is: null adds no weights: old_log_prob (the trainer's recomputed policy) would be
+    taken as the sampler's and no correction applied (issue 40 measured -1.449 against the true -1.721)."""
+    assert RolloutCorrectionConfig().rollout_is == "sequence"  # the dataclass default; the YAML's is null
+    loss_fn = get_policy_loss_fn("offpolicy")
+    for seed in range(4):
+        x = _batch(20 + seed, drift=1.0)
+        assert _verl_weights(x, None, 2.0) is None
+        with pytest.raises(ValueError, match=r"no rollout_is_weights.*no off-policy correction would be applied.*"
+                                             r"rollout_is=token and rollout_is_threshold=1e30.*"
+                                             r"loss_mode=offpolicy_old_is_sampler"):
+            loss_fn(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean", _config(), None)
+
+
+def test_old_log_prob_is_sampler_is_an_explicit_opt_in():
+    """A pipeline that writes the rollout log-probs into old_log_probs: loss_mode=offpolicy_old_is_sampler takes them
+    as lq (the true loss); weights of 1 beside them are accepted, other weights mean old_log_prob is not the
+    sampler's."""
+    x = _batch(24, drift=1.0)
+    loss_fn = get_policy_loss_fn(adapter.OLD_IS_SAMPLER_PRESET)
+    cfg = _config(adapter.OLD_IS_SAMPLER_PRESET)
+    got, _ = loss_fn(x["rollout"], x["log_prob"], x["adv"], x["mask"], "token-mean", cfg, None)
+    assert math.isclose(float(got), float(_true_loss(x)), rel_tol=1e-6, abs_tol=1e-7)
+    ones = _verl_weights({**x, "old": x["rollout"]}, "token", EXACT)
+    got_ones, _ = loss_fn(x["rollout"], x["log_prob"], x["adv"], x["mask"], "token-mean", cfg, ones)
+    assert float(got_ones) == float(got)
+    with pytest.raises(ValueError, match=r"takes old_log_prob as the sampler's.*not 1"):
+        loss_fn(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean", cfg, _weights(x, EXACT))
+
+
+@pytest.mark.parametrize("threshold", [2.0, EXACT])
+def test_rollout_is_sequence_names_its_cause_and_fix(threshold):
+    """RolloutCorrectionConfig's default rollout_is=sequence: one weight per sequence cannot give per-token lq."""
+    x = _batch(25, drift=1.0)
+    w = _verl_weights(x, "sequence", threshold)
+    with pytest.raises(ValueError, match=r"constant along each sequence.*rollout_is=sequence.*cannot give back.*"
+                                         r"Fix: set algorithm.rollout_correction.rollout_is=token"):
+        get_policy_loss_fn("offpolicy")(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean", _config(), w)
+    # one trained token per sequence: the sequence weight is the token weight, and the loss is the true one
+    one = {**x, "mask": torch.arange(x["mask"].shape[1])[None].expand_as(x["mask"]) == 0}
+    got, _ = get_policy_loss_fn("offpolicy")(one["old"], one["log_prob"], one["adv"], one["mask"], "token-mean",
+                                             _config(), _verl_weights(one, "sequence", EXACT))
+    assert math.isclose(float(got), float(_true_loss(one)), rel_tol=1e-5, abs_tol=1e-7)
+
+
+def test_token_weights_of_one_everywhere_are_not_sequence_weights():
+    """A sampler bitwise equal to the trainer: every weight is exactly 1, under token or sequence mode alike."""
+    x = _batch(26)
+    x = {**x, "rollout": x["old"]}
+    got, metrics = get_policy_loss_fn("offpolicy")(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean",
+                                                   _config(), _verl_weights(x, "token", 2.0))
+    assert math.isclose(float(got), float(_true_loss(x)), rel_tol=1e-6, abs_tol=1e-7)
+    assert not any(k.startswith("offpolicy/guard/") for k in metrics)
+
+
+def _run_batches(batches, config=None):
+    """verl's loss on each ``(x, weights)``, fresh process guard; returns the batch numbers flagged and the warnings."""
+    flagged = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (x, w) in enumerate(batches, 1):
+            _, metrics = get_policy_loss_fn("offpolicy")(x["old"], x["log_prob"], x["adv"], x["mask"], "token-mean",
+                                                         config or _config(), w)
+            if metrics.get("offpolicy/guard/rollout_is_threshold"):
+                flagged.append(i)
+    return flagged, [str(w.message) for w in caught if issubclass(w.category, GuardWarning)]
+
+
+def test_default_threshold_that_starts_truncating_at_batch_3_is_named_at_batch_3(monkeypatch):
+    """Every batch is checked (no more one-in-50 sampling): clean batches 1-2, verl's default threshold 2.0 biting
+    from batch 3 on."""
+    monkeypatch.setattr(adapter, "GUARD", Guard([adapter.TRUNCATED_WEIGHTS]))
+    near = [_batch(30 + i, drift=0.05, step=0.05) for i in range(2)]
+    far = [_batch(40 + i, drift=1.5) for i in range(60)]
+    assert all(float(_weights(x, EXACT).max()) < 2.0 for x in near)
+    flagged, messages = _run_batches([(x, _verl_weights(x, "token", 2.0)) for x in near + far])
+    biting = [i for i, x in enumerate(near + far, 1) if bool((_weights(x, EXACT)[x["mask"]] > 2.0).any())]
+    assert biting[0] == 3 and len(biting) > 50
+    assert flagged == biting and len(messages) == 1
+    assert "on batch 3" in messages[0] and "rollout_is_threshold=1e30" in messages[0]
+
+
+def _one_truncated(seed, threshold):
+    """A batch whose raw weights stay under ``threshold`` but for one trained token (log-ratio 1 there)."""
+    x = _batch(seed, drift=0.02, step=0.02)
+    x["rollout"] = x["rollout"].clone()
+    x["rollout"][0, 0] = x["old"][0, 0] - 1.0
+    assert int((_weights(x, EXACT) > threshold).sum()) == 1 and bool(x["mask"][0, 0])
+    return x, _verl_weights(x, "token", threshold)
+
+
+def test_a_threshold_truncating_one_token_per_batch_is_named(monkeypatch):
+    """rollout_is_threshold=1.5, one token truncated per batch: named from the second batch (the same largest weight
+    at a different old_log_prob), or from the first when the actor config carries the threshold."""
+    monkeypatch.setattr(adapter, "GUARD", Guard([adapter.TRUNCATED_WEIGHTS]))
+    batches = [_one_truncated(50 + i, 1.5) for i in range(4)]
+    flagged, messages = _run_batches(batches)
+    assert flagged == [2, 3, 4] and len(messages) == 1 and "1 of" in messages[0] and "exactly 1.5" in messages[0]
+    monkeypatch.setattr(adapter, "GUARD", Guard([adapter.TRUNCATED_WEIGHTS]))
+    cfg = _config(policy_loss=PolicyLossConfig(loss_mode="offpolicy", rollout_correction=RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=1.5)))
+    flagged, _ = _run_batches(batches, cfg)
+    assert flagged == [1, 2, 3, 4]
+
+
+def test_honest_weights_repeated_across_epochs_stay_silent(monkeypatch):
+    """ppo_epochs > 1 replays the same micro-batch: its largest weight recurs at the same old_log_prob, which is
+    no truncation; nor are honest largest weights of distinct batches."""
+    monkeypatch.setattr(adapter, "GUARD", Guard([adapter.TRUNCATED_WEIGHTS]))
+    batches = [_batch(60 + i, drift=1.0) for i in range(3)]
+    flagged, messages = _run_batches([(x, _weights(x, EXACT)) for x in batches] * 3)
+    assert flagged == [] and messages == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -129,14 +130,29 @@ def test_missing_support_logprobs_and_missing_mask_detected():
     resp = fake.vllm_generate(req, torch.Generator().manual_seed(0))
     with pytest.raises(RecordError, match="without a finite log-prob"):
         vllm.parse_generate_response(resp, req)
-    # without a mask, logprobs = top_k = 3 returns rows with no -inf entry, yet each holds the whole mass of
-    # its 3-token support: complete, decided per row (no longer a rejected completion)
+    # a request built for the sampling mask (logprobs = top_k = 3) whose response carries none: an error naming the
+    # field and the server flag, in every response shape (the same tokens with the mask parse)
     req = vllm.build_request([2, 7], max_tokens=5, temperature=0.8, top_k=3, record="support",
                              support_source="mask")
     full = fake.vllm_generate(req, torch.Generator().manual_seed(0), mask=False)
-    rec = vllm.parse_generate_response(full, req)
-    assert rec.kind == "support" and rec.candidates.lengths.tolist() == [3] * len(rec)
     assert all(-9999.0 not in [e["logprob"] for e in c["top_logprobs"]] for c in full["choices"][0]["logprobs"]["content"])
+    with pytest.raises(RecordError, match=r"top_k=3 and asked for logprobs=3 <= top_k.*no field 'sampling_mask'.*"
+                                          r"Fix: start the server with --return-sampling-mask.*support_source='logprobs'"):
+        vllm.parse_generate_response(full, req)
+    with pytest.raises(RecordError, match="no field 'sampling_mask'"):
+        vllm.parse_generate_response(full, req, incomplete_support="sampled_only")
+    masked = fake.vllm_generate(req, torch.Generator().manual_seed(0), mask=True)
+    assert vllm.parse_generate_response(masked, req).kind == "support"
+    sp = vllm.build_sampling_params(max_tokens=3, temperature=0.8, top_k=3, record="support", support_source="mask")
+    offline = SimpleNamespace(prompt_token_ids=[2, 7], outputs=[SimpleNamespace(
+        token_ids=[1], logprobs=[{1: -0.1, 2: -2.4, 3: -4.0}], sampling_mask=None, finish_reason="length")])
+    with pytest.raises(RecordError, match="vLLM offline: .*no field 'sampling_mask'"):
+        vllm.parse_request_output(offline, sp)
+    creq = {"prompt": [2, 7], "temperature": 0.8, "top_k": 3, "logprobs": 3}
+    cresp = {"choices": [{"logprobs": {"tokens": ["token_id:1"], "token_logprobs": [-0.1],
+                                       "top_logprobs": [{"token_id:1": -0.1, "token_id:2": -2.4, "token_id:3": -4.0}]}}]}
+    with pytest.raises(RecordError, match="vLLM completions: .*no field 'sampling_mask'"):
+        vllm.parse_completion_response(cresp, creq)
     # top-p supports cut at logprobs = 2: rows short of the whole mass cannot be proven complete
     req = vllm.build_request([2, 7], max_tokens=5, temperature=0.8, top_p=0.99, record="support")
     req["sampling_params"]["logprobs"] = 2

@@ -1,5 +1,5 @@
-"""Trainer-adapter guards: the sampler's record checked against the trainer's distribution on the first batches
-(then at a low rate), each silent mistake warned about once, naming its cause and its fix.
+"""Trainer-adapter guards: the sampler's record checked against the trainer's distribution on every batch, each
+silent mistake warned about once, naming its cause and its fix.
 
 A trainer adapter lists what its configuration makes suspect (:class:`Suspect`: a sampler temperature the loss does
 not use, a logits processor the trainer does not apply, mismatched compute dtypes ...) and calls
@@ -9,6 +9,11 @@ wrong); with no suspect firing, a mean ``|log p - log q|`` above ``unexplained_a
 step separates from its generation fires ``unexplained_mismatch`` (a stale or mis-synced sampler). Each finding is
 issued once per guard through :mod:`warnings` (:class:`GuardWarning`) and the ``offpolicy`` logger, and appears in
 the returned metrics as ``guard/<code> = 1`` on every checked batch where it holds.
+
+Cost: the checks here are ``O(N)`` elementwise reductions over the batch's ``[N]`` log-probabilities (never
+``[N, V]``) read back with ONE host synchronisation per call, so they run on every batch by default
+(``every=1``). ``first_batches`` / ``every`` exist for a check that costs a forward of its own, which should then be
+sampled; none of the adapters in this package needs one.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import dataclasses
 import logging
 import math
 import warnings
+from typing import Any
 
+import torch
 from torch import Tensor
 
 LOGGER = logging.getLogger("offpolicy")
@@ -35,7 +42,8 @@ class Suspect:
         code: the metric and warning name (``guard/<code>``).
         cause: what the configuration does, in the user's option names.
         fix: the change that removes it.
-        min_abs_log_ratio_max: the measured ``max |log p - log q|`` from which it fires (0: always).
+        min_abs_log_ratio_max: the measured ``max |log p - log q|`` from which it fires (0: always; a measured value
+            equal to it fires).
     """
 
     code: str
@@ -45,7 +53,8 @@ class Suspect:
 
 
 def mismatch_stats(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
-    """``k1 = mean(log q - log p)``, ``abs_log_ratio_mean`` / ``_max`` of ``log p - log q`` over ``mask``, in float64.
+    """``k1 = mean(log q - log p)``, ``abs_log_ratio_mean`` / ``_max`` of ``log p - log q`` over ``mask``, in float64,
+    read back with one host synchronisation.
 
     Args:
         trainer_logprobs: ``[N]`` float ``log p(y_t)``.
@@ -53,11 +62,14 @@ def mismatch_stats(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Ten
         mask: ``[N]`` bool, the tokens to compare.
     """
     m = mask.reshape(-1).bool()
-    d = (trainer_logprobs.reshape(-1).detach().double() - sampler_logprobs.reshape(-1).detach().double())[m]
-    if d.numel() == 0:
+    if m.numel() == 0:
         return {"tokens": 0.0, "k1": 0.0, "abs_log_ratio_mean": 0.0, "abs_log_ratio_max": 0.0}
-    return {"tokens": float(d.numel()), "k1": float(-d.mean()), "abs_log_ratio_mean": float(d.abs().mean()),
-            "abs_log_ratio_max": float(d.abs().max())}
+    diff = trainer_logprobs.reshape(-1).detach().double() - sampler_logprobs.reshape(-1).detach().double()
+    d = torch.where(m, diff, torch.zeros_like(diff))
+    n, total, abs_total, abs_max = torch.stack([m.sum().double(), d.sum(), d.abs().sum(), d.abs().max()]).tolist()
+    if not n:
+        return {"tokens": 0.0, "k1": 0.0, "abs_log_ratio_mean": 0.0, "abs_log_ratio_max": 0.0}
+    return {"tokens": n, "k1": -total / n, "abs_log_ratio_mean": abs_total / n, "abs_log_ratio_max": abs_max}
 
 
 class Guard:
@@ -66,7 +78,8 @@ class Guard:
     Args:
         suspects: what the configuration makes suspect.
         first_batches: batches checked from the start.
-        every: afterwards, one batch in ``every``.
+        every: afterwards, one batch in ``every`` (default 1: every batch; the checks are ``O(N)`` with one host
+            sync, see the module docstring).
         unexplained_abs_mean: the mean ``|log p - log q|`` above which a synced batch with no suspect firing is
             ``unexplained_mismatch``.
     """
@@ -78,7 +91,7 @@ class Guard:
         "update), a logits processor, or a different model or temperature in the sampler",
         "run `offpolicy diagnose` on the recorded batch and compare the sampler's configuration with the trainer's")
 
-    def __init__(self, suspects: list[Suspect], *, first_batches: int = 2, every: int = 50,
+    def __init__(self, suspects: list[Suspect], *, first_batches: int = 2, every: int = 1,
                  unexplained_abs_mean: float = 1e-2) -> None:
         if first_batches < 0 or every < 1:
             raise ValueError(f"first_batches must be >= 0 and every >= 1, got {first_batches}, {every}")
@@ -88,6 +101,10 @@ class Guard:
         self.calls = 0
         #: codes already warned about
         self.issued: set[str] = set()
+        #: trained tokens in a row (across calls) whose sampler log-prob is exactly 0 (:func:`check_sampler_logprobs`)
+        self.zero_run = 0
+        #: what an adapter keeps from batch to batch for its own checks (e.g. verl's truncated weights)
+        self.memory: dict[str, Any] = {}
 
     def due(self) -> bool:
         """Whether the next :meth:`observe` call checks its batch."""
@@ -138,6 +155,10 @@ class Guard:
 
 #: The largest trained ``lq`` taken for rounding of a log-probability at 0; above it the record is not log-probs.
 LOGPROB_POSITIVE_TOL = 1e-4
+#: ``sampler_logprobs_zero`` fires once this many trained tokens in a row (across calls) have ``lq`` exactly 0: a
+#: confident sampler gives an honest 0 now and then (``p`` within fp32 rounding of 1), never on every token of a run
+#: this long; a placeholder does on all of them.
+ZERO_MIN_TOKENS = 32
 ZERO_SAMPLER_LOGPROBS = Suspect(
     "sampler_logprobs_zero",
     "every trained token's sampler log-prob is exactly 0 (q = 1): the sampler returned no log-probs and a "
@@ -164,11 +185,12 @@ NARROWER_SAMPLER = Suspect(
 def check_sampler_logprobs(guard: Guard, sampler_logprobs: Tensor, mask: Tensor, *, name: str,
                            trainer_logprobs: Tensor | None = None) -> dict[str, float]:
     """The record checks of a trainer adapter that sees no sampler configuration and no support record, on a batch
-    :meth:`Guard.due` (counted by this call): a trained ``lq > LOGPROB_POSITIVE_TOL`` is an error (not a
-    log-probability); all trained ``lq`` exactly 0 warns :data:`ZERO_SAMPLER_LOGPROBS`; with ``trainer_logprobs``,
-    ``lq > log p`` on at least :data:`NARROWER_SHARE` of at least :data:`NARROWER_MIN_TOKENS` tokens, with mean
-    ``lq - log p >=`` :data:`NARROWER_MEAN`, warns :data:`NARROWER_SAMPLER` (a stale sampler's differences take
-    both signs).
+    :meth:`Guard.due` (counted by this call; every batch by default), ``O(N)`` with one host sync: a trained ``lq``
+    above :data:`LOGPROB_POSITIVE_TOL` or NaN is an error (not a log-probability); :data:`ZERO_MIN_TOKENS` or more
+    trained tokens in a row with ``lq`` exactly 0 (counted across calls, a batch with any other value resets the
+    count) warn :data:`ZERO_SAMPLER_LOGPROBS`; with ``trainer_logprobs``, ``lq > log p`` on at least
+    :data:`NARROWER_SHARE` of at least :data:`NARROWER_MIN_TOKENS` tokens, with mean ``lq - log p >=``
+    :data:`NARROWER_MEAN`, warns :data:`NARROWER_SAMPLER` (a stale sampler's differences take both signs).
 
     Args:
         sampler_logprobs: ``[N]`` float ``lq``; mask: ``[N]`` bool trained tokens; name: the argument's name in the
@@ -180,24 +202,38 @@ def check_sampler_logprobs(guard: Guard, sampler_logprobs: Tensor, mask: Tensor,
     if not guard.tick():
         return {}
     m = mask.reshape(-1).bool()
-    lq = sampler_logprobs.reshape(-1).detach()[m]
-    if lq.numel() == 0:
+    lq = sampler_logprobs.reshape(-1).detach()
+    if m.numel() == 0:
         return {}
-    top = float(lq.max())
-    if top > LOGPROB_POSITIVE_TOL:
-        raise ValueError(f"{name} must be the sampler's log-probabilities (<= 0); a trained token has {top:.4g}: "
+    parts = [m.sum().double(), torch.where(m, lq, torch.full_like(lq, -math.inf)).max().double(),
+             (m & (lq == 0)).sum().double(), (m & torch.isnan(lq)).sum().double()]
+    if trainer_logprobs is not None:
+        diff = lq.double() - trainer_logprobs.reshape(-1).detach().double()
+        d = torch.where(m, diff, torch.zeros_like(diff))
+        parts += [(m & (d > 0)).sum().double(), d.sum()]
+    stats = torch.stack(parts).tolist()
+    n, top, zeros, nans = stats[:4]
+    if not n:
+        return {}
+    if nans or top > LOGPROB_POSITIVE_TOL:
+        shown = "NaN" if nans else f"{top:.4g}"
+        raise ValueError(f"{name} must be the sampler's log-probabilities (<= 0); a trained token has {shown}: "
                          "probabilities, logits or another quantity were passed")
-    if bool((lq == 0).all()):
-        return guard.flag(ZERO_SAMPLER_LOGPROBS, f"{lq.numel()} trained tokens, all lq = 0")
-    if trainer_logprobs is None or lq.numel() < NARROWER_MIN_TOKENS:
+    if zeros == n:
+        guard.zero_run += int(n)
+        if guard.zero_run >= ZERO_MIN_TOKENS:
+            return guard.flag(ZERO_SAMPLER_LOGPROBS, f"{guard.zero_run} trained tokens in a row, all lq = 0")
         return {}
-    d = lq.double() - trainer_logprobs.reshape(-1).detach()[m].double()
-    share, mean = float((d > 0).double().mean()), float(d.mean())
+    guard.zero_run = 0
+    if trainer_logprobs is None or n < NARROWER_MIN_TOKENS:
+        return {}
+    share, mean = stats[4] / n, stats[5] / n
     if share >= NARROWER_SHARE and mean >= NARROWER_MEAN:
-        return guard.flag(NARROWER_SAMPLER, f"{lq.numel()} trained tokens: lq > log p on {share:.1%}, mean "
+        return guard.flag(NARROWER_SAMPLER, f"{int(n)} trained tokens: lq > log p on {share:.1%}, mean "
                                             f"lq - log p {mean:.3e} (-log P(S) of a support at {math.exp(-mean):.3f})")
     return {}
 
+
 __all__ = ["Guard", "GuardWarning", "LOGPROB_POSITIVE_TOL", "NARROWER_MEAN", "NARROWER_MIN_TOKENS", "NARROWER_SAMPLER",
-           "NARROWER_SHARE", "Suspect", "ZERO_SAMPLER_LOGPROBS",
+           "NARROWER_SHARE", "Suspect", "ZERO_MIN_TOKENS", "ZERO_SAMPLER_LOGPROBS",
            "check_sampler_logprobs", "mismatch_stats"]

@@ -15,9 +15,9 @@ sum). ``loss_weights`` scale the advantages (the per-token loss is linear in the
 and is not on PyPI: inputs are read by attribute and the output is prime-rl's ``LossOutputs`` when it is importable,
 else a dataclass with its two fields.
 
-Guards (:mod:`offpolicy.adapters.guard`, on the first sequences then one in 50, warned once,
-``offpolicy/guard/<code>`` in the metrics): trained ``inference_logprobs`` above 0 are an error, all exactly 0 warn
-(``sampler_logprobs_zero``), and above ``trainer_logprobs`` on almost every token of a sequence of at least 32
+Guards (:mod:`offpolicy.adapters.guard`, on every sequence, warned once,
+``offpolicy/guard/<code>`` in the metrics): trained ``inference_logprobs`` above 0 or NaN are an error, exactly 0 on
+32 trained tokens in a row (across sequences) warn (``sampler_logprobs_zero``), and above ``trainer_logprobs`` on almost every token of a sequence of at least 32
 trained tokens warn (``narrower_sampler``: a top_p / top_k filter, which prime-rl passes no support to replay, or a
 lower sampler temperature).
 """

@@ -4,6 +4,9 @@
     register("offpolicy", op.Correction(weights="mis", bounds=(0.5, 5.0)))   # before SkyRL syncs its registries
     # config: trainer.algorithm.policy_loss_type=offpolicy
 
+On Python 3.11 :func:`register` imports SkyRL's loss registry past skyrl 0.3.0's ``skyrl.backends/__init__``, which
+pydantic refuses there (:func:`ppo_utils`), so the snippet works as written.
+
 SkyRL calls a registered loss as ``fn(log_probs, old_log_probs, advantages, config, loss_mask=None,
 rollout_logprobs=None) -> (loss, metrics)`` with ``[B, T]`` tensors and expects the *masked sum*: it has already
 scaled the advantages by its ``loss_reduction`` (``apply_loss_reduction_to_advantages_minibatch``). offpolicy's
@@ -11,16 +14,19 @@ per-token loss is linear in the advantage, so the sum over tokens with pre-scale
 The sampler's log-probabilities arrive as ``rollout_logprobs`` (required); ``old_log_probs`` is the proximal policy
 for ``Correction.ppo_clip``. The :class:`~offpolicy.Correction` is looked up by ``config.policy_loss_type``.
 
-Guards (:mod:`offpolicy.adapters.guard`, on the first batches then one in 50, warned once,
+Guards (:mod:`offpolicy.adapters.guard`, on every batch, warned once,
 ``offpolicy/guard/<code>`` in the metrics): SkyRL applies ``algorithm.off_policy_correction`` (and the deprecated
 ``use_tis``) inside its own losses only, so under this loss a configured one is silently not applied
-(``skyrl_off_policy_correction``); trained ``rollout_logprobs`` above 0 are an error, all exactly 0 warn
-(``sampler_logprobs_zero``), and above the trainer's on almost every token warn (``narrower_sampler``: a top_p /
+(``skyrl_off_policy_correction``); trained ``rollout_logprobs`` above 0 or NaN are an error, exactly 0 on 32
+trained tokens in a row warn (``sampler_logprobs_zero``), and above the trainer's on almost every token warn (``narrower_sampler``: a top_p /
 top_k filter, which this loss cannot replay, or a lower sampler temperature).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import types
 from typing import Any
 
 import torch
@@ -51,10 +57,30 @@ def register(name: str = "offpolicy", correction: Correction = Correction(weight
         raise TypeError(f"correction must be an offpolicy.Correction, got {type(correction).__name__}")
     if correction.score_centering:
         raise ValueError("SkyRL passes no candidate record to policy losses: score_centering cannot be applied")
-    from skyrl.backends.skyrl_train.utils.ppo_utils import register_policy_loss
-
     _CORRECTIONS[name] = correction
-    register_policy_loss(name)(policy_loss)
+    ppo_utils().register_policy_loss(name)(policy_loss)
+
+
+def ppo_utils() -> types.ModuleType:
+    """SkyRL's ``skyrl.backends.skyrl_train.utils.ppo_utils``, imported on Python 3.11 too.
+
+    skyrl 0.3.0's ``skyrl/backends/__init__.py`` imports its Tinker types, which pydantic refuses on Python < 3.12
+    (``typing.TypedDict``: ``PydanticUserError``); ``ppo_utils`` itself does not need them. On that failure, and only
+    there, ``skyrl.backends`` is registered as a plain package of its folder (without running its ``__init__``) and
+    the import retried; a working ``skyrl.backends`` is left alone.
+    """
+    try:
+        from skyrl.backends.skyrl_train.utils import ppo_utils as module
+    except Exception as exc:  # pydantic.errors.PydanticUserError (a RuntimeError) on Python < 3.12
+        if sys.version_info >= (3, 12) or "TypedDict" not in str(exc) or "skyrl.backends" in sys.modules:
+            raise
+        import skyrl
+
+        package = types.ModuleType("skyrl.backends")
+        package.__path__ = [os.path.join(os.path.dirname(skyrl.__file__), "backends")]
+        sys.modules["skyrl.backends"] = package
+        from skyrl.backends.skyrl_train.utils import ppo_utils as module
+    return module
 
 
 def policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, config: Any,
@@ -95,4 +121,4 @@ def skyrl_corrections_set(config: Any) -> list[str]:
     return found
 
 
-__all__ = ["GUARD", "SKYRL_CORRECTION_IGNORED", "policy_loss", "register", "skyrl_corrections_set"]
+__all__ = ["GUARD", "SKYRL_CORRECTION_IGNORED", "policy_loss", "ppo_utils", "register", "skyrl_corrections_set"]

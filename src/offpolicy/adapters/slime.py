@@ -34,9 +34,9 @@ fields, e.g. set by a ``--custom-config-path`` YAML), default token MIS ``[0.5, 
 
 Guards (:mod:`offpolicy.adapters.guard`): a filter with no support to replay is an error, ``--rollout-top-k > 0``
 without the support keys in ``policy_loss``, and ``--rollout-top-p < 1`` or ``--rollout-top-k > 0`` in the TIS hook
-(slime's loss is over the full vocabulary: every weight would be off by ``-log P(S_t)``). On the first micro-
-batches, then one in 50 (warned once, ``offpolicy/guard/<code>`` in the metrics): trained ``rollout_log_probs``
-above 0 are an error, all exactly 0 warn (``sampler_logprobs_zero``), and, where no support is replayed, above the
+(slime's loss is over the full vocabulary: every weight would be off by ``-log P(S_t)``). On every micro-batch
+(warned once, ``offpolicy/guard/<code>`` in the metrics): trained ``rollout_log_probs`` above 0 or NaN are an error,
+exactly 0 on 32 trained tokens in a row warn (``sampler_logprobs_zero``), and, where no support is replayed, above the
 trainer's (``batch["log_probs"]``, or the hook's ``train_log_probs``) on almost every token warn
 (``narrower_sampler``).
 """

@@ -306,9 +306,10 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         with vllm_engine_options(vllm_generation, lambda: self._vllm_engine_options(vllm_logprobs, vllm_dtype)):
             super().__init__(*args, **kwargs)
         self._check_supported()
+        self._check_sampling()
         self._resolve_record()
         self.offpolicy_correction = resolve_correction(correction, self.args)
-        #: The first batches' (then one in 50) sampler record against the trainer's log-probs (docs/errors.md).
+        #: Every batch's sampler record against the trainer's log-probs (docs/errors.md#adapter-guards).
         self.offpolicy_guard = Guard(self._guard_suspects())
         generate_every = self.args.steps_per_generation * self.num_iterations
         #: Whether the proximal log-probs are taken at generation time (the generation batch outlives an optimizer
@@ -375,15 +376,64 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
                              "which the fused-linear loss computes")
 
     def _sampler_options(self) -> dict[str, Any]:
-        """The sampling options in force: GRPOConfig's, overridden by ``generation_kwargs`` as TRL does."""
+        """The sampling options in force: GRPOConfig's, overridden by ``generation_kwargs`` as TRL does, and (with
+        transformers generation) the model's ``generation_config`` where those leave an option unset
+        (:meth:`_generation_config_options`)."""
+        options = self._trl_options()
+        for k, v in self._generation_config_options().items():
+            if options.get(k) is None:
+                options[k] = v
+        return options
+
+    def _trl_options(self) -> dict[str, Any]:
+        """GRPOConfig's sampling options overridden by ``generation_kwargs``, as TRL passes them."""
         options = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                    "repetition_penalty": self.repetition_penalty}
         return {**options, **(self.args.generation_kwargs or {})}
+
+    def _generation_config_options(self) -> dict[str, Any]:
+        """The options of ``model.generation_config`` (the checkpoint's ``generation_config.json``) that transformers
+        generation applies: ``generate`` fills every option TRL's own generation config leaves unset (None) from the
+        model's (``GenerationConfig.update(defaults_only=True)``), e.g. ``suppress_tokens``, ``bad_words_ids``,
+        ``no_repeat_ngram_size``. vLLM builds its ``SamplingParams`` from TRL's options alone: none there."""
+        if self.args.use_vllm:
+            return {}
+        config = getattr(self.model, "generation_config", None)
+        if config is None:
+            return {}
+        return {k: getattr(config, k) for k in [*_NEUTRAL, "do_sample", "num_beams"]
+                if getattr(config, k, None) is not None}
+
+    def _option_words(self, key: str, value: Any) -> str:
+        """``key=value`` in the user's terms: where a value came from the model's generation config, that name."""
+        if self._trl_options().get(key) is None and key in self._generation_config_options():
+            return f"model.generation_config.{key}={value!r} (the checkpoint's generation_config.json)"
+        return f"{key}={value!r}"
 
     def _active_options(self) -> dict[str, Any]:
         """The sampling options of :data:`_NEUTRAL` set away from their neutral value."""
         return {k: v for k, v in self._sampler_options().items() if k in _NEUTRAL
                 and v not in (None, [], {}, _NEUTRAL[k]) and not (k == "top_k" and v < 0)}  # vLLM's top_k=-1: off
+
+    def _check_sampling(self) -> None:
+        """Refuse a sampler that does not sample: greedy decoding (``do_sample=False``, e.g. through
+        ``generation_kwargs``), beam search (``num_beams > 1``) or temperature 0 has no sampling distribution, so the
+        recorded log-probs are not the probability of drawing the token and no importance weight is defined."""
+        options = self._sampler_options()
+        greedy = []
+        kwargs = self.args.generation_kwargs or {}
+        if not self.args.use_vllm and kwargs.get("do_sample") is False:
+            greedy.append("generation_kwargs={'do_sample': False} (greedy decoding)")
+        if not self.args.use_vllm and int(options.get("num_beams") or 1) > 1:
+            greedy.append(f"{self._option_words('num_beams', options['num_beams'])} (beam search)")
+        if options.get("temperature") is not None and float(options["temperature"]) <= 0:
+            greedy.append(f"temperature={options['temperature']!r} (greedy decoding)")
+        if greedy:
+            raise ValueError(
+                f"the sampler does not sample: {', '.join(greedy)}. A deterministic decoder has no sampling "
+                "distribution, so the recorded log-probs are not the probability of drawing the token and the "
+                "Correction's importance weights are undefined. Fix: drop 'do_sample' / 'num_beams' from "
+                "generation_kwargs (TRL samples by default) and set GRPOConfig(temperature=...) > 0")
 
     def _resolve_record(self) -> None:
         """``record="support"`` under a sampler that filters nothing records no support: its support is the whole
@@ -411,9 +461,11 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         active = self._active_options()
         filters = sorted(k for k in active if k in _FILTERS)
         if filters and self.offpolicy_record == "logprobs":
-            raise ValueError(f"the sampler filters its distribution ({', '.join(f'{k}={active[k]!r}' for k in filters)}) "
-                             "but record='logprobs' does not replay its support: every ratio would be off by "
-                             "-log P(S_t) (TRL #6789); use record='support'")
+            named = ", ".join(self._option_words(k, active[k]) for k in filters)
+            raise ValueError(f"the sampler filters its distribution ({named}) but record='logprobs' does not replay "
+                             "its support: every ratio would be off by -log P(S_t) (TRL #6789); use "
+                             "record='support' (or clear the option: a generation_config one with "
+                             "model.generation_config.<option> = None before building the trainer)")
         suspects = []
         t = options["temperature"]
         if t != self.temperature:
@@ -426,10 +478,12 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         if processors:
             suspects.append(Suspect(
                 "logits_processor",
-                f"the sampler applies {', '.join(f'{k}={active[k]!r}' for k in processors)}, which change its "
-                "scores; the trainer scores the plain model, so the recorded log-probs are of another distribution",
-                "drop these options (repetition_penalty=1.0), or accept them as a known mismatch the Correction sees "
-                "as off-policy drift"))
+                f"the sampler applies {', '.join(self._option_words(k, active[k]) for k in processors)}, which "
+                "change its scores; the trainer scores the plain model, so the recorded log-probs are of another "
+                "distribution",
+                "drop these options (repetition_penalty=1.0; a generation_config one with "
+                "model.generation_config.<option> = None before building the trainer), or accept them as a known "
+                "mismatch the Correction sees as off-policy drift"))
         trainer_dtype = engine_dtype(self.args, self._model_dtype())
         sampler_dtype = self._offpolicy_engine_dtype if self.use_vllm else self._model_dtype()
         if trainer_dtype != sampler_dtype:

