@@ -47,6 +47,12 @@ def record(model, *, temperature=0.7, top_p=1.0, top_k=None, kind="head", n=48, 
     return rec
 
 
+def padded(rec):
+    """The rollouts' CSR candidates as a padded ``[N, K]`` :class:`Candidates` (tests build planted records in
+    that layout; diagnose itself never pads)."""
+    return rec.candidates.to_padded()
+
+
 def support_of_ids(ids):
     """``[n, V]`` bool of the padded support ids ``[n, K]`` (one-hot sum, padding masked)."""
     return (torch.nn.functional.one_hot(ids.clamp(min=0), V) * (ids >= 0)[..., None]).sum(1) > 0
@@ -63,8 +69,8 @@ def concat(parts):
         for k in out:
             v = getattr(p, k)
             out[k].append(v + off if k in ("rows", "seq_ids") else v)
-        ids.append(p.candidates.ids)
-        lps.append(p.candidates.logprobs)
+        ids.append(padded(p).ids)
+        lps.append(padded(p).logprobs)
         off += p.sequences.shape[0]
     w = max(i.shape[1] for i in ids)
     cands = Candidates(torch.cat([torch.nn.functional.pad(i, (0, w - i.shape[1]), value=-1) for i in ids]),
