@@ -77,3 +77,29 @@ def concat(parts):
                        torch.cat([torch.nn.functional.pad(x, (0, w - x.shape[1]), value=float("-inf")) for x in lps]),
                        parts[0].candidates.kind)
     return replace(parts[0], candidates=cands, sequences=torch.cat(seqs), **{k: torch.cat(v) for k, v in out.items()})
+
+
+def rollout_lines(kind: str = "support", n: int = 8, top_p: float = 0.9, seed: int = 2) -> tuple[list[dict], object]:
+    """JSONL lines (one per sequence, a ``seq_id`` each) of reference-sampler rollouts on :class:`TinyLM`, and
+    the rollouts they read back as."""
+    rec = record(TinyLM(), kind=kind, top_p=top_p, n=n, seed=seed)
+    c = padded(rec)
+    lines = []
+    for b in range(rec.sequences.shape[0]):
+        sel = (rec.rows == b).nonzero().flatten()
+        start = int(rec.cols[sel].min())
+        ids = [[int(i) for i in row if i >= 0] for row in c.ids[sel].tolist()]
+        lps = [[float(v) for v, i in zip(lrow, irow) if i >= 0] for lrow, irow in zip(c.logprobs[sel].tolist(),
+                                                                                      c.ids[sel].tolist())]
+        lines.append({"group": "ref", "version": 0, "seq_id": b, "input_ids": rec.sequences[b, :start].tolist(),
+                      "tokens": rec.tokens[sel].tolist(), "sampler_logprobs": rec.sampler_logprobs[sel].tolist(),
+                      "temperature": 0.7, "top_p": top_p, "top_k": None,
+                      "candidates": {"kind": kind, "ids": ids, "logprobs": lps}})
+    return lines, rec
+
+
+def trainer_logprobs(rec) -> torch.Tensor:
+    """``[N]`` fp32 the trainer's (same model's) log-probs of the record's tokens, renormalised over the support."""
+    from offpolicy.diagnose.scoring import score_model
+
+    return score_model(TinyLM(), rec).logprobs.float()

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         rollouts = load_rollouts(args.rollouts)
-        trainer = load_trainer_logprobs(args.trainer_logprobs, len(rollouts)) if args.trainer_logprobs else None
+        trainer = (load_trainer_logprobs(args.trainer_logprobs, len(rollouts), rollouts.candidates)
+                   if args.trainer_logprobs else None)
         report = diagnose(rollouts, trainer_logprobs=trainer, model=args.model,
                           current_version=args.current_version, semantics=args.semantics, out_dir=args.out)
     except (ValueError, OSError) as exc:  # bad input: the message names the file, the line or tensor, the field

@@ -49,7 +49,8 @@ def ratio_histograms(log_ratio: Tensor, group_index: Tensor, group_names: tuple[
     ax.set_xlabel("log r = log p_trainer(y) - log q_sampler(y)")
     ax.set_ylabel("tokens")
     ax.set_yscale("log")
-    ax.legend()
+    if drawn:
+        ax.legend()
     ax.set_title("importance ratios per sampler group (dashed: r = 0.2 and 5)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -343,7 +343,8 @@ def load_safetensors(path: str | Path) -> RecordedRollouts:
 def _stored_candidates(path: str | Path, t: dict[str, Tensor], kind: str) -> CSRCandidates | Candidates:
     ids, lps = t.get("candidate_ids"), t.get("candidate_logprobs")
     if ids is None or lps is None:
-        raise RolloutsError(f"{path}: candidate_kind {kind!r} but no candidate_ids / candidate_logprobs tensors")
+        raise RolloutsError(f"{path}, tensor 'candidate_ids' / 'candidate_logprobs': missing although metadata "
+                            f"'candidate_kind' is {kind!r}")
     if ids.dtype not in (torch.int32, torch.int64) or not lps.is_floating_point() or ids.shape != lps.shape:
         raise RolloutsError(f"{path}, tensor 'candidate_ids' / 'candidate_logprobs': int ids and float log-probs "
                             f"of one shape expected, got {ids.dtype} {list(ids.shape)} and {lps.dtype} "

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from offpolicy.diagnose.entries import entry_rows
+from offpolicy.diagnose.entries import entry_rows, padded_to_entries
 from offpolicy.diagnose.recorded import RecordedRollouts
 from offpolicy.loss.validation import LOGPROB_SLACK
+from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.fleet.sampler import support_mask, support_mask_sorted
 
 #: temperatures scanned for the one that best explains the record (log-spaced, ratio 1.145; the reading check
@@ -43,12 +44,13 @@ class TrainerScores:
     hypotheses: dict[str, Tensor] | None = None
 
 
-def load_trainer_logprobs(path: str | Path, n: int) -> TrainerScores:
+def load_trainer_logprobs(path: str | Path, n: int, candidates: CSRCandidates | None = None) -> TrainerScores:
     """A ``.safetensors`` or ``.pt`` file with ``logprobs [N]`` and optionally ``candidate_logprobs`` (``[nnz]``
     aligned with the record's CSR entries, or ``[N, K]`` in the layout of ``candidates.to_padded()``).
 
     A ``.pt`` file is read with ``torch.load(weights_only=True)`` (no code runs). Every failure, a file that
-    does not parse included, raises ``ValueError`` naming the file and the tensor."""
+    does not parse included, raises ``ValueError`` naming the file and the tensor. With the record's
+    ``candidates``, ``candidate_logprobs`` is checked against them here (and returned as ``[nnz]``)."""
     path = Path(path)
     try:
         if path.suffix == ".safetensors":
@@ -76,7 +78,11 @@ def load_trainer_logprobs(path: str | Path, n: int) -> TrainerScores:
     if cand is not None:
         if not isinstance(cand, Tensor):
             raise ValueError(f"{path}, 'candidate_logprobs': expected a tensor, got {type(cand).__name__}")
-        cand = check_trainer_values(cand, f"{path}, tensor 'candidate_logprobs'")
+        what = f"{path}, tensor 'candidate_logprobs'"
+        cand = check_trainer_values(cand, what)
+        if candidates is None:
+            raise ValueError(f"{what}: given, but the rollouts record no candidates")
+        cand = padded_to_entries(cand, candidates, what)
     return TrainerScores(lp, cand)
 
 
@@ -255,9 +261,17 @@ def load_model(path: str | Path) -> torch.nn.Module:
         raise ValueError(f"--model {path}: the folder holds no config.json; pass the directory a transformers "
                          "model was saved to (save_pretrained)")
     try:  # trust_remote_code=False: a folder's own Python never runs, and transformers never prompts on stdin
-        return AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32, local_files_only=True,
-                                                    trust_remote_code=False)
+        return AutoModelForCausalLM.from_pretrained(str(path), **{_dtype_keyword(): torch.float32},
+                                                    local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # a corrupt config or weight file, custom code refused, an unknown architecture
         raise ValueError(f"--model {path}: the model does not load ({type(exc).__name__}: {str(exc)[:300]}); "
                          "diagnose loads a local transformers causal LM without running its folder's code "
                          "(trust_remote_code=False)") from None
+
+
+def _dtype_keyword() -> str:
+    """``dtype`` (transformers >= 4.56), else the older ``torch_dtype``."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
