@@ -167,6 +167,11 @@ def _safetensors_mutants(rec, path: Path) -> list[tuple[str, dict, dict, bool]]:
     case("groups_empty", meta_groups="[]")
     case("kind_bad", meta_candidate_kind="full")
     case("candidates_missing", candidate_logprobs=None)
+    coff = t["context_offsets"].clone()
+    coff[1] = int(coff[2]) + 1
+    case("context_offsets_decreasing", context_offsets=coff)
+    case("context_ids_negative", context_ids=t["context_ids"] - 100)
+    case("contexts_missing", context_ids=None)
     return cases
 
 

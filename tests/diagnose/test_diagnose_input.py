@@ -277,3 +277,59 @@ def test_trainer_and_model_files_that_do_not_parse_are_named(tmp_path, capsys):
     (model / "model.safetensors").write_bytes(b"\x00" * 40)
     assert cli(["diagnose", str(roll), "--model", str(model), "--out", str(tmp_path / "o")]) == 2
     assert f"--model {model}: the model does not load" in capsys.readouterr().err
+
+
+def test_contexts_are_csr_and_fed_in_chunks_padded_to_their_own_longest(monkeypatch):
+    """One 20,000-token context among 40 one-token ones: the record holds their ids back to back (not 41 x 20,001),
+    and the model sees chunks of 16 sequences padded only to the chunk's longest."""
+    from offpolicy.diagnose.contexts import Contexts
+
+    vocab = 32
+    emb = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(1))
+
+    class Bigram(torch.nn.Module):
+        def forward(self, ids):
+            return emb[ids]
+
+    def line(ctx, tok):
+        lq = float(torch.log_softmax(emb[ctx[-1]], -1)[tok])
+        return {"group": "g", "version": 0, "input_ids": ctx, "tokens": [tok], "sampler_logprobs": [lq],
+                "temperature": 1.0}
+
+    lines = [line([3] * 20_000, 5)] + [line([i % vocab], (i + 1) % vocab) for i in range(40)]
+    rec = from_lines(lines)
+    assert isinstance(rec.contexts, Contexts) and rec.contexts.ids.numel() == 20_001 + 40 * 2
+    shapes = []
+    padded = Contexts.padded
+
+    def spy(self, start=0, stop=None):
+        out = padded(self, start, stop)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(Contexts, "padded", spy)
+    rep = diagnose(rec, model=Bigram())
+    assert rep.ok and rep.overall.k3 < 1e-9, rep.text()
+    assert shapes == [(16, 20_001), (16, 2), (9, 2)]
+
+
+def test_an_older_safetensors_file_with_padded_sequences_reads(valid, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    rec = valid[1]
+    st = save_safetensors(rec, tmp_path / "new.safetensors")
+    with safe_open(str(st), framework="pt") as f:
+        meta = f.metadata()
+    t = load_file(str(st))
+    t.pop("context_ids")
+    t.pop("context_offsets")
+    t["sequences"] = rec.sequences
+    save_file(t, str(tmp_path / "old.safetensors"), metadata=meta)
+    back = load_rollouts(tmp_path / "old.safetensors")
+    assert torch.equal(back.sequences, rec.sequences) and torch.equal(back.tokens, rec.tokens)
+    t["context_offsets"] = torch.tensor([0, 5, 3, 9])
+    t["context_ids"] = torch.zeros(9, dtype=torch.int64)
+    save_file(t, str(tmp_path / "bad.safetensors"), metadata=meta)
+    with pytest.raises(RolloutsError, match="bad.safetensors.*field 'contexts.offsets'"):
+        load_rollouts(tmp_path / "bad.safetensors")

@@ -76,7 +76,7 @@ def concat(parts):
     cands = Candidates(torch.cat([torch.nn.functional.pad(i, (0, w - i.shape[1]), value=-1) for i in ids]),
                        torch.cat([torch.nn.functional.pad(x, (0, w - x.shape[1]), value=float("-inf")) for x in lps]),
                        parts[0].candidates.kind)
-    return replace(parts[0], candidates=cands, sequences=torch.cat(seqs), **{k: torch.cat(v) for k, v in out.items()})
+    return replace(parts[0], candidates=cands, contexts=torch.cat(seqs), **{k: torch.cat(v) for k, v in out.items()})
 
 
 def rollout_lines(kind: str = "support", n: int = 8, top_p: float = 0.9, seed: int = 2) -> tuple[list[dict], object]:

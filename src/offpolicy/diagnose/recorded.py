@@ -12,8 +12,9 @@ holds its own ids (a ``-1`` id with a ``null`` log-prob is padding, dropped); ``
 multi-turn episode (default: one sequence per line). Every line is checked once, where it is read
 (:mod:`offpolicy.diagnose.schema`): a malformed value raises :class:`RolloutsError` naming the file, the line and
 the field. safetensors: tensors ``tokens [N]``, ``sampler_logprobs [N]``, ``versions [N]``, ``group_index [N]``,
-``seq_ids [N]``, ``temperature [N]``, ``top_p [N]``, ``top_k [N]`` (-1: off), ``rows [N]``, ``cols [N]``,
-``sequences [B, L]`` and optionally the CSR candidates ``candidate_ids [nnz]``, ``candidate_offsets [N + 1]``,
+``seq_ids [N]``, ``temperature [N]``, ``top_p [N]``, ``top_k [N]`` (-1: off), ``rows [N]``, ``cols [N]``, the
+contexts ``context_ids [S]`` / ``context_offsets [B + 1]`` (an older file's ``sequences [B, L]`` is read too) and
+optionally the CSR candidates ``candidate_ids [nnz]``, ``candidate_offsets [N + 1]``,
 ``candidate_logprobs [nnz]`` (an older file's padded ``candidate_ids [N, K]`` / ``candidate_logprobs [N, K]`` is
 read too); metadata ``groups`` (a JSON list of names) and ``candidate_kind``.
 
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from offpolicy.adapters.common import TurnRecord
 from offpolicy.adapters.sglang import TOP_K_ALL
+from offpolicy.diagnose.contexts import Contexts
 from offpolicy.diagnose.schema import RolloutsError, check_columns, check_line
 from offpolicy.records.candidates import Candidates
 from offpolicy.records.csr_candidates import CSRCandidates
@@ -52,8 +54,10 @@ class RecordedRollouts:
         group_names: the sampler groups; ``group_index [N]`` int64 indexes it.
         versions: ``[N]`` int64 weight version (-1: unknown).  seq_ids: ``[N]`` int64 episode of each token.
         temperature, top_p: ``[N]`` fp32 declared sampling parameters; top_k: ``[N]`` int64 (-1: off).
-        sequences: ``[B, L]`` int64 contexts (right-padded with 0); rows, cols: ``[N]`` the token's position
-            (the logits that predicted it are at ``cols - 1``).
+        contexts: the ``B`` sequences back to back (:class:`~offpolicy.diagnose.contexts.Contexts`, CSR; a padded
+            ``[B, L]`` tensor passed in is stored row by row); rows, cols: ``[N]`` the token's position (sequence
+            ``rows``, index ``cols``; the logits that predicted it are at ``cols - 1``). :attr:`sequences` pads them
+            to ``[B, L]`` on demand (small records, tests; diagnose itself never does).
     """
 
     tokens: Tensor
@@ -66,11 +70,16 @@ class RecordedRollouts:
     temperature: Tensor
     top_p: Tensor
     top_k: Tensor
-    sequences: Tensor
+    contexts: Contexts
     rows: Tensor
     cols: Tensor
 
     def __post_init__(self) -> None:
+        if isinstance(self.contexts, Tensor):
+            object.__setattr__(self, "contexts", Contexts.from_padded(self.contexts))
+        elif not isinstance(self.contexts, Contexts):
+            raise RolloutsError(f"rollouts, field 'contexts': expected Contexts or an int [B, L] tensor, got "
+                                f"{type(self.contexts).__name__}")
         c = self.candidates
         if isinstance(c, Candidates):
             if c.ids.dim() != 2 or c.ids.shape[0] != self.tokens.numel():
@@ -86,6 +95,11 @@ class RecordedRollouts:
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def sequences(self) -> Tensor:
+        """``[B, L]`` int64 the contexts right-padded with 0 (``O(B L)``: for small records and tests)."""
+        return self.contexts.padded()
 
 
 def turn_to_json(record: TurnRecord, *, group: str, version: int | None = None, seq_id: int | None = None) -> dict:
@@ -257,10 +271,7 @@ def from_lines(lines: Sequence[dict], *, source: str = "rollouts",
                 cand_lps += r_lps
                 lengths.append(len(r_ids))
     row_of = {sid: b for b, sid in enumerate(order)}
-    length = max(len(c) for c in contexts.values())
-    seqs = torch.zeros(len(order), length, dtype=torch.int64)
-    for sid, ctx in contexts.items():
-        seqs[row_of[sid], : len(ctx)] = torch.tensor(ctx, dtype=torch.int64)
+    seqs = Contexts.from_lists([contexts[sid] for sid in order])
     cands = None
     if kind is not None:
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
@@ -274,23 +285,25 @@ def from_lines(lines: Sequence[dict], *, source: str = "rollouts",
             candidates=cands, group_names=tuple(groups), group_index=torch.tensor(gi, dtype=torch.int64),
             versions=torch.tensor(vers, dtype=torch.int64), seq_ids=rows.clone(),
             temperature=torch.tensor(temps, dtype=torch.float32), top_p=torch.tensor(tps, dtype=torch.float32),
-            top_k=torch.tensor(tks, dtype=torch.int64), sequences=seqs, rows=rows,
+            top_k=torch.tensor(tks, dtype=torch.int64), contexts=seqs, rows=rows,
             cols=torch.tensor(cols_t, dtype=torch.int64))
     except RolloutsError as exc:  # fp32 rounding can only push a value past a bound the line itself passed
         raise RolloutsError(f"{source}: {exc}") from None
 
 
 _TENSORS = ("tokens", "sampler_logprobs", "group_index", "versions", "seq_ids", "temperature", "top_p", "top_k",
-            "sequences", "rows", "cols")
+            "rows", "cols")
 
 
 def save_safetensors(rollouts: RecordedRollouts, path: str | Path) -> Path:
-    """Write the columns and the CSR candidates (``candidate_ids [nnz]``, ``candidate_offsets [N + 1]``,
-    ``candidate_logprobs [nnz]``)."""
+    """Write the columns, the contexts (``context_ids [S]``, ``context_offsets [B + 1]``) and the CSR candidates
+    (``candidate_ids [nnz]``, ``candidate_offsets [N + 1]``, ``candidate_logprobs [nnz]``)."""
     from safetensors.torch import save_file
 
     # columns may share storage (a TokenBatch's rows and seq_ids often do); safetensors refuses shared tensors
     tensors = {k: getattr(rollouts, k).clone(memory_format=torch.contiguous_format) for k in _TENSORS}
+    tensors["context_ids"] = rollouts.contexts.ids.to(torch.int64).clone()
+    tensors["context_offsets"] = rollouts.contexts.offsets.to(torch.int64).clone()
     meta = {"groups": json.dumps(list(rollouts.group_names)), "candidate_kind": ""}
     if rollouts.candidates is not None:
         c = rollouts.candidates
@@ -311,6 +324,8 @@ def load_safetensors(path: str | Path) -> RecordedRollouts:
             meta = f.metadata() or {}
             keys = set(f.keys())
             missing = [k for k in _TENSORS if k not in keys]
+            if "sequences" not in keys and not {"context_ids", "context_offsets"} <= keys:
+                missing.append("context_ids / context_offsets (or an older file's sequences)")
             if missing or "groups" not in meta:
                 raise RolloutsError(f"{path}: not a rollouts file (missing {missing or ['groups metadata']})")
             t = {k: f.get_tensor(k) for k in keys}
@@ -335,9 +350,24 @@ def load_safetensors(path: str | Path) -> RecordedRollouts:
                                                                                   "top_p"):
             t[k] = t[k].float()
     try:
-        return RecordedRollouts(candidates=cands, group_names=tuple(names), **{k: t[k] for k in _TENSORS})
+        ctx = _stored_contexts(path, t)
+        return RecordedRollouts(candidates=cands, group_names=tuple(names), contexts=ctx,
+                                **{k: t[k] for k in _TENSORS})
     except RolloutsError as exc:
         raise RolloutsError(f"{path}: {exc}") from None
+
+
+def _stored_contexts(path: str | Path, t: dict[str, Tensor]) -> Contexts:
+    if "context_ids" in t:
+        ids, off = t["context_ids"], t.get("context_offsets")
+        ok = off is not None and ids.dim() == 1 and off.dim() == 1 and off.numel() >= 1
+        if not ok or ids.dtype not in (torch.int32, torch.int64) or off.dtype not in (torch.int32, torch.int64):
+            raise RolloutsError(f"{path}, tensor 'context_ids' / 'context_offsets': int [S] and [B + 1] expected")
+        return Contexts(ids.to(torch.int64), off.to(torch.int64))
+    seqs = t["sequences"]
+    if seqs.dim() != 2 or seqs.dtype not in (torch.int32, torch.int64):
+        raise RolloutsError(f"{path}, tensor 'sequences': int [B, L] expected, got {seqs.dtype} {list(seqs.shape)}")
+    return Contexts.from_padded(seqs)
 
 
 def _stored_candidates(path: str | Path, t: dict[str, Tensor], kind: str) -> CSRCandidates | Candidates:
@@ -391,5 +421,5 @@ def from_token_batch(
         group_names=tuple(group_names), group_index=gi, versions=batch.versions.to(torch.int64),
         seq_ids=batch.seq_ids.to(torch.int64), temperature=batch.temperature.float(),
         top_p=torch.full((n,), float(top_p)), top_k=torch.full((n,), declared_top_k(top_k)),
-        sequences=sequences, rows=batch.rows, cols=batch.cols,
+        contexts=sequences, rows=batch.rows, cols=batch.cols,
     )

@@ -199,7 +199,7 @@ def _first(mask) -> int:
 
 def check_columns(r, where: str = "rollouts") -> None:
     """Check a :class:`~offpolicy.diagnose.recorded.RecordedRollouts`' tensors once (``O(N + nnz log nnz)``):
-    dtypes, shapes, ranges, finiteness, positions inside ``sequences`` holding their token, each position recorded
+    dtypes, shapes, ranges, finiteness, positions inside their context holding their token, each position recorded
     once, and a CSR candidate record whose offsets, ids and log-probs are sound (not relying on the record's own
     constructor). Raises :class:`RolloutsError` naming the field and the first bad token."""
     import torch
@@ -230,26 +230,34 @@ def check_columns(r, where: str = "rollouts") -> None:
     if bool((r.group_index < 0).any() | (r.group_index >= len(names)).any()):
         raise _fail(where, "group_index", f"token {_first((r.group_index < 0) | (r.group_index >= len(names)))} "
                     f"does not index the {len(names)} group names")
-    seqs = r.sequences
-    if not isinstance(seqs, torch.Tensor) or seqs.dim() != 2 or seqs.dtype not in (torch.int32, torch.int64):
-        raise _fail(where, "sequences", "expected an int [B, L] tensor")
-    if seqs.numel() and bool((seqs < 0).any() | (seqs >= MAX_ID).any()):
-        raise _fail(where, "sequences", "holds an id outside [0, 2^31)")
-    b, length = seqs.shape
+    ctx = r.contexts
+    ids, off = ctx.ids, ctx.offsets
+    for name, x in (("contexts.ids", ids), ("contexts.offsets", off)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype not in (torch.int32, torch.int64):
+            raise _fail(where, name, "expected a 1-D int tensor")
+    b = off.numel() - 1
+    if b < 1 or int(off[0]) != 0 or int(off[-1]) != ids.numel() or bool((off[1:] < off[:-1]).any()):
+        raise _fail(where, "contexts.offsets", f"must run from 0 to the {ids.numel()} context ids without "
+                    "decreasing, one more entry than sequences")
+    if ids.numel() and bool((ids < 0).any() | (ids >= MAX_ID).any()):
+        raise _fail(where, "contexts.ids", "holds an id outside [0, 2^31)")
     rows, cols = r.rows.long(), r.cols.long()
     bad = (rows < 0) | (rows >= b)
     if bool(bad.any()):
         raise _fail(where, "rows", f"token {_first(bad)} sits in row {int(rows[bad][0])}, outside the {b} sequences")
+    length = (off[1:] - off[:-1])[rows]
     bad = (cols < 1) | (cols >= length)
     if bool(bad.any()):
-        raise _fail(where, "cols", f"token {_first(bad)} sits at column {int(cols[bad][0])}; a token needs a "
-                    f"non-empty context before it and a place in the sequence (1 <= col < {length})")
-    bad = seqs[rows, cols].long() != tokens.long()
+        i = _first(bad)
+        raise _fail(where, "cols", f"token {i} sits at column {int(cols[i])}; a token needs a non-empty context "
+                    f"before it and a place in its sequence (1 <= col < {int(length[i])})")
+    at = off.long()[rows] + cols
+    bad = ids[at].long() != tokens.long()
     if bool(bad.any()):
         i = _first(bad)
-        raise _fail(where, "tokens", f"token {i} is {int(tokens[i])} but sequences[{int(rows[i])}, {int(cols[i])}] "
-                    f"holds {int(seqs[rows[i], cols[i]])}: the columns are misaligned")
-    key = torch.sort(rows * length + cols).values
+        raise _fail(where, "tokens", f"token {i} is {int(tokens[i])} but its sequence {int(rows[i])} holds "
+                    f"{int(ids[at[i]])} at column {int(cols[i])}: the columns are misaligned")
+    key = torch.sort(at).values
     if n > 1 and bool((key[1:] == key[:-1]).any()):
         raise _fail(where, "cols", "two tokens are recorded at the same position of one sequence")
     if r.candidates is not None:

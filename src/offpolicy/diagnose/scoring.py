@@ -181,13 +181,13 @@ def score_model(model: torch.nn.Module, rollouts: RecordedRollouts, *, semantics
     was = model.training
     model.eval()
     try:
-        for b0 in range(0, r.sequences.shape[0], chunk):
+        for b0 in range(0, len(r.contexts), chunk):
             bounds = torch.tensor([b0, b0 + chunk])
             t0, t1 = torch.searchsorted(tok_rows, bounds).tolist()
             sel = tok_order[t0:t1]
             if sel.numel() == 0:
                 continue
-            logits = _forward(model, r.sequences[b0: b0 + chunk], b0)
+            logits = _forward(model, r.contexts.padded(b0, b0 + chunk), b0)  # padded to this chunk's longest
             vocab = logits.shape[-1]
             _check_vocab(r.tokens[sel], vocab, "tokens")
             z = logits[r.rows[sel] - b0, r.cols[sel] - 1].double()  # [n, V]

@@ -56,7 +56,7 @@ def slice_indices(rollouts: RecordedRollouts) -> list[tuple[str, Tensor]]:
 
 
 def take(rollouts: RecordedRollouts, idx: Tensor) -> RecordedRollouts:
-    """The tokens ``idx`` (contexts kept whole: ``rows`` / ``cols`` still index ``sequences``)."""
+    """The tokens ``idx`` (contexts kept whole: ``rows`` / ``cols`` still index ``contexts``)."""
     c = rollouts.candidates
     per_token = ("tokens", "sampler_logprobs", "group_index", "versions", "seq_ids", "temperature", "top_p",
                  "top_k", "rows", "cols")
