@@ -280,3 +280,25 @@ def test_malformed_files_fuzz(tmp_path, capsys):
     print(f"diagnose fuzz (seed {SEED}): {counts}")
     assert counts["files"] >= 60 and counts["refused"] + counts["reported"] == counts["files"]
     assert counts["reported"] >= 2  # the fuzz also reaches real reports (a huge row, a truncation at a line end)
+
+
+def test_a_malformed_file_through_the_installed_command_line(tmp_path):
+    """The same contract through ``python -m offpolicy`` in a subprocess: a shifted candidate block exits 2 with one
+    line naming the file, the line and the field, and no traceback."""
+    import subprocess
+    import sys
+
+    lines, rec = rollout_lines(n=3)
+    lines[1]["candidates"]["logprobs"].insert(0, lines[0]["candidates"]["logprobs"].pop())
+    path = save_jsonl(lines, tmp_path / "shifted.jsonl")
+    from safetensors.torch import save_file
+
+    save_file({"logprobs": rec.sampler_logprobs.float()}, str(tmp_path / "trainer.safetensors"))
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "offpolicy", "diagnose", str(path), "--trainer-logprobs",
+                           str(tmp_path / "trainer.safetensors"), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                          env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"{path}, line 1, field 'candidates.logprobs': holds" in done.stderr
+    assert not (tmp_path / "o").exists()
