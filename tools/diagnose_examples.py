@@ -42,7 +42,7 @@ def rollouts(model, temperature, top_p=1.0, kind="head", declared=None):
 def unrenormalised(rec, model):
     with torch.no_grad():
         lt = torch.log_softmax(model(rec.sequences)[rec.rows, rec.cols - 1].double() / rec.temperature[:, None], -1)
-    ids = rec.candidates.ids
+    ids = rec.candidates.to_padded().ids
     lps = torch.where(ids >= 0, lt.gather(1, ids.clamp(min=0)), float("-inf")).float()
     return replace(rec, sampler_logprobs=lt.gather(1, rec.tokens[:, None])[:, 0].float(),
                    candidates=Candidates(ids, lps, "support"))

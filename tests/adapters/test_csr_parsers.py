@@ -249,13 +249,14 @@ def test_turn_to_json_writes_csr_rows_ragged_and_reads_back():
     c = rec.candidates
     assert [len(r) for r in line["candidates"]["ids"]] == c.lengths.tolist()
     assert [len(r) for r in line["candidates"]["logprobs"]] == c.lengths.tolist()
-    back = from_lines([line]).candidates
-    assert torch.equal(op.CSRCandidates.from_padded(back).ids, c.ids)
-    assert torch.equal(op.CSRCandidates.from_padded(back).logprobs, c.logprobs)
+    back = from_lines([line]).candidates  # diagnose reads CSR
+    assert torch.equal(back.ids, c.ids) and torch.equal(back.offsets, c.offsets.long())
+    assert torch.equal(back.logprobs, c.logprobs)
 
 
 def test_diagnose_reads_a_collated_csr_batch():
-    """``from_token_batch`` on collate's CSR batch gives the rollouts of its padded twin."""
+    """``from_token_batch`` keeps collate's CSR batch as CSR (never padded) and reads its padded twin into the same
+    CSR rows."""
     from offpolicy.diagnose import from_token_batch
 
     traj = Trajectory([3, 4])
@@ -265,6 +266,8 @@ def test_diagnose_reads_a_collated_csr_batch():
                                                                   logits_fn=varied_logits), body), version=1)
     seqs, batch = collate([traj])
     got = from_token_batch(batch, seqs, top_p=0.95).candidates
-    want = collate([traj], csr=False)[1].candidates
-    assert isinstance(got, op.Candidates)
+    twin = collate([traj], csr=False)
+    want = from_token_batch(twin[1], twin[0], top_p=0.95).candidates
+    assert isinstance(got, op.CSRCandidates) and isinstance(want, op.CSRCandidates)
     assert torch.equal(got.ids, want.ids) and torch.equal(got.logprobs, want.logprobs)
+    assert torch.equal(got.offsets.long(), want.offsets.long())

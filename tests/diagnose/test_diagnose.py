@@ -21,7 +21,7 @@ from offpolicy.diagnose import (
 from offpolicy.diagnose.divergence import divergence
 from offpolicy.diagnose.recorded import from_lines
 from offpolicy.fleet.sampler import sample
-from support.diagnose_records import V, TinyLM, prompts, support_of_ids, record
+from support.diagnose_records import V, TinyLM, padded, prompts, record, support_of_ids
 
 @pytest.fixture(scope="module")
 def model():
@@ -76,7 +76,7 @@ def _unrenormalise(rec, model):
     with torch.no_grad():
         z = model(rec.sequences)[rec.rows, rec.cols - 1].double()
     lt = torch.log_softmax(z / rec.temperature[:, None].double(), -1)
-    c = rec.candidates
+    c = padded(rec)
     lps = torch.where(c.ids >= 0, lt.gather(1, c.ids.clamp(min=0)), float("-inf")).float()
     from offpolicy import Candidates
 
@@ -100,7 +100,7 @@ def test_tensor_only_trainer(model):
     with torch.no_grad():
         z = model(rec.sequences)[rec.rows, rec.cols - 1].double()
     lt = torch.log_softmax(z / 0.7, -1)
-    ids = rec.candidates.ids
+    ids = padded(rec).ids
     sup = support_of_ids(ids)
     lp = (torch.where(sup, lt, float("-inf")) - torch.logsumexp(torch.where(sup, lt, float("-inf")), -1,
                                                                    keepdim=True)).gather(1, rec.tokens[:, None])[:, 0]
@@ -114,7 +114,7 @@ def test_tensor_only_trainer(model):
     with torch.no_grad():
         zr = model(raw.sequences)[raw.rows, raw.cols - 1].double()
     lr = torch.log_softmax(zr / 0.7, -1)
-    rids = raw.candidates.ids
+    rids = padded(raw).ids
     rep = diagnose(raw, trainer_logprobs=TrainerScores(lr.gather(1, raw.tokens[:, None])[:, 0],
                                                         torch.where(rids >= 0, lr.gather(1, rids.clamp(min=0)),
                                                                     float("-inf"))))
@@ -123,7 +123,7 @@ def test_tensor_only_trainer(model):
 
 def test_record_checks_coverage_sums_versions(model):
     rec = record(model, kind="support", top_p=0.9)
-    c = rec.candidates
+    c = padded(rec)
     ids = c.ids.clone()
     ids[ids == rec.tokens[:, None]] = -1  # drop the sampled token from every support row
     from offpolicy import Candidates
@@ -137,7 +137,7 @@ def test_record_checks_coverage_sums_versions(model):
     rep = diagnose(replace(rec, versions=v), model=model, current_version=5)
     assert "versions_backwards" in rep.mistakes
     head = record(model)
-    boosted = Candidates(head.candidates.ids, head.candidates.logprobs + 0.5, "head")
+    boosted = Candidates(padded(head).ids, (padded(head).logprobs + 0.5).clamp(max=0.0), "head")
     rep = diagnose(replace(head, candidates=boosted), model=model)
     assert "head_renormalised" in rep.mistakes
 
@@ -170,6 +170,7 @@ def test_files_cli_and_report(model, tmp_path, capsys):
     st = save_safetensors(rec, tmp_path / "roll.safetensors")
     back = load_rollouts(st)
     assert torch.equal(back.tokens, rec.tokens) and torch.equal(back.candidates.ids, rec.candidates.ids)
+    assert torch.equal(back.candidates.offsets, rec.candidates.offsets)
     from safetensors.torch import save_file
 
     rep = diagnose(rec, model=model)
@@ -194,7 +195,7 @@ def rep_lp(rec, model):
     with torch.no_grad():
         z = model(rec.sequences)[rec.rows, rec.cols - 1].double()
     lt = torch.log_softmax(z / rec.temperature[:, None].double(), -1)
-    ids = rec.candidates.ids
+    ids = padded(rec).ids
     sup = support_of_ids(ids)
     sub = torch.where(sup, lt, float("-inf"))
     return (sub - torch.logsumexp(sub, -1, keepdim=True)).gather(1, rec.tokens[:, None])[:, 0].float()
@@ -212,11 +213,12 @@ def test_jsonl_lines_and_errors(tmp_path):
     rec = load_rollouts(save_jsonl(lines, tmp_path / "r.jsonl"))
     assert rec.sequences.tolist() == [[1, 2, 3, 4, 9, 6]] and rec.cols.tolist() == [2, 3, 5]
     assert rec.group_names == ("a", "b") and rec.versions.tolist() == [1, 1, 2]
-    assert rec.candidates.logprobs[1, 1] == float("-inf")
+    assert rec.candidates.lengths.tolist() == [2, 1, 1]  # the (-1, null) padding entry is dropped
+    assert rec.candidates.ids.tolist() == [3, 5, 7, 6]
     bad = [dict(lines[1], input_ids=[1, 9])]
     with pytest.raises(ValueError, match="do not extend the context"):
         from_lines([lines[0], *bad])
-    with pytest.raises(ValueError, match="'tokens' is missing"):
+    with pytest.raises(ValueError, match="line 1, field 'tokens': missing"):
         from_lines([{k: v for k, v in lines[0].items() if k != "tokens"}])
     with pytest.raises(ValueError, match="must be .jsonl or .safetensors"):
         load_rollouts(tmp_path / "r.csv")
@@ -242,7 +244,7 @@ def test_cli_with_a_transformers_model_and_jsonl(tmp_path, capsys):
     for b in range(ro.sequences.shape[0]):
         sel = rec.rows == b
         start = int(rec.cols[sel].min())
-        c = rec.candidates
+        c = padded(rec)
         lines.append({"group": "ref", "version": 2, "input_ids": ro.sequences[b, :start].tolist(),
                       "tokens": rec.tokens[sel].tolist(), "sampler_logprobs": rec.sampler_logprobs[sel].tolist(),
                       "temperature": 0.7, "top_p": 0.9, "top_k": None,
@@ -274,7 +276,7 @@ def test_turn_to_json_versions():
         turn_to_json(replace(rec, versions=("a", "b")), group="g")
     with pytest.raises(ValueError, match="pass version="):
         turn_to_json(replace(rec, versions=None), group="g")
-    with pytest.raises(ValueError, match="1 versions for 2 tokens"):
+    with pytest.raises(ValueError, match="field .versions.: holds 1 entries for 2 tokens"):
         from_lines([dict(line, versions=[6])])
 
 
@@ -316,5 +318,5 @@ def test_record_reader_maps_the_other_off_sentinels_to_minus_one():
     """SGLang's all-tokens top_k (1 << 30) in a JSONL line and vLLM's top_k = 0 passed to from_token_batch are
     "off", not filters."""
     assert from_lines([_line(top_k=1 << 30)]).top_k.tolist() == [-1, -1]
-    batch = sample(TinyLM(), prompts(1), 2, record="head").flatten()
-    assert from_token_batch(batch, torch.zeros(1, 5, dtype=torch.long), top_k=0).top_k.tolist() == [-1, -1]
+    ro = sample(TinyLM(), prompts(1), 2, record="head")
+    assert from_token_batch(ro.flatten(), ro.sequences, top_k=0).top_k.tolist() == [-1, -1]

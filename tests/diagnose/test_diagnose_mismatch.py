@@ -13,7 +13,7 @@ import torch
 from offpolicy import Candidates
 from offpolicy.__main__ import main as cli
 from offpolicy.diagnose import TrainerScores, diagnose, from_lines, save_safetensors
-from support.diagnose_records import TinyLM, concat, record
+from support.diagnose_records import TinyLM, concat, padded, record
 
 PER_TOKEN = ("tokens", "sampler_logprobs", "group_index", "versions", "seq_ids", "temperature", "top_p", "top_k",
              "rows", "cols")
@@ -36,11 +36,10 @@ def stale(frac: float, seed: int = 7) -> TinyLM:
 
 def subset(rec, idx, *, sampler_logprobs=None, candidates=None):
     """Tokens ``idx`` of ``rec``, optionally with their records taken from other positions."""
-    out = replace(rec, **{k: getattr(rec, k)[idx] for k in PER_TOKEN})
+    cols = {k: getattr(rec, k)[idx] for k in PER_TOKEN}
     if sampler_logprobs is not None:
-        out = replace(out, sampler_logprobs=sampler_logprobs)
-    return replace(out, candidates=candidates if candidates is not None else
-                   Candidates(rec.candidates.ids[idx], rec.candidates.logprobs[idx], rec.candidates.kind))
+        cols["sampler_logprobs"] = sampler_logprobs
+    return replace(rec, candidates=candidates if candidates is not None else rec.candidates.take_rows(idx), **cols)
 
 
 @pytest.mark.parametrize("kind,top_p", [("head", 1.0), ("support", 0.9)])
@@ -77,10 +76,10 @@ def test_mixed_staleness_passes_strict(model, tmp_path, stale_share):
         z = model(rec.sequences)[rec.rows, rec.cols - 1].double()
     from support.diagnose_records import support_of_ids
 
-    sup = support_of_ids(rec.candidates.ids)
+    sup = support_of_ids(padded(rec).ids)
     sub = torch.where(sup, torch.log_softmax(z / 0.7, -1), float("-inf"))
     lp = (sub - torch.logsumexp(sub, -1, keepdim=True)).gather(1, rec.tokens[:, None])[:, 0]
-    cand = torch.where(rec.candidates.ids >= 0, torch.log_softmax(z / 0.7, -1).gather(1, rec.candidates.ids.clamp(
+    cand = torch.where(padded(rec).ids >= 0, torch.log_softmax(z / 0.7, -1).gather(1, padded(rec).ids.clamp(
         min=0)), float("-inf"))
     from safetensors.torch import save_file
 
@@ -102,7 +101,7 @@ def test_a_mistake_in_fresh_tokens_is_named_beside_stale_ones(model):
 
 
 def _base2(rec):
-    c = rec.candidates
+    c = padded(rec)
     return replace(rec, sampler_logprobs=rec.sampler_logprobs / math.log(2),
                    candidates=Candidates(c.ids, c.logprobs / math.log(2), c.kind))
 
@@ -128,7 +127,7 @@ def test_log_base_2_from_tensors_alone(model):
     rec = record(model)
     with torch.no_grad():
         lt = torch.log_softmax(model(rec.sequences)[rec.rows, rec.cols - 1].double() / 0.7, -1)
-    ids = rec.candidates.ids
+    ids = padded(rec).ids
     scores = TrainerScores(lt.gather(1, rec.tokens[:, None])[:, 0],
                            torch.where(ids >= 0, lt.gather(1, ids.clamp(min=0)), float("-inf")))
     assert diagnose(rec, trainer_logprobs=scores).ok
@@ -147,7 +146,7 @@ def test_temperature_twice_is_not_base_2(model):
 
 def _top(rec, width, renormalise=True):
     """Each support row cut to its ``width`` most likely ids (rows that lose their sampled token dropped)."""
-    c = rec.candidates
+    c = padded(rec)
     order = torch.argsort(c.logprobs, 1, descending=True)[:, :width]
     ids, lps = c.ids.gather(1, order), c.logprobs.gather(1, order)
     lps = torch.where(ids >= 0, lps, float("-inf"))
@@ -184,7 +183,7 @@ def _shift(rec):
              if (int(r), int(c) + 1) in at]
     keep = torch.tensor([i for i, _ in pairs])
     src = torch.tensor([j for _, j in pairs])
-    c = rec.candidates
+    c = padded(rec)
     return subset(rec, keep, sampler_logprobs=rec.sampler_logprobs[src],
                   candidates=Candidates(c.ids[src], c.logprobs[src], c.kind))
 
@@ -293,7 +292,7 @@ def test_wrong_file_type_and_missing_model_folder_are_clear(tmp_path, capsys):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"group": "a"}\n{not json\n')
     assert cli(["diagnose", str(broken), "--model", str(tmp_path)]) == 2
-    assert "line 1 is not JSON" in capsys.readouterr().err
+    assert "broken.jsonl, line 2: not JSON" in capsys.readouterr().err  # lines are numbered from 1
     rec = record(TinyLM(), n=8)
     st = save_safetensors(rec, tmp_path / "r.safetensors")
     assert cli(["diagnose", str(st), "--model", str(tmp_path / "no_such_model"), "--out", str(tmp_path / "o")]) == 2
@@ -353,7 +352,7 @@ def test_log_base_2_support_named_by_the_temperature_check_from_tensors():
     rec = record(m, kind="support", top_p=0.9)
     with torch.no_grad():
         lt = torch.log_softmax(m(rec.sequences)[rec.rows, rec.cols - 1].double() / 0.7, -1)
-    ids = rec.candidates.ids
+    ids = padded(rec).ids
     cand = torch.where(ids >= 0, lt.gather(1, ids.clamp(min=0)), float("-inf"))
     lp = (cand - torch.logsumexp(cand, 1, keepdim=True)).gather(1, (ids == rec.tokens[:, None]).int().argmax(
         1, keepdim=True))[:, 0]

@@ -47,6 +47,12 @@ def record(model, *, temperature=0.7, top_p=1.0, top_k=None, kind="head", n=48, 
     return rec
 
 
+def padded(rec):
+    """The rollouts' CSR candidates as a padded ``[N, K]`` :class:`Candidates` (tests build planted records in
+    that layout; diagnose itself never pads)."""
+    return rec.candidates.to_padded()
+
+
 def support_of_ids(ids):
     """``[n, V]`` bool of the padded support ids ``[n, K]`` (one-hot sum, padding masked)."""
     return (torch.nn.functional.one_hot(ids.clamp(min=0), V) * (ids >= 0)[..., None]).sum(1) > 0
@@ -63,11 +69,37 @@ def concat(parts):
         for k in out:
             v = getattr(p, k)
             out[k].append(v + off if k in ("rows", "seq_ids") else v)
-        ids.append(p.candidates.ids)
-        lps.append(p.candidates.logprobs)
+        ids.append(padded(p).ids)
+        lps.append(padded(p).logprobs)
         off += p.sequences.shape[0]
     w = max(i.shape[1] for i in ids)
     cands = Candidates(torch.cat([torch.nn.functional.pad(i, (0, w - i.shape[1]), value=-1) for i in ids]),
                        torch.cat([torch.nn.functional.pad(x, (0, w - x.shape[1]), value=float("-inf")) for x in lps]),
                        parts[0].candidates.kind)
-    return replace(parts[0], candidates=cands, sequences=torch.cat(seqs), **{k: torch.cat(v) for k, v in out.items()})
+    return replace(parts[0], candidates=cands, contexts=torch.cat(seqs), **{k: torch.cat(v) for k, v in out.items()})
+
+
+def rollout_lines(kind: str = "support", n: int = 8, top_p: float = 0.9, seed: int = 2) -> tuple[list[dict], object]:
+    """JSONL lines (one per sequence, a ``seq_id`` each) of reference-sampler rollouts on :class:`TinyLM`, and
+    the rollouts they read back as."""
+    rec = record(TinyLM(), kind=kind, top_p=top_p, n=n, seed=seed)
+    c = padded(rec)
+    lines = []
+    for b in range(rec.sequences.shape[0]):
+        sel = (rec.rows == b).nonzero().flatten()
+        start = int(rec.cols[sel].min())
+        ids = [[int(i) for i in row if i >= 0] for row in c.ids[sel].tolist()]
+        lps = [[float(v) for v, i in zip(lrow, irow) if i >= 0] for lrow, irow in zip(c.logprobs[sel].tolist(),
+                                                                                      c.ids[sel].tolist())]
+        lines.append({"group": "ref", "version": 0, "seq_id": b, "input_ids": rec.sequences[b, :start].tolist(),
+                      "tokens": rec.tokens[sel].tolist(), "sampler_logprobs": rec.sampler_logprobs[sel].tolist(),
+                      "temperature": 0.7, "top_p": top_p, "top_k": None,
+                      "candidates": {"kind": kind, "ids": ids, "logprobs": lps}})
+    return lines, rec
+
+
+def trainer_logprobs(rec) -> torch.Tensor:
+    """``[N]`` fp32 the trainer's (same model's) log-probs of the record's tokens, renormalised over the support."""
+    from offpolicy.diagnose.scoring import score_model
+
+    return score_model(TinyLM(), rec).logprobs.float()

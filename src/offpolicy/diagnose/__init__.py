@@ -29,7 +29,15 @@ from offpolicy.diagnose.recorded import (
     save_safetensors,
     turn_to_json,
 )
-from offpolicy.diagnose.scoring import TrainerScores, load_model, load_trainer_logprobs, score_model
+from offpolicy.diagnose.entries import padded_to_entries
+from offpolicy.diagnose.schema import MAX_INDEX, RolloutsError
+from offpolicy.diagnose.scoring import (
+    TrainerScores,
+    check_trainer_values,
+    load_model,
+    load_trainer_logprobs,
+    score_model,
+)
 from offpolicy.diagnose.record_checks import record_checks
 from offpolicy.diagnose.semantics import (
     best_reading,
@@ -42,7 +50,8 @@ from offpolicy.diagnose.slices import EXPLAINING, per_slice
 from offpolicy.diagnose.summary import DiagnoseReport
 
 __all__ = [
-    "DiagnoseReport", "Divergence", "Finding", "RecordedRollouts", "TrainerScores", "diagnose", "from_lines",
+    "DiagnoseReport", "Divergence", "Finding", "RecordedRollouts", "RolloutsError", "TrainerScores", "diagnose",
+    "from_lines",
     "from_token_batch", "load_rollouts", "load_trainer_logprobs", "save_jsonl", "save_safetensors", "turn_to_json",
 ]
 
@@ -71,15 +80,15 @@ def diagnose(
     """
     if (trainer_logprobs is None) == (model is None):
         raise ValueError("diagnose: pass exactly one of trainer_logprobs= or model=")
+    if not isinstance(rollouts, RecordedRollouts):
+        raise TypeError(f"diagnose: rollouts must be RecordedRollouts (load_rollouts), got {type(rollouts).__name__}")
+    if current_version is not None and (type(current_version) is not int or not 0 <= current_version < MAX_INDEX):
+        raise ValueError(f"diagnose: current_version must be an integer in [0, 2^62), got {current_version!r}")
     if model is not None:
         net = load_model(model) if isinstance(model, (str, Path)) else model
         scores = score_model(net, rollouts, semantics=semantics)
-    elif isinstance(trainer_logprobs, TrainerScores):
-        scores = trainer_logprobs
     else:
-        scores = TrainerScores(torch.as_tensor(trainer_logprobs).double().flatten())
-    if scores.logprobs.shape[0] != len(rollouts):
-        raise ValueError(f"diagnose: {scores.logprobs.shape[0]} trainer log-probs for {len(rollouts)} tokens")
+        scores = _trainer_scores(trainer_logprobs, rollouts)
     log_ratio = scores.logprobs - rollouts.sampler_logprobs.double()
     known = rollouts.versions >= 0
     current = current_version if current_version is not None else (
@@ -113,3 +122,24 @@ def diagnose(
         report.plots.extend(plots)
         report.save(out)
     return report
+
+
+def _trainer_scores(trainer: TrainerScores | Tensor, rollouts: RecordedRollouts) -> TrainerScores:
+    """The trainer's values checked against the record once: ``logprobs [N]`` (float, no NaN, nothing above 0)
+    and candidate log-probs as ``[nnz]`` entries of the record's CSR rows (``[N, K]`` read in the layout of
+    ``candidates.to_padded()``)."""
+    if isinstance(trainer, TrainerScores):
+        lp, cand, hyp = trainer.logprobs, trainer.candidate_logprobs, trainer.hypotheses
+    else:
+        lp, cand, hyp = trainer, None, None
+    if not isinstance(lp, Tensor):
+        lp = torch.as_tensor(lp, dtype=torch.float64)
+    lp = check_trainer_values(lp, "trainer logprobs").flatten()
+    if lp.shape[0] != len(rollouts):
+        raise ValueError(f"diagnose: {lp.shape[0]} trainer log-probs for {len(rollouts)} tokens")
+    if cand is not None:
+        if rollouts.candidates is None:
+            raise ValueError("diagnose: trainer candidate_logprobs given for a record without candidates")
+        cand = padded_to_entries(check_trainer_values(cand, "trainer candidate_logprobs"), rollouts.candidates,
+                                 "trainer candidate_logprobs")
+    return TrainerScores(lp, cand, hyp)

@@ -1,4 +1,10 @@
-"""``offpolicy diagnose`` command line."""
+"""``offpolicy diagnose`` command line.
+
+Exit codes: 0 the report was written (``--strict``: and no mistake was found); 1 ``--strict`` and a mistake was
+found; 2 bad input (a malformed rollouts or trainer file, a model that does not load), with one message naming the
+file, the line or tensor and the field; 3 an internal error (a bug: please report it). argparse's own usage
+errors also exit 2.
+"""
 
 from __future__ import annotations
 
@@ -25,12 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         rollouts = load_rollouts(args.rollouts)
-        trainer = load_trainer_logprobs(args.trainer_logprobs, len(rollouts)) if args.trainer_logprobs else None
+        trainer = (load_trainer_logprobs(args.trainer_logprobs, len(rollouts), rollouts.candidates)
+                   if args.trainer_logprobs else None)
         report = diagnose(rollouts, trainer_logprobs=trainer, model=args.model,
                           current_version=args.current_version, semantics=args.semantics, out_dir=args.out)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # bad input: the message names the file, the line or tensor, the field
         print(f"offpolicy diagnose: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a bug in diagnose, never bad input: one line, no traceback, and a way to report it
+        print(f"offpolicy diagnose: internal error ({type(exc).__name__}: {str(exc)[:300]}); please report it "
+              "with the input file", file=sys.stderr)
+        return 3
     report.print()
     print(f"\nreport: {args.out}/report.md")
     return 1 if args.strict and not report.ok else 0

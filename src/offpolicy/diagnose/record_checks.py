@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from offpolicy.diagnose.entries import entry_of, entry_rows, row_sum
 from offpolicy.diagnose.findings import Finding
 from offpolicy.diagnose.recorded import RecordedRollouts
 
@@ -36,13 +37,6 @@ def neighbours(rollouts: RecordedRollouts) -> tuple[Tensor, Tensor]:
     return prv, nxt
 
 
-def entry_of(ids: Tensor, logprobs: Tensor, token: Tensor) -> Tensor:
-    """``[N]`` float64: each candidate row's log-prob for ``token [N]`` (NaN where the row does not hold it)."""
-    hit = (ids == token[:, None]) & (ids >= 0)
-    val = torch.where(hit, logprobs.double(), 0.0).sum(1)
-    return torch.where(hit.any(1), val, float("nan"))
-
-
 def _agrees(entry: Tensor, lq: Tensor) -> Tensor:
     return (entry - lq).abs() <= ENTRY_ATOL + ENTRY_RTOL * lq.abs()
 
@@ -60,12 +54,13 @@ def alignment(rollouts: RecordedRollouts) -> Finding | None:
         return None
     lq = rollouts.sampler_logprobs.double()
     prv, nxt = neighbours(rollouts)
-    own = int(_agrees(entry_of(c.ids, c.logprobs, rollouts.tokens), lq).sum())
+    row = entry_rows(c)
+    own = int(_agrees(entry_of(c, rollouts.tokens, row), lq).sum())
     counts = {}
     for name, nb in (("next", nxt), ("previous", prv)):
         has = nb >= 0
         tok = torch.where(has, rollouts.tokens[nb.clamp(min=0)], -2)
-        counts[name] = int((_agrees(entry_of(c.ids, c.logprobs, tok), lq) & has).sum())
+        counts[name] = int((_agrees(entry_of(c, tok, row), lq) & has).sum())
     side = max(counts, key=counts.get)
     ev = {"rows_matching_own_token": own, "rows_matching_next_token": counts["next"],
           "rows_matching_previous_token": counts["previous"]}
@@ -87,7 +82,8 @@ def record_checks(rollouts: RecordedRollouts) -> list[Finding]:
         shifted = shift is not None and not shift.ok
         if shift is not None:
             out.append(shift)
-        entry = entry_of(c.ids, c.logprobs, rollouts.tokens)
+        row = entry_rows(c)
+        entry = entry_of(c, rollouts.tokens, row)
         lq = rollouts.sampler_logprobs.double()
         if c.kind == "support":
             miss = int(entry.isnan().sum())
@@ -104,12 +100,12 @@ def record_checks(rollouts: RecordedRollouts) -> list[Finding]:
                                 "the sampled token's own candidate entry equals lq in every row that holds it",
                                 {"rows_disagreeing": bad, "max_abs_difference": round(worst, 6)}))
         if c.kind == "support":
-            out += _support_sums(rollouts, bool(filtered.any()))
+            out += _support_sums(rollouts, row, bool(filtered.any()))
             width = _top_k_width(rollouts)
             if width is not None:
                 out.append(width)
         else:
-            mass = torch.exp(c.logprobs.double()).sum(1)
+            mass = row_sum(torch.exp(c.logprobs.double()), row, len(rollouts))
             over = int((mass > 1.0 + 1e-3).sum())
             out.append(Finding("head_sum", over == 0,
                                f"{over} head rows sum above one: renormalised values recorded as a head" if over
@@ -126,16 +122,17 @@ def _consequence(check: str, bad: int, shifted: bool, mistake: str, failed: str,
     return Finding(check, bad == 0, failed if bad else passed, mistake if bad else None, ev)
 
 
-def _support_sums(rollouts: RecordedRollouts, filtered: bool) -> list[Finding]:
+def _support_sums(rollouts: RecordedRollouts, row: Tensor, filtered: bool) -> list[Finding]:
     """Support rows must sum to one; rows that do in base 2 (``sum 2^l = 1``) are log2 values."""
     lp = rollouts.candidates.logprobs.double()
-    mass = torch.exp(lp).sum(1)
+    n = len(rollouts)
+    mass = row_sum(torch.exp(lp), row, n)
     off = (mass - 1.0).abs() > SUPPORT_SUM_TOL
     med = float(mass.median())
     ev = {"rows_off": int(off.sum()), "median_sum": round(med, 6)}
     if not bool(off.any()):
         return [Finding("support_sum", True, f"support rows sum to one (median {med:.6f})", evidence=ev)]
-    base2 = torch.exp2(lp).sum(1)
+    base2 = row_sum(torch.exp2(lp), row, n)
     if bool(((base2 - 1.0).abs() <= SUPPORT_SUM_TOL).all()):
         ev["median_sum_base_2"] = round(float(base2.median()), 6)
         return [Finding("support_sum", False, f"{int(off.sum())} support rows do not sum to one (median {med:.4f}) "
@@ -152,7 +149,7 @@ def _top_k_width(rollouts: RecordedRollouts) -> Finding | None:
     k_only = (rollouts.top_k > 0) & (rollouts.top_p >= 1.0)
     if not bool(k_only.any()):
         return None
-    width = (rollouts.candidates.ids >= 0).sum(1)
+    width = rollouts.candidates.lengths
     narrow = k_only & (width < rollouts.top_k)
     n = int(narrow.sum())
     ev = {"rows_narrower_than_top_k": n, "rows_top_k_only": int(k_only.sum())}

@@ -29,6 +29,7 @@ import math
 import torch
 from torch import Tensor
 
+from offpolicy.diagnose.entries import entry_rows, row_logsumexp, row_sum
 from offpolicy.diagnose.findings import Finding
 from offpolicy.diagnose.record_checks import neighbours
 from offpolicy.diagnose.recorded import RecordedRollouts
@@ -51,24 +52,28 @@ def declared_temperature(rollouts: RecordedRollouts) -> float:
     return round(float(rollouts.temperature.double().median()), 6)
 
 
-def _centred_fit(record: Tensor, trainer: Tensor) -> tuple[float, int, float, float, Tensor]:
-    """Regress the row-centred ``record`` on the row-centred ``trainer`` ``[N, K]`` over rows with >= 2 finite
-    entries: (slope, rows used, sum of squares at slope 1, at the fitted slope, finite-entry mask of those rows)."""
+def _centred_fit(record: Tensor, trainer: Tensor, row: Tensor, n: int
+                 ) -> tuple[float, int, float, float, Tensor]:
+    """Regress the row-centred ``record`` on the row-centred ``trainer`` (entries ``[nnz]`` of rows ``row [nnz]``,
+    ``n`` rows) over rows with >= 2 finite entries: (slope, rows used, sum of squares at slope 1, at the fitted
+    slope, ``[nnz]`` mask of the entries used)."""
     ok = torch.isfinite(record) & torch.isfinite(trainer)
-    rows = ok.sum(1) >= 2
+    cnt = row_sum(ok.double(), row, n)
+    rows = cnt >= 2
+    m = ok & rows[row]
     if not bool(rows.any()):
-        return float("nan"), 0, 0.0, 0.0, ok & rows[:, None]
-    a = torch.where(ok, record, 0.0)[rows]
-    b = torch.where(ok, trainer, 0.0)[rows]
-    m = ok[rows].double()
-    cnt = m.sum(1, keepdim=True)
-    a = (a - a.sum(1, keepdim=True) / cnt) * m
-    b = (b - b.sum(1, keepdim=True) / cnt) * m
+        return float("nan"), 0, 0.0, 0.0, m
+    md = m.double()
+    a0 = torch.where(m, record, 0.0)
+    b0 = torch.where(m, trainer, 0.0)
+    safe = cnt.clamp(min=1)
+    a = (a0 - (row_sum(a0, row, n) / safe)[row]) * md
+    b = (b0 - (row_sum(b0, row, n) / safe)[row]) * md
     den = float((b * b).sum())
     if den <= 0:
-        return float("nan"), int(rows.sum()), 0.0, 0.0, ok & rows[:, None]
+        return float("nan"), int(rows.sum()), 0.0, 0.0, m
     s = float((a * b).sum()) / den
-    return s, int(rows.sum()), float(((a - b) ** 2).sum()), float(((a - s * b) ** 2).sum()), ok & rows[:, None]
+    return s, int(rows.sum()), float(((a - b) ** 2).sum()), float(((a - s * b) ** 2).sum()), m
 
 
 def effective_temperature(rollouts: RecordedRollouts, scores: TrainerScores) -> Finding | None:
@@ -81,9 +86,11 @@ def effective_temperature(rollouts: RecordedRollouts, scores: TrainerScores) -> 
     """
     if rollouts.candidates is None or scores.candidate_logprobs is None:
         return None
-    rec = rollouts.candidates.logprobs.double()
-    tr = scores.candidate_logprobs
-    slope, used, sq_declared, sq_fit, ok = _centred_fit(rec, tr)
+    c = rollouts.candidates
+    rec = c.logprobs.double()
+    tr = scores.candidate_logprobs.double()
+    row = entry_rows(c)
+    slope, used, sq_declared, sq_fit, ok = _centred_fit(rec, tr, row, len(rollouts))
     if used == 0 or not math.isfinite(slope) or slope <= 0:
         return None
     t = declared_temperature(rollouts)
@@ -101,7 +108,7 @@ def effective_temperature(rollouts: RecordedRollouts, scores: TrainerScores) -> 
                        mismatch=True)
     if abs(slope * LN2 - 1.0) <= TEMPERATURE_RTOL:
         if rollouts.candidates.kind == "support":  # support values are renormalised over the row's finite ids
-            tr = tr - torch.logsumexp(torch.where(ok, tr, float("-inf")), 1, keepdim=True)
+            tr = tr - row_logsumexp(torch.where(ok, tr, float("-inf")), row, len(rollouts))[row]
         full = float((rec[ok] * LN2 - tr[ok]).abs().median())
         spread = math.sqrt(sq_fit / max(int(ok.sum()), 1))
         ev["median_abs_error_base_2"] = round(full, 6)
@@ -192,8 +199,7 @@ def support_truncation(rollouts: RecordedRollouts, scores: TrainerScores) -> Fin
     c = rollouts.candidates
     if c is None or c.kind != "support" or scores.hypotheses is None:
         return None
-    width = (c.ids >= 0).sum(1)
-    cap = int(width.max())
+    cap = int(c.lengths.max())
     want = scores.hypotheses["declared_support_size"]
     wider = int((want > cap).sum())
     share = wider / max(len(rollouts), 1)

@@ -16,9 +16,10 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from offpolicy.diagnose.findings import Finding
+from offpolicy.diagnose.findings import Finding, short_label
 from offpolicy.diagnose.recorded import RecordedRollouts
 from offpolicy.diagnose.scoring import TrainerScores
+from offpolicy.records.csr_candidates import CSRCandidates
 
 MIN_SLICE_TOKENS = 24
 #: mistakes that explain the others found with them (a shift, a log base or an lq that disagrees with its own
@@ -39,7 +40,7 @@ def slice_indices(rollouts: RecordedRollouts) -> list[tuple[str, Tensor]]:
             here = (r.group_index == g) & (params == key).all(1)
             versions = torch.unique(r.versions[here]).tolist()
             t, p, k = float(key[0]) / 1e6, float(key[1]) / 1e6, int(key[2])
-            label = f"group {r.group_names[g]}" + (f", T {t:g} top_p {p:g} top_k {k}" if several else "")
+            label = f"group {short_label(r.group_names[g])}" + (f", T {t:g} top_p {p:g} top_k {k}" if several else "")
             if -1 in versions:
                 versions.remove(-1)
                 out.append((f"{label}, version unknown", (here & (r.versions == -1)).nonzero().flatten()))
@@ -55,18 +56,21 @@ def slice_indices(rollouts: RecordedRollouts) -> list[tuple[str, Tensor]]:
 
 
 def take(rollouts: RecordedRollouts, idx: Tensor) -> RecordedRollouts:
-    """The tokens ``idx`` (contexts kept whole: ``rows`` / ``cols`` still index ``sequences``)."""
+    """The tokens ``idx`` (contexts kept whole: ``rows`` / ``cols`` still index ``contexts``)."""
     c = rollouts.candidates
     per_token = ("tokens", "sampler_logprobs", "group_index", "versions", "seq_ids", "temperature", "top_p",
                  "top_k", "rows", "cols")
-    return replace(rollouts, candidates=None if c is None else type(c)(c.ids[idx], c.logprobs[idx], c.kind),
+    return replace(rollouts, candidates=None if c is None else c.take_rows(idx),
                    **{k: getattr(rollouts, k)[idx] for k in per_token})
 
 
-def take_scores(scores: TrainerScores, idx: Tensor) -> TrainerScores:
-    """The trainer scores of tokens ``idx`` (hypotheses are ``[N]``, or ``[G, N]`` for the grid)."""
+def take_scores(scores: TrainerScores, idx: Tensor, candidates: CSRCandidates | None = None) -> TrainerScores:
+    """The trainer scores of tokens ``idx`` (hypotheses are ``[N]``, or ``[G, N]`` for the grid; candidate
+    log-probs are the ``[nnz]`` entries of ``candidates``' rows, taken like :meth:`CSRCandidates.take_rows`)."""
     hyp = None if scores.hypotheses is None else {k: v[..., idx] for k, v in scores.hypotheses.items()}
-    cand = None if scores.candidate_logprobs is None else scores.candidate_logprobs[idx]
+    cand = scores.candidate_logprobs
+    if cand is not None:
+        cand = CSRCandidates(candidates.ids, candidates.offsets, cand, candidates.kind).take_rows(idx).logprobs
     return TrainerScores(scores.logprobs[idx], cand, hyp)
 
 
@@ -79,7 +83,7 @@ def per_slice(rollouts: RecordedRollouts, scores: TrainerScores, log_ratio: Tens
     slices = slice_indices(rollouts)
     found: dict[str, list[tuple[str, Finding]]] = {}
     for label, idx in slices:
-        sub, sc = take(rollouts, idx), take_scores(scores, idx)
+        sub, sc = take(rollouts, idx), take_scores(scores, idx, rollouts.candidates)
         results = [f for f in (check(sub, sc, log_ratio[idx]) for check in checks) if f is not None]
         cause = explained_by or next((f.mistake for f in results if not f.ok and f.mistake in EXPLAINING), None)
         for f in results:

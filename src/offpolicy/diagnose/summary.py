@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from offpolicy.corrections.correction import Correction
 from offpolicy.diagnose.divergence import Divergence
-from offpolicy.diagnose.findings import Finding
+from offpolicy.diagnose.findings import Finding, short_label
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,14 @@ class DiagnoseReport:
             "plots": self.plots,
         }
 
+    def json(self) -> str:
+        """:meth:`as_dict` as strict JSON (RFC 8259): every non-finite number (a k1 over no finite ratio, an
+        infinite error) is written as ``null``; ``allow_nan=False`` guarantees no ``NaN`` / ``Infinity``."""
+        return json.dumps(finite_json(self.as_dict()), indent=1, allow_nan=False)
+
     def _rows(self) -> list[tuple[str, Divergence]]:
         rows = [("all", self.overall)]
-        rows += [(f"group {k}", v) for k, v in self.by_group.items()]
+        rows += [(f"group {short_label(k)}", v) for k, v in self.by_group.items()]
         rows += [(f"staleness {k}", v) for k, v in sorted(self.by_staleness.items())]
         return rows
 
@@ -99,6 +105,7 @@ class DiagnoseReport:
         if stream.isatty():
             try:
                 from rich.console import Console
+                from rich.markup import escape
                 from rich.table import Table
             except ImportError:
                 Console = None
@@ -109,12 +116,12 @@ class DiagnoseReport:
                 for col in ("slice", "tokens", "k1", "k3", "extreme"):
                     tab.add_column(col, justify="left" if col == "slice" else "right")
                 for name, d in self._rows():
-                    tab.add_row(name, str(d.tokens), f"{d.k1:.4f}", f"{d.k3:.4f}", f"{d.extreme_share:.2%}")
+                    tab.add_row(escape(name), str(d.tokens), f"{d.k1:.4f}", f"{d.k3:.4f}", f"{d.extreme_share:.2%}")
                 con.print(tab)
                 for f in self.findings:
                     tag = f.mistake if not f.ok else "mismatch" if f.mismatch else "ok"
                     con.print(f"[{'bold red' if not f.ok else 'yellow' if f.mismatch else 'green'}]{tag}[/] {f.check}: "
-                              f"{f.message}", highlight=False)
+                              f"{escape(f.message)}", highlight=False)
                 con.print(f"recommended correction: {self.correction!r}" if self.correction else
                           "recommended correction: none until the record is fixed", highlight=False)
                 return
@@ -124,7 +131,25 @@ class DiagnoseReport:
         """Write ``report.md`` and ``report.json`` to ``out_dir``; returns the markdown path."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(self.as_dict(), indent=1) + "\n")
+        (out / "report.json").write_text(self.json() + "\n")
         path = out / "report.md"
         path.write_text(self.markdown())
         return path
+
+
+def finite_json(value: object) -> object:
+    """``value`` with every non-finite float replaced by ``None`` (JSON ``null``), dict keys as strings, tuples as
+    lists and anything else JSON cannot hold (a tensor, a dtype) as its ``str``."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    try:
+        num = float(value)  # numpy / torch scalars
+    except (TypeError, ValueError):
+        return str(value)
+    return num if math.isfinite(num) else None
