@@ -23,6 +23,7 @@ from offpolicy.ops import row_threads
 #: Bytes of one chunk's working buffer (fp32, or float64 for float64 logits); two live at once in the forward.
 CHUNK_BYTES = 8 << 20
 LOG2E = 1.4426950408889634
+INF_ = float("inf")
 LN2 = 0.6931471805599453
 
 
@@ -233,3 +234,102 @@ def grad_from_probs(
 
     row_threads.for_chunks(n, _chunk_rows(v, probs.dtype), body)
     return probs
+
+
+# ---- The support pass: CSR rows of any width (mask replay), O(nnz) vectorised, no per-row Python ----
+
+
+def flat_view(x: Tensor) -> Tensor:
+    """A 1-D view of ``x [N, V]`` (unit stride along ``V``) whose element ``r * x.stride(0) + v`` is ``x[r, v]``:
+    one ``index_select`` then reads any entries, however wide the rows (no ``[N, K_max]`` index, no copy)."""
+    n, v = x.shape
+    if n == 0 or v == 0:
+        return x.reshape(-1)
+    return x.as_strided(((n - 1) * x.stride(0) + v,), (1,))
+
+
+def csr_rows(offsets: Tensor, nnz: int) -> Tensor:
+    """``[nnz]`` int64 row of each entry of a CSR ``offsets [N + 1]``."""
+    lengths = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=nnz)
+
+
+def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor,
+                  skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The support pass's forward over CSR rows: ``(lp [nnz], lse [N], entropy [N])``.
+
+    Row ``r``'s support is ``ids[offsets[r]:offsets[r + 1]]`` (any width, empty included); with ``x = logits *
+    inv_temp``, ``lse[r] = log sum_{v in S_r} exp(x[r, v])``, ``lp[e] = x[r, ids[e]] - lse[r]`` and the entropy
+    of ``p^S = exp(lp)``. A row without mass (skipped, empty, or all ``-inf``) has ``lse = +inf``, ``lp = -inf``
+    and entropy 0; a NaN or ``+inf`` logit in the support makes the row's values NaN (the caller refuses them).
+
+    Args:
+        logits: ``[N, V]`` float, unit stride along ``V``.
+        offsets: ``[N + 1]`` int64; ids: ``[nnz]`` int64 in ``[0, V)`` (unchecked).
+        inv_temp: ``[N]`` fp32 (float64 for float64 logits).
+        skip: ``[N]`` bool rows not to read, or None.
+
+    One gather of the ``nnz`` entries, then ``O(nnz)`` element-wise work and per-row segment reductions; the
+    vocabulary size enters only through the gather's addresses. Results in ``inv_temp``'s dtype.
+    """
+    n = logits.shape[0]
+    nnz = ids.numel()
+    acc = inv_temp.dtype
+    row = csr_rows(offsets, nnz)
+    if nnz and logits.shape[1]:
+        x = flat_view(logits).index_select(0, row * logits.stride(0) + ids).to(acc) * inv_temp[row]
+    else:
+        x = torch.zeros(nnz, dtype=acc, device=logits.device)
+    if skip is not None:
+        x = x.masked_fill(skip[row], -INF_)
+    m = torch.full((n,), -INF_, dtype=acc, device=logits.device).scatter_reduce(0, row, x, "amax")
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    d = x - m[row]
+    e = torch.exp(d)
+    s = torch.zeros(n, dtype=acc, device=logits.device).index_add_(0, row, e)
+    t = torch.zeros_like(s).index_add_(0, row, torch.where(e > 0, e * d, torch.zeros_like(e)))
+    # An empty (or all -inf) row has s = 0: no mass. A NaN in the row makes s NaN, which stays NaN below.
+    empty = s == 0
+    log_s = torch.log(torch.where(empty, torch.ones_like(s), s))
+    lse = torch.where(empty, torch.full_like(s, INF_), m + log_s)
+    entropy = torch.where(empty, torch.zeros_like(s), log_s - t / torch.where(empty, torch.ones_like(s), s))
+    lp = torch.where(empty[row], torch.full_like(d, -INF_), d - log_s[row])
+    return lp, lse, entropy
+
+
+def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_temp: Tensor, grad_lp: Tensor | None,
+                 grad_target: Tensor, live: Tensor, out: Tensor) -> Tensor:
+    """The support pass's backward, written into ``out [N, V]`` and returned.
+
+    With ``G[r] = grad_target[r] + sum_{e in row r} grad_lp[e]`` and ``p^S = exp(lp)``: ``out[r, ids[e]] =
+    inv_temp[r] (grad_lp[e] - G[r] p^S[e])`` on the support, ``+ inv_temp[r] grad_target[r]`` at the token
+    (``target = x[r, y] - lse``), exactly 0 elsewhere and on rows not ``live`` ([N] bool). ``G = 0`` drops the
+    probability term (a row without gradient never reads ``lp``). The token's term is folded into its entry when
+    the token is in the support, so each element is rounded once to ``out``'s dtype.
+    """
+    n = out.shape[0]
+    nnz = ids.numel()
+    acc = inv_temp.dtype
+    row = csr_rows(offsets, nnz)
+    gt = torch.where(live, grad_target.to(acc), torch.zeros_like(inv_temp))
+    gc = None if grad_lp is None else torch.where(live[row], grad_lp.to(acc), torch.zeros_like(lp))
+    g_sum = gt if gc is None else gt + torch.zeros_like(gt).index_add_(0, row, gc)
+    on = (g_sum != 0)[row]
+    p = torch.where(on, torch.exp(torch.where(on, lp, torch.zeros_like(lp))), torch.zeros_like(lp))
+    val = -g_sum[row] * p if gc is None else gc - g_sum[row] * p
+    # The token's own term: folded into its first entry in the row, or a separate entry where it is outside.
+    is_y = ids == tokens[row]
+    seen = torch.cat([offsets.new_zeros(1), torch.cumsum(is_y.to(torch.int64), 0)])  # [nnz + 1]
+    first = is_y & (seen[1:] - seen[offsets[:-1]][row] == 1)
+    val = (val + torch.where(first, gt[row], torch.zeros_like(val))) * inv_temp[row]
+    outside = (seen[offsets[1:]] == seen[offsets[:-1]]) & (gt != 0)
+    out.zero_()
+    if out.shape[1] == 0:
+        return out
+    flat = flat_view(out)
+    stride = out.stride(0)
+    flat.index_put_((row * stride + ids,), val.to(out.dtype), accumulate=True)
+    if bool(outside.any()):
+        r = outside.nonzero().view(-1)
+        flat.index_put_((r * stride + tokens[r],), (gt[r] * inv_temp[r]).to(out.dtype), accumulate=True)
+    return out
