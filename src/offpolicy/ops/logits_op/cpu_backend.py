@@ -232,7 +232,7 @@ def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor
         if call(logits.data_ptr(), stride, v, rows[lo:].data_ptr(), hi - lo, offsets.data_ptr(), ids.data_ptr(),
                 None if sk is None else sk.data_ptr(), it.data_ptr(), lp.data_ptr(), mz.data_ptr(), s.data_ptr(),
                 t2.data_ptr(), bad.data_ptr()) != 0:
-            raise RuntimeError(f"backend 'cpu': support_stats_{suffix} read nothing: an id outside [0, {v})")
+            raise RuntimeError(f"backend 'cpu': support_stats_{suffix}: an id outside [0, {v}) in the record (not read; the outputs are discarded)")
 
     row_threads.for_chunks(n, ROWS_PER_CALL, body)
     # s = 0 on rows without mass and on skipped rows: lse = +inf, entropy 0 (and lp = -inf from the C loop)
@@ -283,7 +283,7 @@ def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_t
         if call(out.data_ptr(), stride, v, rows[lo:].data_ptr(), hi - lo, offsets.data_ptr(), ids.data_ptr(),
                 tok.data_ptr(), lp.data_ptr(), None if gc is None else gc.data_ptr(), gt.data_ptr(),
                 it.data_ptr()) != 0:
-            raise RuntimeError(f"backend 'cpu': support_grad_{suffix} wrote nothing: an id or token outside [0, {v})")
+            raise RuntimeError(f"backend 'cpu': support_grad_{suffix}: an id or token outside [0, {v}) (not written; the gradient is discarded)")
 
     row_threads.for_chunks(rows.numel(), ROWS_PER_CALL, body)
     return out
