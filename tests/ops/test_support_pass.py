@@ -323,3 +323,20 @@ def test_policy_loss_with_a_wide_csr_support_allocates_nothing_entry_by_width(mo
         if not _computing([name]) or name.split(".")[1].endswith("_") or shape in ((n, V), (V, d), (n, d)):
             continue
         assert torch.Size(shape).numel() <= nnz + n, (name, shape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_without_mass_take_no_gradient_whatever_arrives(backend):
+    """Untrained rows (NaN logits there), empty supports and all ``-inf`` rows: exactly zero gradient even when the
+    upstream gradient of their (``-inf``) outputs is nonzero."""
+    z, tokens, offsets, ids, skip, inv_temp = _batch(MIXED, torch.float32, seed=21)
+    z[1] = float("nan")  # skipped: never read
+    leaf = z.clone().requires_grad_()
+    target, lp, lse, _ = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
+                                                          backend=backend_registry.get(backend), eager=True)
+    dead = ~torch.isfinite(lse)
+    assert bool(dead[1]) and bool(dead[2 + 2]) and bool(dead[8])  # skipped, all -inf, skipped
+    (g,) = torch.autograd.grad((target, lp), leaf, (torch.ones_like(target), torch.ones_like(lp)))
+    assert bool(torch.isfinite(g).all())
+    assert bool((g[dead] == 0).all())
+    assert bool((g[~dead] != 0).any())
