@@ -46,7 +46,7 @@ __all__ = ["CHUNK_BYTES", "SPARSE_DENSITY", "linear_support_log_softmax", "suppo
 #: Bytes of one chunk's fp32 logits block on the fused-linear path (the block and its gradient live at once).
 CHUNK_BYTES = 8 << 20
 #: Below this density ``nnz / (N V)`` the fused-linear path gathers the entries (``O(nnz D)``) instead.
-SPARSE_DENSITY = 1 / 64
+SPARSE_DENSITY = 1 / 512
 INF = float("inf")
 
 
