@@ -13,6 +13,11 @@ rows; each C call works on one row at a time:
 * ``full_grad``: per row, one read of the logits and one write of the gradient; 16-bit gradients are assembled
   in an fp32 row (in L2, one per worker, its length passed to C and checked there) and rounded once.
 
+* ``support_stats`` / ``support_grad``: the support pass over CSR rows of any width
+  (:mod:`offpolicy.ops.support_pass`), ``O(K)`` per row of ``K`` ids: one gather, passes over the gathered copy in
+  cache, each gradient entry written once. Their C loops are declared here and checked against the library's
+  ``offpolicy_support_abi()`` on first use.
+
 fp16 logits go to the PyTorch backend, with one warning, where the library was built without fp16 kernels (a
 compiler without ``_Float16``, :func:`offpolicy.ops.cpu_native.dtypes`). Every buffer here has an explicit dtype:
 none follows ``torch.set_default_dtype``.
