@@ -5,7 +5,8 @@ logits ``x = z / tau`` (:mod:`offpolicy.ops.support_entries`) gives everything:
 
 * ``kind="support"`` (mask replay): ``log P_S(t) = logsumexp_{v in S_t} x_t(v)`` is a per-row reduction over
   the entries, ``log p^S(v) = x(v) - log P_S`` and ``log p^S(y_t) = x(y_t) - log P_S``. No vocabulary pass at
-  all: the normaliser reads only the support, as the padded path's does.
+  all: the normaliser reads only the support, as the padded path's does. Without a vocabulary split this is the
+  fused support pass (:mod:`offpolicy.ops.support_pass`, ``O(|S_t|)`` per row whatever the width).
 * ``kind="head"``: the full-vocabulary normaliser ``logZ`` comes from the sparse log-softmax at the sampled
   tokens (``lp_t = log p(y_t)``, ``lse``); ``log p(v) = x(v) - logZ``. Its gradient needs
   ``d logZ / dx = p``, which is ``d (x(y_t) - lp_t) / dx = e_y - (e_y - p)``: ``logZ`` takes the value ``lse``
