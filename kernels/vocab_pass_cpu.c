@@ -269,3 +269,227 @@ DEFINE_GRAD(grad_bf16, load_bf16, store_bf16, uint16_t, 0)
 #if HAVE_F16
 DEFINE_GRAD(grad_f16, load_f16, store_f16, _Float16, 0)
 #endif
+
+/* ---- The support pass (mask replay over CSR rows of any width) ----
+ * Row r owns the entries offsets[r] .. offsets[r + 1] of ids (its support S_r, any width 0 .. V). Work per row is
+ * O(|S_r|) in the forward and O(|S_r|) plus one zeroing of the gradient row in the backward: no [N, K_max] padding,
+ * no membership mask, no sweep over the V - |S_r| ids outside the support.
+ *   support_stats: x_e = z[r, ids[e]] gathered once into xe[e] (fp32, the caller's [nnz] output), the max taken in
+ *                  the same loop, then one vector pass over the contiguous xe[offsets[r] ..] (in L1/L2):
+ *                  m = max x_e, s = sum 2^y_e, t2 = sum 2^y_e y_e with y_e = (x_e - m) a, a = it log2(e) (as stats
+ *                  above), and one more over the same copy, in place: xe[e] = (x_e - m) it - ln s, the support-
+ *                  normalised log-probabilities (ln by ln_ge1, no libm). Rows without mass and skipped rows (skip[r],
+ *                  skip may be NULL; not read) get xe = -inf and s = 0. bad[r] = 1 where an entry is NaN or +inf (the
+ *                  caller recomputes such rows). An id outside [0, V) is never read (element 0 is, instead) and
+ *                  makes the call return 2: the caller raises and discards the outputs.
+ *   support_grad:  the gradient row, zeroed, then at each entry e: it (gc_e - G 2^(lp_e log2 e)) (gc NULL: 0),
+ *                  G = gt + sum_e gc_e the row's whole upstream gradient, plus it gt at the token (folded into its
+ *                  entry when the token is in the support, so a 16-bit element is rounded once); G = 0 skips the probability term, so a row without gradient never
+ *                  reads its log-probabilities (NaN there cannot leak). An id or token outside [0, V) is never written
+ *                  and makes the call return 2 (the caller raises). The ids are read once per pass, in the same
+ *                  loop as their range check. */
+#define SUPPORT_STATS_PARAMS                                                                                       \
+    const void *z, int64_t z_stride, int64_t v, const int64_t *rows, int64_t n_rows, const int64_t *offsets,       \
+        const int64_t *ids, const uint8_t *skip, const float *it, float *xe, float *m_out, float *s_out,           \
+        float *t_out, uint8_t *bad
+#define SUPPORT_GRAD_PARAMS                                                                                        \
+    void *out, int64_t out_stride, int64_t v, const int64_t *rows, int64_t n_rows, const int64_t *offsets,         \
+        const int64_t *ids, const int64_t *tokens, const float *lp, const float *gc, const float *gt,              \
+        const float *it
+#define SUPPORT_ABI_VERSION "1"
+
+const char *offpolicy_support_abi(void) {
+    return SUPPORT_ABI_VERSION ";int64_t support_stats(" TEXT(SUPPORT_STATS_PARAMS) ");int64_t support_grad(" TEXT(
+        SUPPORT_GRAD_PARAMS) ")";
+}
+
+/* ln(s) for s >= 1 (a row's sum, whose max term is 1), in double: s = 2^k f with f in [1, 2), ln f = 2 atanh(u)
+ * with u = (f - 1) / (f + 1) < 1/3, the series to u^21 (truncation below 1e-12 relative). No libm. */
+static inline double ln_ge1(double s) {
+    uint64_t b;
+    memcpy(&b, &s, sizeof b);
+    const int64_t k = (int64_t)((b >> 52) & 0x7FF) - 1023;
+    b = (b & 0x000FFFFFFFFFFFFFull) | 0x3FF0000000000000ull;
+    double f;
+    memcpy(&f, &b, sizeof f);
+    const double u = (f - 1.0) / (f + 1.0), u2 = u * u;
+    double p = 1.0 / 21;
+    for (int j = 19; j >= 1; j -= 2) p = p * u2 + 1.0 / j;
+    return (double)k * 0.6931471805599453 + 2.0 * u * p;
+}
+
+/* The gather of one row's support: xr[j] = z[ids[j]] in fp32 (restrict: the compiler may use gather
+ * instructions), the ids' range checked in the same loop (an id outside [0, V) reads element 0 and makes the
+ * result nonzero), so the ids are read once. */
+#define DEFINE_GATHER(NAME, ELEM, CONV)                                                                            \
+    static inline uint64_t NAME(float *restrict xr, const ELEM *restrict zr, const int64_t *restrict ids,         \
+                                int64_t w, int64_t v) {                                                           \
+        uint64_t bad = 0;                                                                                          \
+        for (int64_t j = 0; j < w; j++) {                                                                          \
+            const uint64_t u = (uint64_t)ids[j];                                                                   \
+            bad |= u >= (uint64_t)v;                                                                               \
+            xr[j] = CONV(zr[u < (uint64_t)v ? u : 0]);                                                             \
+        }                                                                                                          \
+        return bad;                                                                                                \
+    }
+static inline float conv_f32(float x) { return x; }
+static inline float conv_bf16(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &b, sizeof x);
+    return x;
+}
+DEFINE_GATHER(gather_f32, float, conv_f32)
+DEFINE_GATHER(gather_bf16, uint16_t, conv_bf16)
+#if HAVE_F16
+static inline float conv_f16(_Float16 h) { return (float)h; }
+DEFINE_GATHER(gather_f16, _Float16, conv_f16)
+#endif
+
+/* One row's statistics and log-probabilities over its gathered copy xr[0 .. w) (fp32, in L1/L2), in place. */
+static void support_row(float *xr, int64_t w, float ir, float *m_out, float *s_out, float *t_out, uint8_t *bad) {
+    const int64_t w_main = w - w % LANES;
+    const vf ninf = vsplat(-__builtin_inff()), pinf = vsplat(__builtin_inff()), lowest = vsplat(-127.0f);
+    vf mx = ninf;
+    vi odd = {0}; /* NaN or +inf */
+    for (int64_t i = 0; i < w_main; i += LANES) {
+        vf x = load_f32(xr, i);
+        mx = vmax(x, mx);
+        odd |= (x != x) | (x == pinf);
+    }
+    if (w_main < w) {
+        vf x = TAIL_LOAD(load_f32, float, xr, w_main, w);
+        mx = vmax(x, mx);
+        odd |= (x != x) | (x == pinf);
+    }
+    int any_odd = 0;
+    for (int j = 0; j < LANES; j++) any_odd |= odd[j] != 0;
+    float mz = hmax(mx);
+    if (mz == -__builtin_inff()) mz = 0.0f;
+    const vf vm = vsplat(mz), va = vsplat(ir * 1.4426950408889634f);
+    double s = 0.0, t = 0.0;
+    for (int64_t b0 = 0; b0 < w_main; b0 += BLOCK) {
+        const int64_t b1 = b0 + BLOCK < w_main ? b0 + BLOCK : w_main;
+        vf sa = {0}, ta = {0};
+        for (int64_t i = b0; i < b1; i += LANES) {
+            vf y = vmax(lowest, (load_f32(xr, i) - vm) * va);
+            vf ex = vexp2(y);
+            sa += ex;
+            ta += ex * y;
+        }
+        s += hsum(sa);
+        t += hsum(ta);
+    }
+    if (w_main < w) {
+        vf y = vmax(lowest, (TAIL_LOAD(load_f32, float, xr, w_main, w) - vm) * va);
+        vf ex = vexp2(y);
+        s += hsum(ex);
+        t += hsum(ex * y);
+    }
+    *bad = (uint8_t)any_odd;
+    *m_out = mz;
+    *t_out = (float)t;
+    /* the log-probabilities in place, while the copy is in cache (-inf without mass) */
+    const float ls = s > 0.0 && !any_odd ? (float)ln_ge1(s) : __builtin_inff();
+    if (ls == __builtin_inff()) {
+        for (int64_t j = 0; j < w; j++) xr[j] = -__builtin_inff();
+        *s_out = any_odd ? (float)s : 0.0f;
+        return;
+    }
+    *s_out = (float)s;
+    const vf vi_ = vsplat(ir), vl = vsplat(ls);
+    for (int64_t i = 0; i < w_main; i += LANES) store_f32(xr, i, (load_f32(xr, i) - vm) * vi_ - vl);
+    for (int64_t j = w_main; j < w; j++) xr[j] = (xr[j] - mz) * ir - ls;
+}
+
+#define DEFINE_SUPPORT_STATS(NAME, GATHER, ELEM)                                                                   \
+    int64_t NAME(SUPPORT_STATS_PARAMS) {                                                                           \
+        uint64_t out_of_range = 0;                                                                                 \
+        for (int64_t k = 0; k < n_rows; k++) {                                                                     \
+            const int64_t r = rows[k], e0 = offsets[r], w = offsets[r + 1] - e0;                                    \
+            float *xr = xe + e0;                                                                                   \
+            if (skip && skip[r]) {                                                                                 \
+                for (int64_t j = 0; j < w; j++) xr[j] = -__builtin_inff();                                         \
+                m_out[r] = s_out[r] = t_out[r] = 0.0f;                                                             \
+                bad[r] = 0;                                                                                        \
+                continue;                                                                                          \
+            }                                                                                                      \
+            out_of_range |= GATHER(xr, (const ELEM *)((const char *)z + r * z_stride), ids + e0, w, v);            \
+            support_row(xr, w, it[r], m_out + r, s_out + r, t_out + r, bad + r);                                   \
+        }                                                                                                          \
+        return out_of_range ? 2 : 0;                                                                               \
+    }
+
+DEFINE_SUPPORT_STATS(support_stats_f32, gather_f32, float)
+DEFINE_SUPPORT_STATS(support_stats_bf16, gather_bf16, uint16_t)
+#if HAVE_F16
+DEFINE_SUPPORT_STATS(support_stats_f16, gather_f16, _Float16)
+#endif
+
+static inline float ld1_f32(const void *p, int64_t i) { return ((const float *)p)[i]; }
+static inline float ld1_bf16(const void *p, int64_t i) { return conv_bf16(((const uint16_t *)p)[i]); }
+static inline void st1_f32(void *p, int64_t i, float x) { ((float *)p)[i] = x; }
+static inline void st1_bf16(void *p, int64_t i, float x) { /* round to nearest even; NaN stays NaN */
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    ((uint16_t *)p)[i] = x != x ? (uint16_t)0x7FC0u : (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+#if HAVE_F16
+static inline float ld1_f16(const void *p, int64_t i) { return (float)((const _Float16 *)p)[i]; }
+static inline void st1_f16(void *p, int64_t i, float x) { ((_Float16 *)p)[i] = (_Float16)x; }
+#endif
+
+/* The first position of y among ids[0 .. w), or -1. */
+static inline int64_t find_id(const int64_t *restrict ids, int64_t w, int64_t y) {
+    for (int64_t j = 0; j < w; j++)
+        if (ids[j] == y) return j;
+    return -1;
+}
+
+#define DEFINE_SUPPORT_GRAD(NAME, LD1, ST1, ELEM)                                                                  \
+    int64_t NAME(SUPPORT_GRAD_PARAMS) {                                                                            \
+        uint64_t out_of_range = 0;                                                                                 \
+        const vf log2e = vsplat(1.4426950408889634f), lowest = vsplat(-127.0f);                                    \
+        for (int64_t k = 0; k < n_rows; k++) {                                                                     \
+            const int64_t r = rows[k], e0 = offsets[r], e1 = offsets[r + 1], y = tokens[r];                        \
+            char *orow = (char *)out + r * out_stride;                                                              \
+            memset(orow, 0, (size_t)v * sizeof(ELEM));                                                             \
+            if ((uint64_t)y >= (uint64_t)v) {                                                                      \
+                out_of_range = 1;                                                                                  \
+                continue;                                                                                          \
+            }                                                                                                      \
+            double gd = gt[r];                                                                                     \
+            if (gc)                                                                                                \
+                for (int64_t e = e0; e < e1; e++) gd += gc[e];                                                     \
+            const float gr = (float)gd, ir = it[r], gy = gt[r] * ir;                                               \
+            const vf vg = vsplat(gr), vi_ = vsplat(ir);                                                            \
+            const int64_t at = gy != 0.0f ? find_id(ids + e0, e1 - e0, y) : -1; /* where the token's term goes */ \
+            for (int64_t b = e0; b < e1; b += LANES) {                                                             \
+                const int64_t nb = e1 - b < LANES ? e1 - b : LANES;                                                \
+                float lpb[LANES] = {0}, gcb[LANES] = {0}, val[LANES];                                              \
+                if (gc) memcpy(gcb, gc + b, (size_t)nb * sizeof(float));                                           \
+                vf d;                                                                                              \
+                if (gr != 0.0f) {                                                                                  \
+                    memcpy(lpb, lp + b, (size_t)nb * sizeof(float));                                               \
+                    d = (load_f32(gcb, 0) - vg * vexp2(vmax(lowest, load_f32(lpb, 0) * log2e))) * vi_;             \
+                } else {                                                                                           \
+                    d = load_f32(gcb, 0) * vi_;                                                                    \
+                }                                                                                                  \
+                store_f32(val, 0, d);                                                                              \
+                if (at >= b - e0 && at < b - e0 + nb) val[at - (b - e0)] += gy;                                    \
+                for (int64_t j = 0; j < nb; j++) {                                                                 \
+                    const uint64_t id = (uint64_t)ids[b + j];                                                      \
+                    if (id < (uint64_t)v) ST1(orow, id, LD1(orow, id) + val[j]);                                   \
+                    else out_of_range = 1;                                                                         \
+                }                                                                                                  \
+            }                                                                                                      \
+            if (at < 0 && gy != 0.0f) ST1(orow, y, LD1(orow, y) + gy);                                             \
+        }                                                                                                          \
+        return out_of_range ? 2 : 0;                                                                               \
+    }
+
+DEFINE_SUPPORT_GRAD(support_grad_f32, ld1_f32, st1_f32, float)
+DEFINE_SUPPORT_GRAD(support_grad_bf16, ld1_bf16, st1_bf16, uint16_t)
+#if HAVE_F16
+DEFINE_SUPPORT_GRAD(support_grad_f16, ld1_f16, st1_f16, _Float16)
+#endif

@@ -5,7 +5,8 @@ logits ``x = z / tau`` (:mod:`offpolicy.ops.support_entries`) gives everything:
 
 * ``kind="support"`` (mask replay): ``log P_S(t) = logsumexp_{v in S_t} x_t(v)`` is a per-row reduction over
   the entries, ``log p^S(v) = x(v) - log P_S`` and ``log p^S(y_t) = x(y_t) - log P_S``. No vocabulary pass at
-  all: the normaliser reads only the support, as the padded path's does.
+  all: the normaliser reads only the support, as the padded path's does. Without a vocabulary split this is the
+  fused support pass (:mod:`offpolicy.ops.support_pass`, ``O(|S_t|)`` per row whatever the width).
 * ``kind="head"``: the full-vocabulary normaliser ``logZ`` comes from the sparse log-softmax at the sampled
   tokens (``lp_t = log p(y_t)``, ``lse``); ``log p(v) = x(v) - logZ``. Its gradient needs
   ``d logZ / dx = p``, which is ``d (x(y_t) - lp_t) / dx = e_y - (e_y - p)``: ``logZ`` takes the value ``lse``
@@ -26,6 +27,7 @@ from offpolicy.loss.entry_rows import EntryRows
 from offpolicy.ops import SparseLogSoftmax, VocabShard
 from offpolicy.ops.backend_registry import Backend
 from offpolicy.ops.row_io import row_inputs
+from offpolicy.ops.support_pass import SPARSE_DENSITY, linear_support_log_softmax, support_log_softmax
 from offpolicy.ops.support_entries import (entry_logits, linear_entry_logits, linear_log_softmax_with_entries,
                                            log_softmax_with_entries)
 from offpolicy.records.csr_candidates import CSRCandidates
@@ -67,6 +69,10 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
     src = model.logits if model.logits is not None else model.hidden
     acc = torch.float64 if src.dtype == torch.float64 else torch.float32
     _, inv_temp = row_inputs(tokens, None, temperature, n, acc, device)
+    if record.kind == "support" and shard is None:
+        fused = _fused_support(model, tokens, record, inv_temp, skip, backend=backend, eager=eager)
+        if fused is not None:
+            return fused
     layout = EntryRows(record.row_index(), n)
     row, m = layout.row, record.nnz
     active = ~skip
@@ -107,3 +113,19 @@ def csr_log_probs(model, tokens: Tensor, record: CSRCandidates, temperature, ski
     log_z = _ValueWithGradOf.apply(torch.where(ok, lse, torch.zeros_like(lse)), x_y - target)
     cand = torch.where(ok[row], x_e - log_z[row], ninf)
     return SparseLogSoftmax(target, cand, lse, entropy)
+
+
+def _fused_support(model, tokens: Tensor, record: CSRCandidates, inv_temp: Tensor, skip: Tensor, *,
+                   backend: Backend, eager: bool) -> SparseLogSoftmax | None:
+    """A support record without a vocabulary split, by the fused support pass (:mod:`offpolicy.ops.support_pass`):
+    ``O(nnz)`` with logits; with hidden states, the chunked matmul pass unless the record is sparser than
+    ``SPARSE_DENSITY`` (then None: the entry gather, ``O(nnz D)``, is cheaper)."""
+    offsets, ids, tok = record.offsets.to(torch.int64), record.ids.to(torch.int64), tokens.to(torch.int64)
+    if model.logits is not None:
+        out = support_log_softmax(model.logits, tok, offsets, ids, inv_temp, skip, backend=backend, eager=eager)
+    elif record.nnz >= SPARSE_DENSITY * tokens.shape[0] * model.weight.shape[0]:
+        out = linear_support_log_softmax(model.hidden, model.weight, model.bias, tok, offsets, ids, inv_temp, skip,
+                                         backend=backend, eager=eager)
+    else:
+        return None
+    return SparseLogSoftmax(*out)

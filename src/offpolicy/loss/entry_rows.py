@@ -9,6 +9,7 @@ whose reductions are ``index_add_`` over the row index: ``O(nnz)`` work and ``[N
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -21,16 +22,36 @@ Record = Candidates | CSRCandidates
 
 @dataclass(frozen=True)
 class EntryRows:
-    """Where each row's entries lie: ``row [nnz]`` int64 for CSR, None for the padded ``[N, K]`` layout."""
+    """Where each row's entries lie: ``row [nnz]`` int64 for CSR, None for the padded ``[N, K]`` layout.
 
-    row: Tensor | None
+    Built from a CSR record (:meth:`of`), the ``[nnz]`` row index is formed on first use only (a support record
+    under the fused support pass may never need it: the metrics read :meth:`sizes`, ``O(N)``)."""
+
+    row_index: Tensor | None
     n: int
+    offsets: Tensor | None = None
 
     @classmethod
     def of(cls, record: Record) -> "EntryRows":
         if isinstance(record, CSRCandidates):
-            return cls(record.row_index(), record.num_rows)
+            return cls(None, record.num_rows, record.offsets.to(torch.int64))
         return cls(None, record.num_rows)
+
+    @cached_property
+    def row(self) -> Tensor | None:
+        """``[nnz]`` int64 row of each entry (CSR), None (padded)."""
+        if self.row_index is not None or self.offsets is None:
+            return self.row_index
+        lengths = self.offsets[1:] - self.offsets[:-1]
+        return torch.repeat_interleave(torch.arange(self.n, device=self.offsets.device), lengths,
+                                       output_size=int(self.offsets[-1]))
+
+    def sizes(self, record: Record) -> Tensor:
+        """``[N]`` int64 entries per row of ``record`` (this layout's): the CSR offsets' differences (``O(N)``), or
+        the padded record's valid entries counted."""
+        if self.offsets is not None:
+            return self.offsets[1:] - self.offsets[:-1]
+        return self.sum(record.valid.to(torch.int64))
 
     def sum(self, x: Tensor) -> Tensor:
         """``[N]`` sum of each row's entries of ``x`` (``[N, K]`` or ``[nnz]``); differentiable."""

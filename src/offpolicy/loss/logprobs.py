@@ -209,7 +209,7 @@ def loss_from_logprobs(
     metrics = policy_metrics(
         view=view, drops=drops, active=active, entropy=zero if entropy is None else entropy, tree=tree,
         kept=kept, centering=centering,
-        support_size=rows.sum(candidates.valid.to(torch.int64)) if candidates is not None else None,
+        support_size=rows.sizes(candidates) if candidates is not None else None,
         seg=seg.local() if seg is not None else None, groups=data.groups,
         versions=data.versions, current_version=data.current_version,
     )

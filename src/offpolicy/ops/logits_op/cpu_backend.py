@@ -13,6 +13,11 @@ rows; each C call works on one row at a time:
 * ``full_grad``: per row, one read of the logits and one write of the gradient; 16-bit gradients are assembled
   in an fp32 row (in L2, one per worker, its length passed to C and checked there) and rounded once.
 
+* ``support_stats`` / ``support_grad``: the support pass over CSR rows of any width
+  (:mod:`offpolicy.ops.support_pass`), ``O(K)`` per row of ``K`` ids: one gather, passes over the gathered copy in
+  cache, each gradient entry written once. Their C loops are declared here and checked against the library's
+  ``offpolicy_support_abi()`` on first use.
+
 fp16 logits go to the PyTorch backend, with one warning, where the library was built without fp16 kernels (a
 compiler without ``_Float16``, :func:`offpolicy.ops.cpu_native.dtypes`). Every buffer here has an explicit dtype:
 none follows ``torch.set_default_dtype``.
@@ -20,6 +25,8 @@ none follows ``torch.set_default_dtype``.
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import warnings
 
 import torch
@@ -149,6 +156,139 @@ def full_grad(
             why = (f"a scratch row of {row.numel() * row.element_size()} bytes, V = {v} needs {4 * v}" if status == 1
                    else f"a candidate column outside [0, {v})")
             raise RuntimeError(f"backend 'cpu': grad_{suffix} wrote nothing: {why}")
+
+    row_threads.for_chunks(rows.numel(), ROWS_PER_CALL, body)
+    return out
+
+
+# ---- The support pass (CSR rows of any width): the C loops support_* of kernels/vocab_pass_cpu.c ----
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+#: The support loops' ctypes declarations, checked against the library's ``offpolicy_support_abi()`` before use
+#: (the loader :mod:`offpolicy.ops.cpu_native` checks the vocabulary passes' ABI; these are declared here).
+SUPPORT_ABI = ("1;int64_t support_stats(const void *z, int64_t z_stride, int64_t v, const int64_t *rows, "
+               "int64_t n_rows, const int64_t *offsets, const int64_t *ids, const uint8_t *skip, const float *it, "
+               "float *xe, float *m_out, float *s_out, float *t_out, uint8_t *bad);"
+               "int64_t support_grad(void *out, int64_t out_stride, int64_t v, const int64_t *rows, int64_t n_rows, "
+               "const int64_t *offsets, const int64_t *ids, const int64_t *tokens, const float *lp, const float *gc, "
+               "const float *gt, const float *it)")
+_SUPPORT_SIGS = {"support_stats": (_I, [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+                 "support_grad": (_I, [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P])}
+_SUPPORT_LOCK = threading.Lock()
+_SUPPORT_READY: dict[int, bool] = {}
+
+
+def _canonical(text: str) -> str:
+    return " ".join(text.replace("\\", " ").split())
+
+
+def _support_kernels(logits: Tensor):
+    """``(lib, suffix)`` with the support loops declared, or None where this dtype takes the PyTorch backend."""
+    kernels = _kernels(logits)
+    if kernels is None:
+        return None
+    lib, suffix = kernels
+    with _SUPPORT_LOCK:
+        if id(lib) not in _SUPPORT_READY:
+            fn = getattr(lib, "offpolicy_support_abi", None)
+            ok = fn is not None
+            if ok:
+                fn.restype = ctypes.c_char_p
+                ok = _canonical(fn().decode(errors="replace")) == _canonical(SUPPORT_ABI)
+            if ok:
+                for name, (ret, args) in _SUPPORT_SIGS.items():
+                    for sfx in cpu_native.dtypes():
+                        f = getattr(lib, f"{name}_{sfx}")
+                        f.argtypes, f.restype = args, ret
+            _SUPPORT_READY[id(lib)] = ok
+        if not _SUPPORT_READY[id(lib)]:
+            raise RuntimeError("backend 'cpu': the native library's support loops do not match this module's "
+                               "declarations (offpolicy_support_abi); rebuild it or use backend='torch'")
+    return lib, suffix
+
+
+def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor,
+                  skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The contract of :func:`torch_backend.support_stats` in C: per row, one gather of its support's logits into
+    the ``[nnz]`` output (its max in the same loop), then two vector passes over that contiguous copy while it is
+    in cache (the sums; the log-probabilities, in place). Rows holding NaN or ``+inf`` in their support are
+    recomputed by the PyTorch backend."""
+    kernels = _support_kernels(logits)
+    if kernels is None:
+        return torch_backend.support_stats(logits, offsets, ids, inv_temp, skip)
+    lib, suffix = kernels
+    logits = _unit_stride(logits)
+    n, v = logits.shape
+    nnz = ids.numel()
+    if n == 0 or v == 0 or nnz == 0:
+        return (torch.full((nnz,), -float("inf"), dtype=torch.float32),
+                torch.full((n,), float("inf"), dtype=torch.float32), torch.zeros(n, dtype=torch.float32))
+    offsets, ids = offsets.to(torch.int64).contiguous(), ids.to(torch.int64).contiguous()
+    it = inv_temp.float().contiguous()
+    sk = None if skip is None else skip.to(torch.uint8).contiguous()
+    mz, s, t2 = (torch.empty(n, dtype=torch.float32) for _ in range(3))
+    bad = torch.empty(n, dtype=torch.uint8)
+    lp = torch.empty(nnz, dtype=torch.float32)
+    rows = torch.arange(n, dtype=torch.int64)
+    call = getattr(lib, f"support_stats_{suffix}")
+    stride = logits.stride(0) * logits.element_size()
+
+    def body(lo: int, hi: int) -> None:
+        if call(logits.data_ptr(), stride, v, rows[lo:].data_ptr(), hi - lo, offsets.data_ptr(), ids.data_ptr(),
+                None if sk is None else sk.data_ptr(), it.data_ptr(), lp.data_ptr(), mz.data_ptr(), s.data_ptr(),
+                t2.data_ptr(), bad.data_ptr()) != 0:
+            raise RuntimeError(f"backend 'cpu': support_stats_{suffix}: an id outside [0, {v}) in the record (not read; the outputs are discarded)")
+
+    row_threads.for_chunks(n, ROWS_PER_CALL, body)
+    # s = 0 on rows without mass and on skipped rows: lse = +inf, entropy 0 (and lp = -inf from the C loop)
+    has = s > 0
+    safe_s = torch.where(has, s, torch.ones_like(s))
+    log_s = torch.log(safe_s)
+    lse = torch.where(has, mz * it + log_s, torch.full_like(s, float("inf")))
+    entropy = torch.where(has, log_s - t2 * LN2 / safe_s, torch.zeros_like(s))
+    # NaN or +inf in a support, or z / tau overflowing: the PyTorch backend's values (NaN) for those rows
+    redo = bad.bool() | (has & ~torch.isfinite(lse))
+    if bool(redo.any()):
+        lengths = offsets[1:] - offsets[:-1]
+        r_lp, r_lse, r_ent = torch_backend.support_stats(logits, offsets, ids, it, ~redo)
+        lp = torch.where(torch.repeat_interleave(redo, lengths, output_size=nnz), r_lp, lp)
+        lse, entropy = torch.where(redo, r_lse, lse), torch.where(redo, r_ent, entropy)
+    return lp, lse, entropy
+
+
+def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_temp: Tensor, grad_lp: Tensor | None,
+                 grad_target: Tensor, live: Tensor, out: Tensor) -> Tensor:
+    """The contract of :func:`torch_backend.support_grad` in C: per live row, the gradient row zeroed and each
+    support entry written once (the token's term folded in); rows not live are zeroed."""
+    kernels = _support_kernels(out)
+    if kernels is None:
+        return torch_backend.support_grad(lp, offsets, ids, tokens, inv_temp, grad_lp, grad_target, live, out)
+    lib, suffix = kernels
+    n, v = out.shape
+    if n == 0 or v == 0:
+        return out
+    if v > 1 and out.stride(1) != 1:
+        raise ValueError(f"out must have unit stride along V, got strides {out.stride()}")
+    rows = live.nonzero().view(-1)
+    dead = (~live).nonzero().view(-1)
+    if dead.numel():
+        out.index_fill_(0, dead, 0)
+    if rows.numel() == 0:
+        return out
+    offsets, ids = offsets.to(torch.int64).contiguous(), ids.to(torch.int64).contiguous()
+    tok = tokens.to(torch.int64).contiguous()
+    it = inv_temp.float().contiguous()
+    lp = lp.float().contiguous()
+    gt = grad_target.float().contiguous()
+    gc = None if grad_lp is None else grad_lp.float().contiguous()
+    call = getattr(lib, f"support_grad_{suffix}")
+    stride = out.stride(0) * out.element_size()
+
+    def body(lo: int, hi: int) -> None:
+        if call(out.data_ptr(), stride, v, rows[lo:].data_ptr(), hi - lo, offsets.data_ptr(), ids.data_ptr(),
+                tok.data_ptr(), lp.data_ptr(), None if gc is None else gc.data_ptr(), gt.data_ptr(),
+                it.data_ptr()) != 0:
+            raise RuntimeError(f"backend 'cpu': support_grad_{suffix}: an id or token outside [0, {v}) (not written; the gradient is discarded)")
 
     row_threads.for_chunks(rows.numel(), ROWS_PER_CALL, body)
     return out

@@ -23,6 +23,7 @@ from offpolicy.ops import row_threads
 #: Bytes of one chunk's working buffer (fp32, or float64 for float64 logits); two live at once in the forward.
 CHUNK_BYTES = 8 << 20
 LOG2E = 1.4426950408889634
+INF_ = float("inf")
 LN2 = 0.6931471805599453
 
 
@@ -233,3 +234,128 @@ def grad_from_probs(
 
     row_threads.for_chunks(n, _chunk_rows(v, probs.dtype), body)
     return probs
+
+
+# ---- The support pass: CSR rows of any width (mask replay), O(nnz) vectorised, no per-row Python ----
+
+
+def flat_view(x: Tensor) -> Tensor:
+    """A 1-D view of ``x [N, V]`` (unit stride along ``V``) whose element ``r * x.stride(0) + v`` is ``x[r, v]``:
+    one ``index_select`` then reads any entries, however wide the rows (no ``[N, K_max]`` index, no copy)."""
+    n, v = x.shape
+    if n == 0 or v == 0:
+        return x.reshape(-1)
+    return x.as_strided(((n - 1) * x.stride(0) + v,), (1,))
+
+
+def csr_rows(offsets: Tensor, nnz: int) -> Tensor:
+    """``[nnz]`` int64 row of each entry of a CSR ``offsets [N + 1]``: a running count of the row starts (one
+    scatter of ``N`` ones, one cumulative sum; cheaper than ``repeat_interleave``), empty rows included."""
+    starts = torch.zeros(nnz + 1, dtype=torch.int64, device=offsets.device)
+    starts.index_add_(0, offsets[1:-1], torch.ones_like(offsets[1:-1]))
+    return starts[:nnz].cumsum_(0)
+
+
+def _spread(x: Tensor, row: Tensor) -> Tensor:
+    """A per-row ``x [N]`` at each entry, ``[nnz]``."""
+    return x.index_select(0, row)
+
+
+def _segment(x: Tensor, offsets: Tensor, how: str) -> Tensor:
+    """``[N]`` sum or max of each row's entries (0 / ``-inf`` on an empty row; NaN propagates)."""
+    return torch.segment_reduce(x, how, offsets=offsets)
+
+
+def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor,
+                  skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The support pass's forward over CSR rows: ``(lp [nnz], lse [N], entropy [N])``.
+
+    Row ``r``'s support is ``ids[offsets[r]:offsets[r + 1]]`` (any width, empty included); with ``x = logits *
+    inv_temp``, ``lse[r] = log sum_{v in S_r} exp(x[r, v])``, ``lp[e] = x[r, ids[e]] - lse[r]`` and the entropy
+    of ``p^S = exp(lp)``. A row without mass (skipped, empty, or all ``-inf``) has ``lse = +inf``, ``lp = -inf``
+    and entropy 0; a NaN or ``+inf`` logit in the support (or ``z / tau`` overflowing) makes the row's values NaN
+    (the caller refuses them).
+
+    Args:
+        logits: ``[N, V]`` float, unit stride along ``V``.
+        offsets: ``[N + 1]`` int64; ids: ``[nnz]`` int64 in ``[0, V)`` (unchecked).
+        inv_temp: ``[N]`` fp32 (float64 for float64 logits).
+        skip: ``[N]`` bool rows not to read, or None.
+
+    One gather of the ``nnz`` entries, then about fifteen ``O(nnz)`` element-wise and segment passes (no
+    ``[N, K_max]`` tensor, no per-row Python); the vocabulary size enters only through the gather's addresses.
+    Results in ``inv_temp``'s dtype.
+    """
+    nnz = ids.numel()
+    acc = inv_temp.dtype
+    row = csr_rows(offsets, nnz)
+    if nnz and logits.shape[1]:
+        z = flat_view(logits).index_select(0, (row * logits.stride(0)).add_(ids)).to(acc)
+    else:
+        z = torch.zeros(nnz, dtype=acc, device=logits.device)
+    if skip is not None and bool(skip.any()):
+        z = z.masked_fill(_spread(skip, row), -INF_)
+    # the max on the raw logits (tau > 0), then x - m = (z - max z) / tau: one rounding, as full_stats
+    mz = _segment(z, offsets, "max")
+    mz = torch.where(torch.isfinite(mz), mz, torch.zeros_like(mz))
+    d = (z - _spread(mz, row)).mul_(_spread(inv_temp, row))
+    e = torch.exp(d)
+    s = _segment(e, offsets, "sum")
+    t = _segment((e * d).nan_to_num_(nan=0.0, posinf=INF_, neginf=-INF_), offsets, "sum")
+    # An empty (or all -inf) row has s = 0: no mass. A NaN in the row makes s NaN, which stays NaN below.
+    empty = s == 0
+    safe_s = torch.where(empty, torch.ones_like(s), s)
+    log_s = torch.log(safe_s)
+    lse = torch.where(empty, torch.full_like(s, INF_), mz * inv_temp + log_s)
+    entropy = torch.where(empty, torch.zeros_like(s), log_s - t / safe_s)
+    lp = d.sub_(_spread(log_s, row))
+    # z / tau overflowing (finite logits, lse = +inf) is not "no mass": the row's values become NaN
+    overflow = ~empty & torch.isinf(lse)
+    if bool(overflow.any()):
+        lse, entropy = (torch.where(overflow, torch.full_like(x, float("nan")), x) for x in (lse, entropy))
+        lp = lp.masked_fill(_spread(overflow, row), float("nan"))
+    return lp, lse, entropy
+
+
+def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_temp: Tensor, grad_lp: Tensor | None,
+                 grad_target: Tensor, live: Tensor, out: Tensor) -> Tensor:
+    """The support pass's backward, written into ``out [N, V]`` and returned.
+
+    With ``G[r] = grad_target[r] + sum_{e in row r} grad_lp[e]`` and ``p^S = exp(lp)``: ``out[r, ids[e]] =
+    inv_temp[r] (grad_lp[e] - G[r] p^S[e])`` on the support, ``+ inv_temp[r] grad_target[r]`` at the token
+    (``target = x[r, y] - lse``), exactly 0 elsewhere and on rows not ``live`` ([N] bool). ``G = 0`` drops the
+    probability term (a row without gradient never reads ``lp``). The token's term is folded into its (first) entry
+    when the token is in the support, so each element is rounded once to ``out``'s dtype.
+    """
+    nnz = ids.numel()
+    acc = inv_temp.dtype
+    row = csr_rows(offsets, nnz)
+    all_live = bool(live.all())
+    gt = grad_target.to(acc) if all_live else torch.where(live, grad_target.to(acc), torch.zeros_like(inv_temp))
+    gc = None
+    if grad_lp is not None:
+        gc = grad_lp.to(acc)
+        if not all_live:
+            gc = torch.where(_spread(live, row), gc, torch.zeros_like(gc))
+    g_sum = gt if gc is None else gt + _segment(gc, offsets, "sum")
+    dense = g_sum != 0
+    g_spread = _spread(torch.where(dense, g_sum, torch.zeros_like(g_sum)), row)
+    p = torch.exp(lp if bool(dense.all()) else torch.where(_spread(dense, row), lp, -INF_))
+    val = p.mul_(g_spread).neg_() if gc is None else gc - p.mul_(g_spread)
+    # The token's own term: folded into its first entry in the row, or a separate entry where it is outside.
+    at = (ids == _spread(tokens, row)).nonzero().view(-1)
+    hit_rows, first = torch.unique_consecutive(row[at], return_counts=True)
+    first = at[torch.cumsum(first, 0) - first]
+    val.index_add_(0, first, gt[hit_rows])
+    val.mul_(_spread(inv_temp, row))
+    outside = gt != 0
+    outside[hit_rows] = False
+    out.zero_()
+    if out.shape[1] == 0:
+        return out
+    flat = flat_view(out)
+    flat.index_put_(((row * out.stride(0)).add_(ids),), val.to(out.dtype), accumulate=True)
+    if bool(outside.any()):
+        r = outside.nonzero().view(-1)
+        flat.index_put_((r * out.stride(0) + tokens[r],), (gt[r] * inv_temp[r]).to(out.dtype), accumulate=True)
+    return out

@@ -1,0 +1,342 @@
+"""The fused support pass over CSR rows of any width (issue #42, :mod:`offpolicy.ops.support_pass`) against a float64
+reference computed another way (a dense membership mask and ``logsumexp`` over the vocabulary), on every CPU backend
+and the fused-linear path: ``K = V``, ``K = V - 1``, rows of mixed width (0 .. V ids) in one batch, a token outside
+its support, untrained rows, ``-inf`` logits; fp32 and bf16, gradients included, with the tolerance model of
+``tests/support/vocab_reference.py``. Then the cost's shape, without timing it: the number of dispatched tensor ops
+does not grow with the number of rows (no Python loop over rows) and nothing ``[N, K_max]`` is ever allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import offpolicy as op
+from offpolicy.ops import backend_registry, support_pass
+from offpolicy.ops.logits_op import cpu_backend, torch_backend
+from support.vocab_reference import STORE_FLOOR, STORE_RTOL, arg_tol, assert_close_inf
+
+V = 96
+INF = float("inf")
+#: row widths of the mixed batch: empty, 1, V, V - 1, and between
+MIXED = [1, V, 0, V - 1, 2, V // 2, 7, V, 3, V - 1]
+SHAPES = {"full": [V] * 6, "full-1": [V - 1] * 6, "mixed": MIXED}
+BACKENDS = ["cpu", "torch"] if cpu_backend.available() else ["torch"]
+
+
+def _batch(widths: list[int], dtype: torch.dtype, seed: int):
+    """Logits (``-inf`` scattered, one all ``-inf`` row), tokens, a CSR support per row of the given widths
+    (holding the token, except in row 2 where the width allows), untrained rows 1 and (if any) 8, temperatures."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(widths)
+    z = torch.randn(n, V, generator=gen, dtype=torch.float64) * 3
+    z = torch.where(torch.rand(n, V, generator=gen) < 0.1, -INF, z)
+    z[min(4, n - 1)] = -INF  # a row without mass
+    z = z.to(dtype)
+    tokens = torch.randint(0, V, (n,), generator=gen)
+    ids = []
+    for t, k in enumerate(widths):
+        perm = torch.randperm(V, generator=gen)
+        perm = torch.cat([tokens[t:t + 1], perm[perm != tokens[t]]])
+        row = perm[1:k + 1] if t == 2 and k < V else perm[:k]  # row 2: the token outside (unless K = V)
+        ids.append(row[torch.randperm(row.numel(), generator=gen)])
+    offsets = torch.tensor([0, *widths]).cumsum(0)
+    skip = torch.zeros(n, dtype=torch.bool)
+    skip[1] = True
+    if n > 8:
+        skip[8] = True
+    inv_temp = (1.0 / torch.exp(torch.empty(n, dtype=torch.float64).uniform_(-1.5, 1.5, generator=gen))).float()
+    return z, tokens, offsets, torch.cat(ids), skip, inv_temp
+
+
+def _reference(z: torch.Tensor, tokens, offsets, ids, skip, inv_temp):
+    """float64 ``(target, lp, lse, entropy)`` by a dense membership mask (not the gather the backends use)."""
+    n = z.shape[0]
+    x = z.double() * inv_temp.double()[:, None]
+    row = torch.repeat_interleave(torch.arange(n), offsets[1:] - offsets[:-1])
+    mask = torch.zeros(n, V, dtype=torch.bool)
+    mask[row, ids] = True
+    mask &= ~skip[:, None]
+    xs = torch.where(mask, x, -INF)
+    lse = torch.logsumexp(xs, dim=1)
+    none = lse == -INF
+    lse = torch.where(none, INF, lse)
+    safe = torch.where(none, 0.0, lse)
+    target = torch.where(none, -INF, x.gather(1, tokens[:, None])[:, 0] - safe)
+    lp = torch.where(none[row], -INF, x[row, ids] - safe[row])
+    p = torch.where(mask & ~none[:, None], torch.exp(xs - safe[:, None]), 0.0)
+    entropy = -torch.where(p > 0, p * (xs - safe[:, None]), 0.0).sum(dim=1)
+    return target, lp, lse, entropy, x
+
+
+def _reference_grad(want, x, tokens, offsets, ids, inv_temp, w_t, w_c):
+    """float64 ``d objective / d logits [N, V]`` for the upstream ``w_t``, ``w_c`` (on finite outputs only), formed
+    densely: ``inv_temp (scatter(w_c) + w_t e_y - G p^S)``; and the row's bound ``inv_temp (|w_t| + sum |w_c|)``."""
+    target, lp, lse, _ = want
+    n = x.shape[0]
+    row = torch.repeat_interleave(torch.arange(n), offsets[1:] - offsets[:-1])
+    gt = torch.where(torch.isfinite(target), w_t, 0.0)
+    gc = torch.where(torch.isfinite(lp), w_c, 0.0)
+    g_sum = gt + torch.zeros(n, dtype=torch.float64).index_add(0, row, gc)
+    dz = torch.zeros(n, V, dtype=torch.float64)
+    dz.index_put_((row, ids), gc - g_sum[row] * torch.exp(lp), accumulate=True)
+    dz[torch.arange(n), tokens] += gt
+    it = inv_temp.double()
+    bound = it * (gt.abs() + torch.zeros(n, dtype=torch.float64).index_add(0, row, gc.abs()))
+    return dz * it[:, None], bound
+
+
+def _weights(n: int, nnz: int, seed: int):
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(n, generator=gen, dtype=torch.float64), torch.randn(nnz, generator=gen, dtype=torch.float64)
+
+
+def _objective(target, lp, w_t, w_c):
+    """A random linear functional of the finite outputs (the upstream gradient is ``w``)."""
+    t = torch.where(torch.isfinite(target.detach()), target, torch.zeros_like(target))
+    c = torch.where(torch.isfinite(lp.detach()), lp, torch.zeros_like(lp))
+    return (w_t.to(t.dtype) * t).sum() + (w_c.to(c.dtype) * c).sum()
+
+
+def _check(got, want, x, dtype, what):
+    row = torch.repeat_interleave(torch.arange(x.shape[0]), want[-1])
+    tol = arg_tol(x)
+    target, lp, lse, entropy = got
+    assert_close_inf(target, want[0], tol, f"{what}: target")
+    assert_close_inf(lp, want[1], tol[row], f"{what}: lp")
+    assert_close_inf(lse, want[2], tol, f"{what}: lse")
+    assert_close_inf(entropy, want[3], tol, f"{what}: entropy")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logits_support_pass_matches_reference(shape, dtype, backend):
+    widths = SHAPES[shape]
+    z, tokens, offsets, ids, skip, inv_temp = _batch(widths, dtype, seed=len(widths) + V)
+    leaf = z.clone().requires_grad_()
+    got = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
+                                           backend=backend_registry.get(backend), eager=True)
+    *want, x = _reference(z, tokens, offsets, ids, skip, inv_temp)
+    _check([g.detach() for g in got], [*want, offsets[1:] - offsets[:-1]], x, dtype, f"{backend} {shape}")
+    w_t, w_c = _weights(len(widths), ids.numel(), 0)
+    _objective(got[0], got[1], w_t, w_c).backward()
+    assert leaf.grad.dtype == dtype
+    want_grad, bound = _reference_grad(want, x, tokens, offsets, ids, inv_temp, w_t, w_c)
+    # the fp32 math's error is arg_tol times the row's bound on every term; the stored value is rounded once
+    tol = STORE_RTOL[dtype] * want_grad.abs() + (arg_tol(x) * bound)[:, None] + STORE_FLOOR[dtype]
+    err = (leaf.grad.double() - want_grad).abs()
+    assert bool((err <= tol).all()), f"gradient error {float((err - tol).max()):.3g} over the tolerance"
+    assert bool((leaf.grad[skip] == 0).all()) and bool((leaf.grad[4] == 0).all())  # untrained, no mass: zero
+
+
+@pytest.mark.parametrize("shape", ["full", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_support_pass_matches_reference(shape, dtype):
+    widths = SHAPES[shape]
+    n, d = len(widths), 24
+    _, tokens, offsets, ids, skip, inv_temp = _batch(widths, torch.float32, seed=7 * n)
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(n, d, generator=gen).to(dtype)
+    w = (torch.randn(V, d, generator=gen) * 0.5).to(dtype)
+    b = torch.randn(V, generator=gen).to(dtype)
+    hl, wl, bl = (t.clone().requires_grad_() for t in (h, w, b))
+    got = support_pass.linear_support_log_softmax(hl, wl, bl, tokens, offsets, ids, inv_temp, skip,
+                                                  backend=backend_registry.get(BACKENDS[0]), eager=True)
+    # the reference reads the logits the path multiplies: bf16 products are rounded to bf16 (materialised logits)
+    z = (h.double() @ w.double().T)
+    z = (z.to(dtype).double() if dtype == torch.bfloat16 else z) + b.double()
+    hr, wr, br = (t.double().requires_grad_() for t in (h, w, b))
+    zr = hr @ wr.T + br
+    *want, x = _reference(zr, tokens, offsets, ids, skip, inv_temp)
+    *want_vals, _ = _reference(z, tokens, offsets, ids, skip, inv_temp)
+    _check([g.detach() for g in got], [v.detach() for v in want_vals] + [offsets[1:] - offsets[:-1]], x.detach(),
+           torch.float32, f"linear {shape}")
+    w_t, w_c = _weights(n, ids.numel(), 1)
+    _objective(got[0], got[1], w_t, w_c).backward()
+    _objective(want[0], want[1], w_t, w_c).backward()
+    rtol = 1e-4 if dtype == torch.float32 else 0.05
+    for mine, ref, name in ((hl.grad, hr.grad, "hidden"), (wl.grad, wr.grad, "weight"), (bl.grad, br.grad, "bias")):
+        assert mine.dtype == dtype, name
+        scale = float(ref.abs().max()) + 1e-12
+        assert float((mine.double() - ref).abs().max()) <= rtol * scale, name
+    assert bool((hl.grad[skip] == 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_policy_loss_routes_wide_supports_through_the_pass(backend, monkeypatch):
+    """``op.policy_loss`` with a CSR support record of rows 0 .. V wide equals the padded record's loss and
+    gradient (the padded path is independent code), through the fused pass (counted)."""
+    z, tokens, offsets, ids, _, _ = _batch(MIXED, torch.float32, seed=11)
+    z = torch.where(torch.isfinite(z), z, torch.full_like(z, -30.0))
+    n = len(MIXED)
+    lengths = offsets[1:] - offsets[:-1]
+    mask = lengths > 0
+    row = torch.repeat_interleave(torch.arange(n), lengths)
+    # the token must be in each trained support: rows where it is not are untrained
+    inside = torch.zeros(n, dtype=torch.bool).index_put_((row,), ids == tokens[row], accumulate=True)
+    mask &= inside
+    lq = torch.full((ids.numel(),), 0.0)
+    lq = lq - torch.log(lengths.clamp_min(1).float())[row]
+    rec = op.CSRCandidates(ids, offsets, lq, kind="support")
+    lq_y = -torch.log(lengths.clamp_min(1).float())
+    adv = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    corr = op.Correction(weights="mis", bounds=(0.3, 3.0), score_centering=True)
+    calls = []
+    real = support_pass.support_log_softmax
+    monkeypatch.setattr("offpolicy.loss.csr_logprobs.support_log_softmax",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    a = z.clone().requires_grad_()
+    out = op.policy_loss(a, tokens, lq_y, adv, rec, mask, 0.8, corr, backend=backend)
+    out.loss.backward()
+    assert calls == [1]
+    b = z.clone().requires_grad_()
+    ref = op.policy_loss(b, tokens, lq_y, adv, rec.to_padded(), mask, 0.8, corr, backend=backend)
+    ref.loss.backward()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
+class _Recorder(TorchDispatchMode):
+    """Every dispatched op's name and the shapes of the tensors it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append(str(func))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append((str(func), tuple(t.shape)))
+        return out
+
+
+def _cost_shape(path: str, n: int):
+    """Dispatched ops and returned shapes of one forward + backward over ``n`` rows: one row V wide, the others
+    3 ids (so ``N K_max = N V`` while ``nnz`` is about ``3 N + V``)."""
+    widths = [V] + [3] * (n - 1)
+    z, tokens, offsets, ids, skip, inv_temp = _batch(widths, torch.float32, seed=5)
+    z = torch.where(torch.isfinite(z), z, torch.zeros_like(z))
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(n, 8, generator=gen).requires_grad_(), torch.randn(V, 8, generator=gen).requires_grad_()
+    leaf = z.requires_grad_()
+    with _Recorder() as rec:
+        if path == "linear":
+            got = support_pass.linear_support_log_softmax(h, w, None, tokens, offsets, ids, inv_temp, skip,
+                                                          backend=backend_registry.get("torch"), eager=True)
+        else:
+            got = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
+                                                   backend=backend_registry.get(path), eager=True)
+        _objective(got[0], got[1], torch.ones(n, dtype=torch.float64),
+                   torch.ones(ids.numel(), dtype=torch.float64)).backward()
+    return rec, ids.numel()
+
+
+#: ops that only make a view (the native backend hands each worker's share of rows to C as a sliced pointer)
+VIEWS = {"slice", "view", "_unsafe_view", "alias", "as_strided", "detach", "select", "expand", "t", "transpose",
+         "permute", "squeeze", "unsqueeze", "lift_fresh"}
+
+
+def _computing(ops: list[str]) -> list[str]:
+    return [o for o in ops if o.split(".")[1] not in VIEWS]
+
+
+@pytest.mark.parametrize("path", [*BACKENDS, "linear"])
+def test_cost_shape_no_row_loop_no_padding(path):
+    """Without timing: the ops dispatched for 8 rows and for 64 rows are the same list (no Python loop over rows,
+    whatever their widths), and no tensor of ``N K_max`` or more elements is allocated besides the ``[N, V]``
+    logits-sized gradient (no padding to the widest row); the ``[nnz]`` tensors are the largest others."""
+    small, _ = _cost_shape(path, 8)
+    big, nnz = _cost_shape(path, 64)
+    assert _computing(small.ops) == _computing(big.ops)
+    n = 64
+    for name, shape in big.shapes:
+        if not _computing([name]) or name.split(".")[1].endswith("_"):
+            continue  # a view, or an in-place op's result (its input), allocates nothing
+        numel = torch.Size(shape).numel()
+        if shape in ((n, V), (n, 8), (V, 8)):
+            continue  # the logits' gradient; the linear path's logits block and the gradients of hidden and weight
+        assert numel < n * V and numel <= max(nnz + 1, 2 * n), shape
+
+
+def test_cpu_support_pass_refuses_an_id_outside_the_vocabulary():
+    if "cpu" not in BACKENDS:
+        pytest.skip("the native CPU kernels are not built here")
+    z = torch.randn(2, 5)
+    offsets = torch.tensor([0, 2, 3])
+    ids = torch.tensor([1, 5, 0])
+    with pytest.raises(RuntimeError, match="outside \\[0, 5\\)"):
+        cpu_backend.support_stats(z, offsets, ids, torch.ones(2), None)
+    lp = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="outside \\[0, 5\\)"):
+        cpu_backend.support_grad(lp, offsets, ids, torch.tensor([0, 0]), torch.ones(2), None, torch.ones(2),
+                                 torch.ones(2, dtype=torch.bool), torch.empty(2, 5))
+
+
+def test_torch_and_cpu_support_pass_agree_with_duplicate_ids():
+    """An unvalidated record repeating an id within a row: both backends add the repeats (nothing is lost)."""
+    z = torch.randn(2, 6)
+    offsets = torch.tensor([0, 3, 5])
+    ids = torch.tensor([2, 2, 4, 1, 1])
+    tokens = torch.tensor([2, 1])
+    lp, lse, ent = torch_backend.support_stats(z, offsets, ids, torch.ones(2), None)
+    g = torch_backend.support_grad(lp, offsets, ids, tokens, torch.ones(2), torch.ones(5), torch.ones(2),
+                                   torch.ones(2, dtype=torch.bool), torch.empty(2, 6))
+    if "cpu" in BACKENDS:
+        lp2, lse2, ent2 = cpu_backend.support_stats(z, offsets, ids, torch.ones(2), None)
+        g2 = cpu_backend.support_grad(lp2, offsets, ids, tokens, torch.ones(2), torch.ones(5), torch.ones(2),
+                                      torch.ones(2, dtype=torch.bool), torch.empty(2, 6))
+        torch.testing.assert_close(lp2, lp)
+        torch.testing.assert_close(g2, g)
+    # row 0: d/dz2 = 2 (two entries) + 1 (token) - G p(2) (two entries of p each), G = 1 + 3
+    p = torch.exp(lp)
+    torch.testing.assert_close(g[0, 2], 2 + 1 - 4 * (p[0] + p[1]))
+
+
+@pytest.mark.parametrize("model", ["logits", "hidden"])
+def test_policy_loss_with_a_wide_csr_support_allocates_nothing_entry_by_width(model):
+    """Through ``op.policy_loss``: with a CSR support record whose rows hold most of the vocabulary, nothing of
+    ``nnz x D`` (the entry gather of hidden and weight rows that took seconds, issue #42) nor ``N x K_max`` is
+    allocated: the largest tensors are the ``[N, V]`` logits block / gradient, ``[V, D]`` and ``[nnz]``; and no
+    entry is sorted (``O(nnz log nnz)``: the old path's duplicate-merging ``unique`` in the backward)."""
+    n, d = 16, 8
+    widths = [V - 1 - (t % 3) for t in range(n)]
+    z, tokens, offsets, ids, _, _ = _batch(widths, torch.float32, seed=9)
+    row = torch.repeat_interleave(torch.arange(n), offsets[1:] - offsets[:-1])
+    inside = torch.zeros(n, dtype=torch.bool).index_put_((row,), ids == tokens[row], accumulate=True)
+    lengths = (offsets[1:] - offsets[:-1]).float()
+    rec = op.CSRCandidates(ids, offsets, -torch.log(lengths)[row], kind="support")
+    gen = torch.Generator().manual_seed(4)
+    h, w = torch.randn(n, d, generator=gen).requires_grad_(), torch.randn(V, d, generator=gen).requires_grad_()
+    z = torch.randn(n, V, generator=gen).requires_grad_()
+    kw = dict(tokens=tokens, sampler_logprobs=-torch.log(lengths), advantages=torch.randn(n, generator=gen),
+              candidates=rec, loss_mask=inside, validate=False)
+    with _Recorder() as recd:
+        out = op.policy_loss(z, **kw) if model == "logits" else op.policy_loss(hidden=h, weight=w, **kw)
+        out.loss.backward()
+    nnz = ids.numel()
+    assert not [o for o in recd.ops if "sort" in o or "unique" in o]
+    for name, shape in recd.shapes:
+        if not _computing([name]) or name.split(".")[1].endswith("_") or shape in ((n, V), (V, d), (n, d)):
+            continue
+        assert torch.Size(shape).numel() <= nnz + n, (name, shape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_without_mass_take_no_gradient_whatever_arrives(backend):
+    """Untrained rows (NaN logits there), empty supports and all ``-inf`` rows: exactly zero gradient even when the
+    upstream gradient of their (``-inf``) outputs is nonzero."""
+    z, tokens, offsets, ids, skip, inv_temp = _batch(MIXED, torch.float32, seed=21)
+    z[1] = float("nan")  # skipped: never read
+    leaf = z.clone().requires_grad_()
+    target, lp, lse, _ = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
+                                                          backend=backend_registry.get(backend), eager=True)
+    dead = ~torch.isfinite(lse)
+    assert bool(dead[1]) and bool(dead[2 + 2]) and bool(dead[8])  # skipped, all -inf, skipped
+    (g,) = torch.autograd.grad((target, lp), leaf, (torch.ones_like(target), torch.ones_like(lp)))
+    assert bool(torch.isfinite(g).all())
+    assert bool((g[dead] == 0).all())
+    assert bool((g[~dead] != 0).any())
