@@ -81,6 +81,23 @@ class StepLog:
     seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
     served: dict[str, int] = field(default_factory=dict)
+    staleness: dict[int, int] = field(default_factory=dict)
+    sessions: list[dict[str, object]] = field(default_factory=list)
+
+
+def session_log(batch: LiveBatch) -> list[dict[str, object]]:
+    """Per session of ``batch``: its ``id`` and, per turn, ``[group, served version, tokens]`` (the history's
+    audit trail: what was sent, served where, at which version, and trained)."""
+    return [{"id": str(sid), "turns": [[t.group, t.version, len(t.record)] for t in ts]}
+            for sid, ts in zip(batch.session_ids, batch.turns)]
+
+
+def staleness_counts(batch: LiveBatch, trained_at: int) -> dict[int, int]:
+    """Trained tokens per staleness ``trained_at - served version`` (the loss's ``current_version`` minus each
+    token's stamp)."""
+    b = batch.batch
+    lag = (trained_at - b.versions)[b.loss_mask]
+    return {int(k): int(n) for k, n in zip(*torch.unique(lag, return_counts=True))}
 
 
 def train(
@@ -93,7 +110,10 @@ def train(
 
     Rollouts run one step ahead of the trainer (the batch of step ``k + 1`` is sampled while step ``k`` trains),
     so each group serves whatever version it last loaded: staleness from the real clock. After each optimizer step
-    the weights are published as the next version.
+    the weights are published as the next version. Each rollout is told the version it will be trained at
+    (``trained_at``: the current one for the first batch, the next one for a batch sampled during a step), so the
+    fleet's ``max_staleness`` bounds what the loss sees; ``StepLog.staleness`` counts the trained tokens per
+    staleness.
     """
     if fleet.version is None:
         raise RuntimeError("train: publish the model's weights first (fleet.publish(model.state_dict(), 0))")
@@ -105,19 +125,19 @@ def train(
     vocab = model.config.vocab_size
     metrics = FleetMetrics(fleet.groups)
 
-    def submit():
+    def submit(trained_at: int):
         prompts = torch.randint(2, vocab, (cfg.prompts, PROMPT_LEN), generator=gen).tolist()
         return fleet.submit([p for p in prompts for _ in range(cfg.samples)], sp, turns=cfg.turns,
-                            between=[TOOL_TOKEN])
+                            between=[TOOL_TOKEN], trained_at=trained_at)
 
     history: list[StepLog] = []
     version = fleet.version
-    pending = submit()
+    pending = submit(version)
     for step in range(cfg.steps):
         t0 = time.monotonic()
         batch = pending.result()
         if step + 1 < cfg.steps:
-            pending = submit()
+            pending = submit(version + 1)  # sampled during this step, trained after its publish
         rewards = rewards_of(batch)
         prompt_of = torch.arange(len(batch.session_ids)) // cfg.samples
         adv = per_token(grpo(rewards, prompt_of), batch.batch.seq_ids)
@@ -135,7 +155,8 @@ def train(
         version += 1
         fleet.publish(model.state_dict(), version)
         log = StepLog(step, version - 1, float(rewards.mean()), float(out.loss.detach()), time.monotonic() - t0,
-                      {k: float(v) for k, v in out.metrics.items()}, batch.served_counts())
+                      {k: float(v) for k, v in out.metrics.items()}, batch.served_counts(),
+                      staleness_counts(batch, version - 1), session_log(batch))
         history.append(log)
         if on_step is not None:
             on_step(log, batch, metrics)
