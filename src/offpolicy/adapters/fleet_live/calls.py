@@ -31,7 +31,8 @@ class GroupCallFailed(RuntimeError):
 
     Attributes:
         kind: ``"died"``, ``"load"``, ``"stale"``, ``"error"`` or ``"hung"`` (see the module docstring).
-        detail: plain text (no terminal colour codes), ``"<exception type>: <message>"`` of the cause.
+        detail: plain text (no terminal colour codes): ``"<exception type>: <message>"`` of the cause (for
+            ``"load"`` and ``"stale"`` the message alone, which names its own cause first).
     """
 
     def __init__(self, kind: str, detail: str):
@@ -89,7 +90,7 @@ class RayCalls:
                 raise GroupCallFailed("error", plain(str(exc).strip().splitlines()[-1])) from exc
             kind = ("load" if isinstance(cause, WeightLoadError) else "stale" if isinstance(cause, BelowStalenessFloor)
                     else "error")
-            raise GroupCallFailed(kind, describe(cause)) from exc
+            raise GroupCallFailed(kind, describe(cause) if kind == "error" else plain(str(cause))) from exc
         except RayActorError as exc:
             raise GroupCallFailed("died", describe(exc)) from exc
         except RayError as exc:  # object lost, node died, out of memory: the process cannot be trusted
@@ -131,9 +132,9 @@ class ThreadCalls:
         except EngineProcessDied as exc:
             raise GroupCallFailed("died", describe(exc)) from exc
         except WeightLoadError as exc:
-            raise GroupCallFailed("load", describe(exc)) from exc
+            raise GroupCallFailed("load", plain(str(exc))) from exc  # its message starts with the cause
         except BelowStalenessFloor as exc:
-            raise GroupCallFailed("stale", describe(exc)) from exc
+            raise GroupCallFailed("stale", plain(str(exc))) from exc
         except Exception as exc:
             raise GroupCallFailed("error", describe(exc)) from exc
 

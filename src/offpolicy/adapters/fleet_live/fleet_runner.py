@@ -453,7 +453,7 @@ class LiveFleet:
                 "raise max_staleness")
         why = "; ".join(f"{n!r}: {w}" for n, w in r.blocked.items()) or "no group is free"
         raise RuntimeError(f"rollout: no engine group could serve {len(r.pending)} sessions for "
-                           f"{now - r.stuck_since:.0f} s: {why}")
+                           f"{now - r.stuck_since:.1f} s: {why}")
 
     def _dispatch(self, r: _Rollout) -> None:
         """Send each free, unblocked group the pending sessions routed to it."""
