@@ -342,7 +342,11 @@ class LiveFleet:
     # ------------------------------------------------------------------ weights
     def publish(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Publish the trainer's weights as ``version``; every group loads it when next due."""
-        self.channel.publish(state_dict, version)
+        in_use = {v for v in self.loaded.values() if v is not None}
+        if isinstance(self.channel, DiskWeightChannel):
+            self.channel.publish(state_dict, version, in_use=in_use)  # the versions groups serve are kept
+        else:
+            self.channel.publish(state_dict, version)
         with self._published:
             self.version = version
             self._published.notify_all()
