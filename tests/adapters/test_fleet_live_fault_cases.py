@@ -91,8 +91,8 @@ def test_a_corrupt_checkpoint_is_named_and_the_fleet_trains_on_the_last_good_ver
     real_publish = fleet.channel.publish
     corrupt = fleet.version + 2
 
-    def publish(state_dict, version):
-        real_publish(state_dict, version)
+    def publish(state_dict, version, **kwargs):
+        real_publish(state_dict, version, **kwargs)
         if version == corrupt:
             (fleet.channel.path(version) / "model.safetensors").write_bytes(b"\xff" * 64)
 

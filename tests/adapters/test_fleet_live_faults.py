@@ -59,14 +59,16 @@ def audit(batch, sent: int, turns: int) -> None:
 def test_a_dead_group_is_restarted_after_its_backoff_and_serves_again(tmp_path):
     def die_once(g):
         if len(made["b"]) == 1:  # only the first engine of b dies, at its first call
-            raise EngineProcessDied("engine process died (SIGKILL)")
+            raise EngineProcessDied("engine process died (SIGKILL) " + "x" * 900)
 
     fleet, made = fleet_with_factory(tmp_path, hooks={"b": die_once}, restart_backoff_s=0.05)
     batch = fleet.rollout([[1]] * 4, SP, turns=2)
     audit(batch, 4, 2)
     died = batch.events[0]
     assert (died.kind, died.group, len(died.moved_sessions)) == ("died", "b", 2)
-    assert died.detail.startswith("EngineProcessDied: engine process died (SIGKILL); restart 1 of 2 in 0.05 s")
+    cause, note = died.detail.split("...; ")  # a long cause is cut to 600 characters, the restart note kept
+    assert cause.startswith("EngineProcessDied: engine process died (SIGKILL) xxx") and len(cause) == 597
+    assert note == "restart 1 of 2 in 0.05 s"
     t0 = time.monotonic()
     while not fleet.alive["b"] and time.monotonic() - t0 < 5:  # the restart finishes in a later rollout
         fleet.rollout([[1]], SP)

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.adapters.common import RecordError, Trajectory, collate
-from offpolicy.adapters.fleet_live.calls import GroupCallFailed, RayCalls, ThreadCalls, plain
+from offpolicy.adapters.fleet_live.calls import DETAIL_CHARS, GroupCallFailed, RayCalls, ThreadCalls, plain
 from offpolicy.adapters.fleet_live.validate import check_answer
 from offpolicy.adapters.fleet_live.engine_group import EngineGroup, EngineSettings, ServedTurn, rss_mib
 from offpolicy.adapters.fleet_live.weight_sync import DiskWeightChannel, WeightChannel
@@ -352,6 +352,11 @@ class LiveFleet:
             self._published.notify_all()
 
     @property
+    def sessions_opened(self) -> int:
+        """Sessions opened so far (ids ``s0`` .. ``s{n-1}``), for auditing sent against trained."""
+        return self._next_session
+
+    @property
     def settings_max_logprobs(self) -> int:
         """The smallest ``max_logprobs`` of the groups (the most a request may ask of every group)."""
         return min(s.max_logprobs for s in self.settings.values())
@@ -590,7 +595,8 @@ class LiveFleet:
 
     # ------------------------------------------------------------------ faults
     def _event(self, kind: str, name: str, detail: str, sessions: Sequence[_Session]) -> FleetEvent:
-        event = FleetEvent(kind, name, plain(detail), tuple(s.id for s in sessions))
+        # causes arrive cut to DETAIL_CHARS already; what the fleet appends (the restart) is never cut off
+        event = FleetEvent(kind, name, plain(detail, limit=4 * DETAIL_CHARS), tuple(s.id for s in sessions))
         self.events.append(event)
         return event
 

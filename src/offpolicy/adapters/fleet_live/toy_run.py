@@ -92,6 +92,16 @@ def session_log(batch: LiveBatch) -> list[dict[str, object]]:
             for sid, ts in zip(batch.session_ids, batch.turns)]
 
 
+def audit(steps: list[dict[str, object]], sent: int, turns: int) -> dict[str, int]:
+    """Sessions ``sent`` (opened by the fleet) against those a history's ``steps`` trained: ``trained`` (distinct
+    ids), ``duplicated`` (trained more than once), ``incomplete`` (trained with fewer than ``turns`` turns) and
+    ``lost`` (sent but never trained: the batch in flight when a run stops, and nothing else)."""
+    ids = [s["id"] for step in steps for s in step["sessions"]]
+    short = sum(len(s["turns"]) != turns for step in steps for s in step["sessions"])
+    return {"sent": sent, "trained": len(set(ids)), "duplicated": len(ids) - len(set(ids)), "incomplete": short,
+            "lost": sent - len(set(ids))}
+
+
 def staleness_counts(batch: LiveBatch, trained_at: int) -> dict[int, int]:
     """Trained tokens per staleness ``trained_at - served version`` (the loss's ``current_version`` minus each
     token's stamp)."""
