@@ -9,7 +9,9 @@ weights after every step, and prints the per-group mismatch table as it goes. Ne
     RAY_AUTH_MODE=token PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --address auto   # a cluster
     PYTHONPATH=src .venv/bin/python examples/live_fleet.py --replot docs/fleet_results/live/history.json
 
-Writes ``history.json`` under ``--out`` after every step (so a stopped run leaves its history so far): per step the
+Writes the trainer's state to ``trainer.pt`` every ``--checkpoint-every`` steps; a rerun with the same ``--out``
+resumes from it (the engines load the restored weights as a new version). Writes ``history.json`` under ``--out``
+after every step (so a stopped run leaves its history so far): per step the
 reward, loss, the trainer's version, turns per group, trained tokens per staleness, per-group and per-staleness KL,
 extreme-ratio share and ESS, and every session (id, and per turn its group, served version and tokens); then the
 final table, each process's memory, the run's time, the fleet's events and ``audit`` (sessions sent / trained /
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from offpolicy.adapters.fleet_live import EngineSettings, LiveFleet
 from offpolicy.adapters.fleet_live.history_plot import write_history_plot
-from offpolicy.adapters.fleet_live.toy_run import RunConfig, audit, build_tiny_qwen3, train
+from offpolicy.adapters.fleet_live.toy_run import RunConfig, audit, build_tiny_qwen3, resumed_history, train
 from offpolicy.fleet import SamplerGroup
 
 KEPT_METRICS = ("kl_k3", "extreme_ratio_frac", "num_tokens", "ess")
@@ -63,7 +65,9 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=None,
                     help="the most versions a trained token may be behind the trainer at its optimizer step")
     ap.add_argument("--max-restarts", type=int, default=2, help="restarts of a dead or hung group before it is dropped")
-    ap.add_argument("--out", default=None, help="output directory (default a temporary one)")
+    ap.add_argument("--out", default=None, help="output directory (default a temporary one); a rerun with the same "
+                    "one resumes from its trainer.pt")
+    ap.add_argument("--checkpoint-every", type=int, default=1, help="write the trainer's state every this many steps")
     ap.add_argument("--replot", default=None, metavar="HISTORY_JSON", help="only redraw history.png beside it")
     args = ap.parse_args()
     if args.replot is not None:
@@ -79,12 +83,19 @@ def main() -> None:
     fleet = LiveFleet(groups, out / "model", out, settings=EngineSettings(kv_cache_mib=args.kv_cache_mib),
                       address=args.address, sync_every=args.sync_every, max_staleness=args.max_staleness,
                       max_restarts=args.max_restarts)
-    record: dict = {"command": " ".join(sys.argv), "groups": [vars(g) for g in groups], "steps": []}
+    ckpt = out / "trainer.pt"
+    done = resumed_history(ckpt)  # a rerun with the same --out resumes after these steps
+    record: dict = {"command": " ".join(sys.argv), "groups": [vars(g) for g in groups], "resumed_at": len(done),
+                    "steps": [json.loads(json.dumps(dict(vars(h), metrics={k: v for k, v in h.metrics.items()
+                                                                              if k.split("/")[-1] in KEPT_METRICS}),
+                                                    default=str)) for h in done]}
     try:
         start_s = fleet.start()
         record["start_s"] = start_s
         print(f"{len(groups)} engine groups started in {start_s:.1f} s", flush=True)
-        fleet.publish(model.state_dict(), 0)
+        fleet.publish(model.state_dict(), fleet.next_version())  # 0, or past an earlier run's versions
+        if done:
+            print(f"resuming after step {done[-1].step} from {ckpt}", flush=True)
         memory: dict[str, float] = {}
 
         def on_step(log, batch, metrics):
@@ -101,7 +112,7 @@ def main() -> None:
             record["audit"] = audit(record["steps"], fleet.sessions_opened, cfg.turns)
             write_json(out / "history.json", record)  # as it grows
 
-        history, metrics = train(fleet, model, cfg, on_step)
+        history, metrics = train(fleet, model, cfg, on_step, checkpoint=ckpt, checkpoint_every=args.checkpoint_every)
         print(fleet.status())
         wall = time.monotonic() - t0
         print(f"resident memory (MiB, the largest seen): {json.dumps({k: round(v) for k, v in memory.items()})}")

@@ -356,6 +356,16 @@ class LiveFleet:
         """Sessions opened so far (ids ``s0`` .. ``s{n-1}``), for auditing sent against trained."""
         return self._next_session
 
+    def continue_sessions_from(self, n: int) -> None:
+        """Open the next session as ``s{n}`` (at least): a resumed run never reuses an earlier run's ids."""
+        self._next_session = max(self._next_session, int(n))
+
+    def next_version(self) -> int:
+        """The version the next :meth:`publish` must use: one past the newest published here or on the channel
+        (a rerun on the same channel goes on from the versions the earlier run published)."""
+        newest = [v for v in (self.version, self.channel.latest()) if v is not None]
+        return max(newest) + 1 if newest else 0
+
     @property
     def settings_max_logprobs(self) -> int:
         """The smallest ``max_logprobs`` of the groups (the most a request may ask of every group)."""
@@ -374,8 +384,9 @@ class LiveFleet:
         """:meth:`rollout` in the background (one at a time); ``.result()`` gives the :class:`LiveBatch`. A batch
         sampled while the trainer takes its step is trained after the next publish: pass ``trained_at=
         fleet.version + 1``."""
-        return self._pool.submit(self.rollout, prompts, sampling_params, turns=turns, between=between,
-                                 trained_at=trained_at)
+        first = self._next_session  # ids taken now, in the caller's thread: a checkpoint counts them exactly
+        self._next_session += len(prompts)
+        return self._pool.submit(self._rollout, prompts, sampling_params, turns, between, trained_at, first)
 
     def rollout(self, prompts: Sequence[Sequence[int]], sampling_params: Mapping[str, object], *, turns: int = 1,
                 between: Sequence[int] = (), trained_at: int | None = None) -> LiveBatch:
@@ -391,6 +402,12 @@ class LiveFleet:
                 version published now); with ``max_staleness`` every turn is served at ``>= trained_at -
                 max_staleness``, waiting for that version to be published if need be.
         """
+        first = self._next_session
+        self._next_session += len(prompts)
+        return self._rollout(prompts, sampling_params, turns, between, trained_at, first)
+
+    def _rollout(self, prompts: Sequence[Sequence[int]], sampling_params: Mapping[str, object], turns: int,
+                 between: Sequence[int], trained_at: int | None, first: int) -> LiveBatch:
         if self.version is None:
             raise RuntimeError("rollout: publish a weight version first (LiveFleet.publish)")
         if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
@@ -403,10 +420,7 @@ class LiveFleet:
             raise ValueError(f"trained_at must be an integer >= the published version {self.version}, got "
                              f"{trained_at!r}")
         floor = None if self.max_staleness is None else trained_at - self.max_staleness
-        sessions = []
-        for p in prompts:
-            sessions.append(_Session(f"s{self._next_session}", Trajectory([int(t) for t in p]), turns))
-            self._next_session += 1
+        sessions = [_Session(f"s{first + i}", Trajectory([int(t) for t in p]), turns) for i, p in enumerate(prompts)]
         r = _Rollout(list(sessions), floor, tuple(int(t) for t in between), dict(sampling_params),
                      int(sampling_params.get("max_tokens", 16)))  # 16: vLLM's default
         events_before = len(self.events)
