@@ -12,7 +12,7 @@ import torch
 
 from offpolicy.adapters.common import TurnRecord
 from offpolicy.adapters.fleet_live import LiveFleet, ServedTurn
-from offpolicy.adapters.fleet_live.calls import BelowStalenessFloor
+from offpolicy.adapters.fleet_live.calls import BelowStalenessFloor, EngineProcessDied
 from offpolicy.fleet import SamplerGroup
 
 SP = {"temperature": 1.0}
@@ -196,6 +196,42 @@ def test_a_hung_group_moves_its_sessions_to_a_living_group(tmp_path):
         assert row[2] == "failed" and row[-1] == "2"  # no factory: dropped at once
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("dies_at_call", [1, 2])
+def test_a_dead_group_sends_its_sessions_again_to_a_living_group(tmp_path, dies_at_call):
+    """``b``'s process dies (``EngineProcessDied``, what Ray's ``RayActorError`` is to a thread) at its first or
+    second call: the sessions of that call are sent again, unchanged, to ``a``; every session gets every turn
+    exactly once, the turns ``b`` served before it died stay, and later rollouts use only ``a`` (no factory to
+    restart ``b`` with: it is dropped). (Helper D's test of issue 40, with the death named as the fleet now
+    classifies it: a plain exception inside ``generate`` is a refused request, not a dead process.)"""
+
+    def die(group):
+        if group.calls + 1 == dies_at_call:
+            raise EngineProcessDied("engine process died")
+
+    fleet, eng = make_fleet(tmp_path, before={"b": die})
+    batch = fleet.rollout([[1]] * 4, SP, turns=2)
+    [event, dropped] = batch.events
+    assert (event.kind, event.group, len(event.moved_sessions)) == ("died", "b", 2)
+    assert "engine process died" in event.detail and (dropped.kind, dropped.group) == ("dropped", "b")
+    assert all(len(ts) == 2 for ts in batch.turns) and len(batch.batch.tokens) == 4 * 2 * 2
+    by_session = dict(zip(batch.session_ids, batch.turns))
+    moved = [[t.group for t in by_session[s]] for s in event.moved_sessions]
+    assert moved == [["a", "a"] if dies_at_call == 1 else ["b", "a"]] * 2
+    assert batch.group_ids.tolist().count(1) == (0 if dies_at_call == 1 else 2 * 2)  # b's tokens: turns it served
+    assert not fleet.alive["b"] and fleet.alive["a"]
+    assert fleet.rollout([[1]] * 4, SP).served_counts() == {"a": 4}
+    assert status_row(fleet, "b")[2] == "failed" and status_row(fleet, "b")[-1] == "2"
+
+
+def test_when_every_group_dies_the_rollout_says_so(tmp_path):
+    def die(group):
+        raise EngineProcessDied("engine process died")
+
+    fleet, _ = make_fleet(tmp_path, before={"a": die, "b": die})
+    with pytest.raises(RuntimeError, match="every engine group has failed; the last: '[ab]' died"):
+        fleet.rollout([[1]] * 4, SP)
 
 
 def test_staleness_arguments_are_checked(tmp_path):
