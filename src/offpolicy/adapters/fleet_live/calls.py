@@ -6,16 +6,63 @@ Both give the same four operations: ``call(actor, method, *args)`` returns a han
 timeout)`` returns ``(done, waiting)`` with at most one handle done; ``get(handle, timeout=None)`` gives the result or raises
 :class:`GroupCallFailed`; ``kill(actor)`` stops it (a thread cannot be stopped: the fleet never reads a killed
 group's answer, which is what the Ray kill also guarantees).
+
+A failed call is classified by its cause (:attr:`GroupCallFailed.kind`): ``"died"`` (the engine's process is
+gone: Ray's ``RayActorError``; an in-process engine raises :class:`EngineProcessDied` to stand for it), ``"load"``
+(the group could not load a weight version: :class:`WeightLoadError`, raised by ``sync``; the group still serves
+what it had), ``"stale"`` (:class:`BelowStalenessFloor`: the group cannot reach the staleness floor and generated
+nothing), ``"error"`` (the method raised anything else, e.g. a request the engine refuses; the process lives
+on) or ``"hung"`` (``get`` ran out of time). :attr:`GroupCallFailed.detail` is plain text, the cause first.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import re
 from collections.abc import Sequence
+
+#: Longest event detail kept (the cause comes first, so a cut never hides it).
+DETAIL_CHARS = 600
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
 class GroupCallFailed(RuntimeError):
-    """A call to a group raised (its process died, or its method raised)."""
+    """A call to a group failed.
+
+    Attributes:
+        kind: ``"died"``, ``"load"``, ``"stale"``, ``"error"`` or ``"hung"`` (see the module docstring).
+        detail: plain text (no terminal colour codes): ``"<exception type>: <message>"`` of the cause (for
+            ``"load"`` and ``"stale"`` the message alone, which names its own cause first).
+    """
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail = kind, detail
+
+
+class EngineProcessDied(RuntimeError):
+    """Raised by an in-process engine (:class:`ThreadCalls`) to stand for its process dying."""
+
+
+class BelowStalenessFloor(RuntimeError):
+    """Raised by ``generate`` before sampling when the group cannot serve at the staleness floor it was given (its
+    newest loadable version is older): nothing was generated."""
+
+
+class WeightLoadError(RuntimeError):
+    """A group could not load a published weight version (a corrupt or mismatched checkpoint); it keeps serving
+    the version it had loaded."""
+
+
+def plain(text: str, limit: int = DETAIL_CHARS) -> str:
+    """``text`` without terminal colour codes, whitespace runs collapsed, cut to ``limit`` characters."""
+    out = " ".join(_ANSI.sub("", text).split())
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def describe(exc: BaseException) -> str:
+    """``"<type>: <message>"``, plain text, for an event detail."""
+    return plain(f"{type(exc).__name__}: {exc}")
 
 
 class RayCalls:
@@ -31,17 +78,31 @@ class RayCalls:
 
     def get(self, handle: object, timeout: float | None = None) -> object:
         import ray
-        from ray.exceptions import RayError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
         try:
             return ray.get(handle, timeout=timeout)
-        except RayError as exc:
-            raise GroupCallFailed(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+        except GetTimeoutError as exc:
+            raise GroupCallFailed("hung", f"no answer within {timeout:g} s") from exc
+        except RayTaskError as exc:  # the method raised inside a living process; exc.cause is what it raised
+            cause = getattr(exc, "cause", None)
+            if cause is None:
+                raise GroupCallFailed("error", plain(str(exc).strip().splitlines()[-1])) from exc
+            kind = ("load" if isinstance(cause, WeightLoadError) else "stale" if isinstance(cause, BelowStalenessFloor)
+                    else "error")
+            raise GroupCallFailed(kind, describe(cause) if kind == "error" else plain(str(cause))) from exc
+        except RayActorError as exc:
+            raise GroupCallFailed("died", describe(exc)) from exc
+        except RayError as exc:  # object lost, node died, out of memory: the process cannot be trusted
+            raise GroupCallFailed("died", describe(exc)) from exc
 
     def kill(self, actor: object) -> None:
         import ray
 
-        ray.kill(actor)
+        try:
+            ray.kill(actor)
+        except Exception:  # already gone
+            pass
 
 
 class ThreadCalls:
@@ -66,8 +127,16 @@ class ThreadCalls:
     def get(self, handle: concurrent.futures.Future, timeout: float | None = None) -> object:
         try:
             return handle.result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            raise GroupCallFailed("hung", f"no answer within {timeout:g} s") from exc
+        except EngineProcessDied as exc:
+            raise GroupCallFailed("died", describe(exc)) from exc
+        except WeightLoadError as exc:
+            raise GroupCallFailed("load", plain(str(exc))) from exc  # its message starts with the cause
+        except BelowStalenessFloor as exc:
+            raise GroupCallFailed("stale", plain(str(exc))) from exc
         except Exception as exc:
-            raise GroupCallFailed(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+            raise GroupCallFailed("error", describe(exc)) from exc
 
     def kill(self, actor: object) -> None:
         """Nothing to stop: the fleet reads no answer of a killed group."""

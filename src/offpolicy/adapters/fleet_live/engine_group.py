@@ -25,6 +25,7 @@ from pathlib import Path
 
 from offpolicy.adapters import vllm as vllm_adapter
 from offpolicy.adapters.common import TurnRecord
+from offpolicy.adapters.fleet_live.calls import BelowStalenessFloor, WeightLoadError, describe
 from offpolicy.adapters.fleet_live.weight_sync import WEIGHTS_FILE, WeightChannel, group_checkpoint
 from offpolicy.fleet.groups import SamplerGroup
 
@@ -33,20 +34,30 @@ from offpolicy.fleet.groups import SamplerGroup
 class EngineSettings:
     """How a group's engine is started.
 
+    Defaults per device kind (``num_gpus``: 0 is a CPU engine, more a GPU engine): on CPU the KV cache is
+    ``kv_cache_mib`` (64 MiB unless set: without a size vLLM on CPU reserves a share of host memory, which fails on a
+    shared machine) and the engine runs eagerly; on a GPU no KV-cache size is passed unless ``kv_cache_mib`` is set,
+    so vLLM sizes the cache from ``gpu_memory_utilization`` (0.9 unless set), and CUDA graphs are on
+    (``enforce_eager=False``). :meth:`llm_kwargs` gives the resulting ``vllm.LLM`` arguments.
+
     Attributes:
-        kv_cache_mib: KV-cache size in MiB (vLLM's ``kv_cache_memory_bytes``); without it vLLM reserves a share of
-            host memory, which fails on a shared machine.
-        max_model_len: the longest context (prompt + every turn) a session may reach.
+        kv_cache_mib: KV-cache size in MiB (vLLM's ``kv_cache_memory_bytes``, which makes vLLM ignore
+            ``gpu_memory_utilization``); ``None``: 64 on CPU, not passed on a GPU.
+        gpu_memory_utilization: the share of GPU memory vLLM may use (``None``: 0.9 on a GPU; on CPU unused).
+        enforce_eager: ``None``: eager on CPU, CUDA graphs on a GPU.
+        max_model_len: the longest context (prompt + every turn) a session may reach (256 suits the toy run; a
+            real model needs its own, e.g. 8192).
         max_logprobs: the engine's ``max_logprobs`` (support records need ``top_k + 1``).
         seed: the engine's sampling seed.
         threads: CPU threads for the engine's torch ops (``OMP_NUM_THREADS``).
         num_cpus: CPUs Ray reserves for the actor (scheduling only).
         num_gpus: GPUs Ray gives the actor (0 here; 1 for a GPU engine, which Ray makes the actor's visible device).
         dtype: the engine's compute dtype (``"float32"`` for vLLM on CPU; ``"bfloat16"`` on a GPU).
-        engine_kwargs: further ``vllm.LLM`` keyword arguments (e.g. ``{"kv_cache_dtype": "fp8"}`` on a GPU).
+        engine_kwargs: further ``vllm.LLM`` keyword arguments (e.g. ``{"kv_cache_dtype": "fp8"}`` on a GPU); they
+            override the defaults above.
     """
 
-    kv_cache_mib: int = 64
+    kv_cache_mib: int | None = None
     max_model_len: int = 256
     max_logprobs: int = 64
     seed: int = 0
@@ -55,15 +66,45 @@ class EngineSettings:
     num_gpus: float = 0.0
     dtype: str = "float32"
     engine_kwargs: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_mib", "max_model_len", "max_logprobs", "threads"):
             v = getattr(self, name)
+            if name == "kv_cache_mib" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineSettings.{name} must be an integer >= 1, got {v!r}")
         for name in ("num_cpus", "num_gpus"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"EngineSettings.{name} must be >= 0, got {getattr(self, name)!r}")
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise ValueError(f"EngineSettings.gpu_memory_utilization must be None or in (0, 1], got {u!r}")
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the engine runs on a GPU (``num_gpus > 0``)."""
+        return self.num_gpus > 0
+
+    def llm_kwargs(self) -> dict[str, object]:
+        """The ``vllm.LLM`` keyword arguments (besides ``model``) these settings give."""
+        kwargs: dict[str, object] = {
+            "dtype": self.dtype, "skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs",
+            "max_logprobs": self.max_logprobs, "seed": self.seed, "max_model_len": self.max_model_len,
+            "enforce_eager": (not self.on_gpu) if self.enforce_eager is None else self.enforce_eager,
+        }
+        if self.on_gpu:
+            kwargs["gpu_memory_utilization"] = 0.9 if self.gpu_memory_utilization is None \
+                else self.gpu_memory_utilization
+            if self.kv_cache_mib is not None:
+                kwargs["kv_cache_memory_bytes"] = self.kv_cache_mib << 20
+        else:
+            kwargs["gpu_memory_utilization"] = 0.05  # unused by vLLM on CPU; kept small
+            kwargs["kv_cache_memory_bytes"] = (64 if self.kv_cache_mib is None else self.kv_cache_mib) << 20
+        kwargs.update(self.engine_kwargs)
+        return kwargs
 
     def env(self) -> dict[str, str]:
         """Environment of the actor's process (set before vLLM is imported there)."""
@@ -109,30 +150,48 @@ class EngineGroup:
 
         self.group, self.settings = group, settings
         self.channel = channel
+        self.model_dir = str(model_dir)
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        kwargs = {"enforce_eager": True, "gpu_memory_utilization": 0.05, **settings.engine_kwargs}
-        self.llm = LLM(model=str(model_dir), dtype=settings.dtype, skip_tokenizer_init=True,
-                       logprobs_mode="processed_logprobs", max_logprobs=settings.max_logprobs, seed=settings.seed,
-                       max_model_len=settings.max_model_len, kv_cache_memory_bytes=settings.kv_cache_mib << 20,
-                       **kwargs)
+        self.llm = LLM(model=self.model_dir, **settings.llm_kwargs())
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.version: int | None = None
         self.loads = 0
+        self.failed_versions: set[int] = set()
 
     def sync(self) -> int:
-        """Load the channel's newest version in this group's format if it is newer than the loaded one."""
+        """Load the channel's newest version in this group's format if it is newer than the loaded one.
+
+        A version that fails to load (a corrupt or mismatched checkpoint) raises :class:`~.calls.WeightLoadError`
+        naming the cause, once: the engine is put back on the version it had, and later syncs skip the failed
+        version (they keep serving the loaded one until a newer version is published). Returns the version the
+        engine serves.
+        """
         newest = self.channel.latest()
         if newest is None:
             raise RuntimeError(f"group {self.group.name!r}: no weight version published yet; publish one first")
-        if newest == self.version:
-            return newest
+        if newest == self.version or (newest in self.failed_versions and self.version is not None):
+            return self.version
+        if newest in self.failed_versions:
+            raise WeightLoadError(f"group {self.group.name!r} has no loadable version: version {newest} failed "
+                                  "to load and none was loaded before")
         from safetensors.torch import save_file
 
         target = self.work_dir / f"v{newest:06d}"
-        target.mkdir(exist_ok=True)
-        save_file(group_checkpoint(self.channel.fetch(newest), self.group.weight_format), str(target / WEIGHTS_FILE))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
+        try:
+            target.mkdir(exist_ok=True)
+            ckpt = group_checkpoint(self.channel.fetch(newest), self.group.weight_format)
+            save_file(ckpt, str(target / WEIGHTS_FILE))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
+        except Exception as exc:
+            self.failed_versions.add(newest)
+            shutil.rmtree(target, ignore_errors=True)
+            # the reload may have replaced some weights before it failed: load the last good checkpoint again
+            previous = self.model_dir if self.version is None else str(self.work_dir / f"v{self.version:06d}")
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": previous})
+            self.llm.reset_prefix_cache()
+            raise WeightLoadError(f"{describe(exc)} (loading version {newest} in group {self.group.name!r}; it "
+                                  f"keeps serving version {self.version})") from exc
         self.llm.reset_prefix_cache()
         if self.version is not None:
             shutil.rmtree(self.work_dir / f"v{self.version:06d}", ignore_errors=True)
@@ -141,12 +200,18 @@ class EngineGroup:
         return newest
 
     def generate(self, requests: Sequence[tuple[Hashable, Sequence[int]]],
-                 sampling_params: Mapping[str, object], sync: bool = True) -> list[ServedTurn]:
+                 sampling_params: Mapping[str, object], sync: bool = True,
+                 min_version: int | None = None) -> list[ServedTurn]:
         """Sync (when ``sync``, or when nothing is loaded yet), then sample one turn per ``(session_id, context
-        token ids)`` with ``sampling_params`` (:func:`offpolicy.adapters.vllm.build_sampling_params`)."""
+        token ids)`` with ``sampling_params`` (:func:`offpolicy.adapters.vllm.build_sampling_params`). With
+        ``min_version`` (the fleet's staleness floor), raise :class:`~.calls.BelowStalenessFloor` before sampling
+        if the version served would be older."""
         from vllm import SamplingParams
 
         version = self.sync() if sync or self.version is None else self.version
+        if min_version is not None and version < min_version:
+            raise BelowStalenessFloor(f"group {self.group.name!r} serves version {version}, below the staleness "
+                                      f"floor {min_version} (newer versions failed to load or are not published)")
         sp = dict(sampling_params)
         outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in ctx]} for _, ctx in requests],
                                  SamplingParams(**sp), use_tqdm=False)
@@ -159,8 +224,10 @@ class EngineGroup:
         return turns
 
     def info(self) -> dict[str, object]:
-        """``pid``, resident memory ``rss_mib`` of this process, loaded ``version`` and number of ``loads``."""
-        return {"pid": os.getpid(), "rss_mib": rss_mib(os.getpid()), "version": self.version, "loads": self.loads}
+        """``pid``, resident memory ``rss_mib`` of this process, loaded ``version``, number of ``loads`` and the
+        model's ``vocab_size``."""
+        return {"pid": os.getpid(), "rss_mib": rss_mib(os.getpid()), "version": self.version, "loads": self.loads,
+                "vocab_size": self.vocab_size}
 
 
 def rss_mib(pid: int) -> float:

@@ -10,6 +10,7 @@ score centering and mask replay of the recorded top-p/top-k supports, with per-g
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +82,47 @@ class StepLog:
     seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
     served: dict[str, int] = field(default_factory=dict)
+    staleness: dict[int, int] = field(default_factory=dict)
+    sessions: list[dict[str, object]] = field(default_factory=list)
+
+
+def session_log(batch: LiveBatch) -> list[dict[str, object]]:
+    """Per session of ``batch``: its ``id`` and, per turn, ``[group, served version, tokens]`` (the history's
+    audit trail: what was sent, served where, at which version, and trained)."""
+    return [{"id": str(sid), "turns": [[t.group, t.version, len(t.record)] for t in ts]}
+            for sid, ts in zip(batch.session_ids, batch.turns)]
+
+
+def audit(steps: list[dict[str, object]], sent: int, turns: int) -> dict[str, int]:
+    """Sessions ``sent`` (opened by the fleet) against those a history's ``steps`` trained: ``trained`` (distinct
+    ids), ``duplicated`` (trained more than once), ``incomplete`` (trained with fewer than ``turns`` turns) and
+    ``lost`` (sent but never trained: the batch in flight when a run stops, and nothing else)."""
+    ids = [s["id"] for step in steps for s in step["sessions"]]
+    short = sum(len(s["turns"]) != turns for step in steps for s in step["sessions"])
+    return {"sent": sent, "trained": len(set(ids)), "duplicated": len(ids) - len(set(ids)), "incomplete": short,
+            "lost": sent - len(set(ids))}
+
+
+def staleness_counts(batch: LiveBatch, trained_at: int) -> dict[int, int]:
+    """Trained tokens per staleness ``trained_at - served version`` (the loss's ``current_version`` minus each
+    token's stamp)."""
+    b = batch.batch
+    lag = (trained_at - b.versions)[b.loss_mask]
+    return {int(k): int(n) for k, n in zip(*torch.unique(lag, return_counts=True))}
+
+
+def save_checkpoint(path: Path, state: dict[str, object]) -> None:
+    """Write ``state`` with ``torch.save``, atomically (a kill mid-write leaves the previous checkpoint)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def resumed_history(path: Path | None) -> list[StepLog]:
+    """The steps a checkpoint at ``path`` holds (empty when there is none)."""
+    if path is None or not Path(path).exists():
+        return []
+    return [StepLog(**h) for h in torch.load(path, weights_only=False)["history"]]
 
 
 def train(
@@ -88,36 +130,63 @@ def train(
     model: torch.nn.Module,
     cfg: RunConfig,
     on_step: Callable[[StepLog, LiveBatch, FleetMetrics], None] | None = None,
+    *,
+    checkpoint: Path | None = None,
+    checkpoint_every: int = 1,
 ) -> tuple[list[StepLog], FleetMetrics]:
     """Train ``model`` for ``cfg.steps`` steps on batches from ``fleet`` (started, version 0 published).
 
     Rollouts run one step ahead of the trainer (the batch of step ``k + 1`` is sampled while step ``k`` trains),
     so each group serves whatever version it last loaded: staleness from the real clock. After each optimizer step
-    the weights are published as the next version.
+    the weights are published as the next version. Each rollout is told the version it will be trained at
+    (``trained_at``: the current one for the first batch, the next one for a batch sampled during a step), so the
+    fleet's ``max_staleness`` bounds what the loss sees; ``StepLog.staleness`` counts the trained tokens per
+    staleness.
+
+    Resume: with ``checkpoint`` (a file path), the trainer's state (model, optimizer, prompt generator, step, the
+    fleet's session count and the history so far) is written there after every ``checkpoint_every``-th step and
+    the last. If the file exists when ``train`` starts, the run resumes from it: the state is restored, the
+    restored weights are published as the fleet's next version (the engines load them at their next call), and
+    training goes on at the step after the checkpoint. Lost in a kill: the batch in flight and the steps after the
+    last checkpoint (with ``checkpoint_every=1``, only the batch in flight); session ids are never reused.
     """
     if fleet.version is None:
         raise RuntimeError("train: publish the model's weights first (fleet.publish(model.state_dict(), 0))")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    history: list[StepLog] = []
+    first = 0
+    if checkpoint is not None and Path(checkpoint).exists():
+        state = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        history = [StepLog(**h) for h in state["history"]]
+        first = int(state["step"]) + 1
+        fleet.continue_sessions_from(int(state["sessions_opened"]))
+        fleet.publish(model.state_dict(), fleet.next_version())
     sp = build_sampling_params(max_tokens=cfg.turn_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                top_k=cfg.top_k, record="support", max_logprobs=fleet.settings_max_logprobs)
     corr = op.Correction(weights="mis", score_centering=True)
     vocab = model.config.vocab_size
     metrics = FleetMetrics(fleet.groups)
 
-    def submit():
+    def submit(trained_at: int):
         prompts = torch.randint(2, vocab, (cfg.prompts, PROMPT_LEN), generator=gen).tolist()
         return fleet.submit([p for p in prompts for _ in range(cfg.samples)], sp, turns=cfg.turns,
-                            between=[TOOL_TOKEN])
+                            between=[TOOL_TOKEN], trained_at=trained_at)
 
-    history: list[StepLog] = []
     version = fleet.version
-    pending = submit()
-    for step in range(cfg.steps):
+    if first >= cfg.steps:
+        return history, metrics
+    pending = submit(version)
+    for step in range(first, cfg.steps):
         t0 = time.monotonic()
         batch = pending.result()
         if step + 1 < cfg.steps:
-            pending = submit()
+            pending = submit(version + 1)  # sampled during this step, trained after its publish
         rewards = rewards_of(batch)
         prompt_of = torch.arange(len(batch.session_ids)) // cfg.samples
         adv = per_token(grpo(rewards, prompt_of), batch.batch.seq_ids)
@@ -135,8 +204,14 @@ def train(
         version += 1
         fleet.publish(model.state_dict(), version)
         log = StepLog(step, version - 1, float(rewards.mean()), float(out.loss.detach()), time.monotonic() - t0,
-                      {k: float(v) for k, v in out.metrics.items()}, batch.served_counts())
+                      {k: float(v) for k, v in out.metrics.items()}, batch.served_counts(),
+                      staleness_counts(batch, version - 1), session_log(batch))
         history.append(log)
+        if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == cfg.steps):
+            save_checkpoint(Path(checkpoint), {
+                "model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                "step": step, "version": version, "sessions_opened": fleet.sessions_opened,
+                "history": [vars(h) for h in history]})
         if on_step is not None:
             on_step(log, batch, metrics)
     return history, metrics

@@ -4,7 +4,8 @@ the newest version when it is free and applies its own numerics before loading i
 A channel has three operations (:class:`WeightChannel`): ``publish(state_dict, version)`` on the trainer,
 ``latest()`` and ``fetch(version)`` on the engines. :class:`DiskWeightChannel` is the one implemented here: one
 directory per version (``v000007/model.safetensors``, written whole, then renamed into place) and a ``LATEST`` file
-replaced atomically after it, so a reader never sees a half-written version. An NCCL channel (a broadcast from the
+replaced atomically after it, so a reader never sees a half-written version; the folder is private (0700, this
+user's) and old versions are collected (the newest ``keep`` and those still served stay). An NCCL channel (a broadcast from the
 trainer rank into each engine's weights, as vLLM's ``collective_rpc`` and SGLang's ``update_weights_from_distributed``
 allow) fits the same three calls: ``publish`` broadcasts, ``fetch`` receives.
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+import stat
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -47,19 +49,29 @@ class WeightChannel(Protocol):
 class DiskWeightChannel:
     """Versions as directories under ``root`` (shared by the trainer and every engine: a local or network disk).
 
+    The folder is private: created with mode 0700; an existing one must belong to this user (a folder another user
+    owns is refused: in a shared temporary folder that user could feed weights to the engines or block
+    ``publish``) and is brought back to 0700 if it is open to others. Old versions are collected after each
+    ``publish``: the newest ``keep`` stay, and any version passed to :meth:`collect` as in use.
+
     Args:
         root: the channel's directory (created if missing).
+        keep: how many of the newest versions to keep (``>= 1``; ``None``: keep every version).
     """
 
-    def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+    def __init__(self, root: str | os.PathLike, keep: int | None = 4):
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be None or an integer >= 1, got {keep!r}")
+        self.root, self.keep = Path(root), keep
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_folder(self.root)
 
     def path(self, version: int) -> Path:
         """The directory of ``version``."""
         return self.root / f"v{_check_version(version):06d}"
 
-    def publish(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+    def publish(self, state_dict: Mapping[str, Tensor], version: int, in_use: Iterable[int] = ()) -> None:
+        """Write ``version``, make it the newest, then :meth:`collect` old versions (``in_use`` kept)."""
         from safetensors.torch import save_file
 
         version = _check_version(version)
@@ -71,12 +83,29 @@ class DiskWeightChannel:
         final = self.path(version)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)
         save_file({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}, str(tmp / WEIGHTS_FILE))
         os.replace(tmp, final)
         latest_tmp = self.root / "LATEST.tmp"
         latest_tmp.write_text(str(version))
         os.replace(latest_tmp, self.root / "LATEST")
+        self.collect(in_use)
+
+    def versions(self) -> list[int]:
+        """The versions on disk, oldest first."""
+        return sorted(int(p.name[1:]) for p in self.root.glob("v[0-9]*") if p.name[1:].isdigit())
+
+    def collect(self, in_use: Iterable[int] = ()) -> list[int]:
+        """Delete every version but the newest ``keep`` and those ``in_use`` (e.g. still served); returns the
+        versions deleted."""
+        if self.keep is None:
+            return []
+        have = self.versions()
+        kept = set(have[-self.keep:]) | {int(v) for v in in_use}
+        gone = [v for v in have if v not in kept]
+        for v in gone:
+            shutil.rmtree(self.path(v), ignore_errors=True)
+        return gone
 
     def latest(self) -> int | None:
         try:
@@ -89,8 +118,26 @@ class DiskWeightChannel:
 
         path = self.path(version) / WEIGHTS_FILE
         if not path.exists():
-            raise FileNotFoundError(f"fetch: version {version} was never published under {self.root}")
+            raise FileNotFoundError(f"fetch: version {version} is not under {self.root} (never published, or "
+                                    f"collected: the channel keeps the newest {self.keep})")
         return load_file(str(path))
+
+
+def private_folder(path: Path) -> None:
+    """Check that ``path`` (an existing directory) belongs to this user, and make it 0700.
+
+    Raises:
+        PermissionError: naming the folder and its owner when another user owns it.
+    """
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"weight channel: {path} is not a directory")
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"weight channel: {path} belongs to user id {st.st_uid}, not to this user "
+                              f"({os.getuid()}); another user could feed weights to the engines through it. Use a "
+                              "folder of your own")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
 
 
 def _check_version(version: int) -> int:

@@ -1,0 +1,96 @@
+"""Resume of the live fleet's training loop (``toy_run.train(checkpoint=)``) without engines: the groups are
+in-process objects returning support records, the trainer is the tiny Qwen3. A run is killed after a step, a
+second run on the same channel and checkpoint resumes: no step repeated or skipped, no session trained twice, and
+only the batch in flight at the kill lost."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from offpolicy.adapters.common import TurnRecord, csr_record
+from offpolicy.adapters.fleet_live import LiveFleet, ServedTurn
+from offpolicy.adapters.fleet_live.toy_run import RunConfig, audit, build_tiny_qwen3, resumed_history, train
+from offpolicy.fleet import SamplerGroup
+
+from test_fleet_live_staleness import MemoryChannel
+
+pytest.importorskip("transformers")
+HALF = math.log(0.5)
+
+
+class SupportGroup:
+    """EngineGroup's calls: each turn ``max_tokens`` tokens, each drawn from a two-token support {t, t + 1}."""
+
+    def __init__(self, name, channel):
+        self.name, self.channel, self.version = name, channel, None
+        self.gen = torch.Generator().manual_seed(len(name))
+
+    def sync(self):
+        self.version = self.channel.latest()
+        return self.version
+
+    def generate(self, requests, sampling_params, sync=True, min_version=None):
+        version = self.sync() if sync or self.version is None else self.version
+        n = int(sampling_params["max_tokens"])
+        out = []
+        for sid, ctx in requests:
+            base = torch.randint(2, 120, (n,), generator=self.gen)
+            tokens = base + torch.randint(0, 2, (n,), generator=self.gen)
+            cands = csr_record([[int(b), int(b) + 1] for b in base], [[HALF, HALF]] * n)
+            rec = TurnRecord(tuple(ctx), tokens, torch.full((n,), HALF), cands, 1.0, 0.95, 24,
+                             versions=(str(version),) * n)
+            out.append(ServedTurn(sid, self.name, version, rec))
+        return out
+
+    def info(self):
+        return {"pid": 0, "rss_mib": 0.0, "version": self.version, "loads": 0, "vocab_size": 128}
+
+
+def fleet_on(channel, tmp_path):
+    groups = [SamplerGroup(n, "CPU", "bf16", "fp32", 1.0) for n in ("a", "b")]
+    fleet = LiveFleet(groups, "unused", tmp_path, channel=channel)
+    fleet.start_in_process({n: SupportGroup(n, channel) for n in ("a", "b")})
+    return fleet
+
+
+def test_a_killed_run_resumes_from_its_checkpoint(tmp_path):
+    cfg = RunConfig(steps=5, prompts=2, samples=2, turns=2, turn_tokens=3)
+    channel, ckpt = MemoryChannel(), tmp_path / "trainer.pt"
+    first = fleet_on(channel, tmp_path)
+    model = build_tiny_qwen3(None, seed=0)
+    first.publish(model.state_dict(), first.next_version())
+    weights_at_kill = {}
+
+    def kill_after_step_1(log, batch, metrics):
+        if log.step == 1:
+            weights_at_kill.update({k: v.clone() for k, v in model.state_dict().items()})
+            raise KeyboardInterrupt("trainer killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(first, model, cfg, kill_after_step_1, checkpoint=ckpt)
+    first.close()
+    assert [h.step for h in resumed_history(ckpt)] == [0, 1]
+    versions_before = channel.latest()
+
+    second = fleet_on(channel, tmp_path)  # a rerun: new process, new model object, the same folder
+    fresh = build_tiny_qwen3(None, seed=1)
+    second.publish(fresh.state_dict(), second.next_version())
+    resumed_weights = []
+    history, _ = train(second, fresh, cfg, lambda log, b, m: resumed_weights.append(log.version), checkpoint=ckpt)
+    assert [h.step for h in history] == [0, 1, 2, 3, 4]
+    assert min(resumed_weights) > versions_before  # the restored weights were published as a new version
+    # the restored weights, not the fresh ones, were trained from: the second run's first published version
+    restored = channel.fetch(versions_before + 2)
+    assert all(torch.equal(restored[k], weights_at_kill[k]) for k in weights_at_kill)
+    steps = [{"sessions": h.sessions} for h in history]
+    counts = audit(steps, second.sessions_opened, cfg.turns)
+    in_flight = cfg.prompts * cfg.samples
+    assert counts == {"sent": 6 * in_flight, "trained": 5 * in_flight, "duplicated": 0, "incomplete": 0,
+                      "lost": in_flight}
+    again, _ = train(second, fresh, cfg, checkpoint=ckpt)  # complete: nothing more to do
+    assert [h.step for h in again] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="checkpoint_every must be an integer >= 1"):
+        train(second, fresh, cfg, checkpoint=ckpt, checkpoint_every=0)
