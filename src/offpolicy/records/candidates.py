@@ -44,6 +44,17 @@ def support_sum_tolerance(logprobs: Tensor) -> Tensor:
     return SUPPORT_SUM_TOL + eps * spread
 
 
+def has_values(x: Tensor) -> bool:
+    """Whether ``x``'s values can be read to check them: not on the meta device, not a fake tensor
+    (``torch._subclasses.FakeTensor``, what ``torch.compile`` and ``FakeTensorMode`` trace with), and not while
+    ``torch.compile`` traces (a graph cannot branch on a value; the compiled loss checks records in its graph)."""
+    if x.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(x)
+
+
 def first_duplicate_row(ids: Tensor) -> int | None:
     """The first row of ``ids [N, K]`` (``-1`` padding) that holds a real id twice, or None (one sort of each row,
     ``O(N K log K)``, and one host sync)."""
