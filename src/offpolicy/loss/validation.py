@@ -152,3 +152,62 @@ def check_candidates(candidates, vocab: int | None, n: int, device, active: Tens
         if bool(empty.any()):
             row = int(empty.nonzero()[0])
             raise ValueError(f"candidates: kind='support' row {row} is empty but its token is trained")
+
+
+def check_tokens(tokens: Tensor, vocab: int | None) -> None:
+    """``tokens [N]`` in ``[0, vocab)`` (the lower bound only when ``vocab`` is None: a vocabulary split whose
+    global size is not known here)."""
+    if not tokens.numel():
+        return
+    if bool((tokens < 0).any()):
+        raise ValueError(f"tokens: id {int(tokens.min())} is negative")
+    if vocab is not None and bool((tokens >= vocab).any()):
+        raise ValueError(f"tokens: id {int(tokens.max())} is out of range for vocabulary size {vocab}")
+
+
+@torch.library.custom_op("offpolicy::check_records", mutates_args=())
+def _check_records_op(tokens: Tensor, active: Tensor, ids: Tensor | None, offsets: Tensor | None,
+                      logprobs: Tensor | None, vocab: int, kind: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The eager checks of the tokens and the record (:func:`check_tokens`, :func:`check_candidates`), run when a
+    compiled graph runs; returns copies of ``tokens``, ``ids`` and ``offsets`` (empty when absent) for the graph to
+    read instead of its inputs, so every op that indexes by them waits for the check."""
+    vocab_or_none = None if vocab < 0 else vocab
+    check_tokens(tokens, vocab_or_none)
+    record = None
+    if ids is not None:
+        record = (Candidates(ids, logprobs, kind) if offsets is None else
+                  CSRCandidates(ids, offsets, logprobs, kind))
+        check_candidates(record, vocab_or_none, tokens.shape[0], tokens.device, active, tokens)
+    empty = tokens.new_empty(0)
+    return (tokens.clone(), empty.clone() if ids is None else ids.clone(),
+            empty.clone() if offsets is None else offsets.clone())
+
+
+@_check_records_op.register_fake
+def _check_records_fake(tokens, active, ids, offsets, logprobs, vocab, kind):
+    empty = tokens.new_empty(0)
+    return (torch.empty_like(tokens), empty.clone() if ids is None else torch.empty_like(ids),
+            empty.clone() if offsets is None else torch.empty_like(offsets))
+
+
+def check_records_in_graph(tokens: Tensor, candidates, active: Tensor, vocab: int | None):
+    """The record checks of a traced :func:`offpolicy.policy_loss` (docs/errors.md#validatefalse): the custom op
+    ``offpolicy::check_records``, opaque to ``torch.compile``, runs :func:`check_tokens` and
+    :func:`check_candidates` eagerly each time the compiled graph runs (host syncs, the same errors as an eager
+    call) and hands back the tokens and the record rebuilt on its outputs, which the rest of the graph reads: no
+    gather, scatter or kernel indexes by an id or offset before the check has passed. Returns ``(tokens,
+    candidates)``."""
+    if candidates is not None and not isinstance(candidates, (Candidates, CSRCandidates)):
+        raise TypeError(f"candidates must be an offpolicy.Candidates or offpolicy.CSRCandidates, got "
+                        f"{type(candidates).__name__}")
+    csr = isinstance(candidates, CSRCandidates)
+    tok, ids, offsets = _check_records_op(tokens, active, None if candidates is None else candidates.ids,
+                                          candidates.offsets if csr else None,
+                                          None if candidates is None else candidates.logprobs,
+                                          -1 if vocab is None else vocab,
+                                          "head" if candidates is None else candidates.kind)
+    if candidates is None:
+        return tok, None
+    if csr:
+        return tok, CSRCandidates(ids, offsets, candidates.logprobs, candidates.kind)
+    return tok, Candidates(ids, candidates.logprobs, candidates.kind)
