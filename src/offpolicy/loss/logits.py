@@ -27,7 +27,7 @@ from offpolicy.ops.linear_op import linear_torch_backend
 from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax_unchecked
 from offpolicy.ops.logits_op.sparse_log_softmax import sparse_log_softmax_unchecked
 from offpolicy.loss.validation import (check_batch, check_candidates, check_flag, check_records_in_graph, check_tokens,
-                                       check_vector)
+                                       check_vector, warn_on_contradicting_record)
 
 
 def policy_loss(
@@ -146,6 +146,8 @@ def policy_loss(
                         backend=chosen, eager=eager)
         if check:
             _refuse_broken_rows(model, lp, candidates, temperature, active=active, shard=shard)
+            warn_on_contradicting_record(candidates, tokens, sampler_logprobs, active,
+                                         lp.candidates if shard is None else None)
         return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data=data, agg=agg, corr=correction,
                                   cp_group=cp_group)
 
