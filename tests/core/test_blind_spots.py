@@ -145,3 +145,25 @@ def test_csr_head_mass_above_one_is_tolerated_on_untrained_rows_only():
     heavy_trained[0:2] = -0.1
     with pytest.raises(ValueError, match="kind='head' row 0 has sampler mass"):
         _loss(ids, heavy_trained, "head")
+
+
+@pytest.mark.parametrize("layout", ["padded", "csr"])
+def test_bf16_head_holding_the_whole_vocabulary_is_accepted(layout):
+    """Found by the CSR fuzz (issue 40): a bf16 head record over the whole vocabulary rounds its mass above
+    ``1 + 1e-3`` honestly (bf16 rounds each log-probability by up to ``|l| 2^-8``); head rows get the support rows'
+    dtype-aware tolerance, and a head row truly above one is still refused."""
+    q = torch.tensor([0.1463, 0.0518, 0.364, 0.0425, 0.2706, 0.1247], dtype=torch.float64)
+    q = q / q.sum()
+    lp = torch.log(q).bfloat16()
+    assert float(torch.exp(lp.double()).sum()) > 1.002
+    ids = torch.arange(6)[None]
+    y = torch.tensor([2])
+
+    def loss(logprobs):
+        rec = op.Candidates(ids, logprobs[None], "head")
+        rec = op.CSRCandidates.from_padded(rec) if layout == "csr" else rec
+        return op.policy_loss(torch.log(q)[None].float(), y, torch.log(q[2:3]).float(), torch.ones(1), rec)
+
+    assert math.isfinite(loss(lp).loss.item())
+    with pytest.raises(ValueError, match="kind='head' row 0 has sampler mass"):
+        loss((torch.log(q) + 0.05).bfloat16())

@@ -206,11 +206,12 @@ class CSRCandidates:
         lp64 = lp.double()
         mass = torch.zeros(num_rows, dtype=torch.float64, device=ids.device).index_add_(0, row, torch.exp(lp64))
         nonempty = (self.lengths > 0) & trained
+        # support_sum_tolerance's bound, its entropy term summed per row (for head rows too: a bf16 head that holds
+        # nearly all the mass rounds above 1 honestly).
+        ent = torch.where(torch.isfinite(lp64), -torch.exp(lp64) * lp64, torch.zeros_like(lp64))
+        spread = torch.zeros_like(mass).index_add_(0, row, ent)
+        tol = SUPPORT_SUM_TOL + torch.finfo(lp.dtype).eps * spread
         if self.kind == "support":
-            # support_sum_tolerance's bound, its entropy term summed per row.
-            ent = torch.where(torch.isfinite(lp64), -torch.exp(lp64) * lp64, torch.zeros_like(lp64))
-            spread = torch.zeros_like(mass).index_add_(0, row, ent)
-            tol = SUPPORT_SUM_TOL + torch.finfo(lp.dtype).eps * spread
             off = nonempty & ((mass - 1.0).abs() > tol)
             if bool(off.any()):
                 r = int(off.nonzero()[0])
@@ -227,7 +228,7 @@ class CSRCandidates:
                     raise ValueError(f"candidates: the sampled token of row {r} (id {int(tokens[r])}) is outside its "
                                      "recorded support")
         else:
-            over = (mass > 1.0 + SUPPORT_SUM_TOL) & trained
+            over = (mass > 1.0 + tol) & trained
             if bool(over.any()):
                 r = int(over.nonzero()[0])
                 raise ValueError(
