@@ -40,8 +40,8 @@ def _gcc_file(name: str) -> str:
 
 
 def child(cases: int, compiled_cases: int, shard: int, shards: int, progress: Path | None) -> None:
-    """Run in the sanitized process: the checks of the set-up, then this shard's cases (seeds ``shard``,
-    ``shard + shards``, ...; the compiled ones in shard 0); print the summary as JSON. ``progress``: a file that
+    """Run in the sanitized process: the checks of the set-up, then this shard's cases (a contiguous block of
+    the seeds; the compiled ones in shard 0); print the summary as JSON. ``progress``: a file that
     holds the summary so far, rewritten every 100 cases."""
     import warnings
 
@@ -71,7 +71,8 @@ def child(cases: int, compiled_cases: int, shard: int, shards: int, progress: Pa
                          for seed in range(compiled_cases // 2)]
     t1 = time.perf_counter()
     eager = []
-    for seed in range(shard, cases, shards):
+    per = -(-cases // shards)  # a contiguous block of seeds (every third seed is unbroken: no stride may skip them)
+    for seed in range(shard * per, min(cases, (shard + 1) * per)):
         eager.append(run_case(make_case(seed)))
         if progress is not None and len(eager) % 100 == 0:
             progress.write_text(json.dumps({"eager": summarise(eager), "compiled": summarise(compiled)}))
