@@ -195,10 +195,10 @@ def _bad(kind="support", **change):
     (dict(logprobs=torch.full((10,), -0.1)), "row 0 sums to"),
 ])
 def test_bad_csr_record_raises_naming_the_field(change, match):
+    """Bad offsets are refused where the record is built (issue 40), the other values at the loss's boundary."""
     z, y, lq, fields, mask = _bad(**change)
-    rec = op.CSRCandidates(**fields)
     with pytest.raises(ValueError, match=match):
-        op.policy_loss(z, y, lq, torch.ones(4), rec, mask)
+        op.policy_loss(z, y, lq, torch.ones(4), op.CSRCandidates(**fields), mask)
 
 
 def test_duplicate_and_outside_support_and_empty_trained_row():

@@ -149,9 +149,61 @@ def test_compile_fullgraph_policy_loss(backend):
         return op.policy_loss(z, y, lq, adv, cands, temperature=0.9, correction=corr, backend=backend).loss
 
     got_z, want_z = z.clone().requires_grad_(), z.clone().requires_grad_()
-    got = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(got_z)
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    got = compiled(got_z)
     got.backward()
     want = loss_fn(want_z)
     want.backward()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_z.grad, want_z.grad)
+    # Issue 40: the padded record's checks run in the full graph too (same shapes: no recompile).
+    for bad, match in ((v + 3, f"id {v + 3} is out of range"), (-5, "padding must be -1")):
+        cands.ids[2, 1] = bad
+        with pytest.raises(ValueError, match=match):
+            compiled(z)
+    cands.ids[2, 1] = cands.ids[2, 0]
+    with pytest.raises(ValueError, match="duplicate id within row 2"):
+        compiled(z)
+
+
+def test_compiled_policy_loss_checks_records_with_default_arguments():
+    """Issue 40: under ``torch.compile`` with default arguments (inductor, ``validate=True``) the loss skipped every
+    record check: a CSR id of -5 and a duplicate id in every row ran, an id of V + 3 ended in an inductor bounds
+    assert, offsets that go up and down corrupted the heap. The checks run in the graph (the custom op
+    ``offpolicy::check_records``) and raise the eager call's errors; a good record gives the eager loss. One
+    compiled function (the record is built inside it) serves every case, so it compiles once."""
+    torch._dynamo.reset()
+    n, v = 6, 20
+    z = torch.randn(n, v, generator=torch.Generator().manual_seed(3))
+    y = torch.arange(n) % v
+    half = float(torch.log(torch.tensor(0.5)))
+    lq, adv = torch.full((n,), half), torch.linspace(-1.0, 1.0, n)
+    ids = torch.stack([y, (y + 1) % v], 1).reshape(-1)  # support {y, y + 1}, renormalised: 1/2 each
+    off = torch.arange(0, 2 * n + 1, 2)
+    lp = torch.full((2 * n,), half)
+
+    def loss(z, y, ids, off):
+        return op.policy_loss(z, y, lq, adv, op.CSRCandidates(ids, off, lp, "support")).loss
+
+    compiled = torch.compile(loss)
+    torch.testing.assert_close(compiled(z, y, ids, off), loss(z, y, ids, off))
+
+    def changed(x, i, val):
+        x = x.clone()
+        x[i] = val
+        return x
+
+    dup = ids.clone()
+    dup[1::2] = ids[0::2]
+    cases = [
+        ((y, changed(ids, 1, -5), off), "candidates.ids: id -5 is negative"),
+        ((y, changed(ids, 1, v + 3), off), f"candidates.ids: id {v + 3} is out of range for vocabulary size {v}"),
+        ((y, dup, off), "candidates.ids: duplicate id within row 0"),
+        ((y, ids, changed(off, 2, 2**40)), r"candidates.offsets must be non-decreasing; offsets\[3\] < offsets\[2\]"),
+        ((changed(y, 0, v + 3), ids, off), f"tokens: id {v + 3} is out of range for vocabulary size {v}"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            loss(z, *args)  # eager: the same error
+        with pytest.raises(ValueError, match=match):
+            compiled(z, *args)

@@ -155,6 +155,21 @@ def test_meta_logits_are_a_clear_error():
         op.policy_loss(meta, y, torch.full((N,), -1.0, device="meta"), torch.ones(N, device="meta"))
 
 
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("shape", [(N,), (1,)])
+def test_meta_temperature_is_a_clear_error(validate, shape):
+    """Issue 40: a temperature tensor on the meta device (no values to divide by) hung or failed inside a copy;
+    it is a ValueError naming ``temperature`` at every boundary, with or without the value checks."""
+    h, w, y, c = _inputs()
+    tau = torch.ones(shape, device="meta")
+    for call in (lambda: sparse_log_softmax(h @ w.T, y, c, tau, validate=validate),
+                 lambda: linear_sparse_log_softmax(h, w, y, c, tau, validate=validate),
+                 lambda: op.policy_loss(h @ w.T, y, torch.full((N,), -1.0), torch.ones(N), temperature=tau,
+                                        validate=validate)):
+        with pytest.raises(ValueError, match="temperature: a meta tensor holds no values"):
+            call()
+
+
 def _aliased(kind: str) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     if kind == "expand":

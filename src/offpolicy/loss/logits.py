@@ -26,7 +26,8 @@ from offpolicy.ops.backend_registry import Backend
 from offpolicy.ops.linear_op import linear_torch_backend
 from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax_unchecked
 from offpolicy.ops.logits_op.sparse_log_softmax import sparse_log_softmax_unchecked
-from offpolicy.loss.validation import check_batch, check_candidates, check_flag, check_vector
+from offpolicy.loss.validation import (check_batch, check_candidates, check_flag, check_records_in_graph, check_tokens,
+                                       check_vector, warn_on_contradicting_record)
 
 
 def policy_loss(
@@ -104,7 +105,9 @@ def policy_loss(
             overwritten by the backward and autograd's version check is bypassed). A CSR support record's
             gradient, which no vocabulary pass produces, is a fresh buffer whatever this says.
         backend: ``"torch"``, ``"cpu"`` or ``"triton"``; default by device.
-        validate: check inputs at the boundary (host syncs); skipped automatically under ``torch.compile``.
+        validate: check inputs at the boundary (host syncs). Under ``torch.compile`` the checks of ``tokens`` and
+            ``candidates`` run inside the graph (:func:`~offpolicy.loss.validation.check_records_in_graph`, the
+            eager errors) and the other value checks are skipped.
             Without it, what the log-softmax reads (``logits`` or ``hidden`` / ``weight`` / ``bias``, the shape
             and dtype of ``tokens``, the temperature's type and shape, ``inplace_grad`` on overlapping rows) is still
             checked: no host sync.
@@ -132,6 +135,9 @@ def policy_loss(
         n, v, device = _check_op_inputs(model, tokens, temperature, inplace_grad, values=check)
         if check:
             _validate(tokens, candidates, n=n, v=v, device=device, data=data, agg=agg, par=par, corr=correction)
+        elif validate:  # traced: the index checks run in the graph, ahead of every op that reads the indices
+            mask = torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.to(torch.bool)
+            tokens, candidates = check_records_in_graph(tokens, candidates, mask, v if tp_group is None else None)
         src = model.logits if model.logits is not None else model.hidden
         chosen = backend_registry.choose(backend, device, src.dtype)  # once per call, handed down
         active = torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.to(torch.bool)
@@ -140,6 +146,8 @@ def policy_loss(
                         backend=chosen, eager=eager)
         if check:
             _refuse_broken_rows(model, lp, candidates, temperature, active=active, shard=shard)
+            warn_on_contradicting_record(candidates, tokens, sampler_logprobs, active,
+                                         lp.candidates if shard is None else None)
         return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data=data, agg=agg, corr=correction,
                                   cp_group=cp_group)
 
@@ -290,9 +298,6 @@ def _validate(tokens: Tensor, candidates: Candidates | CSRCandidates | None, *, 
                          "without it the logits hold the whole vocabulary, starting at 0")
     vocab = v if par.tp_group is None else _global_vocab(par.tp_group, vocab_start=par.vocab_start, v_local=v, n=n,
                                                                  device=device)
-    if n and bool((tokens < 0).any()):
-        raise ValueError(f"tokens: id {int(tokens.min())} is negative")
-    if n and vocab is not None and bool((tokens >= vocab).any()):
-        raise ValueError(f"tokens: id {int(tokens.max())} is out of range for vocabulary size {vocab}")
+    check_tokens(tokens, vocab)
     active = check_batch(n, device, data, agg, corr)
     check_candidates(candidates, vocab, n, device, active, tokens)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 from torch import Tensor
 
 from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
-from offpolicy.records.candidates import Candidates
+from offpolicy.records.candidates import SUPPORT_SUM_TOL, Candidates
 from offpolicy.records.csr_candidates import CSRCandidates
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.inputs import Aggregation, TokenData
@@ -152,3 +153,167 @@ def check_candidates(candidates, vocab: int | None, n: int, device, active: Tens
         if bool(empty.any()):
             row = int(empty.nonzero()[0])
             raise ValueError(f"candidates: kind='support' row {row} is empty but its token is trained")
+
+
+def check_tokens(tokens: Tensor, vocab: int | None) -> None:
+    """``tokens [N]`` in ``[0, vocab)`` (the lower bound only when ``vocab`` is None: a vocabulary split whose
+    global size is not known here)."""
+    if not tokens.numel():
+        return
+    if bool((tokens < 0).any()):
+        raise ValueError(f"tokens: id {int(tokens.min())} is negative")
+    if vocab is not None and bool((tokens >= vocab).any()):
+        raise ValueError(f"tokens: id {int(tokens.max())} is out of range for vocabulary size {vocab}")
+
+
+@torch.library.custom_op("offpolicy::check_records", mutates_args=())
+def _check_records_op(tokens: Tensor, active: Tensor, ids: Tensor | None, offsets: Tensor | None,
+                      logprobs: Tensor | None, vocab: int, kind: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The eager checks of the tokens and the record (:func:`check_tokens`, :func:`check_candidates`), run when a
+    compiled graph runs; returns copies of ``tokens``, ``ids`` and ``offsets`` (empty when absent) for the graph to
+    read instead of its inputs, so every op that indexes by them waits for the check."""
+    vocab_or_none = None if vocab < 0 else vocab
+    check_tokens(tokens, vocab_or_none)
+    record = None
+    if ids is not None:
+        record = (Candidates(ids, logprobs, kind) if offsets is None else
+                  CSRCandidates(ids, offsets, logprobs, kind))
+        check_candidates(record, vocab_or_none, tokens.shape[0], tokens.device, active, tokens)
+    empty = tokens.new_empty(0)
+    return (tokens.clone(), empty.clone() if ids is None else ids.clone(),
+            empty.clone() if offsets is None else offsets.clone())
+
+
+@_check_records_op.register_fake
+def _check_records_fake(tokens, active, ids, offsets, logprobs, vocab, kind):
+    empty = tokens.new_empty(0)
+    return (torch.empty_like(tokens), empty.clone() if ids is None else torch.empty_like(ids),
+            empty.clone() if offsets is None else torch.empty_like(offsets))
+
+
+def check_records_in_graph(tokens: Tensor, candidates, active: Tensor, vocab: int | None):
+    """The record checks of a traced :func:`offpolicy.policy_loss` (docs/errors.md#validatefalse): the custom op
+    ``offpolicy::check_records``, opaque to ``torch.compile``, runs :func:`check_tokens` and
+    :func:`check_candidates` eagerly each time the compiled graph runs (host syncs, the same errors as an eager
+    call) and hands back the tokens and the record rebuilt on its outputs, which the rest of the graph reads: no
+    gather, scatter or kernel indexes by an id or offset before the check has passed. Returns ``(tokens,
+    candidates)``."""
+    if candidates is not None and not isinstance(candidates, (Candidates, CSRCandidates)):
+        raise TypeError(f"candidates must be an offpolicy.Candidates or offpolicy.CSRCandidates, got "
+                        f"{type(candidates).__name__}")
+    csr = isinstance(candidates, CSRCandidates)
+    tok, ids, offsets = _check_records_op(tokens, active, None if candidates is None else candidates.ids,
+                                          candidates.offsets if csr else None,
+                                          None if candidates is None else candidates.logprobs,
+                                          -1 if vocab is None else vocab,
+                                          "head" if candidates is None else candidates.kind)
+    if candidates is None:
+        return tok, None
+    if csr:
+        return tok, CSRCandidates(ids, offsets, candidates.logprobs, candidates.kind)
+    return tok, Candidates(ids, candidates.logprobs, candidates.kind)
+
+
+class RecordWarning(UserWarning):
+    """A candidate record that passes every check but contradicts the rest of the batch, so the loss would be
+    computed for a different sampler than the one that drew the tokens (docs/errors.md#records-that-contradict-the-batch).
+    Each cause is warned once per process."""
+
+
+#: Causes already warned about in this process (each is warned once).
+_WARNED: set[str] = set()
+#: The sampled token's ``lq`` and its own candidate entry are the same number in a correct record; they may
+#: differ by this much (absolute + relative to ``|lq|``: bf16 rounding of either side), as ``offpolicy diagnose``
+#: allows.
+ENTRY_ATOL = 1e-3
+ENTRY_RTOL = 1e-3
+#: A head row whose sampler mass is one (within the support tolerance) while the trainer puts less than this on
+#: the same ids is a renormalised row: an honest head's tail is the sampler's too.
+HEAD_TRAINER_MASS = 0.95
+
+
+def _warn_once(code: str, message: str) -> None:
+    if code in _WARNED:
+        return
+    _WARNED.add(code)
+    warnings.warn(message, RecordWarning, stacklevel=4)
+
+
+def _per_row(candidates, values: Tensor, on: Tensor, n: int) -> Tensor:
+    """``[N]`` float64 sum of ``values`` (entry-shaped, float) over each row's entries where ``on``."""
+    v = torch.where(on, values.double(), torch.zeros((), dtype=torch.float64, device=values.device))
+    if isinstance(candidates, CSRCandidates):
+        return torch.zeros(n, dtype=torch.float64, device=v.device).index_add_(0, candidates.row_index(), v)
+    return v.sum(dim=1)
+
+
+def warn_on_contradicting_record(candidates, tokens: Tensor, sampler_logprobs: Tensor, active: Tensor,
+                                 trainer_candidate_logprobs: Tensor | None) -> None:
+    """Warn (:class:`RecordWarning`, once per cause) about a validated record that contradicts the batch:
+
+    * ``lq_off_own_entry``: on a trained row that holds its sampled token, ``sampler_logprobs`` differs from that
+      token's own entry in the record (beyond ``ENTRY_ATOL + ENTRY_RTOL |lq|``). A correct record holds the same
+      number; below the entry of a support record it is the full-vocabulary ``lq`` (off by ``log P(S)``).
+    * ``head_sums_to_one``: a ``kind="head"`` record whose every trained row holds ``K < V`` ids summing to one
+      while the trainer gives those ids less than :data:`HEAD_TRAINER_MASS`: a renormalised support record
+      labelled head.
+
+    ``trainer_candidate_logprobs``: the trainer's log-probabilities at the record's entries (``[N, K]`` or
+    ``[nnz]``), or None to skip the second check. A few host syncs: only when validating, eagerly."""
+    if candidates is None or tokens.numel() == 0:
+        return
+    n = tokens.shape[0]
+    csr = isinstance(candidates, CSRCandidates)
+    ids, lp = candidates.ids, candidates.logprobs
+    tok = tokens.to(device=ids.device, dtype=torch.int64)
+    if csr:
+        row = candidates.row_index()
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        hit = ids.to(torch.int64) == tok[row]
+        trained_entry = active[row]
+    else:
+        valid = ids >= 0
+        hit = (ids.to(torch.int64) == tok[:, None]) & valid
+        trained_entry = active[:, None] & valid
+    holds = _per_row(candidates, hit.to(torch.float64), hit, n) > 0
+    entry = _per_row(candidates, lp, hit, n)
+    lq = sampler_logprobs.double()
+    rtol = ENTRY_RTOL + torch.finfo(lp.dtype).eps  # a bf16 record's entry is lq rounded to bf16
+    off = active & holds & ((entry - lq).abs() > ENTRY_ATOL + rtol * lq.abs())
+    if bool(off.any()):
+        gap = (entry - lq)[off]
+        count, total = int(off.sum()), int((active & holds).sum())
+        below = bool((gap > 0).all())
+        if candidates.kind == "support" and below:
+            cause = (f"sampler_logprobs: on {count} of {total} trained rows the sampled token's lq lies below its "
+                     f"own entry in the support record (by {float(gap.min()):.3g} to {float(gap.max()):.3g}): lq "
+                     "looks like the full-vocabulary log-probability while the record is renormalised over the "
+                     "support (they differ by log P(S)), so every ratio is off by that much. Pass the renormalised "
+                     "log-probability of the sampled token (its entry in the record) as sampler_logprobs")
+        else:
+            cause = (f"sampler_logprobs: on {count} of {total} trained rows the sampled token's lq differs from its "
+                     f"own entry in the candidate record (kind={candidates.kind!r}; entry - lq from "
+                     f"{float(gap.min()):.3g} to {float(gap.max()):.3g}): an lq off its own candidate entry. "
+                     "lq and the record are the same sampler's numbers in a correct batch; record both from one "
+                     "sampling step, at one position and temperature")
+        _warn_once("lq_off_own_entry", cause)
+    if candidates.kind != "head" or trainer_candidate_logprobs is None:
+        return
+    width = _per_row(candidates, valid.to(torch.float64), valid, n)
+    rows = active & (width > 0)
+    if not bool(rows.any()):
+        return
+    on = trained_entry & valid
+    q_mass = _per_row(candidates, torch.exp(lp.double()), on, n)
+    p_mass = _per_row(candidates, torch.exp(trainer_candidate_logprobs.detach().double()), on, n)
+    eps = torch.finfo(lp.dtype).eps
+    ent = torch.where(torch.isfinite(lp.double()), -torch.exp(lp.double()) * lp.double(), 0.0)
+    tol = SUPPORT_SUM_TOL + eps * _per_row(candidates, ent, on, n)
+    sums_to_one = (q_mass - 1.0).abs() <= tol
+    if bool((sums_to_one | ~rows).all()) and bool((p_mass[rows] < HEAD_TRAINER_MASS).any()):
+        _warn_once("head_sums_to_one", (
+            f"candidates: kind='head', but every trained row's sampler log-probabilities sum to 1 over its "
+            f"{int(width[rows].min())} to {int(width[rows].max())} ids while the trainer puts as little as "
+            f"{float(p_mass[rows].min()):.3g} of its mass there: a top-p / top-k support record, renormalised over "
+            "each row's support, labelled head. A head record holds full-vocabulary log-probabilities and the loss "
+            "models the unrecorded tail; pass kind='support' so the loss replays the sampler's mask"))

@@ -129,13 +129,15 @@ def check_temperature(temperature: object, n: int, acc: torch.dtype, *, values: 
     twin, and :func:`offpolicy.policy_loss`); every failure is a ``ValueError`` naming ``temperature``.
 
     ``temperature`` is a real number (Python or NumPy; not a bool), finite and ``> 0``, or a float tensor of
-    ``[N]`` (or one element); ``1 / temperature`` must be finite in ``acc``, the dtype of the statistics. A
-    tensor's entries are read only with ``values`` (a host sync: the boundary skips it with ``validate=False`` and
-    while ``torch.compile`` traces).
+    ``[N]`` (or one element) holding data (not on the meta device, whose tensors have no values to divide by);
+    ``1 / temperature`` must be finite in ``acc``, the dtype of the statistics. A tensor's entries are read only
+    with ``values`` (a host sync: the boundary skips it with ``validate=False`` and while ``torch.compile``
+    traces).
     """
     if isinstance(temperature, Tensor):
         if temperature.dim() > 1 or temperature.numel() not in (1, n) or not temperature.is_floating_point():
             raise ValueError(f"temperature: expected a float or a float [N={n}] tensor, got {describe(temperature)}")
+        check_has_data("temperature", temperature)
         if not values or not temperature.numel():
             return
         if not bool((torch.isfinite(temperature) & (temperature > 0)).all()):

@@ -44,6 +44,17 @@ def support_sum_tolerance(logprobs: Tensor) -> Tensor:
     return SUPPORT_SUM_TOL + eps * spread
 
 
+def has_values(x: Tensor) -> bool:
+    """Whether ``x``'s values can be read to check them: not on the meta device, not a fake tensor
+    (``torch._subclasses.FakeTensor``, what ``torch.compile`` and ``FakeTensorMode`` trace with), and not while
+    ``torch.compile`` traces (a graph cannot branch on a value; the compiled loss checks records in its graph)."""
+    if x.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(x)
+
+
 def first_duplicate_row(ids: Tensor) -> int | None:
     """The first row of ``ids [N, K]`` (``-1`` padding) that holds a real id twice, or None (one sort of each row,
     ``O(N K log K)``, and one host sync)."""
@@ -160,7 +171,7 @@ class Candidates:
         only (``loss_mask [N]`` bool, None: all; untrained rows such as post-EOS padding may hold placeholders):
         a log-probability above 0, for ``kind="support"`` that each non-empty row sums to one within
         :func:`support_sum_tolerance` (scaled by the dtype's rounding) and contains the sampled token, for
-        ``kind="head"`` that a row's mass is at most 1.
+        ``kind="head"`` that a row's mass is at most 1 within the same tolerance.
         """
         ids, lp = self.ids, self.logprobs
         if ids.shape[0] != num_rows:
@@ -208,8 +219,9 @@ class Candidates:
                         "recorded support"
                     )
         else:
+            # The support rows' tolerance: a bf16 head that holds nearly all the mass rounds above 1 honestly.
             mass = torch.exp(lp.double()).sum(dim=1)
-            over = (mass > 1.0 + SUPPORT_SUM_TOL) & trained
+            over = (mass > 1.0 + support_sum_tolerance(lp)) & trained
             if bool(over.any()):
                 row = int(over.nonzero()[0])
                 raise ValueError(

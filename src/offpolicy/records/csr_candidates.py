@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from offpolicy.records.candidates import KINDS, SUPPORT_SUM_TOL, Candidates, Kind
+from offpolicy.records.candidates import KINDS, SUPPORT_SUM_TOL, Candidates, Kind, has_values
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,14 @@ class CSRCandidates:
             row for ``kind="support"``).
         kind: ``"head"`` or ``"support"``.
 
-    Shapes, dtypes and devices are checked on construction; the values (offsets, ids, sums) by :meth:`validate`,
-    which the loss calls at its boundary.
+    Shapes, dtypes, devices and the offsets' values (:meth:`check_offsets`: first 0, last ``nnz``,
+    non-decreasing; ``O(N)``) are checked on construction; the other values (ids, sums) by :meth:`validate`, which
+    the loss calls at its boundary. The offsets check reads the values: no cost on CPU, one host sync for a CUDA
+    record (records are built once per batch); it is skipped where there are no values to read, on the meta
+    device, on fake tensors and while ``torch.compile`` traces (the compiled loss checks the record in its graph,
+    docs/spec.md#records). :meth:`row_index` and :meth:`take_rows` never index memory by unchecked offsets, so
+    even a record whose offsets were changed in place after construction cannot make them read or write out of
+    bounds.
     """
 
     ids: Tensor
@@ -59,6 +65,8 @@ class CSRCandidates:
                              f"got {tuple(self.logprobs.shape)}")
         if self.offsets.numel() == 0:
             raise ValueError("CSRCandidates.offsets must hold N + 1 >= 1 entries")
+        if has_values(self.offsets):
+            self.check_offsets()
 
     @property
     def num_rows(self) -> int:
@@ -81,9 +89,18 @@ class CSRCandidates:
         return torch.ones(self.ids.shape, dtype=torch.bool, device=self.ids.device)
 
     def row_index(self) -> Tensor:
-        """``[nnz]`` int64 row of each entry (needs valid offsets)."""
+        """``[nnz]`` int64 row of each entry: entry ``e`` sits in row ``r`` with ``offsets[r] <= e <
+        offsets[r + 1]``. ``O(nnz log N)``, no host sync, a static output shape (traceable).
+
+        Memory-safe on any offsets: a binary search of each entry among the rows' ends, clamped to ``[0, N)``,
+        never ``repeat_interleave`` with ``output_size`` (whose kernels write each row's repeats before they
+        check the lengths, so offsets that go up and down corrupted the heap). Offsets that break the record's
+        invariant (changed in place after construction) give wrong rows, which :meth:`validate` refuses, never an
+        access out of bounds."""
         n = self.num_rows
-        return torch.repeat_interleave(torch.arange(n, device=self.ids.device), self.lengths, output_size=self.nnz)
+        entries = torch.arange(self.nnz, device=self.ids.device, dtype=self.offsets.dtype)
+        row = torch.searchsorted(self.offsets[1:], entries, right=True)
+        return row.clamp_(max=max(n - 1, 0)).to(torch.int64)
 
     def to_padded(self, width: int | None = None) -> Candidates:
         """The padded ``[N, K]`` record (``K = width``, default the longest row); see :meth:`Candidates.from_csr`."""
@@ -102,8 +119,20 @@ class CSRCandidates:
 
     def take_rows(self, index: Tensor) -> "CSRCandidates":
         """The record whose row ``j`` is this record's row ``index[j]`` (``index [M]`` int, in ``[0, N)``; rows
-        may repeat or be left out), entries in their order. ``O(nnz_out)``, one host sync (the output size)."""
+        may repeat or be left out), entries in their order. ``O(N + nnz_out)``, a few host syncs (the checks and
+        the output size). Raises ``ValueError`` naming ``index`` for an index out of range and re-checks the
+        offsets first (:meth:`check_offsets`), so the copy never reads out of bounds."""
+        if not isinstance(index, Tensor) or index.dim() != 1 or index.is_floating_point() or index.is_complex() \
+                or index.dtype == torch.bool:
+            got = f"{index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, Tensor) else \
+                type(index).__name__
+            raise TypeError(f"take_rows: index must be a 1-D integer tensor [M], got {got}")
         index = index.to(device=self.ids.device, dtype=torch.int64)
+        n = self.num_rows
+        if index.numel() and not (bool((index >= 0).all()) and bool((index < n).all())):
+            bad = int(index.min()) if bool((index < 0).any()) else int(index.max())
+            raise ValueError(f"take_rows: index {bad} is out of range for a record of {n} rows (expected [0, {n}))")
+        self.check_offsets()
         lengths = self.lengths[index]
         offsets = torch.zeros(index.numel() + 1, dtype=torch.int64, device=self.ids.device)
         offsets[1:] = lengths.cumsum(0)
@@ -128,14 +157,17 @@ class CSRCandidates:
                    torch.cat([r.logprobs for r in records]), kinds.pop())
 
     def check_offsets(self) -> None:
-        """Raise ``ValueError`` unless ``offsets`` start at 0, end at ``nnz`` and never decrease."""
+        """Raise ``ValueError`` unless ``offsets`` start at 0, end at ``nnz`` and never decrease (``O(N)``; one
+        host sync on a CUDA record when they are right, a few more to name what is wrong)."""
         off = self.offsets
-        if int(off[0]) != 0 or int(off[-1]) != self.nnz:
-            raise ValueError(f"candidates.offsets must start at 0 and end at nnz = {self.nnz}, got {int(off[0])} "
-                             f"and {int(off[-1])}")
-        if self.num_rows and bool((off[1:] < off[:-1]).any()):
-            row = int((off[1:] < off[:-1]).nonzero()[0])
-            raise ValueError(f"candidates.offsets must be non-decreasing; offsets[{row + 1}] < offsets[{row}]")
+        down = off[1:] < off[:-1]
+        if not bool((off[0] == 0) & (off[-1] == self.nnz) & ~down.any()):
+            if int(off[0]) != 0 or int(off[-1]) != self.nnz:
+                raise ValueError(f"candidates.offsets must start at 0 and end at nnz = {self.nnz}, got {int(off[0])} "
+                                 f"and {int(off[-1])}")
+            row = int(down.nonzero()[0])
+            raise ValueError(f"candidates.offsets must be non-decreasing; offsets[{row + 1}] < offsets[{row}] "
+                             f"({int(off[row + 1])} < {int(off[row])})")
 
     def validate(self, vocab_size: int | None, num_rows: int, tokens: Tensor | None = None,
                  loss_mask: Tensor | None = None) -> None:
@@ -174,11 +206,12 @@ class CSRCandidates:
         lp64 = lp.double()
         mass = torch.zeros(num_rows, dtype=torch.float64, device=ids.device).index_add_(0, row, torch.exp(lp64))
         nonempty = (self.lengths > 0) & trained
+        # support_sum_tolerance's bound, its entropy term summed per row (for head rows too: a bf16 head that holds
+        # nearly all the mass rounds above 1 honestly).
+        ent = torch.where(torch.isfinite(lp64), -torch.exp(lp64) * lp64, torch.zeros_like(lp64))
+        spread = torch.zeros_like(mass).index_add_(0, row, ent)
+        tol = SUPPORT_SUM_TOL + torch.finfo(lp.dtype).eps * spread
         if self.kind == "support":
-            # support_sum_tolerance's bound, its entropy term summed per row.
-            ent = torch.where(torch.isfinite(lp64), -torch.exp(lp64) * lp64, torch.zeros_like(lp64))
-            spread = torch.zeros_like(mass).index_add_(0, row, ent)
-            tol = SUPPORT_SUM_TOL + torch.finfo(lp.dtype).eps * spread
             off = nonempty & ((mass - 1.0).abs() > tol)
             if bool(off.any()):
                 r = int(off.nonzero()[0])
@@ -195,7 +228,7 @@ class CSRCandidates:
                     raise ValueError(f"candidates: the sampled token of row {r} (id {int(tokens[r])}) is outside its "
                                      "recorded support")
         else:
-            over = (mass > 1.0 + SUPPORT_SUM_TOL) & trained
+            over = (mass > 1.0 + tol) & trained
             if bool(over.any()):
                 r = int(over.nonzero()[0])
                 raise ValueError(
