@@ -18,7 +18,8 @@ Layouts (``x`` is ``[M, N]`` fp32/fp16/bf16, contiguous):
 ``nvfp4``: ``data [M, Np/2]`` uint8, ``scales [M, Np/16]`` uint8 (E4M3 bits), ``tensor_scale`` fp32 scalar.
 ``mxfp4``: ``data [M, Np/2]`` uint8, ``scales [M, Np/32]`` uint8 (E8M0), ``Np`` = ``N`` rounded up to the block.
 
-These kernels know nothing about what the weights are for.
+FMA contraction is off on every launch (explicit: Triton 3.10 changes the default), so that each rounding is the
+one written. These kernels know nothing about what the weights are for.
 """
 
 from __future__ import annotations
@@ -235,7 +236,8 @@ def quantize_fp8(x: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
     q = torch.empty(rows, cols, dtype=torch.uint8, device=m.device)
     s = torch.empty(rb, cb, dtype=torch.float32, device=m.device)
     with _on(m.device):
-        _fp8_quant_kernel[(rb * cb,)](m, q, s, rows, cols, cb, BLOCK=block, SUB=min(block, _FP8_STRIP))
+        _fp8_quant_kernel[(rb * cb,)](m, q, s, rows, cols, cb, BLOCK=block, SUB=min(block, _FP8_STRIP),
+                                      enable_fp_fusion=False)
     return q, s
 
 
@@ -246,7 +248,7 @@ def dequantize_fp8(data: Tensor, scales: Tensor, block: int = 128) -> Tensor:
     cb = triton.cdiv(cols, block)
     with _on(data.device):
         _fp8_dequant_kernel[(scales.numel(),)](data.contiguous(), scales.contiguous(), y, rows, cols, cb,
-                                               BLOCK=block)
+                                               BLOCK=block, enable_fp_fusion=False)
     return y
 
 
@@ -276,7 +278,7 @@ def quantize_fp4(x: Tensor, fmt: str, rows_per: int = 16, gblock: int = 8) -> tu
     grid = _fp4_grid(rows, groups, rows_per, gblock)
     with _on(m.device):
         _fp4_quant_kernel[grid](m, q, s, ts if ts is not None else s, rows, cols, np_, groups,
-                                GROUP=group, ROWS=rows_per, GBLOCK=gblock, NVFP4=fmt == "nvfp4")
+                                GROUP=group, ROWS=rows_per, GBLOCK=gblock, NVFP4=fmt == "nvfp4", enable_fp_fusion=False)
     return q, s, (ts.reshape(()) if ts is not None else None)
 
 
@@ -294,5 +296,6 @@ def dequantize_fp4(data: Tensor, scales: Tensor, tensor_scale: Tensor | None, co
     grid = _fp4_grid(rows, groups, rows_per, gblock)
     with _on(data.device):
         _fp4_dequant_kernel[grid](data.contiguous(), scales.contiguous(), ts, y, rows, cols, groups * group,
-                                  groups, GROUP=group, ROWS=rows_per, GBLOCK=gblock, NVFP4=fmt == "nvfp4")
+                                  groups, GROUP=group, ROWS=rows_per, GBLOCK=gblock, NVFP4=fmt == "nvfp4",
+                                  enable_fp_fusion=False)
     return y

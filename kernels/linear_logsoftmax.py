@@ -21,7 +21,8 @@ memory) meets.
 The atomics are relaxed (no fence: nothing in a kernel reads what they add). Launches go to the tensors' device,
 and nothing here waits on the GPU.
 
-Both vocabulary kernels form ``x = z * inv_temp`` as a rounded fp32 product and run with FMA contraction off, so
+FMA contraction is set explicitly on every launch (Triton 3.10 changes the default): on for the gathered kernels;
+off for the vocabulary kernels: both vocabulary kernels form ``x = z * inv_temp`` as a rounded fp32 product, so
 that the backward's ``exp(x - lse)`` reproduces the forward's statistics exactly: where ``|x|`` is large (1e5
 with small temperatures) a fused ``z * it - c`` rounds differently and would leave one-hot rows with
 ``p = 1 +- 1e-2``.
@@ -426,6 +427,7 @@ def gathered_dot(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tenso
         _gathered_dot_kernel[(n, triton.cdiv(m, bm))](
             hidden, weight, bias if bias is not None else hidden, ids.contiguous(), out, m, hidden.shape[1],
             hidden.stride(0), weight.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_D=bd,
+            enable_fp_fusion=True,
         )
     return out
 
@@ -443,9 +445,10 @@ def gathered_grad(hidden: Tensor, weight: Tensor, ids: Tensor, dz: Tensor, dh: T
     with _on(hidden.device):
         if dh is not None:
             _gathered_grad_h_kernel[(n, triton.cdiv(d, bd))](weight, ids, dz, dh, m, d, weight.stride(0),
-                                                              BLOCK_M=bm, BLOCK_D=bd)
+                                                              BLOCK_M=bm, BLOCK_D=bd, enable_fp_fusion=True)
         if dw is not None or db is not None:
             _gathered_grad_w_kernel[(n, triton.cdiv(m, bm))](
                 hidden, ids, dz, dw if dw is not None else dz, db if db is not None else dz, m, d,
                 hidden.stride(0), NEED_W=dw is not None, NEED_B=db is not None, BLOCK_M=bm, BLOCK_D=bd,
+                enable_fp_fusion=True,
             )

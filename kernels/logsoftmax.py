@@ -16,8 +16,10 @@ Two kernels, each a 1-D grid with one program per row (no 65,535 grid-dimension 
 
   Repeated ids are summed outside the kernel, in ``O(M log M)`` per row (:func:`unique_ids`).
 
-All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), and each output element is rounded once; FMA
-contraction is off (set explicitly: Triton 3.10 changes the default). Launches go to the tensors' device.
+All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), and each output element is rounded once. FMA
+contraction is on (set explicitly: Triton 3.10 changes the default), except in ``x = z * inv_temp``, which is
+rounded once as torch rounds it, so that the backward's ``exp(x - lse)`` reproduces the forward's statistics.
+Launches go to the tensors' device.
 Row offsets are 64-bit when ``N * row_stride`` reaches ``2**31``. The only extra memory is ``O(N M)``.
 
 These kernels know nothing about what the rows mean.
@@ -39,9 +41,17 @@ _GPU_BLOCK, _GPU_WARPS = 4096, 8
 _INTERPRETER_BLOCK = 16384
 #: Ids handled per step of the scatter.
 _ID_CHUNK = 64
-#: FMA contraction, explicit (Triton 3.10 flips its default): off, so that ``x = z * inv_temp`` is one rounded
-#: product in both kernels and the backward's ``exp(x - lse)`` reproduces the forward's statistics.
-_FP_FUSION = False
+#: FMA contraction, explicit (Triton 3.10 flips its default): on; the product that must stay rounded is pinned
+#: by :func:`_scaled`.
+_FP_FUSION = True
+
+
+@triton.jit
+def _scaled(z, it):
+    """``x = z * it`` rounded to fp32 once, as torch computes it: an explicit ``fma(z, it, 0)`` cannot be contracted
+    into what follows (``x - m``), so both kernels and the gathered values see the same ``x`` while the rest of the
+    arithmetic keeps FMA contraction (3 fewer instructions per element than turning it off)."""
+    return tl.fma(z.to(tl.float32), it, 0.0)
 
 
 @triton.jit
@@ -82,7 +92,7 @@ def _row_stats_kernel(
     q_acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, v_end, BLOCK):
         cols = start + cols0
-        x = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32) * it
+        x = _scaled(tl.load(row_ptr + cols, mask=cols < V, other=neg_inf), it)
         new_m = tl.maximum(m, tl.max(x, 0))
         ref = tl.where(new_m == neg_inf, 0.0, new_m)
         a = tl.exp(m - ref)  # 0 while m = -inf, 1 when the max did not move
@@ -146,7 +156,7 @@ def _row_grad_kernel(
         idc = tl.load(ids_row + kc, mask=kc < M, other=-1)
         ok = (idc >= 0) & (idc < V)
         gk = tl.load(g_row + kc, mask=kc < M, other=0.0)
-        xk = tl.load(l_row + idc, mask=ok & (idc < v_read), other=neg_inf).to(tl.float32) * it
+        xk = _scaled(tl.load(l_row + idc, mask=ok & (idc < v_read), other=neg_inf), it)
         tl.store(v_row + kc, it * (gk - big_g * tl.exp(xk - lse)), mask=kc < M)
     tl.debug_barrier()
 
@@ -155,7 +165,7 @@ def _row_grad_kernel(
     cols0 = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
         cols = start + cols0
-        x = tl.load(l_row + cols, mask=cols < v_read, other=neg_inf).to(tl.float32) * it
+        x = _scaled(tl.load(l_row + cols, mask=cols < v_read, other=neg_inf), it)
         tl.store(o_row + cols, (coef * tl.exp(x - lse)).to(dt), mask=cols < V)
     tl.debug_barrier()  # orders step 3's stores after step 2's within the program
 

@@ -10,7 +10,8 @@ flags), shared memory from the kernel's metadata, tensor-core use from the PTX (
 
     python tools/aot_compile.py --out results.json [--targets sm_90,sm_100] [--only linear]
 
-Must run without ``TRITON_INTERPRET`` (the interpreter patches ``triton.language`` in place); exits 2 if it is
+``TRITON_DEFAULT_FP_FUSION`` is 0 unless set (Triton 3.10's default; earlier versions ignore it), so a launch
+that does not set ``enable_fp_fusion`` shows. Must run without ``TRITON_INTERPRET`` (the interpreter patches ``triton.language`` in place); exits 2 if it is
 set. Exits 0 when every case compiled, whatever the checks say: the JSON records each kernel's numbers and the
 caller (tests/ops/test_aot_compile.py) asserts on them. Triton's cache goes to a fresh temporary folder, so each
 kernel is compiled (and its ptxas log read) in this process.
@@ -186,6 +187,8 @@ def cases() -> list[Case]:
     return out
 
 
+#: ``fma.rn.f32 d, a, b, 0``: a product rounded once that contraction cannot fuse into the next addition.
+_ROUNDED_PRODUCT = re.compile(r"fma\.rn\.f32\s+%r\d+, %r\d+, %r\d+, 0f00000000;")
 _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -252,6 +255,7 @@ def run_case(case: Case, capability: int, shared: int, launches: list) -> list[d
                "enable_fp_fusion": md.enable_fp_fusion, "shared": md.shared, "grid": grids.get(md.name),
                "tensor_core": bool(tc and tc in ptx), "matmul": case.matmul, "vector_loads": "ld.global.v4" in ptx,
                "barriers": ptx.count("bar.sync") + ptx.count("barrier.sync"), "acq_rel_atomics": ptx.count(".acq_rel"),
+               "rounded_products": len(_ROUNDED_PRODUCT.findall(ptx)),
                "error": error}
         rec.update(logs.get(md.name, {}))
         records.append(rec)
@@ -283,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in targets if x not in TARGETS]
     if bad:
         ap.error(f"--targets: unknown {bad}; known: {sorted(TARGETS)}")
+    # Triton 3.10's default (no FMA contraction unless a launch asks): a kernel that leaves it implicit shows it.
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
     with tempfile.TemporaryDirectory(prefix="offpolicy-aot-triton-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         from triton import knobs

@@ -32,6 +32,7 @@ SKIP_PINNED = "OFFPOLICY_SKIP_TRITON_PINNED"
 #: Kernels that must use tensor cores in bf16, and the PTX instruction checked (by target).
 MATMUL_KERNELS = {"_linear_row_stats_kernel", "_linear_dense_grad_kernel"}
 ROW_KERNELS = {"_row_stats_kernel", "_row_grad_kernel"}
+FUSED_KERNELS = ROW_KERNELS | {"_gathered_dot_kernel", "_gathered_grad_h_kernel", "_gathered_grad_w_kernel"}
 
 
 def _kernel_dir() -> Path:
@@ -131,12 +132,15 @@ def test_matmuls_use_tensor_cores(results):
     assert not scalar, f"no tensor-core instruction (mma.sync / wgmma / tcgen05) in: {scalar}"
 
 
-def test_vocabulary_kernels_set_fp_fusion_off(results):
-    """Contraction is explicit and off (Triton 3.10 flips the default): the backward's exp(x - lse) reproduces the
-    forward's statistics."""
-    fused = [_label(r) for r in results["records"] if r["kernel"] in ROW_KERNELS | MATMUL_KERNELS
-             and r["enable_fp_fusion"]]  # fmt: skip
-    assert not fused, f"FMA contraction on in: {fused}"
+def test_fp_fusion_is_explicit(results):
+    """Every launch sets FMA contraction (the tool compiles with Triton 3.10's default, off): on in the row and
+    gathered kernels, off in the fused-linear vocabulary kernels and the quantisers (each rounding as written); the
+    row kernels pin ``x = z * inv_temp`` as one rounded product (``fma.rn(z, it, 0)``), as torch computes it."""
+    wrong = [f"{_label(r)}: fusion {r['enable_fp_fusion']}" for r in results["records"]
+             if r["kernel"] and r["enable_fp_fusion"] != (r["kernel"] in FUSED_KERNELS)]  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+    unpinned = [_label(r) for r in results["records"] if r["kernel"] in ROW_KERNELS and r["rounded_products"] < 1]
+    assert not unpinned, f"x = z * inv_temp not pinned in: {unpinned}"
 
 
 def test_atomics_are_relaxed(results):
