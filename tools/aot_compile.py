@@ -9,6 +9,7 @@ flags), shared memory from the kernel's metadata, tensor-core use from the PTX (
 ``wgmma.mma_async`` on sm_90, ``tcgen05.mma`` on sm_100).
 
     python tools/aot_compile.py --out results.json [--targets sm_90,sm_100] [--only linear]
+    python tools/aot_compile.py --markdown results.json [more.json]     # the table in docs/performance.md
 
 ``TRITON_DEFAULT_FP_FUSION`` is 0 unless set (Triton 3.10's default; earlier versions ignore it), so a launch
 that does not set ``enable_fp_fusion`` shows. Must run without ``TRITON_INTERPRET`` (the interpreter patches ``triton.language`` in place); exits 2 if it is
@@ -31,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Target name -> (compute capability, shared memory per block opt-in, bytes).
 TARGETS = {"sm_80": (80, 166_912), "sm_90": (90, 232_448), "sm_100": (100, 232_448)}
 #: Tensor-core instruction (a PTX prefix) by compute capability.
@@ -274,12 +276,60 @@ def _split_logs(text: str) -> dict:
     return out
 
 
+def markdown(paths: list[str]) -> str:
+    """One table row per kernel and dtype (the case with the most registers), a column per target and Triton:
+    ``registers / spill stores (B) / shared memory (KiB)``."""
+    cols, cells = [], {}
+    for path in paths:
+        data = json.loads(open(path).read())
+        for r in data["records"]:
+            if not r["kernel"]:
+                continue
+            col = f"{r['target']}, Triton {r['triton']}"
+            cols += [col] if col not in cols else []
+            key = (r["kernel"].strip("_").removesuffix("_kernel"), r["dtype"])
+            best = cells.get((key, col))
+            if best is None or (r.get("registers") or 0) > (best.get("registers") or 0):
+                cells[key, col] = r
+    keys = sorted({k for k, _ in cells})
+    lines = ["| kernel | dtype | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for key in keys:
+        row = []
+        for col in cols:
+            r = cells.get((key, col))
+            if r is None:
+                row.append("-")
+            elif r.get("registers") is None:
+                row.append("fails to compile" if r["error"] else "-")
+            else:
+                row.append(f"{r['registers']} / {r['spill_stores']} / {r['shared'] / 1024:.0f}"
+                           + (" (fails)" if r["error"] else ""))
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _kernels_in_place() -> None:
+    """``offpolicy.kernels`` from this checkout's ``kernels/`` when offpolicy is not installed (``PYTHONPATH=src``)."""
+    import offpolicy
+
+    try:
+        import offpolicy.kernels  # noqa: F401
+    except ImportError:
+        offpolicy.__path__.append(str(ROOT))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON file to write the records to")
+    ap.add_argument("--markdown", nargs="+", metavar="JSON", help="print the table of these result files and exit")
+    ap.add_argument("--out", help="JSON file to write the records to")
     ap.add_argument("--targets", default="sm_80,sm_90,sm_100", help="comma-separated, from " + ",".join(TARGETS))
     ap.add_argument("--only", default="", help="substring a case name must contain (default: every case)")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
+    if not args.out:
+        ap.error("--out is required")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("aot_compile: unset TRITON_INTERPRET (the interpreter cannot lower kernels)", file=sys.stderr)
         return 2
@@ -287,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in targets if x not in TARGETS]
     if bad:
         ap.error(f"--targets: unknown {bad}; known: {sorted(TARGETS)}")
+    _kernels_in_place()
     # Triton 3.10's default (no FMA contraction unless a launch asks): a kernel that leaves it implicit shows it.
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
     with tempfile.TemporaryDirectory(prefix="offpolicy-aot-triton-") as cache:
