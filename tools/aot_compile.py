@@ -189,8 +189,19 @@ def cases() -> list[Case]:
     return out
 
 
-#: ``fma.rn.f32 d, a, b, 0``: a product rounded once that contraction cannot fuse into the next addition.
-_ROUNDED_PRODUCT = re.compile(r"fma\.rn\.f32\s+%r\d+, %r\d+, %r\d+, 0f00000000;")
+_ZERO32 = re.compile(r"mov\.b32\s+(%r\d+), 0f00000000;")
+_ZERO64 = re.compile(r"mov\.b64\s+(%rd\d+), \{(%r\d+), (%r\d+)\};")
+_FMA = re.compile(r"fma\.rn\.f32(x2)?\s+%r\w+, %r\w+, %r\w+, (0f00000000|%r\w+);")
+
+
+def rounded_products(ptx: str) -> int:
+    """``fma.rn(a, b, 0)`` instructions (``f32``, or packed ``f32x2`` on sm_100 with a pair of zeros): products
+    rounded once that contraction cannot fuse into the next addition."""
+    zero32 = set(_ZERO32.findall(ptx))
+    zero64 = {d for d, a, b in _ZERO64.findall(ptx) if a in zero32 and b in zero32}
+    return sum(1 for packed, c in _FMA.findall(ptx)
+               if c == "0f00000000" or (c in zero64 if packed else c in zero32))  # fmt: skip
+
 _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -257,7 +268,7 @@ def run_case(case: Case, capability: int, shared: int, launches: list) -> list[d
                "enable_fp_fusion": md.enable_fp_fusion, "shared": md.shared, "grid": grids.get(md.name),
                "tensor_core": bool(tc and tc in ptx), "matmul": case.matmul, "vector_loads": "ld.global.v4" in ptx,
                "barriers": ptx.count("bar.sync") + ptx.count("barrier.sync"), "acq_rel_atomics": ptx.count(".acq_rel"),
-               "rounded_products": len(_ROUNDED_PRODUCT.findall(ptx)),
+               "rounded_products": rounded_products(ptx),
                "error": error}
         rec.update(logs.get(md.name, {}))
         records.append(rec)
