@@ -18,10 +18,13 @@ Layouts (``x`` is ``[M, N]`` fp32/fp16/bf16, contiguous):
 ``nvfp4``: ``data [M, Np/2]`` uint8, ``scales [M, Np/16]`` uint8 (E4M3 bits), ``tensor_scale`` fp32 scalar.
 ``mxfp4``: ``data [M, Np/2]`` uint8, ``scales [M, Np/32]`` uint8 (E8M0), ``Np`` = ``N`` rounded up to the block.
 
-These kernels know nothing about what the weights are for.
+FMA contraction is off on every launch (explicit: Triton 3.10 changes the default), so that each rounding is the
+one written. These kernels know nothing about what the weights are for.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -31,6 +34,8 @@ from torch import Tensor
 _E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 _MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2**23
 _TWO_POW_M127: tl.constexpr = tl.constexpr(5.877471754111438e-39)
+#: Rows of an FP8 tile quantised at once (a 128 x 128 tile in one step spills at 4 warps).
+_FP8_STRIP = 32
 
 
 @triton.jit
@@ -104,18 +109,28 @@ def _e2m1_value(code):
 
 
 @triton.jit
-def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, M, N, n_cb, BLOCK: tl.constexpr):
+def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, M, N, n_cb, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """One ``BLOCK x BLOCK`` tile in ``SUB``-row strips: the amax over the strips, then each strip quantised (its
+    second read hits the cache). A whole tile in registers spills at 4 warps."""
     pid = tl.program_id(0)
     bi, bj = pid // n_cb, pid % n_cb
-    rows = bi * BLOCK + tl.arange(0, BLOCK)
     cols = bj * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    scale = tl.where(amax > 0, amax / _E4M3_MAX, 1.0)
-    v = _round_e4m3(x / scale)
-    tl.store(q_ptr + offs, _e4m3_bits(v, x), mask=mask)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for r0 in range(0, BLOCK, SUB):
+        rows = bi * BLOCK + r0 + tl.arange(0, SUB)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+    amax_all = tl.max(amax, axis=0)
+    scale = tl.where(amax_all > 0, amax_all / _E4M3_MAX, 1.0)
+    for r0 in range(0, BLOCK, SUB):
+        rows = bi * BLOCK + r0 + tl.arange(0, SUB)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = _round_e4m3(x / scale)
+        tl.store(q_ptr + offs, _e4m3_bits(v, x), mask=mask)
     tl.store(s_ptr + pid, scale)
 
 
@@ -200,10 +215,15 @@ def _fp4_dequant_kernel(
     tl.store(y_ptr + base + col_even + 1, vo, mask=rmask & gmask & (col_even + 1 < N))
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes ``device`` current for the launches (Triton launches on the current CUDA device); a no-op off CUDA."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _matrix(x: Tensor) -> Tensor:
     if x.dim() == 0 or x.numel() == 0 or not x.is_floating_point():
         raise ValueError(f"x must be a non-empty floating-point tensor, got {x.dtype} {tuple(x.shape)}")
-    if not bool(torch.isfinite(x).all()):
+    if x.device.type != "meta" and not bool(torch.isfinite(x).all()):  # meta tensors (compiling only) hold no values
         raise ValueError("x holds non-finite values (NaN or inf); they cannot be quantised")
     return x.reshape(-1, x.shape[-1]).contiguous()
 
@@ -215,7 +235,9 @@ def quantize_fp8(x: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
     rb, cb = triton.cdiv(rows, block), triton.cdiv(cols, block)
     q = torch.empty(rows, cols, dtype=torch.uint8, device=m.device)
     s = torch.empty(rb, cb, dtype=torch.float32, device=m.device)
-    _fp8_quant_kernel[(rb * cb,)](m, q, s, rows, cols, cb, BLOCK=block)
+    with _on(m.device):
+        _fp8_quant_kernel[(rb * cb,)](m, q, s, rows, cols, cb, BLOCK=block, SUB=min(block, _FP8_STRIP),
+                                      enable_fp_fusion=False)
     return q, s
 
 
@@ -224,7 +246,9 @@ def dequantize_fp8(data: Tensor, scales: Tensor, block: int = 128) -> Tensor:
     rows, cols = data.shape
     y = torch.empty(rows, cols, dtype=torch.float32, device=data.device)
     cb = triton.cdiv(cols, block)
-    _fp8_dequant_kernel[(scales.numel(),)](data.contiguous(), scales.contiguous(), y, rows, cols, cb, BLOCK=block)
+    with _on(data.device):
+        _fp8_dequant_kernel[(scales.numel(),)](data.contiguous(), scales.contiguous(), y, rows, cols, cb,
+                                               BLOCK=block, enable_fp_fusion=False)
     return y
 
 
@@ -252,8 +276,9 @@ def quantize_fp4(x: Tensor, fmt: str, rows_per: int = 16, gblock: int = 8) -> tu
         amax = m.abs().max().float()
         ts = torch.where(amax > 0, amax / (448.0 * 6.0), torch.ones_like(amax)).reshape(1)
     grid = _fp4_grid(rows, groups, rows_per, gblock)
-    _fp4_quant_kernel[grid](m, q, s, ts if ts is not None else s, rows, cols, np_, groups,
-                            GROUP=group, ROWS=rows_per, GBLOCK=gblock, NVFP4=fmt == "nvfp4")
+    with _on(m.device):
+        _fp4_quant_kernel[grid](m, q, s, ts if ts is not None else s, rows, cols, np_, groups,
+                                GROUP=group, ROWS=rows_per, GBLOCK=gblock, NVFP4=fmt == "nvfp4", enable_fp_fusion=False)
     return q, s, (ts.reshape(()) if ts is not None else None)
 
 
@@ -269,6 +294,8 @@ def dequantize_fp4(data: Tensor, scales: Tensor, tensor_scale: Tensor | None, co
     y = torch.empty(rows, cols, dtype=torch.float32, device=data.device)
     ts = tensor_scale.reshape(1).float() if tensor_scale is not None else scales
     grid = _fp4_grid(rows, groups, rows_per, gblock)
-    _fp4_dequant_kernel[grid](data.contiguous(), scales.contiguous(), ts, y, rows, cols, groups * group, groups,
-                              GROUP=group, ROWS=rows_per, GBLOCK=gblock, NVFP4=fmt == "nvfp4")
+    with _on(data.device):
+        _fp4_dequant_kernel[grid](data.contiguous(), scales.contiguous(), ts, y, rows, cols, groups * group,
+                                  groups, GROUP=group, ROWS=rows_per, GBLOCK=gblock, NVFP4=fmt == "nvfp4",
+                                  enable_fp_fusion=False)
     return y

@@ -15,7 +15,14 @@ Five kernels (all arithmetic in fp32; ``h`` and ``W`` are read in their storage 
   (one program per row and ``D`` block, no atomics) and ``dW[ids[n, j]] += dz[n, j] h[n]``, ``db[ids] += dz``
   (fp32 atomics).
 
-Both vocabulary kernels form ``x = z * inv_temp`` as a rounded fp32 product and run with FMA contraction off, so
+fp32 inputs multiply with ``input_precision="tf32x3"`` (tensor cores, about fp32's accuracy), 16-bit ones with
+``tl.dot``'s default; the GPU tile is the first of :data:`GPU_TILES` that the device (compute capability, shared
+memory) meets.
+The atomics are relaxed (no fence: nothing in a kernel reads what they add). Launches go to the tensors' device,
+and nothing here waits on the GPU.
+
+FMA contraction is set explicitly on every launch (Triton 3.10 changes the default): on for the gathered kernels;
+off for the vocabulary kernels: both vocabulary kernels form ``x = z * inv_temp`` as a rounded fp32 product, so
 that the backward's ``exp(x - lse)`` reproduces the forward's statistics exactly: where ``|x|`` is large (1e5
 with small temperatures) a fused ``z * it - c`` rounds differently and would leave one-hot rows with
 ``p = 1 +- 1e-2``.
@@ -26,6 +33,7 @@ fp32/fp16 inputs (its bf16 ``tl.dot`` is wrong); bf16 is for GPUs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -35,9 +43,17 @@ from torch import Tensor
 
 _FP32_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
 
-#: Tile shapes (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages) for the vocabulary kernels, and the number of
-#: token blocks grouped together in the backward's program order.
-GPU_TILES = (128, 128, 64, 8, 3)
+#: GPU tile shapes ``(BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages)`` by operand size in bytes, largest first,
+#: each with the least compute capability it is for and the shared memory per block (bytes) that the largest kernel
+#: (the backward with dh and dW) needs at that tile: the first that the device meets is used, for every kernel (the
+#: forward and the backward recompute the logits alike). tests/ops/test_aot_compile.py compiles the choice for
+#: sm_80, sm_90 and sm_100 and checks that nothing spills and the shared memory fits, with Triton 3.9 and 3.7.1:
+#: larger tiles spill somewhere (bf16 BLOCK_D = 64 on sm_80, and on sm_100 with Triton 3.7.1; fp32's tf32x3 holds
+#: three products' operands). A GPU sweep may find faster tiles (``OFFPOLICY_LINEAR_TILES``).
+GPU_TILES = {
+    2: (((128, 128, 32, 8, 3), 80, 98_304),),
+    4: (((64, 64, 32, 8, 2), 90, 98_304), ((64, 64, 16, 4, 2), 80, 45_056)),
+}
 INTERPRETER_TILES = (16, 64, 32, 4, 1)
 GPU_GROUP_N, INTERPRETER_GROUP_N = 8, 2
 
@@ -47,8 +63,9 @@ def interpreting() -> bool:
 
 
 def _precision(dtype: torch.dtype) -> str | None:
-    """fp32 inputs multiply exactly (no TF32 rounding of the operands); 16-bit inputs keep tl.dot's default."""
-    return "ieee" if dtype == torch.float32 else None
+    """fp32 inputs multiply with ``tf32x3`` (three TF32 products on tensor cores, about fp32's accuracy; ``"ieee"``
+    compiles to an FMA loop that spills at these tiles); 16-bit inputs keep ``tl.dot``'s default."""
+    return "tf32x3" if dtype == torch.float32 else None
 
 
 @triton.jit
@@ -136,41 +153,55 @@ def _linear_dense_grad_kernel(
     slot = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot_ok = slot < R
     rows = tl.load(rows_ptr + slot, mask=slot_ok, other=0)
-    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_ok = cols < V
-    z = _logits_tile(h_ptr, w_ptr, rows, cols, slot_ok, col_ok, D, stride_h, stride_w,
-                     BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
-    if HAS_BIAS:
-        z += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    it = tl.load(inv_temp_ptr + rows, mask=slot_ok, other=1.0)
-    lse = tl.load(lse_ptr + rows, mask=slot_ok, other=float("inf"))
     coef = tl.load(coef_ptr + rows, mask=slot_ok, other=0.0)
-    ok = slot_ok[:, None] & col_ok[None, :]
-    p = tl.where(ok, tl.exp(z * it[:, None] - lse[:, None]), 0.0)
-    keep = True
-    if FILTER:
-        keep = tl.max(tl.max(p, 1), 0) >= eps
-    if keep:
-        dz = coef[:, None] * p
-        if NEED_B:
-            tl.atomic_add(db_ptr + cols, tl.sum(dz, 0), mask=col_ok)
-        dzc = dz.to(h_ptr.dtype.element_ty)
-        offs_d = tl.arange(0, BLOCK_D)
-        for d0 in range(0, D, BLOCK_D):
-            dd = d0 + offs_d
-            d_ok = dd < D
-            if NEED_H:
-                wt = tl.load(w_ptr + cols[:, None] * stride_w + dd[None, :], mask=col_ok[:, None] & d_ok[None, :],
-                             other=0.0)
-                part = tl.dot(dzc, wt, input_precision=PRECISION)
-                tl.atomic_add(dh_ptr + rows[:, None] * D + dd[None, :], part, mask=slot_ok[:, None] & d_ok[None, :])
-            if NEED_W:
-                ht = tl.load(h_ptr + rows[:, None] * stride_h + dd[None, :], mask=slot_ok[:, None] & d_ok[None, :],
-                             other=0.0)
-                part_w = tl.dot(tl.trans(dzc), ht, input_precision=PRECISION)
-                tl.atomic_add(dw_ptr + cols[:, None] * D + dd[None, :], part_w, mask=col_ok[:, None] & d_ok[None, :])
-    else:
-        tl.atomic_add(skipped_ptr, 1)
+    # A block of rows with coef = 0 adds nothing: the wrapper orders those rows last (no host sync to drop them),
+    # so whole blocks of them skip both matmuls here.
+    if tl.max(tl.abs(coef)) > 0.0:
+        cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_ok = cols < V
+        z = _logits_tile(h_ptr, w_ptr, rows, cols, slot_ok, col_ok, D, stride_h, stride_w,
+                         BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
+        if HAS_BIAS:
+            z += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        it = tl.load(inv_temp_ptr + rows, mask=slot_ok, other=1.0)
+        lse = tl.load(lse_ptr + rows, mask=slot_ok, other=float("inf"))
+        ok = slot_ok[:, None] & col_ok[None, :]
+        p = tl.where(ok, tl.exp(z * it[:, None] - lse[:, None]), 0.0)
+        keep = True
+        if FILTER:
+            keep = tl.max(p) >= eps  # one reduction: a nested one fails to compile on sm_100 (Triton 3.6, 3.7)
+        if keep:
+            _dense_grad_tile(h_ptr, w_ptr, dh_ptr, dw_ptr, db_ptr, rows, cols, slot_ok, col_ok, coef[:, None] * p, D,
+                             stride_h, stride_w, NEED_H, NEED_W, NEED_B, BLOCK_D, PRECISION)
+        else:
+            tl.atomic_add(skipped_ptr, 1, sem="relaxed")
+
+
+@triton.jit
+def _dense_grad_tile(h_ptr, w_ptr, dh_ptr, dw_ptr, db_ptr, rows, cols, slot_ok, col_ok, dz, D, stride_h, stride_w,
+                     NEED_H: tl.constexpr, NEED_W: tl.constexpr, NEED_B: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """Add ``dz W`` into ``dh[rows]``, ``dz^T h`` into ``dW[cols]`` and column sums into ``db[cols]``. The atomics
+    are relaxed: nothing in the kernel reads what they write, so no fence is needed around them."""
+    if NEED_B:
+        tl.atomic_add(db_ptr + cols, tl.sum(dz, 0), mask=col_ok, sem="relaxed")
+    dzc = dz.to(h_ptr.dtype.element_ty)
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + offs_d
+        d_ok = dd < D
+        if NEED_H:
+            wt = tl.load(w_ptr + cols[:, None] * stride_w + dd[None, :], mask=col_ok[:, None] & d_ok[None, :],
+                         other=0.0)
+            part = tl.dot(dzc, wt, input_precision=PRECISION)
+            tl.atomic_add(dh_ptr + rows[:, None] * D + dd[None, :], part, mask=slot_ok[:, None] & d_ok[None, :],
+                          sem="relaxed")
+        if NEED_W:
+            ht = tl.load(h_ptr + rows[:, None] * stride_h + dd[None, :], mask=slot_ok[:, None] & d_ok[None, :],
+                         other=0.0)
+            part_w = tl.dot(tl.trans(dzc), ht, input_precision=PRECISION)
+            tl.atomic_add(dw_ptr + cols[:, None] * D + dd[None, :], part_w, mask=col_ok[:, None] & d_ok[None, :],
+                          sem="relaxed")
 
 
 @triton.jit
@@ -232,7 +263,7 @@ def _gathered_grad_w_kernel(
     valid = (ids >= 0) & (g != 0.0)
     rows = tl.where(valid, ids, 0).to(tl.int64)
     if NEED_B:
-        tl.atomic_add(db_ptr + rows, g, mask=valid)
+        tl.atomic_add(db_ptr + rows, g, mask=valid, sem="relaxed")
     if NEED_W:
         offs_d = tl.arange(0, BLOCK_D)
         for d0 in range(0, D, BLOCK_D):
@@ -240,14 +271,14 @@ def _gathered_grad_w_kernel(
             d_ok = dd < D
             hv = tl.load(h_ptr + n * stride_h + dd, mask=d_ok, other=0.0).to(tl.float32)
             tl.atomic_add(dw_ptr + rows[:, None] * D + dd[None, :], g[:, None] * hv[None, :],
-                          mask=valid[:, None] & d_ok[None, :])
+                          mask=valid[:, None] & d_ok[None, :], sem="relaxed")
 
 
 #: Environment override of the tile shapes, "BLOCK_N,BLOCK_V,BLOCK_D,num_warps,num_stages" (for sweeps on a GPU).
 TILES_ENV = "OFFPOLICY_LINEAR_TILES"
 
 
-def _tiles(tiles):
+def _tiles(tiles, dtype: torch.dtype):
     if tiles is not None:
         return tiles
     env = os.environ.get(TILES_ENV)
@@ -256,7 +287,28 @@ def _tiles(tiles):
         if len(parts) != 5:
             raise ValueError(f"${TILES_ENV}: expected BLOCK_N,BLOCK_V,BLOCK_D,num_warps,num_stages, got {env!r}")
         return parts
-    return INTERPRETER_TILES if interpreting() else GPU_TILES
+    if interpreting():
+        return INTERPRETER_TILES
+    from triton.runtime import driver
+
+    dev = driver.active.get_current_device()
+    shared = driver.active.utils.get_device_properties(dev)["max_shared_mem"]
+    return gpu_tiles(dtype.itemsize, driver.active.get_current_target().arch, shared)
+
+
+def gpu_tiles(itemsize: int, capability: int, max_shared: int) -> tuple[int, int, int, int, int]:
+    """The first tile of :data:`GPU_TILES` for operands of ``itemsize`` bytes whose compute capability and shared
+    memory (bytes per block) the device meets; the smallest when none fits."""
+    options = GPU_TILES[min(itemsize, 4)]
+    for tile, least_capability, shared in options:
+        if capability >= least_capability and shared <= max_shared:
+            return tile
+    return options[-1][0]
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes ``device`` current for the launches (Triton launches on the current CUDA device); a no-op off CUDA."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_rows(x: Tensor, name: str) -> None:
@@ -285,7 +337,8 @@ def linear_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_te
     _check_rows(weight, "weight")
     n, d = hidden.shape
     v = weight.shape[0]
-    bn, bv, bd, warps, stages = _tiles(tiles)
+    with _on(hidden.device):  # the tile depends on the device's shared memory
+        bn, bv, bd, warps, stages = _tiles(tiles, hidden.dtype)
     n_blocks = triton.cdiv(n, bn)
     v_blocks = triton.cdiv(v, bv)
     if splits is None:
@@ -298,13 +351,14 @@ def linear_row_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_te
     stats = (m, s, t) if q is None else (m, s, t, q)
     if n == 0:
         return stats
-    _linear_row_stats_kernel[(n_blocks, splits)](
-        hidden, weight, bias if bias is not None else hidden, inv_temp, m, s, t, t if q is None else q,
-        n, v, d, hidden.stride(0), weight.stride(0), per_split,
-        HAS_BIAS=bias is not None, SUM_P2=sum_p2, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
-        PRECISION=_precision(hidden.dtype),
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False,
-    )
+    with _on(hidden.device):
+        _linear_row_stats_kernel[(n_blocks, splits)](
+            hidden, weight, bias if bias is not None else hidden, inv_temp, m, s, t, t if q is None else q,
+            n, v, d, hidden.stride(0), weight.stride(0), per_split,
+            HAS_BIAS=bias is not None, SUM_P2=sum_p2, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
+            PRECISION=_precision(hidden.dtype),
+            num_warps=warps, num_stages=stages, enable_fp_fusion=False,
+        )
     return stats
 
 
@@ -323,27 +377,36 @@ def merge_stats(m: Tensor, s: Tensor, t: Tensor, q: Tensor | None = None) -> tup
 
 def linear_dense_grad(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: Tensor, inv_temp: Tensor,
                       lse: Tensor, coef: Tensor, dh: Tensor | None, dw: Tensor | None, db: Tensor | None, *,
-                      eps: float | None = None, tiles: tuple[int, int, int, int, int] | None = None) -> int:
+                      eps: float | None = None, tiles: tuple[int, int, int, int, int] | None = None) -> Tensor:
     """Add the dense gradient ``dz[n, v] = coef[n] exp(x[n, v] - lse[n])`` (for ``n`` in ``rows``) into fp32
-    accumulators ``dh [N, D]``, ``dw [V, D]``, ``db [V]`` (each may be None). Returns the number of tiles
-    skipped by the filter ``eps`` (None: no filtering)."""
+    accumulators ``dh [N, D]``, ``dw [V, D]``, ``db [V]`` (each may be None).
+
+    ``rows`` is best ordered with the rows whose ``coef`` is 0 last (:func:`rows_by_coef`): blocks of such rows
+    skip their matmuls. Returns the number of tiles skipped by the filter ``eps`` (None: no filtering) as a
+    ``[1]`` int32 tensor on the device (no host sync)."""
     r = rows.numel()
     v, d = weight.shape
     skipped = torch.zeros(1, dtype=torch.int32, device=hidden.device)
     if r == 0 or v == 0 or (dh is None and dw is None and db is None):
-        return 0
-    bn, bv, bd, warps, stages = _tiles(tiles)
+        return skipped
     dummy = inv_temp
     group_n = INTERPRETER_GROUP_N if interpreting() else GPU_GROUP_N
-    _linear_dense_grad_kernel[(triton.cdiv(r, bn) * triton.cdiv(v, bv),)](
-        hidden, weight, bias if bias is not None else hidden, rows, inv_temp, lse, coef,
-        dh if dh is not None else dummy, dw if dw is not None else dummy, db if db is not None else dummy, skipped,
-        r, v, d, hidden.stride(0), weight.stride(0), float(eps or 0.0),
-        HAS_BIAS=bias is not None, NEED_H=dh is not None, NEED_W=dw is not None, NEED_B=db is not None,
-        FILTER=bool(eps), BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, GROUP_N=group_n, PRECISION=_precision(hidden.dtype),
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False,
-    )
-    return int(skipped.item())
+    with _on(hidden.device):
+        bn, bv, bd, warps, stages = _tiles(tiles, hidden.dtype)
+        _linear_dense_grad_kernel[(triton.cdiv(r, bn) * triton.cdiv(v, bv),)](
+            hidden, weight, bias if bias is not None else hidden, rows, inv_temp, lse, coef,
+            dh if dh is not None else dummy, dw if dw is not None else dummy, db if db is not None else dummy,
+            skipped, r, v, d, hidden.stride(0), weight.stride(0), float(eps or 0.0),
+            HAS_BIAS=bias is not None, NEED_H=dh is not None, NEED_W=dw is not None, NEED_B=db is not None,
+            FILTER=bool(eps), BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, GROUP_N=group_n,
+            PRECISION=_precision(hidden.dtype), num_warps=warps, num_stages=stages, enable_fp_fusion=False,
+        )
+    return skipped
+
+
+def rows_by_coef(coef: Tensor) -> Tensor:
+    """All row indices, those with ``coef != 0`` first (in order), as int64: a stable sort, no host sync."""
+    return torch.argsort((coef == 0).to(torch.uint8), stable=True)
 
 
 def _gather_blocks(m: int, d: int) -> tuple[int, int]:
@@ -361,10 +424,12 @@ def gathered_dot(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tenso
     if n == 0 or m == 0:
         return out
     bm, bd = _gather_blocks(m, hidden.shape[1])
-    _gathered_dot_kernel[(n, triton.cdiv(m, bm))](
-        hidden, weight, bias if bias is not None else hidden, ids.contiguous(), out, m, hidden.shape[1],
-        hidden.stride(0), weight.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_D=bd,
-    )
+    with _on(hidden.device):
+        _gathered_dot_kernel[(n, triton.cdiv(m, bm))](
+            hidden, weight, bias if bias is not None else hidden, ids.contiguous(), out, m, hidden.shape[1],
+            hidden.stride(0), weight.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_D=bd,
+            enable_fp_fusion=True,
+        )
     return out
 
 
@@ -378,11 +443,13 @@ def gathered_grad(hidden: Tensor, weight: Tensor, ids: Tensor, dz: Tensor, dh: T
         return
     ids, dz = ids.contiguous(), dz.contiguous()
     bm, bd = _gather_blocks(m, d)
-    if dh is not None:
-        _gathered_grad_h_kernel[(n, triton.cdiv(d, bd))](weight, ids, dz, dh, m, d, weight.stride(0),
-                                                          BLOCK_M=bm, BLOCK_D=bd)
-    if dw is not None or db is not None:
-        _gathered_grad_w_kernel[(n, triton.cdiv(m, bm))](
-            hidden, ids, dz, dw if dw is not None else dz, db if db is not None else dz, m, d, hidden.stride(0),
-            NEED_W=dw is not None, NEED_B=db is not None, BLOCK_M=bm, BLOCK_D=bd,
-        )
+    with _on(hidden.device):
+        if dh is not None:
+            _gathered_grad_h_kernel[(n, triton.cdiv(d, bd))](weight, ids, dz, dh, m, d, weight.stride(0),
+                                                              BLOCK_M=bm, BLOCK_D=bd, enable_fp_fusion=True)
+        if dw is not None or db is not None:
+            _gathered_grad_w_kernel[(n, triton.cdiv(m, bm))](
+                hidden, ids, dz, dw if dw is not None else dz, db if db is not None else dz, m, d,
+                hidden.stride(0), NEED_W=dw is not None, NEED_B=db is not None, BLOCK_M=bm, BLOCK_D=bd,
+                enable_fp_fusion=True,
+            )

@@ -14,13 +14,20 @@ Two kernels, each a 1-D grid with one program per row (no 65,535 grid-dimension 
   scalar and ``lse [N]`` a per-row normaliser (``+inf`` = the dense part is zero: the row is not read).
   The output may be ``z`` itself (in-place).
 
-All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), and each output element is rounded once.
+  Repeated ids are summed outside the kernel, in ``O(M log M)`` per row (:func:`unique_ids`).
+
+All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), and each output element is rounded once. FMA
+contraction is on (set explicitly: Triton 3.10 changes the default), except in ``x = z * inv_temp``, which is
+rounded once as torch rounds it, so that the backward's ``exp(x - lse)`` reproduces the forward's statistics.
+Launches go to the tensors' device.
 Row offsets are 64-bit when ``N * row_stride`` reaches ``2**31``. The only extra memory is ``O(N M)``.
 
 These kernels know nothing about what the rows mean.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -32,8 +39,19 @@ _FP32_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
 #: Default tile widths: compiled (GPU) and interpreted (CPU, where each loop iteration costs milliseconds).
 _GPU_BLOCK, _GPU_WARPS = 4096, 8
 _INTERPRETER_BLOCK = 16384
-#: Ids handled per step of the exact scatter (rows of ids x columns of ids compared at once).
-_ID_CHUNK, _ID_CMP = 64, 32
+#: Ids handled per step of the scatter.
+_ID_CHUNK = 64
+#: FMA contraction, explicit (Triton 3.10 flips its default): on; the product that must stay rounded is pinned
+#: by :func:`_scaled`.
+_FP_FUSION = True
+
+
+@triton.jit
+def _scaled(z, it):
+    """``x = z * it`` rounded to fp32 once, as torch computes it: an explicit ``fma(z, it, 0)`` cannot be contracted
+    into what follows (``x - m``), so both kernels and the gathered values see the same ``x`` while the rest of the
+    arithmetic keeps FMA contraction (3 fewer instructions per element than turning it off)."""
+    return tl.fma(z.to(tl.float32), it, 0.0)
 
 
 @triton.jit
@@ -74,7 +92,7 @@ def _row_stats_kernel(
     q_acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, v_end, BLOCK):
         cols = start + cols0
-        x = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32) * it
+        x = _scaled(tl.load(row_ptr + cols, mask=cols < V, other=neg_inf), it)
         new_m = tl.maximum(m, tl.max(x, 0))
         ref = tl.where(new_m == neg_inf, 0.0, new_m)
         a = tl.exp(m - ref)  # 0 while m = -inf, 1 when the max did not move
@@ -111,7 +129,6 @@ def _row_grad_kernel(
     M,
     BLOCK: tl.constexpr,
     ID_CHUNK: tl.constexpr,
-    ID_CMP: tl.constexpr,
     INT64: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -131,22 +148,16 @@ def _row_grad_kernel(
     v_row = vals_ptr + row * M
     dt = out_ptr.dtype.element_ty
 
-    # 1. The complete value at every id, it * (sum of g over equal ids - G p), into the O(N M) scratch row.
-    #    Equal ids get equal values, so the final stores in step 3 may land in any order. This reads the
-    #    logits at the ids before step 2 can overwrite them (in-place).
+    # 1. The complete value at every id, it * (g - G p), into the O(N M) scratch row. The ids are unique (the
+    #    wrapper summed the g of equal ids), so the final stores in step 3 never race. This reads the logits at
+    #    the ids before step 2 can overwrite them (in-place).
     for c0 in range(0, M, ID_CHUNK):
         kc = c0 + tl.arange(0, ID_CHUNK)
         idc = tl.load(ids_row + kc, mask=kc < M, other=-1)
         ok = (idc >= 0) & (idc < V)
-        acc = tl.zeros([ID_CHUNK], tl.float32)
-        for k0 in range(0, M, ID_CMP):
-            kk = k0 + tl.arange(0, ID_CMP)
-            idk = tl.load(ids_row + kk, mask=kk < M, other=-1)
-            gk = tl.load(g_row + kk, mask=kk < M, other=0.0)
-            gk = tl.where((idk >= 0) & (idk < V), gk, 0.0)
-            acc += tl.sum(tl.where(idc[:, None] == idk[None, :], gk[None, :], 0.0), 1)
-        xk = tl.load(l_row + idc, mask=ok & (idc < v_read), other=neg_inf).to(tl.float32) * it
-        tl.store(v_row + kc, it * (acc - big_g * tl.exp(xk - lse)), mask=kc < M)
+        gk = tl.load(g_row + kc, mask=kc < M, other=0.0)
+        xk = _scaled(tl.load(l_row + idc, mask=ok & (idc < v_read), other=neg_inf), it)
+        tl.store(v_row + kc, it * (gk - big_g * tl.exp(xk - lse)), mask=kc < M)
     tl.debug_barrier()
 
     # 2. The dense part everywhere: one read, one write, rounded once to the output dtype.
@@ -154,7 +165,7 @@ def _row_grad_kernel(
     cols0 = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
         cols = start + cols0
-        x = tl.load(l_row + cols, mask=cols < v_read, other=neg_inf).to(tl.float32) * it
+        x = _scaled(tl.load(l_row + cols, mask=cols < v_read, other=neg_inf), it)
         tl.store(o_row + cols, (coef * tl.exp(x - lse)).to(dt), mask=cols < V)
     tl.debug_barrier()  # orders step 3's stores after step 2's within the program
 
@@ -191,6 +202,37 @@ def _vector(name: str, x: Tensor, n: int, dtype: torch.dtype, device: torch.devi
     if x.shape != (n,) or x.dtype != dtype or x.device != device:
         raise ValueError(f"{name} must be [{n}] {dtype} on {device}, got {tuple(x.shape)} {x.dtype} on {x.device}")
     return x.contiguous()
+
+
+def launch_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes ``device`` current for a launch (Triton launches on the current CUDA device and stream; a process may
+    drive several GPUs). A no-op off CUDA (the interpreter's CPU tensors, meta tensors)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def unique_ids(ids: Tensor, grad: Tensor, v: int) -> tuple[Tensor, Tensor]:
+    """Per row, the distinct ids in ``[0, v)`` with the sum of their ``grad``, then ``-1`` / 0 padding.
+
+    ``O(M log M)`` per row (a sort and a segmented sum), so the kernel needs no id-by-id comparison.
+
+    Args:
+        ids: ``[N, M]`` int64; ids outside ``[0, v)`` are dropped.
+        grad: ``[N, M]`` fp32.
+
+    Returns:
+        ``(ids [N, M] int64, grad [N, M] fp32)``, each distinct id once.
+    """
+    if ids.shape[1] == 0:
+        return ids, grad
+    ids = torch.where((ids >= 0) & (ids < v), ids, -1)
+    sorted_ids, order = ids.sort(dim=1)
+    g = torch.where(sorted_ids >= 0, grad.gather(1, order), 0.0)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    seg = first.cumsum(1) - 1  # the index of each entry's distinct id in its row
+    out_g = torch.zeros_like(g).scatter_add_(1, seg, g)
+    out_ids = torch.full_like(sorted_ids, -1).scatter_(1, seg, sorted_ids)  # equal values land on each slot
+    return out_ids, out_g
 
 
 def _tile(v: int, block: int | None, num_warps: int | None) -> tuple[int, int]:
@@ -239,11 +281,12 @@ def row_stats(
     if skip is not None:
         skip = _vector("skip", skip, n, torch.bool, dev).view(torch.uint8)
     block, num_warps = _tile(v, block, num_warps)
-    _row_stats_kernel[(n,)](
-        logits, logits.stride(0), inv_temp, skip if skip is not None else inv_temp, m, s, t,
-        q if q is not None else t, v, HAS_SKIP=skip is not None, SUM_P2=sum_p2, BLOCK=block,
-        INT64=_needs_int64(n, logits), num_warps=num_warps,
-    )  # fmt: skip
+    with launch_device(dev):
+        _row_stats_kernel[(n,)](
+            logits, logits.stride(0), inv_temp, skip if skip is not None else inv_temp, m, s, t,
+            q if q is not None else t, v, HAS_SKIP=skip is not None, SUM_P2=sum_p2, BLOCK=block,
+            INT64=_needs_int64(n, logits), num_warps=num_warps, enable_fp_fusion=_FP_FUSION,
+        )  # fmt: skip
     return stats
 
 
@@ -293,12 +336,13 @@ def row_grad(
     grad_sum = _vector("grad_sum", grad_sum, n, torch.float32, dev)
     if n == 0 or v == 0:
         return out
-    ids, grad = ids.contiguous(), grad.contiguous()
+    ids, grad = unique_ids(ids, grad, v)
     vals = torch.empty(n, mm, dtype=torch.float32, device=dev)
     block, num_warps = _tile(v, block, num_warps)
-    _row_grad_kernel[(n,)](
-        logits, logits.stride(0), out, out.stride(0), ids, grad, vals, inv_temp, lse, grad_sum, v, mm,
-        BLOCK=block, ID_CHUNK=_ID_CHUNK, ID_CMP=_ID_CMP, INT64=_needs_int64(n, logits, out, ids),
-        num_warps=num_warps,
-    )  # fmt: skip
+    with launch_device(dev):
+        _row_grad_kernel[(n,)](
+            logits, logits.stride(0), out, out.stride(0), ids, grad, vals, inv_temp, lse, grad_sum, v, mm,
+            BLOCK=block, ID_CHUNK=_ID_CHUNK, INT64=_needs_int64(n, logits, out, ids), num_warps=num_warps,
+            enable_fp_fusion=_FP_FUSION,
+        )  # fmt: skip
     return out

@@ -4,7 +4,8 @@ every backend): bf16 at a realistic size on a GPU, split statistics, the gradien
 Without a GPU they run in Triton's interpreter (see conftest.py) with fp32 and fp16 inputs only: the
 interpreter's bf16 ``tl.dot`` is wrong (ENVIRONMENT.md), so bf16 is checked on a GPU only. Shapes are tiny (the
 interpreter costs milliseconds per program and loop step). Tolerances: those of tests/test_linear_log_softmax.py
-(``linear_reference.TOL``); fp32 ``tl.dot`` runs with ``input_precision="ieee"``, so fp32 inputs keep fp32 accuracy.
+(``linear_reference.TOL``); fp32 ``tl.dot`` runs with ``input_precision="tf32x3"`` on a GPU (about fp32's accuracy;
+the interpreter multiplies in fp32).
 """
 
 from __future__ import annotations
@@ -80,6 +81,43 @@ def test_filter_skips_tiles_in_the_kernel():
     coef = torch.ones(n, device=DEVICE)
     assert K.linear_dense_grad(h, w, None, rows, inv, lse, coef, dh, None, None) == 0
     assert K.linear_dense_grad(h, w, None, rows, inv, lse, coef, dh, None, None, eps=2.0**-12) > 0
+
+
+def test_gpu_tiles_follow_the_device():
+    """One 16-bit tile everywhere; fp32 (tf32x3) gets a smaller one on an A100 (mma.sync) or a device with less
+    shared memory than the larger needs; a device with less than every tile needs gets the smallest."""
+    from offpolicy.kernels import linear_logsoftmax as K
+
+    assert K.gpu_tiles(2, 90, 232_448) == K.gpu_tiles(2, 100, 232_448) == K.gpu_tiles(2, 80, 166_912)
+    assert K.gpu_tiles(2, 80, 166_912) == (128, 128, 32, 8, 3)
+    assert K.gpu_tiles(4, 90, 232_448) == K.gpu_tiles(4, 100, 232_448) == (64, 64, 32, 8, 2)
+    assert K.gpu_tiles(4, 80, 166_912) == K.gpu_tiles(4, 90, 65_536) == (64, 64, 16, 4, 2)
+    for itemsize in (2, 4):
+        for tile, _, shared in K.GPU_TILES[itemsize]:
+            assert K.gpu_tiles(itemsize, 100, shared) in [t for t, *_ in K.GPU_TILES[itemsize]]
+
+
+def test_zero_coefficient_rows_go_last_and_cost_nothing():
+    """The backward takes every row, those with coef = 0 last (a sort, no host sync); a block of them adds nothing,
+    and the filtered-tile count stays on the device."""
+    from offpolicy.kernels import linear_logsoftmax as K
+
+    coef = torch.tensor([0.0, 2.0, 0.0, -1.0, 3.0, 0.0])
+    assert K.rows_by_coef(coef).tolist() == [1, 3, 4, 0, 2, 5]
+    gen = torch.Generator().manual_seed(5)
+    n, d, v = 40, 16, 256
+    h, w = torch.randn(n, d, generator=gen), torch.randn(v, d, generator=gen)
+    inv = torch.ones(n)
+    m, s, _ = K.merge_stats(*K.linear_row_stats(h, w, None, inv))
+    lse = m + s.log()
+    coef = torch.zeros(n)
+    coef[:5] = torch.randn(5, generator=gen)
+    dh_all, dh_some = torch.zeros(n, d), torch.zeros(n, d)
+    skipped = K.linear_dense_grad(h, w, None, K.rows_by_coef(coef), inv, lse, coef, dh_all, None, None)
+    assert isinstance(skipped, torch.Tensor) and int(skipped) == 0
+    K.linear_dense_grad(h, w, None, torch.arange(5), inv, lse, coef, dh_some, None, None)
+    torch.testing.assert_close(dh_all, dh_some, rtol=1e-6, atol=1e-6)
+    assert float(dh_all[5:].abs().sum()) == 0.0
 
 
 def test_float64_runs_on_the_torch_backend():

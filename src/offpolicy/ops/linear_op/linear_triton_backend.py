@@ -49,7 +49,8 @@ def full_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor,
 def backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, dz_ids: Tensor, inv_temp: Tensor,
              lse: Tensor, coef: Tensor | None, *, chunk_bytes: int, grad_filter: float | None = None,
              needs: tuple[bool, bool, bool] = (True, True, True)):
-    """``dh`` (fp32), ``dW`` (weight dtype), ``db`` (bias dtype) and the filtered-tile count (see the torch backend)."""
+    """``dh`` (fp32), ``dW`` (weight dtype), ``db`` (bias dtype) and the filtered-tile count (see the torch backend;
+    here a ``[1]`` int32 tensor on the device, so that nothing waits on the GPU)."""
     _require_16_32(hidden, weight, bias)
     hidden, weight = _unit(hidden), _unit(weight)
     n, d = hidden.shape
@@ -61,10 +62,11 @@ def backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, d
     dw = torch.zeros(v, d, dtype=torch.float32, device=dev) if need_w else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_b else None
     K.gathered_grad(hidden, weight, ids, dz_ids.float(), dh, dw, db)
-    skipped = 0
+    skipped = torch.zeros(1, dtype=torch.int32, device=dev)
     if coef is not None:
-        rows = (coef != 0).nonzero().squeeze(1)
-        skipped = K.linear_dense_grad(hidden, weight, bias, rows, inv_temp, lse, coef, dh, dw, db, eps=grad_filter)
+        # every row, those with coef = 0 last (their blocks skip the matmuls): no host sync to select them
+        skipped = K.linear_dense_grad(hidden, weight, bias, K.rows_by_coef(coef), inv_temp, lse, coef, dh, dw, db,
+                                      eps=grad_filter)
     dw = None if dw is None else dw.to(weight.dtype)
     db = None if db is None else db.to(bias.dtype)
     return dh, dw, db, skipped

@@ -1,0 +1,391 @@
+"""The prepared GPU run: every Triton kernel checked and measured on the GPU it runs on, with nothing to install.
+
+    PYTHONPATH=src python tools/gpu_check.py                 # from the checkout's root, on a GPU machine
+    python tools/gpu_check.py --dry-run --out /tmp/check     # anywhere: the interpreter at tiny shapes
+
+Needs torch and triton only (no install of offpolicy, no network): the checkout's ``src`` and ``kernels/`` are
+found in place. Records the device, driver, torch, CUDA and Triton versions, then, in a time budget (default 480 s):
+
+(a) correctness: ``sparse_log_softmax`` (head and support modes, forward and gradient) and
+    ``linear_sparse_log_softmax`` (forward, ``dh`` and ``dW``) on the Triton backend against float64 torch, in bf16
+    and fp32; the 64-bit offset path (``N V > 2**31``, rows at both ends against float64); the FP8 / NVFP4 / MXFP4
+    quantisers bit-exact against the torch reference (codes, scales and the decoded weights);
+(b) resources: each compiled kernel's registers, spills and shared memory as the driver reports them
+    (``n_regs``, ``n_spills``, ``metadata.shared``);
+(c) speed at the headline shapes (N = 16384, V = 151936, bf16; fused linear N = 8192, D = 4096): the measured
+    copy bandwidth and bf16 matmul rate of the device, offpolicy's forward + backward as a fraction of them (the
+    spec's ``3 V b`` bytes per token; ``8 N V D`` FLOPs), and the baselines a user would pick: dense torch,
+    ``torch.compile`` of it, Liger-Kernel where it imports.
+
+Writes ``gpu_check_<device>_<date>.json`` (``--out``, default benchmarks/results/) and exits 1 when any check
+failed (2 on bad usage). ``--dry-run`` sets ``TRITON_INTERPRET=1`` and runs every path on the CPU at tiny shapes
+(fp16 for bf16, which the interpreter cannot do); its numbers mean nothing (tests/ops/kernels/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _in_place() -> None:
+    """Import offpolicy from this checkout, and its ``kernels/`` as ``offpolicy.kernels`` when it is not installed."""
+    sys.path[:0] = [str(ROOT / "src")]
+    import offpolicy
+
+    try:
+        import offpolicy.kernels  # noqa: F401
+    except ImportError:
+        offpolicy.__path__.append(str(ROOT))  # offpolicy.kernels -> ROOT/kernels
+
+
+class Checks:
+    """Collects named results; a failed one (or one that raised) makes the run exit non-zero."""
+
+    def __init__(self, budget_s: float):
+        self.rows: list[dict] = []
+        self.start = time.perf_counter()
+        self.budget_s = budget_s
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.start > self.budget_s
+
+    def run(self, name: str, fn, *args) -> dict | None:
+        if self.out_of_time():
+            self.rows.append({"check": name, "ok": False, "error": "out of time"})
+            return None
+        t0 = time.perf_counter()
+        try:
+            res = fn(*args) or {}
+            ok = bool(res.pop("ok", True))
+            row = {"check": name, "ok": ok, **res}
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded, then the run goes on
+            row = {"check": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                   "trace": traceback.format_exc()[-3000:]}
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        self.rows.append(row)
+        print(("ok  " if row["ok"] else "FAIL"), name, row.get("error", ""), flush=True)
+        return row
+
+
+def _err(got, want) -> tuple[float, float]:
+    """Largest absolute error and the reference's largest magnitude, over finite reference entries."""
+    got, want = got.detach().double(), want.detach().double()
+    fin = want.isfinite()
+    same_inf = bool((got[~fin] == want[~fin]).all())
+    if not same_inf:
+        return float("inf"), 1.0
+    return float((got - want)[fin].abs().max()) if fin.any() else 0.0, float(want[fin].abs().max()) if fin.any() else 1.0
+
+
+def check_logits(dev, dtype, n, v, k, support, tol):
+    import torch
+
+    import offpolicy.ops as ops
+
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    z = (torch.randn(n, v, generator=gen) * 3).to(dev, dtype).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=gen).to(dev)
+    c = torch.randint(0, v, (n, k), generator=gen).to(dev)
+    if support:  # distinct ids per row, the target among them
+        c = torch.argsort(torch.rand(n, v, generator=gen), 1)[:, :k].to(dev)
+        y = c[:, 0].clone()
+    tau = 0.9
+    out = ops.sparse_log_softmax(z, y, c, tau, support=support, backend="triton")
+    gt, gc = torch.randn(n, generator=gen).to(dev), torch.randn(n, k, generator=gen).to(dev)
+    (gz,) = torch.autograd.grad((out.target * gt).sum() + (out.candidates * gc).sum(), z)
+    z64 = z.detach().double().requires_grad_()
+    x = z64 / tau
+    if support:
+        mask = torch.full_like(x, float("-inf")).scatter(1, c, 0.0)
+        x = x + mask
+    logp = torch.log_softmax(x, 1)
+    t64, c64 = logp.gather(1, y[:, None])[:, 0], logp.gather(1, c)
+    (g64,) = torch.autograd.grad((t64 * gt.double()).sum() + (c64 * gc.double()).sum(), z64)
+    res = {}
+    for name, got, want, rel in (("target", out.target, t64, False), ("candidates", out.candidates, c64, False),
+                                 ("grad", gz, g64, True)):
+        e, scale = _err(got, want)
+        res[f"{name}_err"] = e
+        res[f"{name}_ok"] = e <= (tol * scale if rel else tol) + 1e-6
+    res["ok"] = all(v_ for key, v_ in res.items() if key.endswith("_ok"))
+    return res
+
+
+def check_int64_rows(dev, dtype, v):
+    """N V > 2**31: the kernels switch to 64-bit row offsets; rows at both ends against float64."""
+    import torch
+
+    from offpolicy.kernels import logsoftmax as K
+
+    n = (2**31) // v + 64
+    z = torch.empty(n, v, dtype=dtype, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(3)
+    z.normal_(0, 3, generator=gen)
+    inv = torch.full((n,), 1 / 0.9, device=dev)
+    m, s, _ = K.row_stats(z, inv)
+    lse = m + s.log()
+    ids = torch.randint(0, v, (n, 8), device=dev, generator=gen)
+    g = torch.randn(n, 8, device=dev, generator=gen)
+    ends = {"first": slice(0, 32), "last": slice(n - 32, n)}
+    kept = {part: z[sl].double() / 0.9 for part, sl in ends.items()}  # the in-place gradient overwrites z
+    out = K.row_grad(z, ids, inv, lse, g, g.sum(1), z)  # in place: one [N, V] buffer
+    res = {"rows": n, "ok": True}
+    for part, sl in ends.items():
+        zz = kept[part]
+        lse64 = torch.logsumexp(zz, 1)
+        want = (torch.zeros_like(zz).scatter_add_(1, ids[sl], g[sl].double()) - g[sl].sum(1, keepdim=True).double()
+                * torch.exp(zz - lse64[:, None])) / 0.9
+        e_lse, _ = _err(lse[sl], lse64)
+        e_g, scale = _err(out[sl], want)
+        res[f"{part}_lse_err"], res[f"{part}_grad_err"] = e_lse, e_g
+        res["ok"] &= e_lse <= 1e-3 and e_g <= 2**-7 * scale + 1e-6
+    del z, out
+    torch.cuda.empty_cache()
+    return res
+
+
+def check_linear(dev, dtype, n, d, v, k, tol):
+    import torch
+
+    from offpolicy.ops import linear_sparse_log_softmax
+
+    gen = torch.Generator().manual_seed(11)
+    h = (torch.randn(n, d, generator=gen) / d**0.25).to(dev, dtype).requires_grad_()
+    w = (torch.randn(v, d, generator=gen) / d**0.25).to(dev, dtype).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=gen).to(dev)
+    c = torch.randint(0, v, (n, k), generator=gen).to(dev)
+    out = linear_sparse_log_softmax(h, w, y, c, 0.9, backend="triton")
+    gt = torch.randn(n, generator=gen).to(dev)
+    gh, gw = torch.autograd.grad((out.target * gt).sum() + out.candidates.sum(), [h, w])
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    logp = torch.log_softmax(h64 @ w64.T / 0.9, 1)
+    t64, c64 = logp.gather(1, y[:, None])[:, 0], logp.gather(1, c)
+    gh64, gw64 = torch.autograd.grad((t64 * gt.double()).sum() + c64.sum(), [h64, w64])
+    res = {}
+    for name, got, want, rel in (("target", out.target, t64, False), ("dh", gh, gh64, True), ("dw", gw, gw64, True)):
+        e, scale = _err(got, want)
+        res[f"{name}_err"] = e
+        res[f"{name}_ok"] = e <= (tol * scale if rel else tol) + 1e-6
+    res["ok"] = all(v_ for key, v_ in res.items() if key.endswith("_ok"))
+    return res
+
+
+def check_quant(dev, dtype, shape):
+    import torch
+
+    from offpolicy.fleet.quant import blockwise as B
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(*shape, generator=gen) * torch.logspace(-3, 3, shape[1])[None, :]).to(dev, dtype)
+    res = {"ok": True}
+    for fmt in ("fp8", "nvfp4", "mxfp4"):
+        a, b = B.quantize(x, fmt, backend="triton"), B.quantize(x, fmt, backend="torch")
+        same = torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales)
+        if a.tensor_scale is not None:
+            same = same and torch.equal(a.tensor_scale, b.tensor_scale)
+        back = torch.equal(B.dequantize(a, torch.float32, backend="triton"), B.dequantize(b, torch.float32))
+        res[f"{fmt}_bit_exact"], res[f"{fmt}_decode_exact"] = same, back
+        res["ok"] &= same and back
+    return res
+
+
+def kernel_resources() -> list[dict]:
+    """Every kernel compiled in this process, as the driver loaded it."""
+    from triton.runtime.jit import JITFunction
+
+    from offpolicy.kernels import blockwise_quant, linear_logsoftmax, logsoftmax
+
+    out = []
+    for mod in (logsoftmax, linear_logsoftmax, blockwise_quant):
+        for fn in vars(mod).values():
+            if isinstance(fn, JITFunction):
+                for cache in fn.device_caches.values():
+                    for k in cache[0].values():
+                        k._init_handles()
+                        out.append({"kernel": k.name, "registers": k.n_regs, "spills": k.n_spills,
+                                    "shared": k.metadata.shared, "num_warps": k.metadata.num_warps,
+                                    "num_stages": k.metadata.num_stages})
+    return out
+
+
+def timer(dev, warmup: int, reps: int):
+    import torch
+
+    def time_it(fn) -> dict:
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(reps):
+            if dev.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+        return {"median_s": statistics.median(ts), "best_s": min(ts), "spread_s": max(ts) - min(ts)}
+
+    return time_it
+
+
+def measure(dev, dry: bool) -> dict:
+    import torch
+
+    import offpolicy.ops as ops
+    from offpolicy.ops import linear_sparse_log_softmax
+
+    time_it = timer(dev, 1 if dry else 3, 2 if dry else 10)
+    out: dict = {}
+    nbytes = (16 << 20) if dry else (2 << 30)
+    src = torch.empty(nbytes // 4, device=dev)
+    t = time_it(lambda: src.clone())
+    out["copy_gbps"] = 2 * nbytes / t["median_s"] / 1e9
+    src = None  # free it before the next allocation
+    size = 128 if dry else 8192
+    mdt = torch.float32 if dry else torch.bfloat16
+    a, b = torch.randn(size, size, device=dev, dtype=mdt), torch.randn(size, size, device=dev, dtype=mdt)
+    t = time_it(lambda: a @ b)
+    out["matmul_tflops"] = 2 * size**3 / t["median_s"] / 1e12
+    a = b = None
+
+    n, v, k = (16, 512, 8) if dry else (16384, 151936, 256)
+    dtype = torch.float16 if dry else torch.bfloat16
+    z = torch.randn(n, v, device=dev, dtype=dtype).requires_grad_()
+    y = torch.randint(0, v, (n,), device=dev)
+    c = torch.randint(0, v, (n, k), device=dev)
+    per_token = 3 * v * z.element_size()  # docs/spec.md: one read forward, one read and one write backward
+
+    def ours():
+        o = ops.sparse_log_softmax(z, y, c, 0.9, backend="triton", validate=False)
+        torch.autograd.grad(o.target.sum() + o.candidates.sum(), z)
+
+    def dense(zz):
+        logp = torch.log_softmax(zz.float() / 0.9, 1)
+        return logp.gather(1, y[:, None]).sum() + logp.gather(1, c).sum()
+
+    compiled = torch.compile(dense, backend="eager" if dry else "inductor")
+    rows = {"offpolicy": ours, "torch_dense": lambda: torch.autograd.grad(dense(z), z),
+            "torch_compile": lambda: torch.autograd.grad(compiled(z), z)}
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+
+        rows["liger_cross_entropy_target_only"] = lambda: torch.autograd.grad(
+            liger_cross_entropy(z / 0.9, y, reduction="sum"), z)
+    except Exception as exc:  # noqa: BLE001 - not installed, or an API this script does not know
+        out["liger"] = f"not used: {type(exc).__name__}: {exc}"[:300]
+    logits = {}
+    for name, fn in rows.items():
+        try:
+            t = time_it(fn)
+            logits[name] = {**t, "gbps_3vb": n * per_token / t["median_s"] / 1e9,
+                            "copy_fraction": n * per_token / t["median_s"] / 1e9 / out["copy_gbps"]}
+        except Exception as exc:  # noqa: BLE001 - a baseline that fails is recorded, not fatal
+            logits[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    out["logits"] = {"N": n, "V": v, "K": k, "dtype": str(dtype), "bytes_per_token": per_token, "rows": logits}
+    z = None
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+    n, d, v = (16, 32, 256) if dry else (8192, 4096, 151936)
+    h = (torch.randn(n, d, device=dev, dtype=dtype) / d**0.25).requires_grad_()
+    w = (torch.randn(v, d, device=dev, dtype=dtype) / d**0.25).requires_grad_()
+    y = torch.randint(0, v, (n,), device=dev)
+    flops = 8 * n * v * d
+
+    def fused():
+        o = linear_sparse_log_softmax(h, w, y, None, 0.9, backend="triton", validate=False)
+        torch.autograd.grad(o.target.sum(), [h, w])
+
+    def dense_linear():
+        logp = torch.log_softmax((h @ w.T).float() / 0.9, 1)
+        torch.autograd.grad(logp.gather(1, y[:, None]).sum(), [h, w])
+
+    lin = {}
+    for name, fn in (("offpolicy", fused), ("torch_dense", dense_linear)):
+        try:
+            t = time_it(fn)
+            lin[name] = {**t, "tflops_8nvd": flops / t["median_s"] / 1e12,
+                         "matmul_fraction": flops / t["median_s"] / 1e12 / out["matmul_tflops"]}
+        except Exception as exc:  # noqa: BLE001
+            lin[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    out["linear"] = {"N": n, "D": d, "V": v, "dtype": str(dtype), "flops": flops, "rows": lin}
+    return out
+
+
+def versions(dev) -> dict:
+    import torch
+    import triton
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton.__version__, "device": "cpu (interpreter)" if dev.type == "cpu" else
+            torch.cuda.get_device_name(dev)}  # fmt: skip
+    if dev.type == "cuda":
+        info["capability"] = list(torch.cuda.get_device_capability(dev))
+        info["driver"] = getattr(torch._C, "_cuda_getDriverVersion", lambda: None)()
+        props = torch.cuda.get_device_properties(dev)
+        info["sms"], info["memory_gib"] = props.multi_processor_count, round(props.total_memory / 2**30, 1)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the JSON")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting checks after this many seconds")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    _in_place()
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (use --dry-run for the interpreter)", file=sys.stderr)
+        return 2
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    dry = args.dry_run
+    checks = Checks(args.budget_s)
+    info = versions(dev)
+    print(json.dumps(info), flush=True)
+    dtypes = [("fp16" if dry else "bf16", torch.float16 if dry else torch.bfloat16, 2e-2, 2**-6),
+              ("fp32", torch.float32, 1e-4, 1e-4)]
+    for name, dtype, tol_fwd, tol_grad in dtypes:
+        n, v, k = (6, 300, 5) if dry else (512, 151936, 64)
+        for support in (False, True):
+            mode = "support" if support else "head"
+            checks.run(f"logits[{name},{mode}]", lambda: check_logits(dev, dtype, n, v, k, support, tol_fwd))
+        n, d, v = (12, 32, 200) if dry else (1024, 1024, 32768)
+        checks.run(f"linear[{name}]", lambda: check_linear(dev, dtype, n, d, v, 4, max(tol_fwd, tol_grad)))
+        checks.run(f"quantisers[{name}]", lambda: check_quant(dev, dtype, (128, 128) if dry else (4096, 4096)))
+    if not dry:
+        checks.run("logits[bf16] 64-bit offsets", lambda: check_int64_rows(dev, torch.bfloat16, 151936))
+    checks.run("kernel resources", lambda: {"kernels": kernel_resources()} if not dry else {"interpreted": True})
+    perf = checks.run("speed", lambda: measure(dev, dry))
+    stamp = dt.datetime.now(dt.timezone.utc)
+    label = "".join(ch if ch.isalnum() else "_" for ch in info["device"]).strip("_")
+    path = Path(args.out) / f"gpu_check_{label}_{stamp:%Y%m%d_%H%M}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    failed = [r["check"] for r in checks.rows if not r["ok"]]
+    path.write_text(json.dumps({"date": stamp.isoformat(), "dry_run": dry, "versions": info, "failed": failed,
+                                "seconds": round(time.perf_counter() - checks.start, 1), "checks": checks.rows,
+                                "perf": perf}, indent=1, default=str))  # fmt: skip
+    print(f"gpu_check: {len(checks.rows) - len(failed)} ok, {len(failed)} failed -> {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
