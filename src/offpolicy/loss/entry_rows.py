@@ -30,21 +30,22 @@ class EntryRows:
     row_index: Tensor | None
     n: int
     offsets: Tensor | None = None
+    csr: CSRCandidates | None = None
 
     @classmethod
     def of(cls, record: Record) -> "EntryRows":
         if isinstance(record, CSRCandidates):
-            return cls(None, record.num_rows, record.offsets.to(torch.int64))
+            return cls(None, record.num_rows, record.offsets.to(torch.int64), record)
         return cls(None, record.num_rows)
 
     @cached_property
     def row(self) -> Tensor | None:
-        """``[nnz]`` int64 row of each entry (CSR), None (padded)."""
-        if self.row_index is not None or self.offsets is None:
+        """``[nnz]`` int64 row of each entry (CSR), None (padded). Formed by the record's own
+        :meth:`~offpolicy.records.csr_candidates.CSRCandidates.row_index` (a binary search, memory-safe on any
+        offsets, even ones changed in place after the record was built and checked)."""
+        if self.row_index is not None or self.csr is None:
             return self.row_index
-        lengths = self.offsets[1:] - self.offsets[:-1]
-        return torch.repeat_interleave(torch.arange(self.n, device=self.offsets.device), lengths,
-                                       output_size=int(self.offsets[-1]))
+        return self.csr.row_index()
 
     def sizes(self, record: Record) -> Tensor:
         """``[N]`` int64 entries per row of ``record`` (this layout's): the CSR offsets' differences (``O(N)``), or
