@@ -110,6 +110,14 @@ _CHILD = textwrap.dedent("""
                 outcome(f"policy_loss {backend} validate={validate} sc={sc}", lambda: op.policy_loss(
                     z.clone().requires_grad_(), y, lq, adv, rec, backend=backend, correction=corr,
                     validate=validate).loss.backward())
+    # a support record takes the fused support pass (its C loops index by the offsets): the same in-place change
+    sup = op.CSRCandidates(torch.arange(12) % v, torch.arange(0, 13, 2), torch.full((12,), -0.6931), "support")
+    sup.offsets[3] = 2**40
+    for backend in ("cpu", "torch"):
+        for validate in (True, False):
+            outcome(f"support policy_loss {backend} validate={validate}", lambda: op.policy_loss(
+                z.clone().requires_grad_(), torch.arange(0, 12, 2), lq, adv, sup, backend=backend,
+                validate=validate).loss.backward())
     outcome("policy_loss_from_logprobs", lambda: op.policy_loss_from_logprobs(
         torch.full((n,), -1.0), lq, adv, rec, torch.full((6,), -1.0), validate=False))
     print("done", flush=True)
@@ -124,5 +132,7 @@ def test_mutated_offsets_never_reach_memory():
     assert lines["take_rows"].startswith("ValueError candidates.offsets must be non-decreasing")
     assert lines["cat"].startswith("ValueError candidates.offsets must be non-decreasing")
     assert lines["validate"].startswith("ValueError candidates.offsets must be non-decreasing")
-    for key in ("policy_loss cpu validate=True sc=False", "policy_loss torch validate=True sc=True"):
+    assert lines["support policy_loss cpu validate=False"].startswith("ValueError candidates.offsets must"), lines
+    for key in ("policy_loss cpu validate=True sc=False", "policy_loss torch validate=True sc=True",
+                "support policy_loss cpu validate=True"):
         assert lines[key].startswith("ValueError candidates.offsets must be non-decreasing"), lines[key]

@@ -10,9 +10,8 @@ from offpolicy.records.csr_candidates import CSRCandidates
 
 
 def entry_rows(c: CSRCandidates) -> Tensor:
-    """``[nnz]`` int64 the row (token) of each entry (offsets checked by ``schema.check_csr`` first)."""
-    off = c.offsets.long()
-    return torch.repeat_interleave(torch.arange(c.num_rows), off[1:] - off[:-1], output_size=c.nnz)
+    """``[nnz]`` int64 the row (token) of each entry: the record's own memory-safe ``row_index``."""
+    return c.row_index()
 
 
 def row_sum(values: Tensor, row: Tensor, n: int) -> Tensor:

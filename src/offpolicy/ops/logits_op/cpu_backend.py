@@ -207,6 +207,16 @@ def _support_kernels(logits: Tensor):
     return lib, suffix
 
 
+def _check_support_offsets(offsets: Tensor, nnz: int, n: int) -> None:
+    """The C support loops index ``ids`` and the ``[nnz]`` outputs by ``offsets`` without bounds: refuse offsets
+    that are not ``0 = offsets[0] <= ... <= offsets[n] = nnz`` (a record's offsets changed in place after its
+    construction check, then used with ``validate=False``). ``O(N)`` on CPU tensors, before any native call."""
+    if offsets.numel() != n + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != nnz or \
+            bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"candidates.offsets must start at 0, end at nnz = {nnz} and never decrease over {n} rows "
+                         "(were they changed in place after the record was built?)")
+
+
 def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor,
                   skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The contract of :func:`torch_backend.support_stats` in C: per row, one gather of its support's logits into
@@ -224,6 +234,7 @@ def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor
         return (torch.full((nnz,), -float("inf"), dtype=torch.float32),
                 torch.full((n,), float("inf"), dtype=torch.float32), torch.zeros(n, dtype=torch.float32))
     offsets, ids = offsets.to(torch.int64).contiguous(), ids.to(torch.int64).contiguous()
+    _check_support_offsets(offsets, nnz, n)
     it = inv_temp.float().contiguous()
     sk = None if skip is None else skip.to(torch.uint8).contiguous()
     mz, s, t2 = (torch.empty(n, dtype=torch.float32) for _ in range(3))
@@ -276,6 +287,7 @@ def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_t
     if rows.numel() == 0:
         return out
     offsets, ids = offsets.to(torch.int64).contiguous(), ids.to(torch.int64).contiguous()
+    _check_support_offsets(offsets, ids.numel(), n)
     tok = tokens.to(torch.int64).contiguous()
     it = inv_temp.float().contiguous()
     lp = lp.float().contiguous()
