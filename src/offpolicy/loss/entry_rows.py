@@ -8,8 +8,7 @@ whose reductions are ``index_add_`` over the row index: ``O(nnz)`` work and ``[N
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -31,6 +30,9 @@ class EntryRows:
     n: int
     offsets: Tensor | None = None
     csr: CSRCandidates | None = None
+    #: The lazily formed row index (a dict, not ``functools.cached_property``, whose lock ``torch.compile`` cannot
+    #: trace on Python 3.11).
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, record: Record) -> "EntryRows":
@@ -38,14 +40,16 @@ class EntryRows:
             return cls(None, record.num_rows, record.offsets.to(torch.int64), record)
         return cls(None, record.num_rows)
 
-    @cached_property
+    @property
     def row(self) -> Tensor | None:
         """``[nnz]`` int64 row of each entry (CSR), None (padded). Formed by the record's own
         :meth:`~offpolicy.records.csr_candidates.CSRCandidates.row_index` (a binary search, memory-safe on any
         offsets, even ones changed in place after the record was built and checked)."""
         if self.row_index is not None or self.csr is None:
             return self.row_index
-        return self.csr.row_index()
+        if "row" not in self._cache:
+            self._cache["row"] = self.csr.row_index()
+        return self._cache["row"]
 
     def sizes(self, record: Record) -> Tensor:
         """``[N]`` int64 entries per row of ``record`` (this layout's): the CSR offsets' differences (``O(N)``), or
