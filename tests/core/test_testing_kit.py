@@ -459,7 +459,7 @@ def test_pyargs_entry_points_at_user_functions(tmp_path):
     """`pytest --pyargs offpolicy.testing` from a user's directory, pointed at two functions at once (two
     invariants each, to keep the subprocess short)."""
     env = {"OFFPOLICY_LOSS": "mutants:correct_mis_support, mutants:unweighted_mis_support",
-           "OFFPOLICY_MAX_EXAMPLES": "8", "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
+           "OFFPOLICY_MAX_EXAMPLES": "40", "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "--pyargs", "offpolicy.testing", "-q", "-p", "no:cacheprovider", "-rfE",
          "-k", "zero_drift or sampler_no_grad"],

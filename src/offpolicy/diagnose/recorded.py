@@ -387,7 +387,10 @@ def _stored_candidates(path: str | Path, t: dict[str, Tensor], kind: str) -> CSR
         return Candidates(ids, lps.float(), kind)
     if ids.dim() != 1 or off.dim() != 1 or off.dtype not in (torch.int32, torch.int64) or off.numel() == 0:
         raise RolloutsError(f"{path}, tensor 'candidate_offsets': int [N + 1] beside 1-D candidate_ids expected")
-    return CSRCandidates(ids, off, lps.float(), kind)
+    try:  # the record checks its offsets where it is built: name the file and tensor
+        return CSRCandidates(ids, off, lps.float(), kind)
+    except (ValueError, TypeError) as e:
+        raise RolloutsError(f"{path}, tensor 'candidate_offsets': {e}") from None
 
 
 def load_rollouts(path: str | Path) -> RecordedRollouts:
