@@ -155,23 +155,26 @@ def _linear_dense_grad_kernel(
     rows = tl.load(rows_ptr + slot, mask=slot_ok, other=0)
     coef = tl.load(coef_ptr + rows, mask=slot_ok, other=0.0)
     # A block of rows with coef = 0 adds nothing: the wrapper orders those rows last (no host sync to drop them),
-    # so whole blocks of them skip both matmuls here.
+    # so whole blocks of them skip both matmuls here. In a block that mixes them with live rows, a coef = 0 row is
+    # masked like a row past the end: its hidden state (untrained rows may hold NaN / inf) is never read, so it adds
+    # exactly 0 to dh and dW.
+    live = slot_ok & (coef != 0.0)
     if tl.max(tl.abs(coef)) > 0.0:
         cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
-        z = _logits_tile(h_ptr, w_ptr, rows, cols, slot_ok, col_ok, D, stride_h, stride_w,
+        z = _logits_tile(h_ptr, w_ptr, rows, cols, live, col_ok, D, stride_h, stride_w,
                          BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
         if HAS_BIAS:
             z += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         it = tl.load(inv_temp_ptr + rows, mask=slot_ok, other=1.0)
         lse = tl.load(lse_ptr + rows, mask=slot_ok, other=float("inf"))
-        ok = slot_ok[:, None] & col_ok[None, :]
+        ok = live[:, None] & col_ok[None, :]
         p = tl.where(ok, tl.exp(z * it[:, None] - lse[:, None]), 0.0)
         keep = True
         if FILTER:
             keep = tl.max(p) >= eps  # one reduction: a nested one fails to compile on sm_100 (Triton 3.6, 3.7)
         if keep:
-            _dense_grad_tile(h_ptr, w_ptr, dh_ptr, dw_ptr, db_ptr, rows, cols, slot_ok, col_ok, coef[:, None] * p, D,
+            _dense_grad_tile(h_ptr, w_ptr, dh_ptr, dw_ptr, db_ptr, rows, cols, live, col_ok, coef[:, None] * p, D,
                              stride_h, stride_w, NEED_H, NEED_W, NEED_B, BLOCK_D, PRECISION)
         else:
             tl.atomic_add(skipped_ptr, 1, sem="relaxed")
