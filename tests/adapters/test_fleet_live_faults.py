@@ -174,7 +174,7 @@ def test_a_corrupt_floor_version_waits_for_the_next_publish_or_is_named(tmp_path
         made[n][0].sync = CorruptAt(made[n][0], bad=1)
     fleet.rollout([[1]] * 2, SP)
     fleet.publish(W, 1)
-    with pytest.raises(RuntimeError, match=r"no engine group could serve 2 sessions for 0.\d s: 'a': serves 0, below 1"):
+    with pytest.raises(RuntimeError, match=r"no engine group could serve 2 sessions for \d+\.\d s: 'a': serves 0, below 1; 'b': serves 0, below 1"):
         fleet.rollout([[1]] * 2, SP)
     kinds = sorted((e.kind, e.group) for e in fleet.events)
     assert kinds == [("load_failed", "a"), ("load_failed", "b"), ("stale", "a"), ("stale", "b")]

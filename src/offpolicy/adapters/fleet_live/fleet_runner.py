@@ -474,7 +474,7 @@ class LiveFleet:
                 f"rollout: waited {now - r.stuck_since:.0f} s for version {r.floor} (trained_at {trained_at} - "
                 f"max_staleness {self.max_staleness}); the trainer has published {self.version}: publish it, or "
                 "raise max_staleness")
-        why = "; ".join(f"{n!r}: {w}" for n, w in r.blocked.items()) or "no group is free"
+        why = "; ".join(f"{n!r}: {w}" for n, w in sorted(r.blocked.items())) or "no group is free"
         raise RuntimeError(f"rollout: no engine group could serve {len(r.pending)} sessions for "
                            f"{now - r.stuck_since:.1f} s: {why}")
 
