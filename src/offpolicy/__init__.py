@@ -13,6 +13,7 @@ from offpolicy import advantages
 from offpolicy.corrections import Correction, KLPenalty, KLRejection, RatioRejection, TrustRegion
 from offpolicy.loss import PolicyLossOutput, policy_loss, policy_loss_from_logprobs
 from offpolicy.loss.proximal import interpolated_proximal_logprobs
+from offpolicy.loss.route_metrics import route_agreement
 from offpolicy.records import Candidates, CSRCandidates, RoutedExperts, TokenBatch, route_flips
 from offpolicy.ops import SparseLogSoftmax, sparse_log_softmax
 
@@ -34,6 +35,7 @@ __all__ = [
     "interpolated_proximal_logprobs",
     "policy_loss",
     "policy_loss_from_logprobs",
+    "route_agreement",
     "route_flips",
     "sparse_log_softmax",
 ]

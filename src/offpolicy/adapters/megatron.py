@@ -43,6 +43,7 @@ from torch import Tensor
 from offpolicy.loss.aggregation import SEQUENCE_AGGREGATIONS
 from offpolicy.records.candidates import Candidates
 from offpolicy.records.csr_candidates import CSRCandidates
+from offpolicy.records.routed_experts import RoutedExperts
 from offpolicy.corrections.correction import Correction
 from offpolicy.loss.logits import policy_loss
 from offpolicy.loss.metrics import token_stats
@@ -159,6 +160,25 @@ def split_csr_for_context_parallel(
         raise TypeError(f"record must be an offpolicy.CSRCandidates, got {type(record).__name__}")
     if record.num_rows != b * s:
         raise ValueError(f"record must hold b * s = {b} * {s} = {b * s} rows (one per token), got {record.num_rows}")
+    if cp_size == 1:
+        return record
+    device = record.ids.device
+    idx = _cp_index(s, cp_size, cp_rank, cu_seqlens_padded, device)
+    rows = torch.arange(b, device=device)[:, None] * s + idx[None, :]
+    return record.take_rows(rows.reshape(-1))
+
+
+def split_routes_for_context_parallel(
+    record: RoutedExperts, b: int, s: int, cp_size: int, cp_rank: int, cu_seqlens_padded: Tensor | None = None
+) -> RoutedExperts:
+    """This context-parallel rank's share of a routing record (:class:`~offpolicy.RoutedExperts`) over a ``[b, s]``
+    micro-batch: ``record`` holds one token row per position, ``b * s`` rows in ``[b, s]`` order (padded
+    positions marked ``valid`` False); the result holds the rows of the positions :func:`split_for_context_parallel`
+    keeps (the same zigzag or ``thd`` index), ``b * s / cp`` rows in this rank's ``[b, s / cp]`` order, dense or CSR
+    as given, with their ``valid`` and router weights."""
+    if not isinstance(record, RoutedExperts):
+        raise TypeError(f"record must be an offpolicy.RoutedExperts, got {type(record).__name__}")
+    record.check_aligned(b * s, f"positions of the [b, s] = [{b}, {s}] micro-batch")
     if cp_size == 1:
         return record
     device = record.ids.device

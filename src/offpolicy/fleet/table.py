@@ -14,6 +14,13 @@ Definitions (docs/spec.md#metrics; ``log r = log p - lq`` clamped to ``[-20, 20]
 ``share_tokens`` its share of trained tokens, ``share_extreme`` its share of all tokens whose ratio lies
 outside ``[0.2, 5]``, ``extreme_frac`` the fraction of its own tokens that are extreme, ``kl_k1`` /
 ``kl_k2`` / ``kl_k3`` Schulman's estimators of KL(q || p) averaged over its tokens.
+
+Route agreement (mixture-of-experts fleets, docs/routing.md#agreement-metrics), when routes are given (per-token
+``route_flips`` to :meth:`FleetMetrics.update`, or the ``group/{g}/route_*`` keys of
+:func:`offpolicy.route_agreement` in the metrics): ``route_tokens`` the tokens compared, ``route_flip_layers_mean``
+the mean number of MoE layers whose expert set differs between the group's sampler and the trainer,
+``route_any_flip_frac`` the share of its tokens with at least one flipped layer. The table shows these columns only
+when some group has routes; a group without is ``None`` there (``nan`` in :meth:`FleetTable.to_dict`).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from offpolicy.corrections.weights import kl_estimate
 #: log-ratios are clamped to this magnitude, as ``Correction.max_log_ratio`` does by default.
 MAX_LOG_RATIO = 20.0
 _KEY = re.compile(r"^group/(-?\d+)/(\w+)$")
-_SUMS = ("tokens", "extreme", "k1", "k2", "k3", "abs_lr", "sequences")
+_SUMS = ("tokens", "extreme", "k1", "k2", "k3", "abs_lr", "sequences", "route_tokens", "route_flips", "route_any")
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,9 @@ class GroupRow:
     kl_k3: float
     abs_log_ratio_mean: float
     abs_log_ratio_max: float
+    route_tokens: int = 0
+    route_flip_layers_mean: float | None = None
+    route_any_flip_frac: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,19 +82,34 @@ class FleetTable:
         for row in [*self.rows, self.total]:
             for m in self._METRICS:
                 out[f"{prefix}/{row.name}/{m}"] = float(getattr(row, m))
+            if self.has_routes:
+                for m in ("route_tokens", "route_flip_layers_mean", "route_any_flip_frac"):
+                    v = getattr(row, m)
+                    out[f"{prefix}/{row.name}/{m}"] = math.nan if v is None else float(v)
         return out
+
+    @property
+    def has_routes(self) -> bool:
+        """Whether any group's routes were compared (the route columns are shown)."""
+        return self.total.route_tokens > 0
 
     def format(self) -> str:
         """A fixed-width text table, one line per group and a final ``all`` line."""
         head = ("group", "accelerator", "weights", "kv", "samples", "tokens", "extreme", "extr.frac",
                 "KL k1", "KL k3", "|log r|")
+        if self.has_routes:
+            head = (*head, "flip layers", "any flip")
         lines = [head]
         for r in [*self.rows, self.total]:
-            lines.append((
+            line = (
                 r.name, r.accelerator, r.weight_format, r.kv_format,
                 f"{100 * r.share_samples:.1f}%", f"{100 * r.share_tokens:.1f}%", f"{100 * r.share_extreme:.1f}%",
                 f"{100 * r.extreme_frac:.3f}%", f"{r.kl_k1:.2e}", f"{r.kl_k3:.2e}", f"{r.abs_log_ratio_mean:.2e}",
-            ))
+            )
+            if self.has_routes:
+                line = (*line, "-" if r.route_flip_layers_mean is None else f"{r.route_flip_layers_mean:.3f}",
+                        "-" if r.route_any_flip_frac is None else f"{100 * r.route_any_flip_frac:.1f}%")
+            lines.append(line)
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
         text = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
                 for line in lines]
@@ -122,6 +147,8 @@ class FleetMetrics:
         trainer_logprobs: Tensor,
         mask: Tensor | None = None,
         seq_ids: Tensor | None = None,
+        route_flips: Tensor | None = None,
+        route_valid: Tensor | None = None,
     ) -> None:
         """Add one batch of sampled tokens.
 
@@ -131,6 +158,9 @@ class FleetMetrics:
             trainer_logprobs: ``[N]`` float ``log p`` of the same tokens (under the same support when replayed).
             mask: ``[N]`` bool trained tokens (default all).
             seq_ids: ``[N]`` int sequence id of each token, for ``share_samples`` by sequence.
+            route_flips: ``[N]`` int flipped MoE layers of each token (:func:`offpolicy.route_flips`), for the
+                route-agreement columns; counted over ``mask`` tokens with ``route_valid``.
+            route_valid: ``[N]`` bool tokens whose routes were compared (default all; padded routes: False).
         """
         n = groups.shape[0] if isinstance(groups, Tensor) else -1
         for name, t in (("groups", groups), ("sampler_logprobs", sampler_logprobs),
@@ -154,6 +184,19 @@ class FleetMetrics:
             if seq_ids.shape != (n,):
                 raise ValueError(f"seq_ids must be [N] with N={n}, got {tuple(seq_ids.shape)}")
             self._seq_total += float(torch.unique(seq_ids[mask]).numel())
+        flips = None
+        if route_flips is not None:
+            if not isinstance(route_flips, Tensor) or route_flips.shape != (n,) or route_flips.is_floating_point() \
+                    or route_flips.dtype == torch.bool:
+                raise ValueError(f"route_flips must be an integer tensor [N] with N={n}, got "
+                                 f"{getattr(route_flips, 'dtype', type(route_flips))} of shape "
+                                 f"{tuple(getattr(route_flips, 'shape', ()))}")
+            if n and int(route_flips.min()) < 0:
+                raise ValueError("route_flips must be >= 0 (flipped layers per token)")
+            flips = route_flips.to(torch.float64)
+            rmask = mask if route_valid is None else mask & route_valid.to(torch.bool)
+            if rmask.shape != (n,):
+                raise ValueError(f"route_valid must be [N] with N={n}, got {tuple(route_valid.shape)}")
         for g in range(len(self.groups)):
             sel = mask & (groups == g)
             x = lr[sel]
@@ -168,6 +211,11 @@ class FleetMetrics:
                 self._max[g] = max(self._max[g], float(x.abs().max()))
             if seq_ids is not None:
                 s["sequences"][g] += float(torch.unique(seq_ids[sel]).numel())
+            if flips is not None:
+                rsel = rmask & (groups == g)
+                s["route_tokens"][g] += float(rsel.sum())
+                s["route_flips"][g] += float(flips[rsel].sum())
+                s["route_any"][g] += float((flips[rsel] > 0).sum())
 
     def update_from_metrics(self, metrics: Mapping[str, Tensor | float]) -> None:
         """Add one step from ``op.policy_loss(..., groups=...).metrics`` (keys ``group/{g}/<name>``).
@@ -181,6 +229,8 @@ class FleetMetrics:
             m = _KEY.match(key)
             if m:
                 per.setdefault(int(m.group(1)), {})[m.group(2)] = float(value)
+        # groups that carry only route keys (route_agreement's dict alone) add no token statistics
+        routes_only = {g for g, v in per.items() if "num_tokens" not in v and "route_tokens" in v}
         if not per:
             raise ValueError("metrics hold no 'group/{g}/<name>' keys: was policy_loss called with groups=?")
         needed = ("num_tokens", "extreme_ratio_frac", "kl_k1", "kl_k2", "kl_k3", "abs_log_ratio_mean",
@@ -188,23 +238,35 @@ class FleetMetrics:
         for g, vals in per.items():
             if not 0 <= g < len(self.groups):
                 raise ValueError(f"metrics name group {g}, but the fleet has {len(self.groups)} groups")
+            if g in routes_only:
+                continue
             missing = [k for k in needed if k not in vals]
             if missing:
                 raise ValueError(f"metrics for group {g} lack {missing}")
         seq_mode = any(abs(v.get("share_samples", 0.0) - v.get("share_tokens", 0.0)) > 1e-12 for v in per.values())
         for g, v in per.items():
-            n = v["num_tokens"]
+            n = v.get("num_tokens", 0.0)
             s = self._sum
             s["tokens"][g] += n
-            s["extreme"][g] += round(v["extreme_ratio_frac"] * n)
-            s["k1"][g] += v["kl_k1"] * n
-            s["k2"][g] += v["kl_k2"] * n
-            s["k3"][g] += v["kl_k3"] * n
-            s["abs_lr"][g] += v["abs_log_ratio_mean"] * n
-            self._max[g] = max(self._max[g], v["abs_log_ratio_max"])
+            s["extreme"][g] += round(v.get("extreme_ratio_frac", 0.0) * n)
+            if g not in routes_only:
+                s["k1"][g] += v["kl_k1"] * n
+                s["k2"][g] += v["kl_k2"] * n
+                s["k3"][g] += v["kl_k3"] * n
+                s["abs_lr"][g] += v["abs_log_ratio_mean"] * n
+                self._max[g] = max(self._max[g], v["abs_log_ratio_max"])
             if seq_mode:
                 # sequence counts are not in the dict; accumulate shares per step (a mean over steps)
                 s["sequences"][g] += v.get("share_samples", 0.0)
+            if "route_tokens" in v:
+                # route_agreement's keys (offpolicy.loss.route_metrics), merged into the metrics dict
+                for key in ("route_flip_layers_mean", "route_any_flip_frac"):
+                    if key not in v:
+                        raise ValueError(f"metrics for group {g} have route_tokens but lack {key}")
+                m = v["route_tokens"]
+                s["route_tokens"][g] += m
+                s["route_flips"][g] += v["route_flip_layers_mean"] * m
+                s["route_any"][g] += round(v["route_any_flip_frac"] * m)
         if seq_mode:
             self._seq_total += 1.0
 
@@ -230,6 +292,7 @@ class FleetMetrics:
                 kl_k3=s["k3"][g] / n if n else 0.0,
                 abs_log_ratio_mean=s["abs_lr"][g] / n if n else 0.0,
                 abs_log_ratio_max=self._max[g],
+                **_route_cols(s["route_tokens"][g], s["route_flips"][g], s["route_any"][g]),
             ))
         total = GroupRow(
             name="all", accelerator="", weight_format="", kv_format="", tokens=int(n_all),
@@ -241,8 +304,15 @@ class FleetMetrics:
             kl_k3=sum(s["k3"]) / n_all if n_all else 0.0,
             abs_log_ratio_mean=sum(s["abs_lr"]) / n_all if n_all else 0.0,
             abs_log_ratio_max=max(self._max),
+            **_route_cols(sum(s["route_tokens"]), sum(s["route_flips"]), sum(s["route_any"])),
         )
         return FleetTable(rows, total)
+
+
+def _route_cols(tokens: float, flips: float, anyflip: float) -> dict[str, object]:
+    if not tokens:
+        return {"route_tokens": 0, "route_flip_layers_mean": None, "route_any_flip_frac": None}
+    return {"route_tokens": int(tokens), "route_flip_layers_mean": flips / tokens, "route_any_flip_frac": anyflip / tokens}
 
 
 def fleet_table(
@@ -253,13 +323,16 @@ def fleet_table(
     mask: Tensor | None = None,
     seq_ids: Tensor | None = None,
     metrics: Mapping[str, Tensor | float] | None = None,
+    route_flips: Tensor | None = None,
+    route_valid: Tensor | None = None,
 ) -> FleetTable:
-    """One-shot table: from per-token arrays, or from a ``policy_loss`` metrics dict (``metrics=``)."""
+    """One-shot table: from per-token arrays (with ``route_flips`` for the route-agreement columns), or from a
+    ``policy_loss`` metrics dict (``metrics=``, merged with :func:`offpolicy.route_agreement`'s for routes)."""
     acc = FleetMetrics(groups)
     if metrics is not None:
         acc.update_from_metrics(metrics)
     else:
         if group_ids is None or sampler_logprobs is None or trainer_logprobs is None:
             raise ValueError("fleet_table needs group_ids, sampler_logprobs and trainer_logprobs, or metrics=")
-        acc.update(group_ids, sampler_logprobs, trainer_logprobs, mask, seq_ids)
+        acc.update(group_ids, sampler_logprobs, trainer_logprobs, mask, seq_ids, route_flips, route_valid)
     return acc.table()
