@@ -252,3 +252,28 @@ def test_token_batch_refuses_misaligned_routes():
 def test_meta_record_skips_value_checks():
     rec = RoutedExperts(torch.empty(3, 2, 2, dtype=torch.uint8, device="meta"), 8)
     assert rec.num_tokens == 3 and rec.nbytes == 12
+
+
+def test_engine_sentinel_on_padded_tokens_becomes_the_fill():
+    ids = torch.tensor([[[1, 2]], [[-1, -1]], [[3, 4]]])
+    valid = torch.tensor([True, False, True])
+    rec = RoutedExperts.from_ids(ids, 8, valid=valid)
+    assert rec.ids[1].tolist() == [[PAD_FILL, PAD_FILL]] and rec.to_csr().lengths.tolist() == [[2], [0], [2]]
+    with pytest.raises(ValueError, match="RoutedExperts.ids: expert id -1 is negative"):
+        RoutedExperts.from_ids(ids, 8)                                   # -1 on a token declared routed
+    with pytest.raises(ValueError, match="RoutedExperts.ids: padded token 1 .* stale"):
+        RoutedExperts.from_ids(torch.tensor([[[1, 2]], [[5, 6]], [[3, 4]]]), 8, valid=valid)
+
+
+def test_router_weights_travel_and_are_checked():
+    ids = torch.tensor([[[1, 2], [3, 4]], [[5, 6], [7, 0]]])
+    w = torch.tensor([[[0.6, 0.4], [0.5, 0.5]], [[0.9, 0.1], [0.7, 0.3]]], dtype=torch.bfloat16)
+    rec = RoutedExperts.from_ids(ids, 8, weights=w)
+    assert rec.nbytes == 8 + 16 and torch.equal(rec.to_csr().to_dense().weights, w)
+    assert torch.equal(rec.take_rows(torch.tensor([1])).weights, w[1:])
+    with pytest.raises(ValueError, match="RoutedExperts.weights: a negative router weight"):
+        RoutedExperts.from_ids(ids, 8, weights=-w)
+    with pytest.raises(ValueError, match="RoutedExperts.weights must have the shape of ids"):
+        RoutedExperts.from_ids(ids, 8, weights=w[:, :1])
+    with pytest.raises(ValueError, match="lacks router weights"):
+        RoutedExperts.cat([rec, RoutedExperts.from_ids(ids, 8)])
