@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from offpolicy import route_flips
 from offpolicy.adapters import sglang, vllm
 from offpolicy.adapters.common import RecordError, Trajectory, TurnRecord, collate
 from offpolicy.records.routed_experts import RoutedExperts
@@ -190,3 +191,25 @@ def test_turn_record_refuses_misaligned_routes():
     turn = _turn([1, 2], 3, ref, 0)
     with pytest.raises(ValueError, match="One row short"):
         turn.with_routes(turn.routes.take_rows(torch.arange(2)))
+
+
+def test_trainer_routes_gathered_at_the_sampled_positions_agree():
+    """The trainer's per-position routes of the padded batch, gathered by ``TokenBatch.gather_routes``, equal the
+    sampler's collated routes when both routed alike, and ``route_flips`` counts a planted flip at its token."""
+    b, length = 2, 24
+    ref = torch.as_tensor(np.stack([_positions(length, 30 + i) for i in range(b)]))
+    trajs = []
+    for i in range(b):
+        traj = Trajectory(list(range(4)))
+        traj.add_turn(_turn(traj.input_ids, 5 + i, ref[i].numpy(), seed=i))
+        trajs.append(traj)
+    _, batch = collate(trajs)
+    trainer = batch.gather_routes(ref, E)
+    assert torch.equal(trainer.ids, batch.routes.ids)
+    flipped = ref.clone()
+    r, c = int(batch.rows[3]), int(batch.cols[3]) - 1
+    flipped[r, c, 1] = torch.tensor([x for x in range(E) if x not in ref[r, c, 1].tolist()][:K])
+    assert route_flips(batch.routes, batch.gather_routes(flipped, E)).tolist() == [
+        1 if j == 3 else 0 for j in range(batch.tokens.shape[0])]
+    with pytest.raises(ValueError, match="ids must be"):
+        batch.gather_routes(ref[0], E)

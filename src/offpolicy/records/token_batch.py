@@ -53,3 +53,17 @@ class TokenBatch:
         if logits.dim() != 3:
             raise ValueError(f"logits must be [B, L, V], got shape {tuple(logits.shape)}")
         return logits[self.rows, self.cols - 1]
+
+    def gather_routes(self, ids: Tensor, num_experts: int, weights: Tensor | None = None) -> RoutedExperts:
+        """The trainer's routes at the positions that predicted each token, aligned with the sampler's
+        ``routes``: ``ids [B, L, layers, K]`` (any integer dtype, e.g. the top-k of each MoE layer's router logits
+        over the padded batch) picked at ``(rows, cols - 1)`` like :meth:`gather`, as a dense
+        :class:`RoutedExperts` of ``N`` rows (``weights [B, L, layers, K]`` float, optional); compare with
+        :func:`~offpolicy.records.routed_experts.route_flips`."""
+        if not isinstance(ids, Tensor) or ids.dim() != 4:
+            raise ValueError(f"ids must be [B, L, layers, K], got {getattr(ids, 'shape', type(ids))}")
+        if weights is not None and (not isinstance(weights, Tensor) or weights.shape != ids.shape):
+            raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got "
+                             f"{getattr(weights, 'shape', type(weights))}")
+        pick = (self.rows.to(ids.device), (self.cols - 1).to(ids.device))
+        return RoutedExperts.from_ids(ids[pick], num_experts, weights=None if weights is None else weights[pick])
