@@ -314,6 +314,20 @@ def _formats(formats: Mapping[str, str] | Sequence[SamplerGroup], names: tuple[s
     return {g: fmt[g] for g in names}, kv
 
 
+def check_plan(rollouts: RecordedRollouts, current_version: int, versions: Sequence[int] | Mapping[int, object],
+               formats: Mapping[str, str] | Sequence[SamplerGroup]) -> tuple[dict[str, str], dict[str, str]]:
+    """Check, before any model is loaded, that every recorded version other than the current one has weights
+    (``versions``) and every recorded group a format; returns ``({group: format}, {group: kv format})``. Raises
+    ``ValueError`` naming ``--version-weights`` or ``--group-format``."""
+    held = sorted(set(torch.unique(rollouts.versions).tolist()) - {-1, current_version})
+    missing = [v for v in held if v not in versions]
+    if missing:
+        raise ValueError(f"--version-weights: the record holds tokens of version(s) {missing} but no weights were "
+                         f"given for them (pass --version-weights VERSION=DIR for each; current version "
+                         f"{current_version})")
+    return _formats(formats, rollouts.group_names)
+
+
 def _sample(rollouts: RecordedRollouts, max_tokens: int, seed: int) -> Tensor:
     """Sorted token indices: all when ``N <= max_tokens``, else a seeded sample proportional per group, with at
     least ``min(n_g, 32)`` tokens of each group."""
@@ -519,13 +533,7 @@ def attribute(
     for v, m in weights.items():
         if type(v) is not int or not isinstance(m, nn.Module):
             raise ValueError(f"--version-weights: expected {{int version: model}}, got {v!r}: {type(m).__name__}")
-    fmt_of, kv_of = _formats(formats, rollouts.group_names)
-    versions = sorted(set(torch.unique(rollouts.versions).tolist()) - {-1, current_version})
-    missing = [v for v in versions if v not in weights]
-    if missing:
-        raise ValueError(f"--version-weights: the record holds tokens of version(s) {missing} but no weights were "
-                         f"given for them (pass --version-weights VERSION=DIR for each; current version "
-                         f"{current_version})")
+    fmt_of, kv_of = check_plan(rollouts, current_version, weights, formats)
     t0 = time.perf_counter()
     token_index = _sample(rollouts, max_tokens, seed)
     sub = take(rollouts, token_index)
@@ -664,5 +672,5 @@ def _recommend(name, total, parts, mistakes, fmt, bucket, kv, layout, routed) ->
 
 
 __all__ = ["AttributionReport", "CAUSES", "MIS_BAND", "PARTS", "PLAYERS", "Rescorer", "ScoreBatch",
-           "SliceAttribution", "attribute", "own_routing", "shapley_matrix",
+           "SliceAttribution", "attribute", "check_plan", "own_routing", "shapley_matrix",
            "staleness_bucket"]

@@ -74,10 +74,11 @@ def _attribution_inputs(args) -> tuple[dict[int, str], dict[str, str], list[dict
 
 def _attribute(rollouts, model, args, versions: dict[int, str], formats: dict[str, str], history: list[dict],
                current: int | None):
-    from offpolicy.diagnose.attribution import attribute
+    from offpolicy.diagnose.attribution import attribute, check_plan
 
     if current is None:
         raise ValueError("--current-version: the record holds no weight versions; pass the trainer's version")
+    check_plan(rollouts, current, versions, formats)  # before any version's weights are loaded
     weights = {}
     for v, folder in versions.items():
         try:
