@@ -252,11 +252,14 @@ class AttributionReport:
         return "\n".join(out) + "\n"
 
     def text(self) -> str:
-        lines = ["offpolicy diagnose --attribute (Shapley over " + ", ".join(self.causes) + ", residual)", "",
+        lines = ["offpolicy diagnose --attribute (Shapley over " + ", ".join(self.causes) + ", residual; "
+                 "shares of mean |log r|)", "",
                  f"{'slice':<34}{'tokens':>7}{'|log r|':>9}" + "".join(f"{p[:9]:>10}" for p in PARTS)]
         for s in self.slices:
             if s.kind in ("all", "group", "group_staleness"):
-                lines.append(f"{(s.kind + ' ' + short_label(s.label, 26))[:33]:<34}{s.tokens:>7}"
+                name = (s.label if s.kind == "all" else f"{short_label(s.group or '', 24)} @ stale {s.staleness}"
+                        if s.kind == "group_staleness" else short_label(s.label, 33))
+                lines.append(f"{name[:33]:<34}{s.tokens:>7}"
                              f"{s.total['mean_abs_log_r']:>9.4f}"
                              + "".join(f"{s.parts[p]['share_mean_abs_log_r']:>10.0%}" for p in PARTS))
         lines += ["", "recommendations:"]
@@ -646,29 +649,37 @@ def _slice(kind, label, group, fmt, bucket, idx, games, sem, per_token, delta, m
     return SliceAttribution(kind, label, group, fmt, bucket, int(idx.numel()), tot, parts, mistakes, rec)
 
 
+#: the next format up, for the format cause's recommendation
+HIGHER_FORMAT = {"nvfp4": "FP8 blockwise or BF16", "mxfp4": "FP8 blockwise or BF16", "fp8": "BF16",
+                 "bf16": "FP32", "fp16": "FP32"}
+
+
 def _recommend(name, total, parts, mistakes, fmt, bucket, kv, layout, routed) -> str:
-    """One sentence from the part with the largest share of mean |log r|."""
+    """One sentence from the part with the largest share of mean |log r|, with the size it acts on."""
+    size = (f"mean |log r| {total['mean_abs_log_r']:.3g}, {int(total['outside_band'])} tokens outside "
+            f"[{MIS_BAND[0]}, {MIS_BAND[1]:g}]")
     if total["mean_abs_log_r"] < NEGLIGIBLE:
         return f"no measurable mismatch in {name} (mean |log r| = {total['mean_abs_log_r']:.2g})"
     share = {p: parts[p]["share_mean_abs_log_r"] for p in PARTS}
     top = max(share, key=lambda p: share[p])
     pct = f"{share[top]:.0%}"
     if top == "semantics":
-        return (f"the record is mis-read ({', '.join(mistakes) or 'semantics'}): {pct} of {name}'s mean |log r|; "
+        return (f"the record is mis-read ({', '.join(mistakes) or 'semantics'}): {pct} of {name} ({size}); "
                 "fix the record first, every weight built on it corrects the wrong distribution")
     if top == "staleness":
-        return (f"staleness explains {pct} of {name}" + (f" (staleness {bucket})" if bucket else "")
-                + ": sync weights more often or cap the staleness, or reject the stalest sequences (KLRejection)")
+        return (f"staleness explains {pct} of {name} ({size}" + (f", staleness {bucket}" if bucket else "")
+                + "): sync weights more often or cap the staleness, or reject the stalest sequences (KLRejection)")
     if top == "format":
-        return (f"the weight format{' ' + fmt if fmt else ''} explains {pct} of {name}: serve it a higher-precision "
-                "format (FP8 blockwise or BF16) or mask its extreme tokens (weights='mis')")
+        up = HIGHER_FORMAT.get(fmt or "", "a higher-precision format")
+        return (f"the weight format{' ' + fmt if fmt else ''} explains {pct} of {name} ({size}): serve it {up} "
+                "weights, or mask its extreme tokens (weights='mis')")
     if top == "routing":
-        return (f"routing explains {pct} of {name}: enable routing replay (R3) or reject tokens with more than k "
-                "flipped layers")
+        return (f"routing explains {pct} of {name} ({size}): enable routing replay (R3), or reject tokens with more "
+                "than k flipped layers (k from the group's route agreement)")
     tail = "" if routed else "; routing was not measured (no replay) and is part of it"
-    return (f"{pct} of {name} is left after the named causes (kernels, batch layout: {layout['mean_abs']:.2g} "
-            f"mean |delta log p|, KV cache{' ' + kv if kv else ''}): compare the engine's kernels and KV-cache "
-            f"precision with the trainer's{tail}")
+    return (f"{pct} of {name} ({size}) is left after the named causes (kernels, batch layout: "
+            f"{layout['mean_abs']:.2g} mean |delta log p|, KV cache{' ' + kv if kv else ''}): compare the engine's "
+            f"kernels and KV-cache precision with the trainer's{tail}")
 
 
 __all__ = ["AttributionReport", "CAUSES", "MIS_BAND", "PARTS", "PLAYERS", "Rescorer", "ScoreBatch",
