@@ -228,9 +228,10 @@ class AttributionReport:
                 v = s.parts[p]
                 cells.append(f"{v['share_mean_abs_log_r']:.0%} / {v['share_k3']:.0%} / {v['outside_band']:.1f}"
                              if math.isfinite(v["share_mean_abs_log_r"]) else "-")
-            out.append(f"| {s.kind} {short_label(s.label)} | {s.tokens} | {s.total['mean_abs_log_r']:.4f} | "
+            where = "all tokens" if s.kind == "all" else f"{s.kind.replace('_', ' x ')} {short_label(s.label)}"
+            out.append(f"| {where.replace('|', '/')} | {s.tokens} | {s.total['mean_abs_log_r']:.4f} | "
                        f"{s.total['k3']:.5f} | {int(s.total['outside_band'])} | " + " | ".join(cells)
-                       + f" | {s.recommendation} |")
+                       + f" | {s.recommendation.replace('|', chr(92) + '|')} |")
         return out
 
     def markdown(self) -> str:
@@ -241,12 +242,14 @@ class AttributionReport:
         out += ["", f"Batch layout (part of the residual): mean |delta log p| between two layouts "
                 f"{self.layout['mean_abs']:.3g} (max {self.layout['max_abs']:.3g}).", "",
                 "## Semantics", ""]
-        out += [f"- [{'XX' if not f.ok else 'ok'}] {f.check}: {f.message}" for f in self.findings] or ["- none"]
+        out += [f"- [{'XX' if not f.ok else 'ok'}] {f.check}{' **' + f.mistake + '**' if f.mistake else ''}: "
+                f"{f.message}" for f in self.findings] or ["- none"]
         c = self.cost
         out += ["", "## Cost", "", f"{int(c['tokens'])} tokens, {int(c['rescores'])} re-scores "
                 f"({int(c['token_evaluations'])} token evaluations, {int(c['forward_passes'])} forward passes) in "
-                f"{c['seconds']:.2f} s: {c['seconds_per_10k_tokens']:.1f} s and "
-                f"{c['token_evaluations_per_token']:.2f} evaluations per token, per 10k tokens."]
+                f"{c['seconds']:.2f} s; per 10k tokens: {c['seconds_per_10k_tokens']:.1f} s and "
+                f"{c['rescores_per_10k_tokens']:.0f} token re-scores ({c['token_evaluations_per_token']:.2f} per "
+                "token)."]
         if self.plots:
             out += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in self.plots]
         return "\n".join(out) + "\n"
@@ -266,8 +269,9 @@ class AttributionReport:
         lines += [f"  {s.label}: {s.recommendation}" for s in self.slices if s.kind == "group"]
         lines += [f"  [{'XX' if not f.ok else 'ok'}] {f.check}: {f.message}" for f in self.findings if not f.ok]
         c = self.cost
-        lines += ["", f"cost: {c['seconds_per_10k_tokens']:.1f} s and {c['token_evaluations_per_token']:.2f} "
-                  "re-scored evaluations per token, per 10k tokens"]
+        lines += ["", f"cost per 10k tokens: {c['seconds_per_10k_tokens']:.1f} s, {c['rescores_per_10k_tokens']:.0f} "
+                  f"token re-scores ({c['token_evaluations_per_token']:.2f} per token; {int(c['tokens'])} tokens "
+                  f"in {c['seconds']:.2f} s)"]
         return "\n".join(lines)
 
     def print(self, stream=None) -> None:
@@ -645,7 +649,9 @@ def _slice(kind, label, group, fmt, bucket, idx, games, sem, per_token, delta, m
         d["mean"] = float(per_token[idx, j].mean())
         parts[p] = d
     tot = {name: float(total[m]) for m, name in enumerate(METRICS)}
-    rec = _recommend(label if kind != "all" else "the record", tot, parts, mistakes, fmt, bucket, kv, layout, routed)
+    name = {"all": "all tokens", "group": label, "format": f"the {label} groups", "staleness": f"staleness {label}",
+            "group_staleness": label}[kind]
+    rec = _recommend(name, tot, parts, mistakes, fmt, bucket, kv, layout, routed)
     return SliceAttribution(kind, label, group, fmt, bucket, int(idx.numel()), tot, parts, mistakes, rec)
 
 
@@ -670,9 +676,12 @@ def _recommend(name, total, parts, mistakes, fmt, bucket, kv, layout, routed) ->
         return (f"staleness explains {pct} of {name} ({size}" + (f", staleness {bucket}" if bucket else "")
                 + "): sync weights more often or cap the staleness, or reject the stalest sequences (KLRejection)")
     if top == "format":
-        up = HIGHER_FORMAT.get(fmt or "", "a higher-precision format")
-        return (f"the weight format{' ' + fmt if fmt else ''} explains {pct} of {name} ({size}): serve it {up} "
-                "weights, or mask its extreme tokens (weights='mis')")
+        if fmt is None:
+            return (f"the weight formats explain {pct} of {name} ({size}): serve higher-precision formats where "
+                    "the per-group rows show the largest format part, or mask extreme tokens (weights='mis')")
+        return (f"the weight format {fmt} explains {pct} of {name} ({size}): serve it "
+                f"{HIGHER_FORMAT.get(fmt, 'a higher-precision format')} weights, or mask its extreme tokens "
+                "(weights='mis')")
     if top == "routing":
         return (f"routing explains {pct} of {name} ({size}): enable routing replay (R3), or reject tokens with more "
                 "than k flipped layers (k from the group's route agreement)")
