@@ -311,3 +311,30 @@ def test_bad_inputs_name_the_argument(fleet):
     with pytest.raises(ValueError, match="expected logits"):
         attribute(rec, model=trainer, current_version=CURRENT, weights=weights, formats=FORMATS,
                   replay=lambda m, b: torch.zeros(3))
+
+
+def test_support_records_honest_and_unrenormalised():
+    """Support records of the reference sampler (top-p 0.9, T 0.7), trainer log-probs renormalised over the
+    recorded support as diagnose does: the honest record has no mismatch and no finding; the same record without
+    its renormalisation is named ``missing_renormalisation``, its semantic part at least 95% of mean |log r| and
+    equal per token to the planted ``log P(S)`` (1e-5)."""
+    from dataclasses import replace
+
+    from offpolicy import Candidates
+    from support.diagnose_records import TinyLM, record
+
+    model = TinyLM()
+    rec = record(model, kind="support", top_p=0.9, n=24)
+    rep = attribute(rec, model=model, current_version=0, formats={"default": "fp32"})
+    assert rep.mistakes == [] and rep.slice("all").total["mean_abs_log_r"] < 1e-5
+    with torch.no_grad():
+        lt = torch.log_softmax(model(rec.sequences)[rec.rows, rec.cols - 1].double() / 0.7, -1)
+    ids = rec.candidates.to_padded().ids
+    lps = torch.where(ids >= 0, lt.gather(1, ids.clamp(min=0)), float("-inf")).float()
+    bad = replace(rec, sampler_logprobs=lt.gather(1, rec.tokens[:, None])[:, 0].float(),
+                  candidates=Candidates(ids, lps, "support"))
+    rep = attribute(bad, model=model, current_version=0, formats={"default": "fp32"})
+    assert "missing_renormalisation" in rep.mistakes
+    assert rep.slice("all").parts["semantics"]["share_mean_abs_log_r"] >= 0.95
+    mass = torch.logsumexp(torch.where(ids >= 0, lt.gather(1, ids.clamp(min=0)), float("-inf")), -1)
+    assert torch.allclose(rep.semantics, mass[rep.token_index], atol=1e-5)
