@@ -338,3 +338,22 @@ def test_support_records_honest_and_unrenormalised():
     assert rep.slice("all").parts["semantics"]["share_mean_abs_log_r"] >= 0.95
     mass = torch.logsumexp(torch.where(ids >= 0, lt.gather(1, ids.clamp(min=0)), float("-inf")), -1)
     assert torch.allclose(rep.semantics, mass[rep.token_index], atol=1e-5)
+
+
+def test_tokens_a_rescore_cannot_score_are_counted_apart(fleet):
+    """A replay that gives token id 5 probability 0 (``-inf`` log-prob): those tokens are left out of every
+    metric and counted in ``non_finite``; the parts of the others still sum to their metric."""
+    trainer, weights, rec, _, replay, _ = fleet
+
+    def blind(model, batch):
+        z = replay(model, batch).clone()
+        z[..., 5] = float("-inf")
+        return z
+
+    rep = attribute(rec, model=trainer, current_version=CURRENT, weights=weights, formats=FORMATS, replay=blind)
+    s = rep.slice("all")
+    fives = int((rec.tokens[rep.token_index] == 5).sum())
+    assert fives > 0 and s.total["non_finite"] == fives and s.tokens == len(rep.token_index)
+    for name in ("mean_abs_log_r", "k3", "outside_band"):
+        assert math.isfinite(s.total[name])
+        assert sum(s.parts[p][name] for p in PARTS) == pytest.approx(s.total[name], abs=1e-9)

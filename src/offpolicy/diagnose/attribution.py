@@ -136,7 +136,7 @@ class SliceAttribution:
     ``"group_staleness"``.
 
     ``total``: ``{metric: value}`` observed on the slice's sampled tokens (:data:`METRICS`; ``outside_band`` a
-    count). ``parts``: ``{part: {metric: Shapley value, "share_" + metric: value / total, "mean": mean signed
+    count) and ``non_finite``, the tokens left out because a re-score gave ``log p = -inf``. ``parts``: ``{part: {metric: Shapley value, "share_" + metric: value / total, "mean": mean signed
     part of log q - log p}}`` for :data:`PARTS`. ``mistakes``: semantic mistakes named on its tokens.
     """
 
@@ -378,17 +378,25 @@ class _Scorer:
     def variant(self, version: int, fmt: str | None) -> nn.Module:
         key = (version, fmt)
         if key not in self._models:
+            self._models.clear()  # configurations come sorted by (version, format): one quantised copy at a time
             base = self.model if version == self.current else self.weights[version]
             self._models[key] = base if fmt is None else fake_quantize_module(base, fmt, skip=self.skip)
-            self._models[key].eval()
         return self._models[key]
 
     def score(self, idx: Tensor, version: int, fmt: str | None, routed: bool, layout: str = "chunks",
               readings: bool = False) -> dict[str, Tensor]:
         """``{"declared": [n]}`` float64 trainer log-probs of tokens ``idx`` of the sample (and with
         ``readings`` the mistaken readings of :data:`READINGS` plus ``"declared_filter"``)."""
-        r = self.sub
         net = self.variant(version, fmt)
+        was = net.training
+        net.eval()
+        try:
+            return self._score(net, idx, routed, layout, readings)
+        finally:
+            net.train(was)
+
+    def _score(self, net: nn.Module, idx: Tensor, routed: bool, layout: str, readings: bool) -> dict[str, Tensor]:
+        r = self.sub
         fwd = self.replay if routed else own_routing
         out = {k: torch.empty(idx.numel(), dtype=torch.float64)
                for k in (("declared", "declared_filter", *READINGS) if readings else ("declared",))}
@@ -561,7 +569,7 @@ def attribute(
     coal_lp = torch.empty(n, 1 << len(CAUSES), dtype=torch.float64)
     full = (1 << len(CAUSES)) - 1
     hyp = {k: torch.empty(n, dtype=torch.float64) for k in ("declared_filter", *READINGS)}
-    for cfg, pairs in need.items():
+    for cfg, pairs in sorted(need.items(), key=lambda kv: (kv[0][0], kv[0][1] or "", kv[0][2])):
         toks = torch.tensor([t for t, _ in pairs])
         uniq, inv = torch.unique(toks, return_inverse=True)
         has_full = any(m == full for _, m in pairs)
@@ -634,6 +642,9 @@ def _bucket_order(b: str) -> tuple[int, int]:
 
 def _slice(kind, label, group, fmt, bucket, idx, games, sem, per_token, delta, mistakes, kv, layout, routed
            ) -> SliceAttribution:
+    ok = torch.isfinite(games[idx]).all(1) & torch.isfinite(sem[idx])
+    non_finite = int((~ok).sum())  # a token some re-score gives log p = -inf (outside a support): counted apart
+    idx = idx[ok]
     g = games[idx].T  # [16, n]
     vals = _metrics(g)  # [16, 3] metric of each coalition (semantics off)
     phi = (vals.T @ _SHAPLEY)  # [3, 4]
@@ -649,10 +660,12 @@ def _slice(kind, label, group, fmt, bucket, idx, games, sem, per_token, delta, m
         d["mean"] = float(per_token[idx, j].mean())
         parts[p] = d
     tot = {name: float(total[m]) for m, name in enumerate(METRICS)}
+    tot["non_finite"] = non_finite
     name = {"all": "all tokens", "group": label, "format": f"the {label} groups", "staleness": f"staleness {label}",
             "group_staleness": label}[kind]
     rec = _recommend(name, tot, parts, mistakes, fmt, bucket, kv, layout, routed)
-    return SliceAttribution(kind, label, group, fmt, bucket, int(idx.numel()), tot, parts, mistakes, rec)
+    return SliceAttribution(kind, label, group, fmt, bucket, int(idx.numel()) + non_finite, tot, parts, mistakes,
+                            rec)
 
 
 #: the next format up, for the format cause's recommendation
