@@ -77,6 +77,10 @@ def test_cli_attributes_a_stale_nvfp4_group(saved, capsys):
     assert abs(a100["staleness"]["share_mean_abs_log_r"]) < 1e-9  # a100 served the current version
     for name in ("attribution.md", "attribution.png", "report.md"):
         assert (tmp / "out" / name).is_file()
+    assert "## Attribution" in (tmp / "out" / "report.md").read_text()
+    report = json.loads((tmp / "out" / "report.json").read_text())
+    assert report["attribution"]["file"] == "attribution.json"
+    assert [g["label"] for g in report["attribution"]["groups"]] == ["all", "b200", "a100"]
     # a second run with the first as its history draws the parts over steps
     hist = tmp / "step3.json"
     hist.write_text((tmp / "out" / "attribution.json").read_text())

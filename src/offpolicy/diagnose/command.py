@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from offpolicy.diagnose import diagnose, load_rollouts
+from offpolicy.diagnose.attribution import PARTS
+from offpolicy.diagnose.findings import short_label
 from offpolicy.diagnose.scoring import load_model, load_trainer_logprobs
+from offpolicy.diagnose.summary import finite_json
 from offpolicy.fleet.quant.fake import FAKE_FORMATS
 
 
@@ -44,7 +48,6 @@ def _pairs(values: list[str], flag: str, key_type: type) -> dict:
 def _attribution_inputs(args) -> tuple[dict[int, str], dict[str, str], list[dict]]:
     """The attribution flags checked before anything is loaded (a bad flag costs no model load)."""
     import json
-    from pathlib import Path
 
     if not args.model:
         raise ValueError("--attribute: needs --model DIR (the trainer's weights, which the attribution re-scores "
@@ -90,7 +93,32 @@ def _attribute(rollouts, model, args, versions: dict[int, str], formats: dict[st
                     formats=formats, max_tokens=args.attribute_tokens, semantics=args.semantics,
                     quantize_skip=tuple(args.quantize_skip), step=args.step)
     rep.save(args.out, history=history)
+    _link_from_report(Path(args.out), rep)
     return rep
+
+
+def _link_from_report(out: Path, rep) -> None:
+    """``report.md`` gains an attribution section (the per-group shares and a link to ``attribution.md``) and
+    ``report.json`` an ``attribution`` key (the groups' parts and recommendations), so the diagnose report is
+    complete on its own."""
+    import json
+
+    groups = [s for s in rep.slices if s.kind in ("all", "group")]
+    lines = ["", "## Attribution: why is r != 1? (Shapley shares of mean |log r|)", "",
+             "| slice | mean abs log r | " + " | ".join(PARTS) + " |", "|---|---:|" + "---:|" * len(PARTS)]
+    for s in groups:
+        lines.append(f"| {'all tokens' if s.kind == 'all' else short_label(s.label).replace('|', '/')} | "
+                     f"{s.total['mean_abs_log_r']:.4f} | "
+                     + " | ".join(f"{s.parts[p]['share_mean_abs_log_r']:.0%}" for p in PARTS) + " |")
+    lines += ["", "Every slice, the KL and band shares, the recommendations and the cost: "
+              "[attribution.md](attribution.md).", ""]
+    md = out / "report.md"
+    md.write_text(md.read_text() + "\n".join(lines))
+    js = out / "report.json"
+    data = json.loads(js.read_text())
+    data["attribution"] = finite_json({"method": rep.METHOD, "file": "attribution.json",
+                                       "groups": [s.as_dict() for s in groups]})
+    js.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
