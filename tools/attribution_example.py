@@ -56,6 +56,16 @@ def main() -> None:
             history.append(rep.as_dict())
     rep.save(out, history=history)
     rep.print()
+    # order dependence, for the docs: the stale NVFP4 group's staleness share of mean |log r| measured first (from
+    # the trainer's own configuration) and last (after format, routing and the residual), against its Shapley share
+    g = rec.group_names.index("b300-stale-nvfp4-flips")
+    sel = (rec.group_index[rep.token_index] == g).nonzero().flatten()
+    c, res = rep.coalitions[sel], rep.residual[sel]
+    total = (c[:, 7] + res).abs().mean()
+    first = float(c[:, 1].abs().mean() / total)
+    last = float(((c[:, 7] + res).abs().mean() - (c[:, 6] + res).abs().mean()) / total)
+    shapley = rep.slice("group", "b300-stale-nvfp4-flips").parts["staleness"]["share_mean_abs_log_r"]
+    print(f"\nb300-stale-nvfp4-flips staleness share: first {first:.2f}, last {last:.2f}, Shapley {shapley:.2f}")
 
 
 if __name__ == "__main__":
