@@ -6,7 +6,11 @@
     report.mistakes                                   # e.g. ["raw_logprobs"]; empty when the record looks right
     report.correction                                 # the op.Correction to start from (None: fix the record)
 
-Command line: ``offpolicy diagnose ROLLOUTS (--trainer-logprobs FILE | --model DIR) [--out DIR]``
+Why is ``r != 1``: ``attribute(rollouts, model=..., current_version=..., weights=..., formats=..., replay=...)``
+splits the mismatch into semantics, staleness, weight format, routing and residual (Shapley values;
+:mod:`offpolicy.diagnose.attribution`).
+
+Command line: ``offpolicy diagnose ROLLOUTS (--trainer-logprobs FILE | --model DIR) [--out DIR] [--attribute ...]``
 (``offpolicy diagnose --help``). See docs/diagnose.md.
 """
 
@@ -17,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from offpolicy.diagnose.attribution import AttributionReport, attribute
 from offpolicy.diagnose.divergence import Divergence, divergence, split
 from offpolicy.diagnose.findings import Finding
 from offpolicy.diagnose.recommend import recommend
@@ -50,7 +55,7 @@ from offpolicy.diagnose.slices import EXPLAINING, per_slice
 from offpolicy.diagnose.summary import DiagnoseReport
 
 __all__ = [
-    "DiagnoseReport", "Divergence", "Finding", "RecordedRollouts", "RolloutsError", "TrainerScores", "diagnose",
+    "AttributionReport", "attribute", "DiagnoseReport", "Divergence", "Finding", "RecordedRollouts", "RolloutsError", "TrainerScores", "diagnose",
     "from_lines",
     "from_token_batch", "load_rollouts", "load_trainer_logprobs", "save_jsonl", "save_safetensors", "turn_to_json",
 ]

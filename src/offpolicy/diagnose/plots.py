@@ -79,3 +79,78 @@ def kl_by_staleness(by_staleness: dict[int, Divergence], path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+#: one colour per attribution part (semantics, staleness, format, routing, residual)
+PART_COLOURS = ("#d62728", "#1f77b4", "#ff7f0e", "#2ca02c", "#7f7f7f")
+
+
+def attribution_bars(report, path: Path) -> Path:
+    """Stacked bars, one per sampler group (and one for all tokens): each part's Shapley contribution to the
+    group's mean ``|log r|`` in nats (a negative contribution, a part that cancels another, is drawn below 0),
+    the bar's total written above it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from offpolicy.diagnose.attribution import PARTS
+
+    rows = [s for s in report.slices if s.kind in ("all", "group")][: MAX_GROUPS_DRAWN + 1]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows) + 2.5), 4))
+    x = list(range(len(rows)))
+    up = [0.0] * len(rows)
+    down = [0.0] * len(rows)
+    for part, colour in zip(PARTS, PART_COLOURS):
+        vals = [s.parts[part]["mean_abs_log_r"] for s in rows]
+        pos = [max(v, 0.0) for v in vals]
+        neg = [min(v, 0.0) for v in vals]
+        ax.bar(x, pos, bottom=up, color=colour, label=part, edgecolor="white", lw=0.5)
+        ax.bar(x, neg, bottom=down, color=colour, edgecolor="white", lw=0.5, hatch="//")
+        up = [a + b for a, b in zip(up, pos)]
+        down = [a + b for a, b in zip(down, neg)]
+    for i, s in enumerate(rows):
+        ax.text(i, up[i], f"{s.total['mean_abs_log_r']:.3g}", ha="center", va="bottom", fontsize=8)
+    labels = [plot_label(s.label) + (f"\n{s.format}" if s.format else "") for s in rows]
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_ylabel("mean |log r| (nats), Shapley parts")
+    ax.set_title("why is r != 1? mismatch per sampler group, split by cause (Shapley)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def attribution_history(reports, path: Path) -> Path:
+    """Each part's contribution to the mean ``|log r|`` of all tokens against the training step, one report (or
+    its ``attribution.json`` dict) per step, stacked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from offpolicy.diagnose.attribution import PARTS
+
+    points = []
+    for r in reports:
+        d = r if isinstance(r, dict) else r.as_dict()
+        if d.get("step") is None:
+            raise ValueError("--history: every attribution report needs a 'step' (pass --step when it is made)")
+        overall = next(s for s in d["slices"] if s["kind"] == "all")
+        points.append((int(d["step"]), [overall["parts"][p]["mean_abs_log_r"] or 0.0 for p in PARTS]))
+    points.sort(key=lambda p: p[0])
+    steps = [p[0] for p in points]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.stackplot(steps, *[[p[1][j] for p in points] for j in range(len(PARTS))], labels=PARTS,
+                 colors=PART_COLOURS, alpha=0.85)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean |log r| (nats), Shapley parts")
+    ax.set_title("mismatch by cause over training")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
