@@ -354,3 +354,33 @@ def test_honest_weights_repeated_across_epochs_stay_silent(monkeypatch):
     batches = [_batch(60 + i, drift=1.0) for i in range(3)]
     flagged, messages = _run_batches([(x, _weights(x, EXACT)) for x in batches] * 3)
     assert flagged == [] and messages == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_verl_agreement_metrics_match_offpolicy(seed):
+    """verl's own ``calculate_debug_metrics`` (verl/utils/debug/metrics.py: Pearson of the masked probabilities, max /
+    mean / std of ``|p - q|``) and ``compute_offpolicy_metrics``' ``chi2_token`` (rollout_corr_helper.py) against
+    ``op.policy_loss_from_logprobs``' ``prob_pearson``, ``prob_abs_diff_*`` and ``chi2_token`` on the same batch
+    (tests/core/test_metrics_agreement.py checks the transcription and the float64 literal forms)."""
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    g = torch.Generator().manual_seed(seed)
+    b, t = 6, 9
+    roll = torch.log(torch.rand(b, t, generator=g, dtype=torch.float64) * 0.95 + 0.02)
+    old = (roll + 0.4 * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=0.0)
+    mask = torch.arange(t)[None] < torch.randint(2, t + 1, (b,), generator=g)[:, None]
+    data = DataProto.from_dict(tensors={"rollout_log_probs": roll, "old_log_probs": old,
+                                        "response_mask": mask.long(), "responses": torch.zeros(b, t).long()})
+    theirs = calculate_debug_metrics(data)
+    chi2 = compute_offpolicy_metrics(old, roll, mask.double())["chi2_token"]
+    out = op.policy_loss_from_logprobs(old.reshape(-1), roll.reshape(-1), torch.ones(b * t, dtype=torch.float64),
+                                       loss_mask=mask.reshape(-1))
+    pairs = {"prob_pearson": theirs["training/rollout_actor_probs_pearson_corr"],
+             "prob_abs_diff_max": theirs["training/rollout_probs_diff_max"],
+             "prob_abs_diff_mean": theirs["training/rollout_probs_diff_mean"],
+             "prob_abs_diff_std": theirs["training/rollout_probs_diff_std"], "chi2_token": chi2}
+    for key, value in pairs.items():
+        # verl's masked_mean adds 1e-8 to the token count (chi2_token).
+        assert math.isclose(float(out.metrics[key]), value, rel_tol=1e-8, abs_tol=1e-9), (key, value)
