@@ -384,3 +384,20 @@ def test_verl_agreement_metrics_match_offpolicy(seed):
     for key, value in pairs.items():
         # verl's masked_mean adds 1e-8 to the token count (chi2_token).
         assert math.isclose(float(out.metrics[key]), value, rel_tol=1e-8, abs_tol=1e-9), (key, value)
+
+
+def test_verl_presets_are_recorded_as_verl_builds_them():
+    """``op.presets.VERL_PRESETS`` lists every ``RolloutCorrectionConfig`` preset of the installed verl (each class
+    method that returns one), and each record's fields are what verl's own method returns at its defaults
+    (tests/core/test_presets.py checks each mapped record's loss against verl's formulas)."""
+    recorded = op.presets.VERL_PRESETS
+    built = {}
+    for name, member in vars(RolloutCorrectionConfig).items():
+        if isinstance(member, classmethod):
+            cfg = getattr(RolloutCorrectionConfig, name)()
+            if isinstance(cfg, RolloutCorrectionConfig):
+                built[name] = cfg
+    assert set(built) == set(recorded), (set(built) ^ set(recorded))
+    for name, cfg in built.items():
+        fields = {key: getattr(cfg, key) for key in recorded[name].fields}
+        assert fields == dict(recorded[name].fields), (name, fields)
