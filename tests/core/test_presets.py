@@ -153,3 +153,18 @@ def test_verl_presets_not_reproduced_say_why():
         op.presets.verl("disabled", clip_ratio_c=float("nan"))
     named = {v for p in op.presets.PRESETS.values() for v in p.verl}
     assert named <= set(MAPPED)
+
+
+def test_api_doc_example_runs():
+    """docs/api.md's ``op.presets`` block runs as written, and its comments name what it returns."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    section = text[text.index("## Presets (`op.presets`)"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {"op": op}
+    exec(compile(code, "docs/api.md", "exec"), namespace)
+    assert namespace["proximal"] == "old" and namespace["corr"].ppo_clip == (0.2, 0.28)
+    assert "('sc_mis', 'icepop', 'token_tis', 'seq_tis', 'geo_rs_seq_tis')" in code
+    assert str(op.presets.names()) in code
