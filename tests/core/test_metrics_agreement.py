@@ -154,3 +154,12 @@ def test_agreement_metrics_hostile():
     one_pass = (p32.float() * q32.float()).mean() - p32.float().mean() * q32.float().mean()
     assert abs(float(one_pass) - float(((p32 - p32.mean()) * (q32 - q32.mean())).mean())) > 1e-13
     assert all(math.isfinite(v) for v in f32.values())
+    # Probabilities near e^-50 (1.9e-22) with a 5% spread in fp32: the deviations' squares (~1e-46) underflow.
+    tiny_lp = (-50.0 + 0.05 * torch.randn(64, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+    tiny_lq = tiny_lp + 0.02 * torch.randn(64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    lp32, lq32 = tiny_lp.float(), tiny_lq.float()
+    f32 = metrics(lp32.tolist(), lq32.tolist(), dtype=torch.float32)
+    lit = _literal(torch.log(torch.exp(lp32).double()).tolist(), torch.log(torch.exp(lq32).double()).tolist())
+    assert lit["prob_pearson"] > 0.8
+    assert math.isclose(f32["prob_pearson"], lit["prob_pearson"], abs_tol=1e-4), (f32["prob_pearson"], lit)
+    assert math.isclose(f32["prob_abs_diff_std"], lit["prob_abs_diff_std"], rel_tol=1e-4), (f32, lit)

@@ -172,20 +172,29 @@ def _probability_agreement(p: Tensor, q: Tensor, sel: Tensor) -> dict[str, Tenso
     noise; branch-free."""
     n = sel.sum().to(p.dtype)
     zero = torch.zeros_like(p)
-    dp, dq = _centred(p, sel), _centred(q, sel)
-    # sqrt of each sum apart: their product underflows in fp32 for variances near 1e-23.
+    # Each side centred, then divided by its largest deviation: probabilities near e^-50 deviate by ~1e-22, whose
+    # squares underflow in fp32; scaled, every sum of squares is >= 1 unless the side is constant (then 0).
+    dp, dq = _unit(_centred(p, sel)), _unit(_centred(q, sel))
     den = (dp * dp).sum().sqrt() * (dq * dq).sum().sqrt()
-    corr = ((dp * dq).sum() / den.clamp_min(torch.finfo(p.dtype).tiny)).clamp(-1.0, 1.0)
+    corr = ((dp * dq).sum() / torch.where(den > 0, den, torch.ones_like(den))).clamp(-1.0, 1.0)
     equal = ~(sel & (p != q)).any() & (n > 0)
     d = (p - q).abs()
     mean_d = _mean(d, sel)
     dev = _centred(d, sel)
+    dev_scale = dev.abs().amax() if dev.numel() else dev.new_zeros(())
     return {
         "prob_pearson": torch.where(den > 0, corr, equal.to(p.dtype)),
         "prob_abs_diff_max": _max(d, sel),
         "prob_abs_diff_mean": mean_d,
-        "prob_abs_diff_std": torch.where(n > 1, ((dev * dev).sum() / (n - 1).clamp_min(1)).sqrt(), zero.sum() * 0),
+        "prob_abs_diff_std": torch.where(n > 1, dev_scale * ((_unit(dev) ** 2).sum() / (n - 1).clamp_min(1)).sqrt(),
+                                         zero.sum() * 0),
     }
+
+
+def _unit(x: Tensor) -> Tensor:
+    """``x / max |x|`` (all 0 stays 0); branch-free."""
+    scale = x.abs().amax() if x.numel() else x.new_zeros(())
+    return torch.where(scale > 0, x / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(x))
 
 
 def _centred(x: Tensor, sel: Tensor) -> Tensor:
