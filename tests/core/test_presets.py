@@ -3,7 +3,8 @@ catalogue), runs through ``op.policy_loss`` with the loss of that spelled-out fo
 every verl 0.9.1 preset that maps onto offpolicy gives verl's loss, from a transcription of verl's rollout correction
 and PPO loss built from the preset's config fields (the helpers of tests/core/test_migrating.py). That the recorded
 fields are what verl's own ``RolloutCorrectionConfig.<name>()`` returns, and that every verl preset is listed, is
-checked against the installed verl in tests/adapters/test_verl_cases.py::test_verl_presets_are_recorded_as_verl_builds_them.
+checked against the installed verl in tests/adapters/test_verl_cases.py::test_verl_presets_are_recorded_as_verl_builds_them,
+and each mapped preset against verl's own loss code there (test_verl_presets_give_the_installed_verl_loss).
 """
 
 from __future__ import annotations
