@@ -9,7 +9,7 @@
 The definitions and contracts are in docs/spec.md; the layers in docs/architecture.md.
 """
 
-from offpolicy import advantages
+from offpolicy import advantages, presets
 from offpolicy.corrections import Correction, KLPenalty, KLRejection, RatioRejection, TrustRegion
 from offpolicy.loss import PolicyLossOutput, policy_loss, policy_loss_from_logprobs
 from offpolicy.loss.proximal import interpolated_proximal_logprobs
@@ -35,6 +35,7 @@ __all__ = [
     "interpolated_proximal_logprobs",
     "policy_loss",
     "policy_loss_from_logprobs",
+    "presets",
     "route_agreement",
     "route_flips",
     "sparse_log_softmax",

@@ -906,6 +906,29 @@ def _sequence_metrics(st: dict, corr: _Config) -> dict[str, float]:
     }
 
 
+def _probability_agreement(p: list[float], q: list[float]) -> dict[str, float]:
+    """Pearson's correlation of the trained tokens' ``p`` and ``q`` (1 when a side is constant and ``p == q``
+    everywhere, else 0 when a side is constant or there is no token) and ``|p - q|``'s max, mean and std with
+    Bessel's correction (0 under two tokens)."""
+    n = len(p)
+    mp, mq = _mean(p), _mean(q)
+    sxy = sum((a - mp) * (b - mq) for a, b in zip(p, q))
+    sxx = sum((a - mp) ** 2 for a in p)
+    syy = sum((b - mq) ** 2 for b in q)
+    if sxx > 0 and syy > 0:
+        pearson = min(max(sxy / (math.sqrt(sxx) * math.sqrt(syy)), -1.0), 1.0)
+    else:
+        pearson = 1.0 if n and all(a == b for a, b in zip(p, q)) else 0.0
+    d = [abs(a - b) for a, b in zip(p, q)]
+    md = _mean(d)
+    return {
+        "prob_pearson": pearson,
+        "prob_abs_diff_max": max(d, default=0.0),
+        "prob_abs_diff_mean": md,
+        "prob_abs_diff_std": math.sqrt(sum((x - md) ** 2 for x in d) / (n - 1)) if n > 1 else 0.0,
+    }
+
+
 def _token_metrics(st: dict, sel: Tensor, corr: _Config) -> dict[str, float]:
     """The mismatch and weight keys over the tokens of ``sel``."""
     rows = [t for t in range(st["n"]) if sel[t]]
@@ -930,6 +953,8 @@ def _token_metrics(st: dict, sel: Tensor, corr: _Config) -> dict[str, float]:
         "ppl_sampler": _saturating_exp(neg_lq),
         "ppl_ratio": _saturating_exp(neg_logp - neg_lq),
     }
+    extra.update(_probability_agreement([math.exp(float(st["logp_y"][t])) for t in rows],
+                                        [math.exp(float(st["lq"][t])) for t in rows]))
     extra["weight_before_bound_max"] = max([min(max(x, math.exp(-corr.max_log_ratio)), math.exp(corr.max_log_ratio))
                                             for x in b], default=0.0)
     # KL(q||p) = E_q[r - 1 - log r]; KL(p||q) = E_q[r log r], less E_q[r - 1] = 0 for the k3 form.

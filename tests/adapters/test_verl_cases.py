@@ -354,3 +354,115 @@ def test_honest_weights_repeated_across_epochs_stay_silent(monkeypatch):
     batches = [_batch(60 + i, drift=1.0) for i in range(3)]
     flagged, messages = _run_batches([(x, _weights(x, EXACT)) for x in batches] * 3)
     assert flagged == [] and messages == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_verl_agreement_metrics_match_offpolicy(seed):
+    """verl's own ``calculate_debug_metrics`` (verl/utils/debug/metrics.py: Pearson of the masked probabilities, max /
+    mean / std of ``|p - q|``) and ``compute_offpolicy_metrics``' ``chi2_token`` (rollout_corr_helper.py) against
+    ``op.policy_loss_from_logprobs``' ``prob_pearson``, ``prob_abs_diff_*`` and ``chi2_token`` on the same batch
+    (tests/core/test_metrics_agreement.py checks the transcription and the float64 literal forms)."""
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.rollout_corr_helper import compute_offpolicy_metrics
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    g = torch.Generator().manual_seed(seed)
+    b, t = 6, 9
+    roll = torch.log(torch.rand(b, t, generator=g, dtype=torch.float64) * 0.95 + 0.02)
+    old = (roll + 0.4 * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=0.0)
+    mask = torch.arange(t)[None] < torch.randint(2, t + 1, (b,), generator=g)[:, None]
+    data = DataProto.from_dict(tensors={"rollout_log_probs": roll, "old_log_probs": old,
+                                        "response_mask": mask.long(), "responses": torch.zeros(b, t).long()})
+    theirs = calculate_debug_metrics(data)
+    chi2 = compute_offpolicy_metrics(old, roll, mask.double())["chi2_token"]
+    out = op.policy_loss_from_logprobs(old.reshape(-1), roll.reshape(-1), torch.ones(b * t, dtype=torch.float64),
+                                       loss_mask=mask.reshape(-1))
+    pairs = {"prob_pearson": theirs["training/rollout_actor_probs_pearson_corr"],
+             "prob_abs_diff_max": theirs["training/rollout_probs_diff_max"],
+             "prob_abs_diff_mean": theirs["training/rollout_probs_diff_mean"],
+             "prob_abs_diff_std": theirs["training/rollout_probs_diff_std"], "chi2_token": chi2}
+    for key, value in pairs.items():
+        # verl's masked_mean adds 1e-8 to the token count (chi2_token).
+        assert math.isclose(float(out.metrics[key]), value, rel_tol=1e-8, abs_tol=1e-9), (key, value)
+
+
+def test_verl_presets_are_recorded_as_verl_builds_them():
+    """``op.presets.VERL_PRESETS`` lists every ``RolloutCorrectionConfig`` preset of the installed verl (each class
+    method that returns one), and each record's fields are what verl's own method returns at its defaults
+    (tests/core/test_presets.py checks each mapped record's loss against verl's formulas)."""
+    recorded = op.presets.VERL_PRESETS
+    built = {}
+    for name, member in vars(RolloutCorrectionConfig).items():
+        if isinstance(member, classmethod):
+            cfg = getattr(RolloutCorrectionConfig, name)()
+            if isinstance(cfg, RolloutCorrectionConfig):
+                built[name] = cfg
+    assert set(built) == set(recorded), (set(built) ^ set(recorded))
+    for name, cfg in built.items():
+        fields = {key: getattr(cfg, key) for key in recorded[name].fields}
+        assert fields == dict(recorded[name].fields), (name, fields)
+
+
+def _preset_batch(seed, drift):
+    """float64 ``[B, T]`` log-probs: the old policy ``drift`` from the rollout's, the current ``drift`` from the old."""
+    g = torch.Generator().manual_seed(seed)
+    b, t = 6, 8
+    roll = torch.log(torch.rand(b, t, generator=g, dtype=torch.float64) * 0.9 + 0.05)
+    old = (roll + drift * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    cur = (old + drift * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    mask = torch.arange(t)[None] < torch.tensor([8, 3, 5, 2, 6, 7])[:, None]
+    adv = torch.randn(b, generator=g, dtype=torch.float64)[:, None].expand(b, t).clone()
+    return cur, old, roll, mask, adv
+
+
+def _verl_preset_loss(name, cur, old, roll, mask, adv):
+    """verl's own loss for ``RolloutCorrectionConfig.<name>()``: decoupled mode computes the weights and rejection
+    mask with ``compute_rollout_correction_and_rejection_mask`` on (old, rollout) and runs the vanilla PPO loss;
+    bypass mode runs the ``bypass_mode`` loss (which computes them on the current policy itself). token-mean;
+    returns (loss, grad, kept tokens)."""
+    rc = getattr(RolloutCorrectionConfig, name)()
+    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
+                      policy_loss=PolicyLossConfig(loss_mode="bypass_mode" if rc.bypass_mode else "vanilla",
+                                                   rollout_correction=rc),
+                      loss_agg_mode="token-mean", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    leaf = cur.clone().requires_grad_(True)
+    if rc.bypass_mode:
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask as both
+        _, kept, _ = both(cur, roll, mask.long(), rc.rollout_is, rc.rollout_is_threshold, False, rc.rollout_rs,
+                          rc.rollout_rs_threshold)
+        loss, _ = get_policy_loss_fn("bypass_mode")(roll, leaf, adv, mask.long(), "token-mean", cfg, None)
+    else:
+        weights, kept, _ = compute_rollout_correction_and_rejection_mask(
+            old, roll, mask.long(), rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
+            rc.rollout_rs, rc.rollout_rs_threshold)
+        w = None if weights is None else weights.batch["rollout_is_weights"]
+        loss, _ = get_policy_loss_fn("vanilla")(old, leaf, adv, kept, "token-mean", cfg, w)
+    loss.backward()
+    return loss.detach(), leaf.grad, kept.bool()
+
+
+@pytest.mark.parametrize("name", [n for n, vp in op.presets.VERL_PRESETS.items() if vp.keywords is not None])
+def test_verl_presets_give_the_installed_verl_loss(name):
+    """Each verl 0.9.1 preset that ``op.presets.verl`` reproduces, against verl's own rollout-correction and policy
+    loss code at the preset's defaults (clip 0.2 / 0.28, clip_ratio_c 3): loss and gradient. The batch is the first
+    whose rejection (if any) keeps some but not all tokens. verl adds 1e-8 to its token counts."""
+    vp = op.presets.VERL_PRESETS[name]
+    drift = {"seq_mean_k1": 0.002, "seq_mean_k3": 0.14}.get(vp.fields["rollout_rs"], 0.3)
+    for seed in range(60):
+        cur, old, roll, mask, adv = _preset_batch(seed, drift)
+        loss, grad, kept = _verl_preset_loss(name, cur, old, roll, mask, adv)
+        if vp.fields["rollout_rs"] is None or 0 < int((kept & mask).sum()) < int(mask.sum()):
+            break
+    if vp.fields["rollout_rs"] is not None:
+        assert 0 < int((kept & mask).sum()) < int(mask.sum()), name
+    corr, proximal = op.presets.verl(name, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    b, t = mask.shape
+    leaf = cur.clone().requires_grad_(True)
+    prox = {"old": old, "rollout": roll, None: None}[proximal]
+    out = op.policy_loss_from_logprobs(leaf.reshape(-1), roll.reshape(-1), adv.reshape(-1),
+                                       loss_mask=mask.reshape(-1), correction=corr,
+                                       seq_ids=torch.arange(b)[:, None].expand(b, t).reshape(-1),
+                                       proximal_logprobs=None if prox is None else prox.reshape(-1))
+    out.loss.backward()
+    assert math.isclose(out.loss.item(), loss.item(), rel_tol=1e-7, abs_tol=1e-10), (name, out.loss.item(), loss.item())
+    torch.testing.assert_close(leaf.grad, grad, rtol=1e-7, atol=1e-10, msg=name)

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import offpolicy as op
 from offpolicy.__main__ import main as cli
 from offpolicy.diagnose import (
     TrainerScores,
@@ -153,6 +154,26 @@ def test_staleness_groups_and_recommendation(model):
     far = diagnose(rec, trainer_logprobs=rec.sampler_logprobs.double() - 2.0 * (2 - rec.versions).double())
     assert far.correction.veto == 1e-4 and far.correction.kl_rejection is not None
     assert far.overall.extreme_share > 0.5
+    # Recommended by name: the first reason is the call that builds it from the preset catalogue.
+    for report, name in ((rep, "sc_mis"), (far, "sc_mis")):
+        call = report.reasons[0].removeprefix("by name: ").split(" (the preset")[0]
+        assert call.startswith(f"op.presets.correction({name!r}") and eval(call, {"op": op}) == report.correction
+    assert rep.correction == op.presets.correction("sc_mis")
+    assert far.reasons[0].startswith("by name: op.presets.correction('sc_mis', veto=0.0001, kl_rejection=op.KLRej")
+
+
+def test_recommendation_by_name_without_candidates_and_after_a_mistake():
+    from offpolicy.diagnose.recommend import recommend
+
+    calm = divergence(torch.full((50,), 0.01, dtype=torch.float64))
+    corr, reasons = recommend(calm, {}, None, [])
+    assert corr == op.presets.correction("icepop") == op.Correction(weights="mis", bounds=(0.5, 5.0))
+    assert reasons[0].startswith("by name: op.presets.correction('icepop') (the preset 'icepop'")
+    wild = divergence(torch.cat([torch.full((10,), 3.0), torch.zeros(40)]).double())
+    corr, reasons = recommend(wild, {}, "head", [])
+    assert corr == op.presets.correction("sc_mis", veto=1e-4)
+    assert reasons[0].startswith("by name: op.presets.correction('sc_mis', veto=0.0001)")
+    assert recommend(wild, {}, "head", ["log_base_2"])[0] is None
 
 
 def test_divergence_estimators():

@@ -209,6 +209,65 @@ def test_table_from_policy_loss_metrics_equals_table_from_arrays():
     assert acc.table().total.tokens == 2 * int(mask.sum())
 
 
+def _closed_form_slope(xs, ys):
+    """``(n sum xy - sum x sum y) / (n sum x^2 - (sum x)^2)``: the least-squares slope, written apart from the
+    centred form of offpolicy.fleet.table.kl_trend."""
+    n = len(xs)
+    return (n * sum(x * y for x, y in zip(xs, ys)) - sum(xs) * sum(ys)) / (n * sum(x * x for x in xs) - sum(xs) ** 2)
+
+
+def test_kl_trend_over_steps_per_group():
+    """Six steps: group 0's mismatch grows, group 1's stays, group 2 is absent at steps 1 and 4 (a gap, not a 0);
+    a window of 4 keeps each group's last four steps with tokens. Slope, growth and steps against float64 values
+    worked out here from the log-ratios, the arrays path against the metrics path, and the all row."""
+    groups = groups_from([1, 1, 1])
+    fm, fm_metrics = FleetMetrics(groups, trend_window=4), FleetMetrics(groups, trend_window=4)
+    gen = torch.Generator().manual_seed(7)
+    per_step = {0: [], 1: [], 2: []}
+    all_steps = []
+    for step in range(6):
+        gid = torch.tensor([0] * 20 + [1] * 20 + ([] if step in (1, 4) else [2] * 20))
+        scale = torch.tensor([0.05 * (1 + step)] * 20 + [0.2] * 20 + [0.1] * (gid.numel() - 40), dtype=torch.float64)
+        lq = -torch.rand(gid.numel(), generator=gen, dtype=torch.float64) - 0.1
+        lp = (lq + scale * torch.randn(gid.numel(), generator=gen, dtype=torch.float64)).clamp(max=0.0)
+        fm.update(gid, lq, lp)
+        k3 = [math.exp(a - b) - 1 - (a - b) for a, b in zip(lp.tolist(), lq.tolist())]
+        for g in per_step:
+            vals = [k for k, gg in zip(k3, gid.tolist()) if gg == g]
+            if vals:
+                per_step[g].append((step, sum(vals) / len(vals)))
+        all_steps.append((step, sum(k3) / len(k3)))
+        out = op.policy_loss_from_logprobs(lp, lq, torch.ones_like(lq), groups=gid)
+        fm_metrics.update_from_metrics(out.metrics)
+    table, other = fm.table(), fm_metrics.table()
+    for row, row_m, g in zip(table.rows, other.rows, range(3)):
+        pts = per_step[g][-4:]
+        xs, ys = [float(x) for x, _ in pts], [y for _, y in pts]
+        assert row.trend_steps == 4 and row_m.trend_steps == 4
+        assert math.isclose(row.kl_k3_slope, _closed_form_slope(xs, ys), rel_tol=1e-9, abs_tol=1e-12), g
+        assert math.isclose(row.kl_k3_growth, ys[-1] / ys[0], rel_tol=1e-9), g
+        assert math.isclose(row_m.kl_k3_slope, row.kl_k3_slope, rel_tol=1e-6, abs_tol=1e-9), g
+        assert math.isclose(row_m.kl_k3_growth, row.kl_k3_growth, rel_tol=1e-6), g
+    assert [x for x, _ in per_step[2]] == [0, 2, 3, 5]  # the gaps are skipped, not zeros
+    assert table.rows[0].kl_k3_slope > 0 and table.rows[0].kl_k3_growth > 1.5  # growing mismatch (k3 ~ scale^2: 4x in expectation)
+    pts = all_steps[-4:]
+    assert math.isclose(table.total.kl_k3_slope, _closed_form_slope([float(x) for x, _ in pts], [y for _, y in pts]),
+                        rel_tol=1e-9, abs_tol=1e-12)
+    d = table.to_dict()
+    assert d["fleet/g0/kl_k3_slope"] == table.rows[0].kl_k3_slope and d["fleet/all/trend_steps"] == 4.0
+    fm.reset()
+    assert fm.table().rows[0].trend_steps == 0 and fm.table().rows[0].kl_k3_slope == 0.0
+    one = FleetMetrics(groups)
+    one.update(torch.tensor([0]), torch.tensor([-1.0]), torch.tensor([-1.0]))
+    row = one.table().rows[0]
+    assert (row.kl_k3_slope, row.kl_k3_growth, row.trend_steps) == (0.0, 0.0, 1)
+    one.update(torch.tensor([0]), torch.tensor([-1.0]), torch.tensor([-1.5]))
+    assert one.table().rows[0].kl_k3_growth == 0.0 and one.table().rows[0].kl_k3_slope > 0  # first k3 was 0
+    for bad in (1, 0, 2.5, True, "3"):
+        with pytest.raises(ValueError, match="trend_window"):
+            FleetMetrics(groups, trend_window=bad)
+
+
 def test_table_rejects_bad_inputs():
     groups = groups_from([1])
     fm = FleetMetrics(groups)

@@ -18,7 +18,7 @@ KERNEL, CORE, FLEET, ADAPTERS, DEMO, CLI = range(6)
 LAYER = {
     "kernels": KERNEL,
     "ops": CORE, "records": CORE, "corrections": CORE, "loss": CORE, "parallel": CORE, "reference": CORE,
-    "advantages": CORE, "testing": CORE, "__init__": CORE,
+    "advantages": CORE, "presets": CORE, "testing": CORE, "__init__": CORE,
     "fleet": FLEET,
     "adapters": ADAPTERS,
     "diagnose": ADAPTERS,

@@ -21,12 +21,19 @@ Route agreement (mixture-of-experts fleets, docs/routing.md#agreement-metrics), 
 the mean number of MoE layers whose expert set differs between the group's sampler and the trainer,
 ``route_any_flip_frac`` the share of its tokens with at least one flipped layer. The table shows these columns only
 when some group has routes; a group without is ``None`` there (``nan`` in :meth:`FleetTable.to_dict`).
+The KL's trend over steps (the growth verl#7519 reports): every ``update`` / ``update_from_metrics`` call is one step,
+and each group's mean ``k3`` over that step's tokens is kept for the last ``trend_window`` steps in which the group
+had a trained token (the ``all`` row: the step's mean over all tokens). ``kl_k3_slope`` is the least-squares slope of
+those values against the step number (per step; steps without the group's tokens leave a gap, not a 0),
+``kl_k3_growth`` the last of them divided by the first, ``trend_steps`` how many there are; the slope and growth are 0
+with fewer than two steps, and the growth is 0 where the first value is 0.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -64,6 +71,22 @@ class GroupRow:
     route_tokens: int = 0
     route_flip_layers_mean: float | None = None
     route_any_flip_frac: float | None = None
+    kl_k3_slope: float = 0.0
+    kl_k3_growth: float = 0.0
+    trend_steps: int = 0
+
+
+def kl_trend(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(slope, growth)`` of ``[(step, k3), ...]``: the least-squares slope of ``k3`` against ``step`` and the
+    ratio of the last ``k3`` to the first; ``(0, 0)`` under two points, growth 0 where the first ``k3`` is 0."""
+    if len(points) < 2:
+        return 0.0, 0.0
+    xs = [float(x) for x, _ in points]
+    ys = [y for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    return slope, (ys[-1] / ys[0] if ys[0] != 0 else 0.0)
 
 
 @dataclass(frozen=True)
@@ -74,7 +97,7 @@ class FleetTable:
     total: GroupRow
 
     _METRICS = ("share_samples", "share_tokens", "share_extreme", "extreme_frac", "kl_k1", "kl_k2", "kl_k3",
-                "abs_log_ratio_mean", "abs_log_ratio_max", "tokens")
+                "abs_log_ratio_mean", "abs_log_ratio_max", "tokens", "kl_k3_slope", "kl_k3_growth", "trend_steps")
 
     def to_dict(self, prefix: str = "fleet") -> dict[str, float]:
         """Flat ``{f"{prefix}/{group}/{metric}": value}`` for a logger (``group`` = name, or ``all``)."""
@@ -126,12 +149,17 @@ class FleetMetrics:
 
     Args:
         groups: the fleet; group id ``g`` in the inputs is the index into this list.
+        trend_window: how many of each group's latest steps the KL trend (``kl_k3_slope``, ``kl_k3_growth``) is
+            fitted over; an int ``>= 2``.
     """
 
-    def __init__(self, groups: Sequence[SamplerGroup]):
+    def __init__(self, groups: Sequence[SamplerGroup], trend_window: int = 10):
         self.groups = list(groups)
         if not self.groups:
             raise ValueError("groups must be a non-empty sequence of SamplerGroup")
+        if isinstance(trend_window, bool) or not isinstance(trend_window, int) or trend_window < 2:
+            raise ValueError(f"trend_window must be an int >= 2, got {trend_window!r}")
+        self.trend_window = trend_window
         self.reset()
 
     def reset(self) -> None:
@@ -139,6 +167,17 @@ class FleetMetrics:
         self._sum = {k: [0.0] * m for k in _SUMS}
         self._max = [0.0] * m
         self._seq_total = 0.0
+        self._step = 0
+        self._trend = [deque(maxlen=self.trend_window) for _ in range(m + 1)]  # the last one: the all row
+
+    def _record_step(self, tokens: Sequence[float], k3_sums: Sequence[float]) -> None:
+        """Keep this step's mean k3 per group with tokens, and over all tokens."""
+        for g, (n, k3) in enumerate(zip(tokens, k3_sums)):
+            if n > 0:
+                self._trend[g].append((self._step, k3 / n))
+        if sum(tokens) > 0:
+            self._trend[-1].append((self._step, sum(k3_sums) / sum(tokens)))
+        self._step += 1
 
     def update(
         self,
@@ -197,15 +236,18 @@ class FleetMetrics:
             rmask = mask if route_valid is None else mask & route_valid.to(torch.bool)
             if rmask.shape != (n,):
                 raise ValueError(f"route_valid must be [N] with N={n}, got {tuple(route_valid.shape)}")
+        step_tokens, step_k3 = [], []
         for g in range(len(self.groups)):
             sel = mask & (groups == g)
             x = lr[sel]
             s = self._sum
-            s["tokens"][g] += float(sel.sum())
+            step_tokens.append(float(sel.sum()))
+            step_k3.append(float(kl_estimate(x, "k3").sum()))
+            s["tokens"][g] += step_tokens[-1]
             s["extreme"][g] += float(extreme[sel].sum())
             s["k1"][g] += float(kl_estimate(x, "k1").sum())
             s["k2"][g] += float(kl_estimate(x, "k2").sum())
-            s["k3"][g] += float(kl_estimate(x, "k3").sum())
+            s["k3"][g] += step_k3[-1]
             s["abs_lr"][g] += float(x.abs().sum())
             if x.numel():
                 self._max[g] = max(self._max[g], float(x.abs().max()))
@@ -216,6 +258,7 @@ class FleetMetrics:
                 s["route_tokens"][g] += float(rsel.sum())
                 s["route_flips"][g] += float(flips[rsel].sum())
                 s["route_any"][g] += float((flips[rsel] > 0).sum())
+        self._record_step(step_tokens, step_k3)
 
     def update_from_metrics(self, metrics: Mapping[str, Tensor | float]) -> None:
         """Add one step from ``op.policy_loss(..., groups=...).metrics`` (keys ``group/{g}/<name>``).
@@ -244,8 +287,11 @@ class FleetMetrics:
             if missing:
                 raise ValueError(f"metrics for group {g} lack {missing}")
         seq_mode = any(abs(v.get("share_samples", 0.0) - v.get("share_tokens", 0.0)) > 1e-12 for v in per.values())
+        step_tokens, step_k3 = [0.0] * len(self.groups), [0.0] * len(self.groups)
         for g, v in per.items():
             n = v.get("num_tokens", 0.0)
+            if g not in routes_only:
+                step_tokens[g], step_k3[g] = n, v["kl_k3"] * n
             s = self._sum
             s["tokens"][g] += n
             s["extreme"][g] += round(v.get("extreme_ratio_frac", 0.0) * n)
@@ -269,6 +315,7 @@ class FleetMetrics:
                 s["route_any"][g] += round(v["route_any_flip_frac"] * m)
         if seq_mode:
             self._seq_total += 1.0
+        self._record_step(step_tokens, step_k3)
 
     def table(self) -> FleetTable:
         """The accumulated table."""
@@ -280,6 +327,7 @@ class FleetMetrics:
         for g, grp in enumerate(self.groups):
             n = s["tokens"][g]
             share_tok = n / n_all if n_all else 0.0
+            slope, growth = kl_trend(self._trend[g])
             rows.append(GroupRow(
                 name=grp.name, accelerator=grp.accelerator, weight_format=grp.weight_format,
                 kv_format=grp.kv_format, tokens=int(n),
@@ -293,7 +341,9 @@ class FleetMetrics:
                 abs_log_ratio_mean=s["abs_lr"][g] / n if n else 0.0,
                 abs_log_ratio_max=self._max[g],
                 **_route_cols(s["route_tokens"][g], s["route_flips"][g], s["route_any"][g]),
+                kl_k3_slope=slope, kl_k3_growth=growth, trend_steps=len(self._trend[g]),
             ))
+        slope, growth = kl_trend(self._trend[-1])
         total = GroupRow(
             name="all", accelerator="", weight_format="", kv_format="", tokens=int(n_all),
             share_samples=1.0 if n_all else 0.0, share_tokens=1.0 if n_all else 0.0,
@@ -305,6 +355,7 @@ class FleetMetrics:
             abs_log_ratio_mean=sum(s["abs_lr"]) / n_all if n_all else 0.0,
             abs_log_ratio_max=max(self._max),
             **_route_cols(sum(s["route_tokens"]), sum(s["route_flips"]), sum(s["route_any"])),
+            kl_k3_slope=slope, kl_k3_growth=growth, trend_steps=len(self._trend[-1]),
         )
         return FleetTable(rows, total)
 

@@ -27,6 +27,11 @@ Keys (all scalar tensors, means over trained tokens unless named otherwise):
   perplexity ratio; clamped log-ratios), ``seq_ppl_ratio_mean`` (``mean exp(d)``), and per sequence rule ``R``
   switched on ``rejected_frac/R`` (share of trained tokens in sequences ``R`` drops); at the sequence levels
   ``seq_ess`` (the ESS of the per-sequence weights, each the mean of its trained tokens' final weights);
+* agreement of the trained tokens' probabilities ``p = exp(log p(y))`` (the trainer's, as the loss uses it: ``p^S``
+  under mask replay) and ``q = exp(lq)``: ``prob_pearson`` (Pearson's correlation of ``p`` and ``q`` over the
+  selected tokens; 1 when either side is constant and ``p == q`` on every token, 0 when constant otherwise or with
+  no token), ``prob_abs_diff_max`` / ``prob_abs_diff_mean`` / ``prob_abs_diff_std`` (of ``|p - q|``; the std with
+  Bessel's correction, ``n - 1``, as verl's ``torch.std``; 0 under two tokens);
 * policy: ``entropy`` (of ``p``, or of ``p^S`` under mask replay), ``num_tokens``;
 * with a ``kl_penalty`` (added by :mod:`offpolicy.loss.logprobs`): ``ref_kl`` (mean weighted estimate),
   ``kl_penalty`` (its aggregated contribution to the loss);
@@ -148,6 +153,7 @@ def token_stats(v: TokenView, sel: Tensor, tree: CorrectionTree) -> dict[str, Te
         "ppl_sampler": saturating_exp(neg_lq),
         "ppl_ratio": saturating_exp(neg_logp - neg_lq),
     }
+    out.update(_probability_agreement(torch.exp(v.logp.to(lr.dtype)), torch.exp(v.lq), sel))
     for rule in tree.rejections:
         if isinstance(rule, Veto):
             out["veto_catastrophic_frac"] = _mean((v.lw < math.log(rule.threshold)).to(lr.dtype), sel)
@@ -158,6 +164,46 @@ def token_stats(v: TokenView, sel: Tensor, tree: CorrectionTree) -> dict[str, Te
     out["ess"] = _ess(w, sel)
     out["num_tokens"] = n.to(lr.dtype)
     return out
+
+
+def _probability_agreement(p: Tensor, q: Tensor, sel: Tensor) -> dict[str, Tensor]:
+    """``prob_pearson`` and ``prob_abs_diff_max/mean/std`` of ``p, q [N]`` over ``sel [N]`` (module docstring).
+    Centred sums, the mean corrected once (:func:`_centred`), so that a near-constant column does not cancel to
+    noise; branch-free."""
+    n = sel.sum().to(p.dtype)
+    zero = torch.zeros_like(p)
+    # Each side centred, then divided by its largest deviation: probabilities near e^-50 deviate by ~1e-22, whose
+    # squares underflow in fp32; scaled, every sum of squares is >= 1 unless the side is constant (then 0).
+    dp, dq = _unit(_centred(p, sel)), _unit(_centred(q, sel))
+    den = (dp * dp).sum().sqrt() * (dq * dq).sum().sqrt()
+    corr = ((dp * dq).sum() / torch.where(den > 0, den, torch.ones_like(den))).clamp(-1.0, 1.0)
+    equal = ~(sel & (p != q)).any() & (n > 0)
+    d = (p - q).abs()
+    mean_d = _mean(d, sel)
+    dev = _centred(d, sel)
+    dev_scale = dev.abs().amax() if dev.numel() else dev.new_zeros(())
+    return {
+        "prob_pearson": torch.where(den > 0, corr, equal.to(p.dtype)),
+        "prob_abs_diff_max": _max(d, sel),
+        "prob_abs_diff_mean": mean_d,
+        "prob_abs_diff_std": torch.where(n > 1, dev_scale * ((_unit(dev) ** 2).sum() / (n - 1).clamp_min(1)).sqrt(),
+                                         zero.sum() * 0),
+    }
+
+
+def _unit(x: Tensor) -> Tensor:
+    """``x / max |x|`` (all 0 stays 0); branch-free."""
+    scale = x.abs().amax() if x.numel() else x.new_zeros(())
+    return torch.where(scale > 0, x / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(x))
+
+
+def _centred(x: Tensor, sel: Tensor) -> Tensor:
+    """``x - mean(x)`` over ``sel`` (0 elsewhere), the mean corrected by the mean of the first deviations (the
+    corrected two-pass algorithm): in fp32, 64 probabilities near 0.9 sum with an error of ~1e-7 in their mean, as
+    large as a 1e-6 spread's own scale; their deviations' mean recovers it."""
+    zero = torch.zeros_like(x)
+    dx = torch.where(sel, x - _mean(x, sel), zero)
+    return torch.where(sel, dx - _mean(dx, sel), zero)
 
 
 def _extreme(lr: Tensor) -> Tensor:
