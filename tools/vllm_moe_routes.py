@@ -4,7 +4,7 @@
 
 Starts ``vllm.LLM`` on ``DIR`` (float32, eager, 256 MiB KV cache), with ``enable_return_routed_experts=True`` unless
 ``--no-routes``, generates 6 tokens from one prompt, and prints one JSON line: ``{"vllm": version, "ok": true,
-"prompt": [...], "tokens": [...], "routes": [[[id, ...] per layer] per position] or null, "seconds": s}``, or
+"prompt": [...], "tokens": [...], "logprobs": [raw log-prob of each token], "routes": [[[id, ...] per layer] per position] or null, "seconds": s}``, or
 ``{"vllm": version, "ok": false, "stage": "start" | "generate", "error": "<type>: <message>"}`` when the engine
 refuses. ``--v2-runner`` sets ``VLLM_USE_V2_MODEL_RUNNER=1`` (vLLM 0.32 wires routed experts to that runner only).
 Everything vLLM prints goes to stderr.
@@ -44,11 +44,12 @@ def main() -> None:
     else:
         try:
             res = llm.generate([{"prompt_token_ids": [5, 17, 33, 100]}],
-                               SamplingParams(max_tokens=6, temperature=1.0, seed=1), use_tqdm=False)
+                               SamplingParams(max_tokens=6, temperature=1.0, seed=1, logprobs=0), use_tqdm=False)
             comp = res[0].outputs[0]
             routes = getattr(comp, "routed_experts", None)
             out.update(ok=True, prompt=[int(t) for t in res[0].prompt_token_ids],
                        tokens=[int(t) for t in comp.token_ids],
+                       logprobs=[float(step[t].logprob) for t, step in zip(comp.token_ids, comp.logprobs or [])],
                        routes=None if routes is None else routes.tolist())
         except Exception as exc:
             out.update(ok=False, stage="generate", error=f"{type(exc).__name__}: {exc}")

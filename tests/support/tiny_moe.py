@@ -50,15 +50,15 @@ def tiny_other_moe(kind: str, seed: int = 0):
 
 
 def save_tiny_qwen3_moe(path, seed: int = 0, vocab: int = 512):
-    """A random 2-layer Qwen3-MoE (hidden 64, 8 experts of width 64, top-2, both layers routed) with a WordLevel
-    tokenizer ``t0 .. t{vocab-1}``, saved to ``path`` for an engine to load (as tests/adapters/test_vllm_live.py
-    saves its dense Qwen3); returns the transformers model."""
+    """A random 2-layer Qwen3-MoE (hidden 128, 2 heads of 64: vLLM's CPU attention refuses head_dim 16; 8 experts of
+    width 64, top-2, both layers routed) with a WordLevel tokenizer ``t0 .. t{vocab-1}``, saved to ``path`` for an
+    engine to load (as tests/adapters/test_vllm_live.py saves its dense Qwen3); returns the transformers model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
                          tie_word_embeddings=False)
     model = Qwen3MoeForCausalLM(cfg).float().eval()
