@@ -13,13 +13,14 @@ KERNELS = ROOT / "kernels"
 
 # Layer of each top-level subpackage or module of ``offpolicy`` (a lower number is lower in the house). The core is
 # everything a user imports for the loss; the fleet (sampler groups, router, reference sampler, quantisers) sits on
-# it; adapters may use the fleet's records; the demo and the command line sit on top.
+# it, and so do the MoE routing hooks for transformers models (routing/); adapters may use the fleet's records; the
+# demo and the command line sit on top.
 KERNEL, CORE, FLEET, ADAPTERS, DEMO, CLI = range(6)
 LAYER = {
     "kernels": KERNEL,
     "ops": CORE, "records": CORE, "corrections": CORE, "loss": CORE, "parallel": CORE, "reference": CORE,
     "advantages": CORE, "presets": CORE, "testing": CORE, "__init__": CORE,
-    "fleet": FLEET,
+    "fleet": FLEET, "routing": FLEET,
     "adapters": ADAPTERS,
     "diagnose": ADAPTERS,
     "demo": DEMO,
