@@ -36,6 +36,8 @@ from torch import Tensor
 
 _INT32_LIMIT = 2**31
 _FP32_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 #: Default tile widths: compiled (GPU) and interpreted (CPU, where each loop iteration costs milliseconds).
 _GPU_BLOCK, _GPU_WARPS = 4096, 8
 _INTERPRETER_BLOCK = 16384
@@ -52,6 +54,56 @@ def _scaled(z, it):
     into what follows (``x - m``), so both kernels and the gathered values see the same ``x`` while the rest of the
     arithmetic keeps FMA contraction (3 fewer instructions per element than turning it off)."""
     return tl.fma(z.to(tl.float32), it, 0.0)
+
+
+@triton.jit
+def _row_stats_loop(row_ptr, it, v_end, V, BLOCK: tl.constexpr, SUM_P2: tl.constexpr):
+    """``(m, s, t, q)`` of one row (see :func:`row_stats`), base 2: ``e = exp2(x log2(e) - r)`` with the reference
+    ``r = fl(m log2(e))`` rescaled only when a block raises the running max ``m``.
+
+    Per element: one rounded product (``x``), one FMA (``d = x log2(e) - r``, the exponent in base 2, clamped to
+    the lowest fp32 so that ``e d = 0`` where ``x = -inf``; NaN propagates), one ``ex2``, one add (``s``) and one
+    FMA (``t2 += e d``, ``t`` in base-2 units); the rescale ``a = exp2(r - r')``,
+    ``t2' = a (t2 + s (r - r'))``, ``s' = a s`` (since ``e' d' = a e (d + r - r')``) runs only in a block whose max
+    exceeds ``m``. At the end the rounding of ``r`` is undone exactly: ``c = fma(m, log2(e), -r)`` is the residual
+    of ``r`` against ``m log2(e)`` and ``s = 2^-c sum e``, ``t = ln 2 * 2^-c (t2 - c sum e)``, so ``(m, s, t)`` are
+    the statistics about the row max itself. While the row has seen only ``-inf``, ``m = -inf`` and ``r = 0``.
+    """
+    cols0 = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+    m = tl.full([], neg_inf, tl.float32)
+    r = tl.zeros([], tl.float32)
+    s_acc = tl.zeros([BLOCK], tl.float32)
+    t_acc = tl.zeros([BLOCK], tl.float32)
+    q_acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, v_end, BLOCK):
+        cols = start + cols0
+        x = _scaled(tl.load(row_ptr + cols, mask=cols < V, other=neg_inf), it)
+        bmax = tl.max(x, 0)
+        if bmax > m:  # the running max moves (a NaN block max never does: NaN reaches s through d below)
+            new_r = bmax * _LOG2E
+            shift = tl.where(m == neg_inf, 0.0, r - new_r)
+            a = tl.where(m == neg_inf, 0.0, tl.exp2(shift))  # nothing accumulated yet while m = -inf
+            t_acc = a * (t_acc + s_acc * shift)
+            s_acc = a * s_acc
+            if SUM_P2:
+                q_acc = a * a * q_acc
+            m = bmax
+            r = new_r
+        d = tl.maximum(tl.fma(x, _LOG2E, -r), _FP32_LOWEST, propagate_nan=tl.PropagateNan.ALL)
+        e = tl.exp2(d)
+        s_acc += e
+        t_acc += e * d
+        if SUM_P2:
+            q_acc += e * e
+    s2 = tl.sum(s_acc, 0)
+    t2 = tl.sum(t_acc, 0)
+    c = tl.where(m == neg_inf, 0.0, tl.fma(m, _LOG2E, -r))  # |c| <= half an ulp of r
+    k = tl.exp2(-c)
+    s = s2 * k
+    t = (t2 - c * s2) * k * _LN2
+    q = tl.sum(q_acc, 0) * k * k
+    return tl.where(m == neg_inf, 0.0, m), s, t, q
 
 
 @triton.jit
@@ -77,40 +129,12 @@ def _row_stats_kernel(
     v_end = V
     if HAS_SKIP:
         v_end = tl.where(tl.load(skip_ptr + row) != 0, 0, V)  # a skipped row runs no iteration: no reads
-    row_ptr = logits_ptr + row * stride_row
-    cols0 = tl.arange(0, BLOCK)
-    neg_inf = float("-inf")
-    # Online softmax with a scalar running max m and per-lane sums (one block reduction per step).
-    # When the reference moves from m to m' (both relative to lanes' sums):
-    #   s' = a s,  t' = a (t + s (m - m')),  a = exp(m - m'),
-    # since exp(x - m') (x - m') = a exp(x - m) ((x - m) + (m - m')).
-    # While the row has seen only -inf, m = -inf and the reference is 0 (s = t = 0 there).
-    # SUM_P2 adds q = sum exp(2 (x - m)) (sum p^2 = q / s^2), rescaled by a^2 = exp(2 (m - m')).
-    m = tl.full([], neg_inf, tl.float32)
-    s_acc = tl.zeros([BLOCK], tl.float32)
-    t_acc = tl.zeros([BLOCK], tl.float32)
-    q_acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, v_end, BLOCK):
-        cols = start + cols0
-        x = _scaled(tl.load(row_ptr + cols, mask=cols < V, other=neg_inf), it)
-        new_m = tl.maximum(m, tl.max(x, 0))
-        ref = tl.where(new_m == neg_inf, 0.0, new_m)
-        a = tl.exp(m - ref)  # 0 while m = -inf, 1 when the max did not move
-        shift = tl.where(m == neg_inf, 0.0, m - ref)
-        # d is clamped to the lowest fp32 so that e * d = 0 * finite = 0 where x = -inf (not 0 * -inf = NaN);
-        # a NaN logit stays NaN (and so does s: the caller sees it).
-        d = tl.maximum(x - ref, _FP32_LOWEST, propagate_nan=tl.PropagateNan.ALL)
-        e = tl.exp(d)
-        t_acc = a * (t_acc + s_acc * shift) + e * d
-        s_acc = a * s_acc + e
-        if SUM_P2:
-            q_acc = a * a * q_acc + e * e
-        m = new_m
-    tl.store(m_ptr + row, tl.where(m == neg_inf, 0.0, m))
-    tl.store(s_ptr + row, tl.sum(s_acc, 0))
-    tl.store(t_ptr + row, tl.sum(t_acc, 0))
+    m, s, t, q = _row_stats_loop(logits_ptr + row * stride_row, it, v_end, V, BLOCK, SUM_P2)
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+    tl.store(t_ptr + row, t)
     if SUM_P2:
-        tl.store(q_ptr + row, tl.sum(q_acc, 0))
+        tl.store(q_ptr + row, q)
 
 
 @triton.jit
