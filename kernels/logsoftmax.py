@@ -201,6 +201,89 @@ def _row_grad_kernel(
         tl.store(o_row + idc, val.to(dt), mask=(idc >= 0) & (idc < V))
 
 
+@triton.jit
+def _row_loss_grad_kernel(
+    logits_ptr,
+    stride_lrow,
+    out_ptr,
+    stride_orow,
+    target_ptr,
+    inv_temp_ptr,
+    skip_ptr,
+    coef_ptr,
+    shift_ptr,
+    m_ptr,
+    s_ptr,
+    t_ptr,
+    lse_ptr,
+    g_ptr,
+    band_lo,
+    band_hi,
+    clamp,
+    clip_lo,
+    clip_hi,
+    N,
+    V,
+    BAND: tl.constexpr,
+    EXP: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    """Statistics, then the gradient of the row's first-id log-probability under a closed-form coefficient, in one
+    program per row (a persistent grid: program ``p`` takes rows ``p, p + P, ...``, so at most ``P`` rows are in
+    flight and the second read of each finds it in L2)."""
+    neg_inf = float("-inf")
+    dt = out_ptr.dtype.element_ty
+    cols0 = tl.arange(0, BLOCK)
+    for row0 in range(tl.program_id(0), N, tl.num_programs(0)):
+        row = row0
+        if INT64:
+            row = row.to(tl.int64)
+        it = tl.load(inv_temp_ptr + row)
+        v_end = V
+        if HAS_SKIP:
+            v_end = tl.where(tl.load(skip_ptr + row) != 0, 0, V)
+        l_row = logits_ptr + row * stride_lrow
+        o_row = out_ptr + row * stride_orow
+        # 1. Statistics: the only read of the row from memory.
+        m, s, t, _q = _row_stats_loop(l_row, it, v_end, V, BLOCK, False)
+        lse = tl.where(s != 0.0, m + tl.log(s), float("inf"))  # NaN stays NaN
+        # 2. The coefficient g = coef * f(lp - shift) of the first id's log-probability lp = x_y - lse.
+        y = tl.load(target_ptr + row)
+        y_ok = (y >= 0) & (y < v_end)
+        x_y = _scaled(tl.load(l_row + y, mask=y_ok, other=neg_inf), it)
+        lp = x_y - lse
+        lr = lp - tl.load(shift_ptr + row)
+        f = tl.full([], 1.0, tl.float32)
+        if EXP:
+            f = tl.exp(tl.minimum(tl.maximum(tl.minimum(tl.maximum(lr, -clamp), clamp), clip_lo), clip_hi))
+        if BAND:
+            f = tl.where((lr >= band_lo) & (lr <= band_hi), f, 0.0)
+        coef = tl.load(coef_ptr + row)
+        live = (coef != 0.0) & (lp > neg_inf) & (lse < float("inf"))  # also False on a NaN lse or lp
+        g = tl.where(live, coef * f, 0.0)
+        g = tl.where(g == g, g, 0.0)
+        tl.store(m_ptr + row, m)
+        tl.store(s_ptr + row, s)
+        tl.store(t_ptr + row, t)
+        tl.store(lse_ptr + row, lse)
+        tl.store(g_ptr + row, g)
+        # 3. dz = it (g 1[v = y] - g p_v): the dense part from the second read (L2), one write; a row with g = 0
+        #    is not read again and gets zeros.
+        v_read = tl.where(g != 0.0, V, 0)
+        lse_r = tl.where(g != 0.0, lse, 0.0)
+        dense = -(g * it)
+        for start in range(0, V, BLOCK):
+            cols = start + cols0
+            x = _scaled(tl.load(l_row + cols, mask=cols < v_read, other=neg_inf), it)
+            tl.store(o_row + cols, (dense * tl.exp(x - lse_r)).to(dt), mask=cols < V)
+        tl.debug_barrier()  # the target's store below lands after the dense store of its column
+        val = tl.where(g != 0.0, it * (g - g * tl.exp(x_y - lse_r)), 0.0)
+        tl.store(o_row + y, val.to(dt), mask=(y >= 0) & (y < V) & (g != 0.0))
+        tl.debug_barrier()
+
+
 def is_interpreted() -> bool:
     """True when these kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -370,3 +453,97 @@ def row_grad(
             enable_fp_fusion=_FP_FUSION,
         )  # fmt: skip
     return out
+
+
+#: Resident programs per SM of the two-pass kernel's persistent grid (rows in flight = this x the SM count).
+PROGRAMS_PER_SM = 1
+
+
+def _programs(n: int, device: torch.device, programs: int | None) -> int:
+    """The two-pass kernel's grid: ``programs``, else ``PROGRAMS_PER_SM`` per SM on CUDA, else one per row."""
+    if programs is not None:
+        if programs < 1:
+            raise ValueError(f"programs must be >= 1, got {programs}")
+        return min(n, programs)
+    if device.type == "cuda":
+        return min(n, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+    return n
+
+
+def row_loss_grad(
+    logits: Tensor,
+    target: Tensor,
+    inv_temp: Tensor,
+    skip: Tensor | None,
+    coef: Tensor,
+    shift: Tensor,
+    out: Tensor,
+    *,
+    band: tuple[float, float] | None = None,
+    exp_clip: tuple[float, float, float] | None = None,
+    block: int | None = None,
+    num_warps: int | None = None,
+    programs: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The statistics of each row and the gradient of a closed-form function of its log-probability at
+    ``target``, in one program: the row is read once from memory for the statistics, re-read (from L2) and the
+    gradient written once.
+
+    With ``x = logits * inv_temp``, ``lse = m + log s`` and ``lp = x[target] - lse``, each row's coefficient is
+
+        g = coef * f(lp - shift),   f(l) = 1[lo <= l <= hi] (with ``band=(lo, hi)``)
+                                        * exp(clip(clip(l, -c, c), a, b)) (with ``exp_clip=(c, a, b)``; else 1)
+
+    and ``out = inv_temp * (g 1[v = target] - g exp(x - lse))``, the gradient of ``sum_rows g lp`` with ``g``
+    held constant. ``g = 0`` (and a zero row, not read again) where ``coef = 0``, ``lp = -inf``, the row has no
+    mass (skipped, all ``-inf``) or its ``lse`` is NaN.
+
+    Args:
+        logits: ``[N, V]`` fp32/fp16/bf16, any row stride, unit column stride.
+        target: ``[N]`` int64 column ids (``-1`` or any id outside ``[0, V)``: ``lp = -inf``).
+        inv_temp: ``[N]`` fp32.
+        skip: ``[N]`` bool or None; skipped rows are not read (``m = s = t = 0``, ``lse = +inf``, zero gradient).
+        coef, shift: ``[N]`` fp32.
+        out: ``[N, V]`` of the logits' dtype, unit column stride, not overlapping ``logits``.
+        band: ``(lo, hi)`` inclusive bounds on ``l`` (``-inf`` / ``inf`` allowed), or None.
+        exp_clip: ``(c, a, b)``: ``f`` includes ``exp`` of ``l`` clipped to ``[-c, c]`` then to ``[a, b]``.
+        block, num_warps: tile width (a power of two) and warps per program; defaults suit a GPU.
+        programs: the persistent grid's size; default ``PROGRAMS_PER_SM`` per SM on CUDA, one per row elsewhere.
+
+    Returns:
+        ``(m, s, t, lse, g)``, each ``[N]`` fp32 (``m, s, t`` as :func:`row_stats`); ``out`` holds the gradient.
+    """
+    _check_rows("logits", logits)
+    _check_rows("out", out)
+    n, v = logits.shape
+    dev = logits.device
+    if out.shape != logits.shape or out.dtype != logits.dtype or out.device != dev:
+        raise ValueError(f"out must match logits ({tuple(logits.shape)} {logits.dtype}), got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")  # fmt: skip
+    target = _vector("target", target, n, torch.int64, dev)
+    inv_temp = _vector("inv_temp", inv_temp, n, torch.float32, dev)
+    coef = _vector("coef", coef, n, torch.float32, dev)
+    shift = _vector("shift", shift, n, torch.float32, dev)
+    if band is not None and (len(band) != 2 or not band[0] <= band[1]):
+        raise ValueError(f"band must be (lo, hi) with lo <= hi, got {band!r}")
+    if exp_clip is not None and (len(exp_clip) != 3 or not exp_clip[0] >= 0 or not exp_clip[1] <= exp_clip[2]):
+        raise ValueError(f"exp_clip must be (c, a, b) with c >= 0 and a <= b, got {exp_clip!r}")
+    m, s, t, lse, g = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(5))
+    if n == 0:
+        return m, s, t, lse, g
+    if v == 0:
+        lse.fill_(float("inf"))
+        return m, s, t, lse, g
+    if skip is not None:
+        skip = _vector("skip", skip, n, torch.bool, dev).view(torch.uint8)
+    lo, hi = band if band is not None else (0.0, 0.0)
+    c, a, b = exp_clip if exp_clip is not None else (0.0, 0.0, 0.0)
+    block, num_warps = _tile(v, block, num_warps)
+    with launch_device(dev):
+        _row_loss_grad_kernel[(_programs(n, dev, programs),)](
+            logits, logits.stride(0), out, out.stride(0), target, inv_temp, skip if skip is not None else inv_temp,
+            coef, shift, m, s, t, lse, g, float(lo), float(hi), float(c), float(a), float(b), n, v,
+            BAND=band is not None, EXP=exp_clip is not None, HAS_SKIP=skip is not None, BLOCK=block,
+            INT64=_needs_int64(n, logits, out), num_warps=num_warps, enable_fp_fusion=_FP_FUSION,
+        )  # fmt: skip
+    return m, s, t, lse, g
