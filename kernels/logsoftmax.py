@@ -248,7 +248,7 @@ def _row_loss_grad_kernel(
         o_row = out_ptr + row * stride_orow
         # 1. Statistics: the only read of the row from memory.
         m, s, t, _q = _row_stats_loop(l_row, it, v_end, V, BLOCK, False)
-        lse = tl.where(s != 0.0, m + tl.log(s), float("inf"))  # NaN stays NaN
+        lse = tl.where(s != 0.0, m + tl.log(tl.where(s != 0.0, s, 1.0)), float("inf"))  # NaN stays NaN
         # 2. The coefficient g = coef * f(lp - shift) of the first id's log-probability lp = x_y - lse.
         y = tl.load(target_ptr + row)
         y_ok = (y >= 0) & (y < v_end)
