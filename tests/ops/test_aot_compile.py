@@ -35,7 +35,7 @@ SKIP_PINNED = "OFFPOLICY_SKIP_TRITON_PINNED"
 ONLY = "OFFPOLICY_AOT_ONLY"
 #: Kernels that must use tensor cores in bf16, and the PTX instruction checked (by target).
 MATMUL_KERNELS = {"_linear_row_stats_kernel", "_linear_dense_grad_kernel"}
-ROW_KERNELS = {"_row_stats_kernel", "_row_grad_kernel"}
+ROW_KERNELS = {"_row_stats_kernel", "_row_grad_kernel", "_row_loss_grad_kernel"}
 FUSED_KERNELS = ROW_KERNELS | {"_gathered_dot_kernel", "_gathered_grad_h_kernel", "_gathered_grad_w_kernel"}
 
 
@@ -181,7 +181,8 @@ def test_row_kernels_load_16_bytes_and_order_their_stores(results):
     assert rows
     scalar = [_label(r) for r in rows if not r["vector_loads"]]
     assert not scalar, f"no 16-byte vector loads in: {scalar}"
-    unordered = [_label(r) for r in rows if r["kernel"] == "_row_grad_kernel" and r["barriers"] < 2]
+    unordered = [_label(r) for r in rows if r["kernel"] in ("_row_grad_kernel", "_row_loss_grad_kernel")
+                 and r["barriers"] < 2]
     assert not unordered, f"the barriers ordering the id stores are missing in: {unordered}"
 
 
