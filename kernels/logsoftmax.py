@@ -222,7 +222,6 @@ def _row_loss_grad_kernel(
     clamp,
     clip_lo,
     clip_hi,
-    N,
     V,
     BAND: tl.constexpr,
     EXP: tl.constexpr,
@@ -231,57 +230,55 @@ def _row_loss_grad_kernel(
     INT64: tl.constexpr,
 ):
     """Statistics, then the gradient of the row's first-id log-probability under a closed-form coefficient, in one
-    program per row (a persistent grid: program ``p`` takes rows ``p, p + P, ...``, so at most ``P`` rows are in
-    flight and the second read of each finds it in L2)."""
+    program per row: the second read of the row, right after the first, finds it in L2 while the rows in flight
+    (the programs resident at once) fit there (see :data:`_TWO_PASS_WARPS`)."""
     neg_inf = float("-inf")
     dt = out_ptr.dtype.element_ty
     cols0 = tl.arange(0, BLOCK)
-    for row0 in range(tl.program_id(0), N, tl.num_programs(0)):
-        row = row0
-        if INT64:
-            row = row.to(tl.int64)
-        it = tl.load(inv_temp_ptr + row)
-        v_end = V
-        if HAS_SKIP:
-            v_end = tl.where(tl.load(skip_ptr + row) != 0, 0, V)
-        l_row = logits_ptr + row * stride_lrow
-        o_row = out_ptr + row * stride_orow
-        # 1. Statistics: the only read of the row from memory.
-        m, s, t, _q = _row_stats_loop(l_row, it, v_end, V, BLOCK, False)
-        lse = tl.where(s != 0.0, m + tl.log(tl.where(s != 0.0, s, 1.0)), float("inf"))  # NaN stays NaN
-        # 2. The coefficient g = coef * f(lp - shift) of the first id's log-probability lp = x_y - lse.
-        y = tl.load(target_ptr + row)
-        y_ok = (y >= 0) & (y < v_end)
-        x_y = _scaled(tl.load(l_row + y, mask=y_ok, other=neg_inf), it)
-        lp = x_y - lse
-        lr = lp - tl.load(shift_ptr + row)
-        f = tl.full([], 1.0, tl.float32)
-        if EXP:
-            f = tl.exp(tl.minimum(tl.maximum(tl.minimum(tl.maximum(lr, -clamp), clamp), clip_lo), clip_hi))
-        if BAND:
-            f = tl.where((lr >= band_lo) & (lr <= band_hi), f, 0.0)
-        coef = tl.load(coef_ptr + row)
-        live = (coef != 0.0) & (lp > neg_inf) & (lse < float("inf"))  # also False on a NaN lse or lp
-        g = tl.where(live, coef * f, 0.0)
-        g = tl.where(g == g, g, 0.0)
-        tl.store(m_ptr + row, m)
-        tl.store(s_ptr + row, s)
-        tl.store(t_ptr + row, t)
-        tl.store(lse_ptr + row, lse)
-        tl.store(g_ptr + row, g)
-        # 3. dz = it (g 1[v = y] - g p_v): the dense part from the second read (L2), one write; a row with g = 0
-        #    is not read again and gets zeros.
-        v_read = tl.where(g != 0.0, V, 0)
-        lse_r = tl.where(g != 0.0, lse, 0.0)
-        dense = -(g * it)
-        for start in range(0, V, BLOCK):
-            cols = start + cols0
-            x = _scaled(tl.load(l_row + cols, mask=cols < v_read, other=neg_inf), it)
-            tl.store(o_row + cols, (dense * tl.exp(x - lse_r)).to(dt), mask=cols < V)
-        tl.debug_barrier()  # the target's store below lands after the dense store of its column
-        val = tl.where(g != 0.0, it * (g - g * tl.exp(x_y - lse_r)), 0.0)
-        tl.store(o_row + y, val.to(dt), mask=(y >= 0) & (y < V) & (g != 0.0))
-        tl.debug_barrier()
+    row = tl.program_id(0)
+    if INT64:
+        row = row.to(tl.int64)
+    it = tl.load(inv_temp_ptr + row)
+    v_end = V
+    if HAS_SKIP:
+        v_end = tl.where(tl.load(skip_ptr + row) != 0, 0, V)
+    l_row = logits_ptr + row * stride_lrow
+    o_row = out_ptr + row * stride_orow
+    # 1. Statistics: the only read of the row from memory.
+    m, s, t, _q = _row_stats_loop(l_row, it, v_end, V, BLOCK, False)
+    lse = tl.where(s != 0.0, m + tl.log(tl.where(s != 0.0, s, 1.0)), float("inf"))  # NaN stays NaN
+    # 2. The coefficient g = coef * f(lp - shift) of the first id's log-probability lp = x_y - lse.
+    y = tl.load(target_ptr + row)
+    y_ok = (y >= 0) & (y < v_end)
+    x_y = _scaled(tl.load(l_row + y, mask=y_ok, other=neg_inf), it)
+    lp = x_y - lse
+    lr = lp - tl.load(shift_ptr + row)
+    f = tl.full([], 1.0, tl.float32)
+    if EXP:
+        f = tl.exp(tl.minimum(tl.maximum(tl.minimum(tl.maximum(lr, -clamp), clamp), clip_lo), clip_hi))
+    if BAND:
+        f = tl.where((lr >= band_lo) & (lr <= band_hi), f, 0.0)
+    coef = tl.load(coef_ptr + row)
+    live = (coef != 0.0) & (lp > neg_inf) & (lse < float("inf"))  # also False on a NaN lse or lp
+    g = tl.where(live, coef * f, 0.0)
+    g = tl.where(g == g, g, 0.0)
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+    tl.store(t_ptr + row, t)
+    tl.store(lse_ptr + row, lse)
+    tl.store(g_ptr + row, g)
+    # 3. dz = it (g 1[v = y] - g p_v): the dense part from the second read (L2), one write; a row with g = 0
+    #    is not read again and gets zeros.
+    v_read = tl.where(g != 0.0, V, 0)
+    lse_r = tl.where(g != 0.0, lse, 0.0)
+    dense = -(g * it)
+    for start in range(0, V, BLOCK):
+        cols = start + cols0
+        x = _scaled(tl.load(l_row + cols, mask=cols < v_read, other=neg_inf), it)
+        tl.store(o_row + cols, (dense * tl.exp(x - lse_r)).to(dt), mask=cols < V)
+    tl.debug_barrier()  # the target's store below lands after the dense store of its column
+    val = tl.where(g != 0.0, it * (g - g * tl.exp(x_y - lse_r)), 0.0)
+    tl.store(o_row + y, val.to(dt), mask=(y >= 0) & (y < V) & (g != 0.0))
 
 
 def is_interpreted() -> bool:
@@ -455,19 +452,13 @@ def row_grad(
     return out
 
 
-#: Resident programs per SM of the two-pass kernel's persistent grid (rows in flight = this x the SM count).
-PROGRAMS_PER_SM = 1
-
-
-def _programs(n: int, device: torch.device, programs: int | None) -> int:
-    """The two-pass kernel's grid: ``programs``, else ``PROGRAMS_PER_SM`` per SM on CUDA, else one per row."""
-    if programs is not None:
-        if programs < 1:
-            raise ValueError(f"programs must be >= 1, got {programs}")
-        return min(n, programs)
-    if device.type == "cuda":
-        return min(n, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
-    return n
+#: The two-pass kernel's tile: 32 warps (1024 threads, the most a program may have) and 8 elements per thread per
+#: step. At more than 32 registers per thread (every compiled variant: docs/performance.md) one program fills an
+#: SM's register file, so one row per SM is in flight: 132 x 304 KB = 40 MB at the headline (bf16, V = 151936) on
+#: an H100, inside its 50 MB L2, so the gradient pass re-reads the row from L2. (A persistent grid would bound this
+#: explicitly, but its row loop carries the cross-warp reductions' predicated shared loads from one row to the
+#: next, and ptxas spills them.)
+_TWO_PASS_BLOCK, _TWO_PASS_WARPS = 8192, 32
 
 
 def row_loss_grad(
@@ -483,7 +474,6 @@ def row_loss_grad(
     exp_clip: tuple[float, float, float] | None = None,
     block: int | None = None,
     num_warps: int | None = None,
-    programs: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The statistics of each row and the gradient of a closed-form function of its log-probability at
     ``target``, in one program: the row is read once from memory for the statistics, re-read (from L2) and the
@@ -508,7 +498,6 @@ def row_loss_grad(
         band: ``(lo, hi)`` inclusive bounds on ``l`` (``-inf`` / ``inf`` allowed), or None.
         exp_clip: ``(c, a, b)``: ``f`` includes ``exp`` of ``l`` clipped to ``[-c, c]`` then to ``[a, b]``.
         block, num_warps: tile width (a power of two) and warps per program; defaults suit a GPU.
-        programs: the persistent grid's size; default ``PROGRAMS_PER_SM`` per SM on CUDA, one per row elsewhere.
 
     Returns:
         ``(m, s, t, lse, g)``, each ``[N]`` fp32 (``m, s, t`` as :func:`row_stats`); ``out`` holds the gradient.
@@ -538,11 +527,13 @@ def row_loss_grad(
         skip = _vector("skip", skip, n, torch.bool, dev).view(torch.uint8)
     lo, hi = band if band is not None else (0.0, 0.0)
     c, a, b = exp_clip if exp_clip is not None else (0.0, 0.0, 0.0)
-    block, num_warps = _tile(v, block, num_warps)
+    default = _INTERPRETER_BLOCK if is_interpreted() else _TWO_PASS_BLOCK
+    block, num_warps = _tile(v, block or min(default, triton.next_power_of_2(max(v, 16))),
+                             num_warps or _TWO_PASS_WARPS)
     with launch_device(dev):
-        _row_loss_grad_kernel[(_programs(n, dev, programs),)](
+        _row_loss_grad_kernel[(n,)](
             logits, logits.stride(0), out, out.stride(0), target, inv_temp, skip if skip is not None else inv_temp,
-            coef, shift, m, s, t, lse, g, float(lo), float(hi), float(c), float(a), float(b), n, v,
+            coef, shift, m, s, t, lse, g, float(lo), float(hi), float(c), float(a), float(b), v,
             BAND=band is not None, EXP=exp_clip is not None, HAS_SKIP=skip is not None, BLOCK=block,
             INT64=_needs_int64(n, logits, out), num_warps=num_warps, enable_fp_fusion=_FP_FUSION,
         )  # fmt: skip

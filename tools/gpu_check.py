@@ -17,7 +17,7 @@ found in place. Records the device, driver, torch, CUDA and Triton versions, the
     copy bandwidth and bf16 matmul rate of the device, offpolicy's forward + backward as a fraction of them (the
     spec's ``3 V b`` bytes per token; ``8 N V D`` FLOPs), and the baselines a user would pick: dense torch,
     ``torch.compile`` of it, Liger-Kernel where it imports; the token-level loss's three passes against the
-    two-pass kernel (``2 V b`` bytes per token) at 1, 2, 4 programs per SM and one per row.
+    two-pass kernel (``2 V b`` bytes per token) at one, two and four programs per SM.
 
 Writes ``gpu_check_<device>_<date>.json`` (``--out``, default benchmarks/results/) and exits 1 when any check
 failed (2 on bad usage). ``--dry-run`` sets ``TRITON_INTERPRET=1`` and runs every path on the CPU at tiny shapes
@@ -385,8 +385,9 @@ def measure(dev, dry: bool) -> dict:
 def two_pass_speed(dev, z, y, time_it, copy_gbps: float) -> dict:
     """The token-level loss's vocabulary work at the headline shape: three passes (``row_stats``, then ``row_grad``:
     ``3 V b`` bytes per token) against the two-pass kernel (``row_loss_grad``: ``2 V b`` when its second read of each
-    row hits L2), the latter with persistent grids of 1, 2 and 4 programs per SM and one program per row (the
-    ``PROGRAMS_PER_SM`` choice of kernels/logsoftmax.py); fractions of copy speed at each path's own byte count."""
+    row hits L2), the latter at 32 warps per program (the default: one program per SM, 40 MB of rows in flight on an
+    H100), 16 and 8 (two and four programs per SM: 80 and 160 MB, past the L2); fractions of copy speed at each
+    path's own byte count."""
     import torch
 
     from offpolicy.kernels import logsoftmax as K
@@ -405,8 +406,9 @@ def two_pass_speed(dev, z, y, time_it, copy_gbps: float) -> dict:
 
     rows = {}
     for name, fn, nbytes in [("three_pass", three, 3 * v * b)] + [
-            (f"two_pass[programs={p}]", lambda p=p: K.row_loss_grad(zd, y, inv, None, coef, shift, out, programs=p),
-             2 * v * b) for p in _program_counts(dev, n)]:
+            (f"two_pass[warps={w}]", lambda w=w: K.row_loss_grad(zd, y, inv, None, coef, shift, out, num_warps=w,
+                                                                 block=None if dev.type == "cpu" else 256 * w),
+             2 * v * b) for w in (32, 16, 8)]:
         try:
             t = time_it(fn)
             rows[name] = {**t, "bytes_per_token": nbytes, "gbps": n * nbytes / t["median_s"] / 1e9,
@@ -414,13 +416,6 @@ def two_pass_speed(dev, z, y, time_it, copy_gbps: float) -> dict:
         except Exception as exc:  # noqa: BLE001 - recorded, not fatal
             rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     return {"N": n, "V": v, "dtype": str(zd.dtype), "rows": rows}
-
-
-def _program_counts(dev, n: int) -> list[int]:
-    if dev.type != "cuda":
-        return [n]
-    sms = __import__("torch").cuda.get_device_properties(dev).multi_processor_count
-    return sorted({min(n, k * sms) for k in (1, 2, 4)} | {n})
 
 
 def versions(dev) -> dict:

@@ -186,6 +186,16 @@ def test_row_kernels_load_16_bytes_and_order_their_stores(results):
     assert not unordered, f"the barriers ordering the id stores are missing in: {unordered}"
 
 
+def test_the_two_pass_kernel_holds_one_row_per_sm(results):
+    """The two-pass kernel re-reads each row from L2 only while the rows in flight fit there: 32 warps (1024
+    threads) at more than 32 registers each fill an SM's 65,536 registers, so one program (one row) per SM."""
+    two = [r for r in results["records"] if r["kernel"] == "_row_loss_grad_kernel"]
+    assert {r["target"] for r in two} == {"sm_80", "sm_90", "sm_100"}
+    wrong = [f"{_label(r)}: {r['num_warps']} warps, {r['registers']} registers" for r in two
+             if r["num_warps"] != 32 or not 32 < r["registers"] <= 64]  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_hot_path_has_no_host_sync(results):
     """The fused-linear backend's forward and backward ran on meta tensors: a nonzero() or item() would raise."""
     cases = [r for r in results["records"] if r["case"].startswith("linear_backend_")]

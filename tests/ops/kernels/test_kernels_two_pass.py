@@ -1,6 +1,6 @@
 """The two-pass kernel (``row_loss_grad``: the row statistics and a closed-form row gradient in one program)
-against float64, directly: every rule, odd shapes, hostile rows, skipped and coefficient-free rows, a persistent
-grid shorter than the rows, and the bad inputs.
+against float64, directly: every rule, odd shapes, hostile rows, skipped and coefficient-free rows, and the bad
+inputs.
 
 Without a GPU the kernel runs in Triton's interpreter (``conftest.py``) on fp32 and fp16 logits; with a GPU the
 same tests run compiled, bf16 added. Tolerances: :mod:`support.vocab_reference`.
@@ -119,10 +119,9 @@ def test_row_loss_grad_matches_float64(dtype, rule, block):
     assert g[8] == 0 and bool((out[8] == 0).all())  # coef = 0
 
 
-@pytest.mark.parametrize("n,v,block,programs", [(1, 1, 16, None), (3, 17, 16, None), (7, 129, 32, 3),
-                                                 (13, 2049, None, 1), (4, 4096, 1024, 2)])
-def test_odd_shapes_and_short_persistent_grids(n, v, block, programs):
-    """Shapes from one column up, partial blocks, and grids of fewer programs than rows (each program loops)."""
+@pytest.mark.parametrize("n,v,block", [(1, 1, 16), (3, 17, 16), (7, 129, 32), (13, 2049, None), (4, 4096, 1024)])
+def test_odd_shapes(n, v, block):
+    """Shapes from one column up, partial blocks, one block per row."""
     gen = torch.Generator().manual_seed(n * 1000 + v)
     z = (torch.randn(n, v, generator=gen) * 4).to(DEVICE)
     it = (1.0 / temperatures(n, gen)).float().to(DEVICE)
@@ -130,9 +129,8 @@ def test_odd_shapes_and_short_persistent_grids(n, v, block, programs):
     coef = torch.randn(n, generator=gen).to(DEVICE)
     shift = torch.randn(n, generator=gen).to(DEVICE) - 3
     band, exp_clip = RULES["band_exp"]
-    _check(z, y, it, None, coef, shift, (-math.inf, math.inf), exp_clip, torch.float32, block=block,
-           programs=programs)
-    _check(z, y, it, None, coef, shift, None, None, torch.float32, block=block, programs=programs)
+    _check(z, y, it, None, coef, shift, (-math.inf, math.inf), exp_clip, torch.float32, block=block)
+    _check(z, y, it, None, coef, shift, None, None, torch.float32, block=block)
 
 
 def test_hostile_rows():
@@ -203,5 +201,5 @@ def test_bad_inputs_raise():
         kernels.row_loss_grad(z, y, one, None, one, one, out, band=(1.0, 0.0))
     with pytest.raises(ValueError, match="exp_clip"):
         kernels.row_loss_grad(z, y, one, None, one, one, out, exp_clip=(-1.0, 0.0, 1.0))
-    with pytest.raises(ValueError, match="programs"):
-        kernels.row_loss_grad(z, y, one, None, one, one, out, programs=0)
+    with pytest.raises(ValueError, match="block"):
+        kernels.row_loss_grad(z, y, one, None, one, one, out, block=48)
