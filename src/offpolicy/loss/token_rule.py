@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
 
 from offpolicy.corrections.correction import Correction
 from offpolicy.corrections.node import log_bound
