@@ -15,13 +15,14 @@ with respect to the logits is that ``dz`` times the scalar's upstream gradient. 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from offpolicy.ops import online_softmax, workspace
+from offpolicy.ops import library, online_softmax, row_threads, workspace
 from offpolicy.ops.backend_registry import Backend
 from offpolicy.ops.online_softmax import INF
 from offpolicy.ops.row_io import SparseLogSoftmax, row_inputs
@@ -109,12 +110,19 @@ class _PrecomputedGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, upstream: Tensor):
+        """``dz * upstream``. Like every backward of the ops, it asks once whether it is traced (compiled autograd
+        may trace it): traced, the product is formed out of place (no host sync); eagerly, ``dz`` is returned as it
+        is when ``upstream`` is 1.0 (one host sync) and rescaled in place otherwise, on CPU inside the
+        single-intra-op-thread context of :mod:`offpolicy.ops.row_threads`."""
         dz, ctx.grad = ctx.grad, None  # released, so that autograd may take the buffer as it is
         if dz is None:
             raise RuntimeError("a second backward through a two-pass loss: its gradient was written in the forward "
                                "and handed to the first backward (retain_graph cannot replay it); recompute the loss")
-        if bool(upstream != 1):  # one host sync: a scaled loss (gradient accumulation, loss scaling) costs a pass
-            dz.mul_(upstream.to(dz.dtype))
+        if library.tracing():
+            return None, dz * upstream.to(dz.dtype), None
+        with row_threads.single_intra_op() if dz.device.type == "cpu" else contextlib.nullcontext():
+            if bool(upstream != 1):  # a scaled loss (gradient accumulation, loss scaling) costs one more pass
+                dz.mul_(upstream.to(dz.dtype))
         return None, dz, None
 
 
