@@ -1,11 +1,12 @@
 """Row-wise softmax statistics and the closed-form log-softmax backward over wide rows, in Triton.
 
-Two kernels, each a 1-D grid with one program per row (no 65,535 grid-dimension limit):
+Three kernels, each a 1-D grid with one program per row (no 65,535 grid-dimension limit):
 
 * :func:`row_stats` reads ``z [N, V]`` once and returns, for ``x = z * inv_temp``, the row max ``m``,
   ``s = sum_v exp(x_v - m)`` and ``t = sum_v exp(x_v - m) (x_v - m)`` (so ``lse = m + log s`` and the entropy is
   ``log s - t / s``), and on request ``q = sum_v exp(2 (x_v - m))`` (``sum_v p_v^2 = q / s^2``; a constexpr flag,
-  so the default kernel is compiled without it). Rows flagged in ``skip`` are not read at all.
+  so the default kernel is compiled without it). Rows flagged in ``skip`` are not read at all. The loop works in
+  base 2 and rescales its sums only when the running max moves (:func:`_row_stats_loop`).
 * :func:`row_grad` reads ``z`` once and writes, in ``z``'s dtype,
 
       dz = inv_temp * (scatter(g at ids) - G * exp(x - lse))
@@ -15,6 +16,9 @@ Two kernels, each a 1-D grid with one program per row (no 65,535 grid-dimension 
   The output may be ``z`` itself (in-place).
 
   Repeated ids are summed outside the kernel, in ``O(M log M)`` per row (:func:`unique_ids`).
+* :func:`row_loss_grad` does both in one program when the upstream gradient of each row is a closed form of the
+  row's log-probability at one id (``g = coef * f(lp - shift)``, ``f`` from a small family given by numbers): the
+  statistics (one read), then ``dz`` from a second read that finds the row in L2, one write.
 
 All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), and each output element is rounded once. FMA
 contraction is on (set explicitly: Triton 3.10 changes the default), except in ``x = z * inv_temp``, which is
