@@ -231,3 +231,34 @@ def test_other_corrections_keep_the_three_pass_path(corr, extra, monkeypatch):
         out.loss.backward()
     assert not calls, "the two-pass kernel ran for a correction it does not serve"
     assert stats or extra.get("support"), "the three-pass statistics kernel did not run"
+
+
+@pytest.mark.parametrize("agg,extra", [("token_mean", {"num_loss_tokens": 50.0}),
+                                       ("seq_mean_token_mean", {"num_sequences": 9.0})])
+def test_per_row_temperatures_global_normalisers_and_no_validation(agg, extra, monkeypatch):
+    """A ``[N]`` temperature tensor, the data-parallel normalisers, ``validate=False``: the same as three passes."""
+    z, y, lq, adv, mask, seq, _, cands = _batch(9, 200, torch.float32, seed=21)
+    temp = torch.linspace(0.6, 1.4, 9)
+    corr = op.Correction(weights="tis", bounds=(0.5, 2.0))
+    grads, losses = [], []
+    for two_pass in (True, False):
+        calls = _spy(monkeypatch)
+        leaf = z.detach().clone().to(DEVICE).requires_grad_()
+        with monkeypatch.context() as mp:
+            if not two_pass:
+                mp.setattr(loss_logits, "_two_pass_rule", lambda *a, **k: None)
+            out = op.policy_loss(leaf, y.to(DEVICE), lq.to(DEVICE), adv.to(DEVICE), loss_mask=mask.to(DEVICE),
+                                 temperature=temp.to(DEVICE), correction=corr, seq_ids=seq.to(DEVICE),
+                                 aggregation=agg, backend="triton", validate=False, **extra)
+            out.loss.backward()
+        assert bool(calls) == two_pass
+        grads.append(leaf.grad)
+        losses.append(out.loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+    _assert_grad(grads[0], grads[1].double().cpu(), torch.float32, "two-pass vs three-pass")
+    z64 = z.double().detach().requires_grad_()
+    loss64, _, _ = reference_policy_loss(z64, y, lq.double(), adv.double(), loss_mask=mask, temperature=temp.double(),
+                                         correction=corr, seq_ids=seq, aggregation=agg, **extra)
+    loss64.backward()
+    torch.testing.assert_close(losses[0].cpu().double(), loss64.detach(), rtol=1e-5, atol=1e-7)
+    _assert_grad(grads[0], z64.grad, torch.float32, "two-pass vs float64")
