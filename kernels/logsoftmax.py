@@ -1,11 +1,12 @@
 """Row-wise softmax statistics and the closed-form log-softmax backward over wide rows, in Triton.
 
-Two kernels, each a 1-D grid with one program per row (no 65,535 grid-dimension limit):
+Three kernels, each a 1-D grid with one program per row (no 65,535 grid-dimension limit):
 
 * :func:`row_stats` reads ``z [N, V]`` once and returns, for ``x = z * inv_temp``, the row max ``m``,
   ``s = sum_v exp(x_v - m)`` and ``t = sum_v exp(x_v - m) (x_v - m)`` (so ``lse = m + log s`` and the entropy is
   ``log s - t / s``), and on request ``q = sum_v exp(2 (x_v - m))`` (``sum_v p_v^2 = q / s^2``; a constexpr flag,
-  so the default kernel is compiled without it). Rows flagged in ``skip`` are not read at all.
+  so the default kernel is compiled without it). Rows flagged in ``skip`` are not read at all. The loop works in
+  base 2 and rescales its sums only when the running max moves (:func:`_row_stats_loop`).
 * :func:`row_grad` reads ``z`` once and writes, in ``z``'s dtype,
 
       dz = inv_temp * (scatter(g at ids) - G * exp(x - lse))
@@ -15,6 +16,9 @@ Two kernels, each a 1-D grid with one program per row (no 65,535 grid-dimension 
   The output may be ``z`` itself (in-place).
 
   Repeated ids are summed outside the kernel, in ``O(M log M)`` per row (:func:`unique_ids`).
+* :func:`row_loss_grad` does both in one program when the upstream gradient of each row is a closed form of the
+  row's log-probability at one id (``g = coef * f(lp - shift)``, ``f`` from a small family given by numbers): the
+  statistics (one read), then ``dz`` from a second read that finds the row in L2, one write.
 
 All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), and each output element is rounded once. FMA
 contraction is on (set explicitly: Triton 3.10 changes the default), except in ``x = z * inv_temp``, which is
@@ -36,6 +40,8 @@ from torch import Tensor
 
 _INT32_LIMIT = 2**31
 _FP32_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 #: Default tile widths: compiled (GPU) and interpreted (CPU, where each loop iteration costs milliseconds).
 _GPU_BLOCK, _GPU_WARPS = 4096, 8
 _INTERPRETER_BLOCK = 16384
@@ -52,6 +58,56 @@ def _scaled(z, it):
     into what follows (``x - m``), so both kernels and the gathered values see the same ``x`` while the rest of the
     arithmetic keeps FMA contraction (3 fewer instructions per element than turning it off)."""
     return tl.fma(z.to(tl.float32), it, 0.0)
+
+
+@triton.jit
+def _row_stats_loop(row_ptr, it, v_end, V, BLOCK: tl.constexpr, SUM_P2: tl.constexpr):
+    """``(m, s, t, q)`` of one row (see :func:`row_stats`), base 2: ``e = exp2(x log2(e) - r)`` with the reference
+    ``r = fl(m log2(e))`` rescaled only when a block raises the running max ``m``.
+
+    Per element: one rounded product (``x``), one FMA (``d = x log2(e) - r``, the exponent in base 2, clamped to
+    the lowest fp32 so that ``e d = 0`` where ``x = -inf``; NaN propagates), one ``ex2``, one add (``s``) and one
+    FMA (``t2 += e d``, ``t`` in base-2 units); the rescale ``a = exp2(r - r')``,
+    ``t2' = a (t2 + s (r - r'))``, ``s' = a s`` (since ``e' d' = a e (d + r - r')``) runs only in a block whose max
+    exceeds ``m``. At the end the rounding of ``r`` is undone exactly: ``c = fma(m, log2(e), -r)`` is the residual
+    of ``r`` against ``m log2(e)`` and ``s = 2^-c sum e``, ``t = ln 2 * 2^-c (t2 - c sum e)``, so ``(m, s, t)`` are
+    the statistics about the row max itself. While the row has seen only ``-inf``, ``m = -inf`` and ``r = 0``.
+    """
+    cols0 = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+    m = tl.full([], neg_inf, tl.float32)
+    r = tl.zeros([], tl.float32)
+    s_acc = tl.zeros([BLOCK], tl.float32)
+    t_acc = tl.zeros([BLOCK], tl.float32)
+    q_acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, v_end, BLOCK):
+        cols = start + cols0
+        x = _scaled(tl.load(row_ptr + cols, mask=cols < V, other=neg_inf), it)
+        bmax = tl.max(x, 0)
+        if bmax > m:  # the running max moves (a NaN block max never does: NaN reaches s through d below)
+            new_r = bmax * _LOG2E
+            shift = tl.where(m == neg_inf, 0.0, r - new_r)
+            a = tl.where(m == neg_inf, 0.0, tl.exp2(shift))  # nothing accumulated yet while m = -inf
+            t_acc = a * (t_acc + s_acc * shift)
+            s_acc = a * s_acc
+            if SUM_P2:
+                q_acc = a * a * q_acc
+            m = bmax
+            r = new_r
+        d = tl.maximum(tl.fma(x, _LOG2E, -r), _FP32_LOWEST, propagate_nan=tl.PropagateNan.ALL)
+        e = tl.exp2(d)
+        s_acc += e
+        t_acc += e * d
+        if SUM_P2:
+            q_acc += e * e
+    s2 = tl.sum(s_acc, 0)
+    t2 = tl.sum(t_acc, 0)
+    c = tl.where(m == neg_inf, 0.0, tl.fma(m, _LOG2E, -r))  # |c| <= half an ulp of r
+    k = tl.exp2(-c)
+    s = s2 * k
+    t = (t2 - c * s2) * k * _LN2
+    q = tl.sum(q_acc, 0) * k * k
+    return tl.where(m == neg_inf, 0.0, m), s, t, q
 
 
 @triton.jit
@@ -77,40 +133,12 @@ def _row_stats_kernel(
     v_end = V
     if HAS_SKIP:
         v_end = tl.where(tl.load(skip_ptr + row) != 0, 0, V)  # a skipped row runs no iteration: no reads
-    row_ptr = logits_ptr + row * stride_row
-    cols0 = tl.arange(0, BLOCK)
-    neg_inf = float("-inf")
-    # Online softmax with a scalar running max m and per-lane sums (one block reduction per step).
-    # When the reference moves from m to m' (both relative to lanes' sums):
-    #   s' = a s,  t' = a (t + s (m - m')),  a = exp(m - m'),
-    # since exp(x - m') (x - m') = a exp(x - m) ((x - m) + (m - m')).
-    # While the row has seen only -inf, m = -inf and the reference is 0 (s = t = 0 there).
-    # SUM_P2 adds q = sum exp(2 (x - m)) (sum p^2 = q / s^2), rescaled by a^2 = exp(2 (m - m')).
-    m = tl.full([], neg_inf, tl.float32)
-    s_acc = tl.zeros([BLOCK], tl.float32)
-    t_acc = tl.zeros([BLOCK], tl.float32)
-    q_acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, v_end, BLOCK):
-        cols = start + cols0
-        x = _scaled(tl.load(row_ptr + cols, mask=cols < V, other=neg_inf), it)
-        new_m = tl.maximum(m, tl.max(x, 0))
-        ref = tl.where(new_m == neg_inf, 0.0, new_m)
-        a = tl.exp(m - ref)  # 0 while m = -inf, 1 when the max did not move
-        shift = tl.where(m == neg_inf, 0.0, m - ref)
-        # d is clamped to the lowest fp32 so that e * d = 0 * finite = 0 where x = -inf (not 0 * -inf = NaN);
-        # a NaN logit stays NaN (and so does s: the caller sees it).
-        d = tl.maximum(x - ref, _FP32_LOWEST, propagate_nan=tl.PropagateNan.ALL)
-        e = tl.exp(d)
-        t_acc = a * (t_acc + s_acc * shift) + e * d
-        s_acc = a * s_acc + e
-        if SUM_P2:
-            q_acc = a * a * q_acc + e * e
-        m = new_m
-    tl.store(m_ptr + row, tl.where(m == neg_inf, 0.0, m))
-    tl.store(s_ptr + row, tl.sum(s_acc, 0))
-    tl.store(t_ptr + row, tl.sum(t_acc, 0))
+    m, s, t, q = _row_stats_loop(logits_ptr + row * stride_row, it, v_end, V, BLOCK, SUM_P2)
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+    tl.store(t_ptr + row, t)
     if SUM_P2:
-        tl.store(q_ptr + row, tl.sum(q_acc, 0))
+        tl.store(q_ptr + row, q)
 
 
 @triton.jit
@@ -175,6 +203,86 @@ def _row_grad_kernel(
         idc = tl.load(ids_row + kc, mask=kc < M, other=-1)
         val = tl.load(v_row + kc, mask=kc < M, other=0.0)
         tl.store(o_row + idc, val.to(dt), mask=(idc >= 0) & (idc < V))
+
+
+@triton.jit
+def _row_loss_grad_kernel(
+    logits_ptr,
+    stride_lrow,
+    out_ptr,
+    stride_orow,
+    target_ptr,
+    inv_temp_ptr,
+    skip_ptr,
+    coef_ptr,
+    shift_ptr,
+    m_ptr,
+    s_ptr,
+    t_ptr,
+    lse_ptr,
+    g_ptr,
+    band_lo,
+    band_hi,
+    clamp,
+    clip_lo,
+    clip_hi,
+    V,
+    BAND: tl.constexpr,
+    EXP: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    """Statistics, then the gradient of the row's first-id log-probability under a closed-form coefficient, in one
+    program per row: the second read of the row, right after the first, finds it in L2 while the rows in flight
+    (the programs resident at once) fit there (see :data:`_TWO_PASS_WARPS`)."""
+    neg_inf = float("-inf")
+    dt = out_ptr.dtype.element_ty
+    cols0 = tl.arange(0, BLOCK)
+    row = tl.program_id(0)
+    if INT64:
+        row = row.to(tl.int64)
+    it = tl.load(inv_temp_ptr + row)
+    v_end = V
+    if HAS_SKIP:
+        v_end = tl.where(tl.load(skip_ptr + row) != 0, 0, V)
+    l_row = logits_ptr + row * stride_lrow
+    o_row = out_ptr + row * stride_orow
+    # 1. Statistics: the only read of the row from memory.
+    m, s, t, _q = _row_stats_loop(l_row, it, v_end, V, BLOCK, False)
+    lse = tl.where(s != 0.0, m + tl.log(tl.where(s != 0.0, s, 1.0)), float("inf"))  # NaN stays NaN
+    # 2. The coefficient g = coef * f(lp - shift) of the first id's log-probability lp = x_y - lse.
+    y = tl.load(target_ptr + row)
+    y_ok = (y >= 0) & (y < v_end)
+    x_y = _scaled(tl.load(l_row + y, mask=y_ok, other=neg_inf), it)
+    lp = x_y - lse
+    lr = lp - tl.load(shift_ptr + row)
+    f = tl.full([], 1.0, tl.float32)
+    if EXP:
+        f = tl.exp(tl.minimum(tl.maximum(tl.minimum(tl.maximum(lr, -clamp), clamp), clip_lo), clip_hi))
+    if BAND:
+        f = tl.where((lr >= band_lo) & (lr <= band_hi), f, 0.0)
+    coef = tl.load(coef_ptr + row)
+    live = (coef != 0.0) & (lp > neg_inf) & (lse < float("inf"))  # also False on a NaN lse or lp
+    g = tl.where(live, coef * f, 0.0)
+    g = tl.where(g == g, g, 0.0)
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+    tl.store(t_ptr + row, t)
+    tl.store(lse_ptr + row, lse)
+    tl.store(g_ptr + row, g)
+    # 3. dz = it (g 1[v = y] - g p_v): the dense part from the second read (L2), one write; a row with g = 0
+    #    is not read again and gets zeros.
+    v_read = tl.where(g != 0.0, V, 0)
+    lse_r = tl.where(g != 0.0, lse, 0.0)
+    dense = -(g * it)
+    for start in range(0, V, BLOCK):
+        cols = start + cols0
+        x = _scaled(tl.load(l_row + cols, mask=cols < v_read, other=neg_inf), it)
+        tl.store(o_row + cols, (dense * tl.exp(x - lse_r)).to(dt), mask=cols < V)
+    tl.debug_barrier()  # the target's store below lands after the dense store of its column
+    val = tl.where(g != 0.0, it * (g - g * tl.exp(x_y - lse_r)), 0.0)
+    tl.store(o_row + y, val.to(dt), mask=(y >= 0) & (y < V) & (g != 0.0))
 
 
 def is_interpreted() -> bool:
@@ -346,3 +454,91 @@ def row_grad(
             enable_fp_fusion=_FP_FUSION,
         )  # fmt: skip
     return out
+
+
+#: The two-pass kernel's tile: 32 warps (1024 threads, the most a program may have) and 8 elements per thread per
+#: step. At more than 32 registers per thread (every compiled variant: docs/performance.md) one program fills an
+#: SM's register file, so one row per SM is in flight: 132 x 304 KB = 40 MB at the headline (bf16, V = 151936) on
+#: an H100, inside its 50 MB L2, so the gradient pass re-reads the row from L2. (A persistent grid would bound this
+#: explicitly, but its row loop carries the cross-warp reductions' predicated shared loads from one row to the
+#: next, and ptxas spills them.)
+_TWO_PASS_BLOCK, _TWO_PASS_WARPS = 8192, 32
+
+
+def row_loss_grad(
+    logits: Tensor,
+    target: Tensor,
+    inv_temp: Tensor,
+    skip: Tensor | None,
+    coef: Tensor,
+    shift: Tensor,
+    out: Tensor,
+    *,
+    band: tuple[float, float] | None = None,
+    exp_clip: tuple[float, float, float] | None = None,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The statistics of each row and the gradient of a closed-form function of its log-probability at
+    ``target``, in one program: the row is read once from memory for the statistics, re-read (from L2) and the
+    gradient written once.
+
+    With ``x = logits * inv_temp``, ``lse = m + log s`` and ``lp = x[target] - lse``, each row's coefficient is
+
+        g = coef * f(lp - shift),   f(l) = 1[lo <= l <= hi] (with ``band=(lo, hi)``)
+                                        * exp(clip(clip(l, -c, c), a, b)) (with ``exp_clip=(c, a, b)``; else 1)
+
+    and ``out = inv_temp * (g 1[v = target] - g exp(x - lse))``, the gradient of ``sum_rows g lp`` with ``g``
+    held constant. ``g = 0`` (and a zero row, not read again) where ``coef = 0``, ``lp = -inf``, the row has no
+    mass (skipped, all ``-inf``) or its ``lse`` is NaN.
+
+    Args:
+        logits: ``[N, V]`` fp32/fp16/bf16, any row stride, unit column stride.
+        target: ``[N]`` int64 column ids (``-1`` or any id outside ``[0, V)``: ``lp = -inf``).
+        inv_temp: ``[N]`` fp32.
+        skip: ``[N]`` bool or None; skipped rows are not read (``m = s = t = 0``, ``lse = +inf``, zero gradient).
+        coef, shift: ``[N]`` fp32.
+        out: ``[N, V]`` of the logits' dtype, unit column stride, not overlapping ``logits``.
+        band: ``(lo, hi)`` inclusive bounds on ``l`` (``-inf`` / ``inf`` allowed), or None.
+        exp_clip: ``(c, a, b)``: ``f`` includes ``exp`` of ``l`` clipped to ``[-c, c]`` then to ``[a, b]``.
+        block, num_warps: tile width (a power of two) and warps per program; defaults suit a GPU.
+
+    Returns:
+        ``(m, s, t, lse, g)``, each ``[N]`` fp32 (``m, s, t`` as :func:`row_stats`); ``out`` holds the gradient.
+    """
+    _check_rows("logits", logits)
+    _check_rows("out", out)
+    n, v = logits.shape
+    dev = logits.device
+    if out.shape != logits.shape or out.dtype != logits.dtype or out.device != dev:
+        raise ValueError(f"out must match logits ({tuple(logits.shape)} {logits.dtype}), got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")  # fmt: skip
+    target = _vector("target", target, n, torch.int64, dev)
+    inv_temp = _vector("inv_temp", inv_temp, n, torch.float32, dev)
+    coef = _vector("coef", coef, n, torch.float32, dev)
+    shift = _vector("shift", shift, n, torch.float32, dev)
+    if band is not None and (len(band) != 2 or not band[0] <= band[1]):
+        raise ValueError(f"band must be (lo, hi) with lo <= hi, got {band!r}")
+    if exp_clip is not None and (len(exp_clip) != 3 or not exp_clip[0] >= 0 or not exp_clip[1] <= exp_clip[2]):
+        raise ValueError(f"exp_clip must be (c, a, b) with c >= 0 and a <= b, got {exp_clip!r}")
+    m, s, t, lse, g = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(5))
+    if n == 0:
+        return m, s, t, lse, g
+    if v == 0:
+        lse.fill_(float("inf"))
+        return m, s, t, lse, g
+    if skip is not None:
+        skip = _vector("skip", skip, n, torch.bool, dev).view(torch.uint8)
+    lo, hi = band if band is not None else (0.0, 0.0)
+    c, a, b = exp_clip if exp_clip is not None else (0.0, 0.0, 0.0)
+    default = _INTERPRETER_BLOCK if is_interpreted() else _TWO_PASS_BLOCK
+    block, num_warps = _tile(v, block or min(default, triton.next_power_of_2(max(v, 16))),
+                             num_warps or _TWO_PASS_WARPS)
+    with launch_device(dev):
+        _row_loss_grad_kernel[(n,)](
+            logits, logits.stride(0), out, out.stride(0), target, inv_temp, skip if skip is not None else inv_temp,
+            coef, shift, m, s, t, lse, g, float(lo), float(hi), float(c), float(a), float(b), v,
+            BAND=band is not None, EXP=exp_clip is not None, HAS_SKIP=skip is not None, BLOCK=block,
+            INT64=_needs_int64(n, logits, out), num_warps=num_warps, enable_fp_fusion=_FP_FUSION,
+        )  # fmt: skip
+    return m, s, t, lse, g

@@ -10,6 +10,7 @@ flags), shared memory from the kernel's metadata, tensor-core use from the PTX (
 
     python tools/aot_compile.py --out results.json [--targets sm_90,sm_100] [--only linear]
     python tools/aot_compile.py --markdown results.json [more.json]     # the table in docs/performance.md
+    python tools/aot_compile.py --out r.json --only 'row_stats[int32]' --targets sm_90 --dump /tmp/k   # PTX, cubin
 
 ``TRITON_DEFAULT_FP_FUSION`` is 0 unless set (Triton 3.10's default; earlier versions ignore it), so a launch
 that does not set ``enable_fp_fusion`` shows. Must run without ``TRITON_INTERPRET`` (the interpreter patches ``triton.language`` in place); exits 2 if it is
@@ -152,6 +153,12 @@ def cases() -> list[Case]:
                             lambda z=z, v=vec, n=n: S.row_stats(z, v, t(n, dtype=torch.bool), sum_p2=True)))
             ids, g = t(n, K, dtype=torch.int64), t(n, K)
             out.append(Case(f"row_grad[{tag}]", name, lambda z=z, v=vec, i=ids, g=g: S.row_grad(z, i, v, v, g, v, z)))
+            y = t(n, dtype=torch.int64)
+            out.append(Case(f"row_loss_grad[{tag},skip,band,exp]", name, lambda z=z, v=vec, y=y, n=n: S.row_loss_grad(
+                z, y, v, t(n, dtype=torch.bool), v, v, torch.empty_like(z), band=(-0.7, 1.6),
+                exp_clip=(20.0, float("-inf"), float("inf")))))
+            out.append(Case(f"row_loss_grad[{tag}]", name,
+                            lambda z=z, v=vec, y=y: S.row_loss_grad(z, y, v, None, v, v, torch.empty_like(z))))
         h, w, b = t(N, D, dtype=dt), t(V, D, dtype=dt), t(V, dtype=dt)
         vec, rows = t(N), t(N, dtype=torch.int64)
         acc_h, acc_w, acc_b = t(N, D), t(V, D), t(V)
@@ -235,8 +242,10 @@ def _compiled(device: int) -> dict:
     return found
 
 
-def run_case(case: Case, capability: int, shared: int, launches: list) -> list[dict]:
-    """Compile ``case`` for one target; one record per kernel it launched (or one error record)."""
+def run_case(case: Case, capability: int, shared: int, launches: list, dump: str | None = None) -> list[dict]:
+    """Compile ``case`` for one target; one record per kernel it launched (or one error record). With ``dump``, each
+    new kernel's PTX and cubin go to that folder as ``<kernel>.<case>.<dtype>.sm_<cc>.{ptx,cubin}`` (read the SASS
+    with the bundled ``nvdisasm`` or ``cuobjdump -sass``)."""
     import triton
 
     before = _compiled(capability)
@@ -272,6 +281,12 @@ def run_case(case: Case, capability: int, shared: int, launches: list) -> list[d
                "error": error}
         rec.update(logs.get(md.name, {}))
         records.append(rec)
+        if dump:
+            stem = os.path.join(dump, re.sub(r"[^\w.,=-]+", "_", f"{md.name}.{case.name}.{case.dtype}.sm_{capability}"))
+            with open(stem + ".ptx", "w") as f:
+                f.write(ptx)
+            with open(stem + ".cubin", "wb") as f:
+                f.write(k.asm.get("cubin", b""))
     return records
 
 
@@ -335,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="JSON file to write the records to")
     ap.add_argument("--targets", default="sm_80,sm_90,sm_100", help="comma-separated, from " + ",".join(TARGETS))
     ap.add_argument("--only", default="", help="substring a case name must contain (default: every case)")
+    ap.add_argument("--dump", help="folder to write each compiled kernel's PTX and cubin to")
     args = ap.parse_args(argv)
     if args.markdown:
         print(markdown(args.markdown))
@@ -349,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"--targets: unknown {bad}; known: {sorted(TARGETS)}")
     _kernels_in_place()
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
     # Triton 3.10's default (no FMA contraction unless a launch asks): a kernel that leaves it implicit shows it.
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
     with tempfile.TemporaryDirectory(prefix="offpolicy-aot-triton-") as cache:
@@ -365,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             driver.set_active(make_driver(cap, shared, launches))
             for case in cases():
                 if args.only in case.name:
-                    records.extend(run_case(case, cap, shared, launches))
+                    records.extend(run_case(case, cap, shared, launches, args.dump))
 
     summary = {"triton": records[0]["triton"] if records else None, "seconds": round(time.perf_counter() - t0, 1),
                "shapes": {"N": N, "V": V, "K": K, "D": D, "quant": list(QUANT_SHAPE)}, "records": records}

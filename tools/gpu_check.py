@@ -6,7 +6,8 @@
 Needs torch and triton only (no install of offpolicy, no network): the checkout's ``src`` and ``kernels/`` are
 found in place. Records the device, driver, torch, CUDA and Triton versions, then, in a time budget (default 480 s):
 
-(a) correctness: ``sparse_log_softmax`` (head and support modes, forward and gradient) and
+(a) correctness: ``sparse_log_softmax`` (head and support modes, forward and gradient), ``policy_loss`` through the
+    two-pass kernel (each token-level weight mode, loss and gradient against the float64 reference), and
     ``linear_sparse_log_softmax`` (forward, ``dh`` and ``dW``) on the Triton backend against float64 torch, in bf16
     and fp32; the 64-bit offset path (``N V > 2**31``, rows at both ends against float64); the FP8 / NVFP4 / MXFP4
     quantisers bit-exact against the torch reference (codes, scales and the decoded weights);
@@ -15,7 +16,8 @@ found in place. Records the device, driver, torch, CUDA and Triton versions, the
 (c) speed at the headline shapes (N = 16384, V = 151936, bf16; fused linear N = 8192, D = 4096): the measured
     copy bandwidth and bf16 matmul rate of the device, offpolicy's forward + backward as a fraction of them (the
     spec's ``3 V b`` bytes per token; ``8 N V D`` FLOPs), and the baselines a user would pick: dense torch,
-    ``torch.compile`` of it, Liger-Kernel where it imports.
+    ``torch.compile`` of it, Liger-Kernel where it imports; the token-level loss's three passes against the
+    two-pass kernel (``2 V b`` bytes per token) at one, two and four programs per SM.
 
 Writes ``gpu_check_<device>_<date>.json`` (``--out``, default benchmarks/results/) and exits 1 when any check
 failed (2 on bad usage). ``--dry-run`` sets ``TRITON_INTERPRET=1`` and runs every path on the CPU at tiny shapes
@@ -122,6 +124,48 @@ def check_logits(dev, dtype, n, v, k, support, tol):
     return res
 
 
+def check_two_pass(dev, dtype, n, v, tol):
+    """``policy_loss`` through the two-pass kernel (triton backend, token-level weights: the statistics and the
+    gradient in one program per row) against the float64 reference loss and gradient, for each weight mode."""
+    import torch
+
+    import offpolicy as op
+    from offpolicy.kernels import logsoftmax as K
+    from offpolicy.reference import reference_policy_loss
+
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    z = (torch.randn(n, v, generator=gen) * 3).to(dtype)
+    y = torch.randint(0, v, (n,), generator=gen)
+    x = z.double() / 0.9
+    lp = x.gather(1, y[:, None])[:, 0] - torch.logsumexp(x, 1)
+    lq = (lp - torch.empty(n, dtype=torch.float64).uniform_(-1.5, 2.0, generator=gen)).clamp_max(0).float()
+    adv = torch.randn(n, generator=gen)
+    mask = torch.rand(n, generator=gen) > 0.2
+    res = {"ok": True}
+    real, calls = K.row_loss_grad, []
+    K.row_loss_grad = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        for weights in ("none", "tis", "mis", "reject"):
+            corr = op.Correction(weights=weights)
+            zz = z.detach().clone().to(dev).requires_grad_()
+            out = op.policy_loss(zz, y.to(dev), lq.to(dev), adv.to(dev), loss_mask=mask.to(dev), temperature=0.9,
+                                 correction=corr, backend="triton")
+            out.loss.backward()
+            z64 = z.detach().double().requires_grad_()
+            loss64, _, _ = reference_policy_loss(z64, y, lq.double(), adv.double(), loss_mask=mask, temperature=0.9,
+                                                 correction=corr)
+            loss64.backward()
+            e_loss = abs(float(out.loss.detach()) - float(loss64))
+            e_g, scale = _err(zz.grad.cpu(), z64.grad)
+            res[f"{weights}_loss_err"], res[f"{weights}_grad_err"] = e_loss, e_g
+            res["ok"] &= e_loss <= tol * max(1.0, abs(float(loss64))) and e_g <= tol * scale + 1e-6
+    finally:
+        K.row_loss_grad = real
+    res["two_pass_launches"] = len(calls)
+    res["ok"] &= len(calls) == 4
+    return res
+
+
 def check_int64_rows(dev, dtype, v):
     """N V > 2**31: the kernels switch to 64-bit row offsets; rows at both ends against float64."""
     import torch
@@ -139,6 +183,9 @@ def check_int64_rows(dev, dtype, v):
     g = torch.randn(n, 8, device=dev, generator=gen)
     ends = {"first": slice(0, 32), "last": slice(n - 32, n)}
     kept = {part: z[sl].double() / 0.9 for part, sl in ends.items()}  # the in-place gradient overwrites z
+    two = torch.empty_like(z)  # the two-pass kernel (row_loss_grad), its gradient against the same float64
+    coef = torch.randn(n, device=dev, generator=gen)
+    _, _, _, lse2, g2 = K.row_loss_grad(z, ids[:, 0].contiguous(), inv, None, coef, torch.zeros_like(coef), two)
     out = K.row_grad(z, ids, inv, lse, g, g.sum(1), z)  # in place: one [N, V] buffer
     res = {"rows": n, "ok": True}
     for part, sl in ends.items():
@@ -150,7 +197,14 @@ def check_int64_rows(dev, dtype, v):
         e_g, scale = _err(out[sl], want)
         res[f"{part}_lse_err"], res[f"{part}_grad_err"] = e_lse, e_g
         res["ok"] &= e_lse <= 1e-3 and e_g <= 2**-7 * scale + 1e-6
-    del z, out
+        y = ids[sl, 0]
+        want2 = -g2[sl, None].double() * torch.exp(zz - lse64[:, None]) / 0.9
+        want2[torch.arange(32, device=dev), y] += g2[sl].double() / 0.9
+        e_lse2, _ = _err(lse2[sl], lse64)
+        e_g2, scale2 = _err(two[sl], want2)
+        res[f"{part}_two_pass_lse_err"], res[f"{part}_two_pass_grad_err"] = e_lse2, e_g2
+        res["ok"] &= e_lse2 <= 1e-3 and e_g2 <= 2**-7 * scale2 + 1e-6
+    del z, out, two
     torch.cuda.empty_cache()
     return res
 
@@ -297,6 +351,7 @@ def measure(dev, dry: bool) -> dict:
         except Exception as exc:  # noqa: BLE001 - a baseline that fails is recorded, not fatal
             logits[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     out["logits"] = {"N": n, "V": v, "K": k, "dtype": str(dtype), "bytes_per_token": per_token, "rows": logits}
+    out["two_pass"] = two_pass_speed(dev, z, y, time_it, out["copy_gbps"])
     z = None
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -325,6 +380,42 @@ def measure(dev, dry: bool) -> dict:
             lin[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     out["linear"] = {"N": n, "D": d, "V": v, "dtype": str(dtype), "flops": flops, "rows": lin}
     return out
+
+
+def two_pass_speed(dev, z, y, time_it, copy_gbps: float) -> dict:
+    """The token-level loss's vocabulary work at the headline shape: three passes (``row_stats``, then ``row_grad``:
+    ``3 V b`` bytes per token) against the two-pass kernel (``row_loss_grad``: ``2 V b`` when its second read of each
+    row hits L2), the latter at 32 warps per program (the default: one program per SM, 40 MB of rows in flight on an
+    H100), 16 and 8 (two and four programs per SM: 80 and 160 MB, past the L2); fractions of copy speed at each
+    path's own byte count."""
+    import torch
+
+    from offpolicy.kernels import logsoftmax as K
+
+    zd = z.detach()
+    n, v = zd.shape
+    inv = torch.full((n,), 1 / 0.9, device=dev)
+    coef, shift = torch.full((n,), -1.0 / n, device=dev), torch.full((n,), -12.0, device=dev)
+    out = torch.empty_like(zd)
+    ids, g = y[:, None].contiguous(), torch.full((n, 1), -1.0 / n, device=dev)
+    b = zd.element_size()
+
+    def three():
+        m, s, _ = K.row_stats(zd, inv)
+        K.row_grad(zd, ids, inv, m + s.log(), g, g[:, 0].contiguous(), out)
+
+    rows = {}
+    for name, fn, nbytes in [("three_pass", three, 3 * v * b)] + [
+            (f"two_pass[warps={w}]", lambda w=w: K.row_loss_grad(zd, y, inv, None, coef, shift, out, num_warps=w,
+                                                                 block=None if dev.type == "cpu" else 256 * w),
+             2 * v * b) for w in (32, 16, 8)]:
+        try:
+            t = time_it(fn)
+            rows[name] = {**t, "bytes_per_token": nbytes, "gbps": n * nbytes / t["median_s"] / 1e9,
+                          "copy_fraction": n * nbytes / t["median_s"] / 1e9 / copy_gbps}
+        except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    return {"N": n, "V": v, "dtype": str(zd.dtype), "rows": rows}
 
 
 def versions(dev) -> dict:
@@ -369,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
             mode = "support" if support else "head"
             checks.run(f"logits[{name},{mode}]", lambda: check_logits(dev, dtype, n, v, k, support, tol_fwd))
         n, d, v = (12, 32, 200) if dry else (1024, 1024, 32768)
+        n2, v2 = (7, 300) if dry else (256, 151936)
+        checks.run(f"two_pass_loss[{name}]", lambda: check_two_pass(dev, dtype, n2, v2, max(tol_fwd, tol_grad)))
         checks.run(f"linear[{name}]", lambda: check_linear(dev, dtype, n, d, v, 4, max(tol_fwd, tol_grad)))
         checks.run(f"quantisers[{name}]", lambda: check_quant(dev, dtype, (128, 128) if dry else (4096, 4096)))
     if not dry:

@@ -35,7 +35,7 @@ SKIP_PINNED = "OFFPOLICY_SKIP_TRITON_PINNED"
 ONLY = "OFFPOLICY_AOT_ONLY"
 #: Kernels that must use tensor cores in bf16, and the PTX instruction checked (by target).
 MATMUL_KERNELS = {"_linear_row_stats_kernel", "_linear_dense_grad_kernel"}
-ROW_KERNELS = {"_row_stats_kernel", "_row_grad_kernel"}
+ROW_KERNELS = {"_row_stats_kernel", "_row_grad_kernel", "_row_loss_grad_kernel"}
 FUSED_KERNELS = ROW_KERNELS | {"_gathered_dot_kernel", "_gathered_grad_h_kernel", "_gathered_grad_w_kernel"}
 
 
@@ -181,8 +181,19 @@ def test_row_kernels_load_16_bytes_and_order_their_stores(results):
     assert rows
     scalar = [_label(r) for r in rows if not r["vector_loads"]]
     assert not scalar, f"no 16-byte vector loads in: {scalar}"
-    unordered = [_label(r) for r in rows if r["kernel"] == "_row_grad_kernel" and r["barriers"] < 2]
+    unordered = [_label(r) for r in rows if r["kernel"] in ("_row_grad_kernel", "_row_loss_grad_kernel")
+                 and r["barriers"] < 2]
     assert not unordered, f"the barriers ordering the id stores are missing in: {unordered}"
+
+
+def test_the_two_pass_kernel_holds_one_row_per_sm(results):
+    """The two-pass kernel re-reads each row from L2 only while the rows in flight fit there: 32 warps (1024
+    threads) at more than 32 registers each fill an SM's 65,536 registers, so one program (one row) per SM."""
+    two = [r for r in results["records"] if r["kernel"] == "_row_loss_grad_kernel"]
+    assert {r["target"] for r in two} == {"sm_80", "sm_90", "sm_100"}
+    wrong = [f"{_label(r)}: {r['num_warps']} warps, {r['registers']} registers" for r in two
+             if r["num_warps"] != 32 or not 32 < r["registers"] <= 64]  # fmt: skip
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_hot_path_has_no_host_sync(results):

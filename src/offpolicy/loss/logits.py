@@ -26,6 +26,8 @@ from offpolicy.ops.backend_registry import Backend
 from offpolicy.ops.linear_op import linear_torch_backend
 from offpolicy.ops.linear_op.linear_log_softmax import linear_sparse_log_softmax_unchecked
 from offpolicy.ops.logits_op.sparse_log_softmax import sparse_log_softmax_unchecked
+from offpolicy.ops.logits_op.stats_grad_pass import RowRule, attach_gradient, stats_and_grad
+from offpolicy.loss.token_rule import row_rule
 from offpolicy.loss.validation import (check_batch, check_candidates, check_flag, check_records_in_graph, check_tokens,
                                        check_vector, warn_on_contradicting_record)
 
@@ -142,14 +144,38 @@ def policy_loss(
         chosen = backend_registry.choose(backend, device, src.dtype)  # once per call, handed down
         active = torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.to(torch.bool)
         shard = VocabShard(tp_group, vocab_start) if tp_group is not None else None
-        lp = _log_probs(model, tokens, candidates, temperature, skip=~active, shard=shard, inplace_grad=inplace_grad,
-                        backend=chosen, eager=eager)
+        rule = _two_pass_rule(model, candidates, correction, data, agg, chosen, shard=shard,
+                              inplace_grad=inplace_grad, eager=eager, cp_group=cp_group)
+        if rule is not None:  # the statistics and the logits' gradient in one program per row
+            lp, dz = stats_and_grad(model.logits, tokens, candidates.ids if candidates is not None else None,
+                                    temperature, backend=chosen, skip=~active, rule=rule)
+        else:
+            lp = _log_probs(model, tokens, candidates, temperature, skip=~active, shard=shard,
+                            inplace_grad=inplace_grad, backend=chosen, eager=eager)
         if check:
             _refuse_broken_rows(model, lp, candidates, temperature, active=active, shard=shard)
             warn_on_contradicting_record(candidates, tokens, sampler_logprobs, active,
                                          lp.candidates if shard is None else None)
-        return loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data=data, agg=agg, corr=correction,
-                                  cp_group=cp_group)
+        out = loss_from_logprobs(lp.target, candidates, lp.candidates, lp.entropy, data=data, agg=agg,
+                                 corr=correction, cp_group=cp_group)
+        if rule is not None:
+            out.loss = attach_gradient(out.loss, model.logits, dz)
+        return out
+
+
+def _two_pass_rule(model: ModelInputs, candidates: Candidates | CSRCandidates | None, correction: Correction,
+                   data: TokenData, agg: Aggregation, backend: Backend, *, shard: VocabShard | None,
+                   inplace_grad: bool, eager: bool, cp_group) -> RowRule | None:
+    """The closed-form row gradient (:func:`offpolicy.loss.token_rule.row_rule`) when this call can take the
+    two-pass kernel: logits that need a gradient, a backend with ``two_pass`` (triton), eagerly, no vocabulary
+    split, no in-place gradient, no record or a padded head record, and a correction whose gradient is a closed
+    form of each row's own log-probability. Else None: the three-pass path."""
+    logits = model.logits
+    if (logits is None or not backend.two_pass or not eager or shard is not None or inplace_grad
+            or not (torch.is_grad_enabled() and logits.requires_grad)
+            or isinstance(candidates, CSRCandidates) or (candidates is not None and candidates.kind != "head")):
+        return None
+    return row_rule(correction, data, agg, n=logits.shape[0], device=logits.device, cp_group=cp_group)
 
 
 def _log_probs(model: ModelInputs, tokens: Tensor, candidates: Candidates | CSRCandidates | None,

@@ -53,6 +53,15 @@ class LogitsBackend(Protocol):
         """``dz [N, V] = inv_temp (scatter(grad at ids) - grad_sum exp(x - lse))`` written into ``out``."""
 
 
+class TwoPassLogitsBackend(LogitsBackend, Protocol):
+    """A logits backend with ``two_pass``: the statistics and a closed-form row gradient in one program."""
+
+    def full_stats_grad(self, logits: Tensor, target: Tensor, inv_temp: Tensor, skip: Tensor | None, coef: Tensor,
+                        shift: Tensor, out: Tensor, *, band: tuple[float, float] | None,
+                        exp_clip: tuple[float, float, float] | None) -> tuple[Tensor, ...]:
+        """``(m, s, t, lse, g) [N]``, the gradient of ``sum_rows g log p(target)`` written into ``out``."""
+
+
 class CachingLogitsBackend(LogitsBackend, Protocol):
     """A logits backend with ``caches_probs``: ``full_stats`` fills ``probs [N, V]`` with ``exp(x - m)``."""
 
@@ -88,6 +97,9 @@ class Backend:
     caches_probs: bool
     float64: bool
     needs_kernels: bool
+    #: ``full_stats_grad`` (:class:`TwoPassLogitsBackend`): the two-pass loss of
+    #: :mod:`offpolicy.ops.logits_op.stats_grad_pass`.
+    two_pass: bool = False
 
     @cached_property
     def logits(self) -> LogitsBackend:
@@ -107,7 +119,7 @@ BACKENDS: dict[str, Backend] = {
                    caches_probs=False, float64=False, needs_kernels=False),
     "triton": Backend("triton", "offpolicy.ops.logits_op.triton_backend",
                       "offpolicy.ops.linear_op.linear_triton_backend",
-                      caches_probs=False, float64=False, needs_kernels=True),
+                      caches_probs=False, float64=False, needs_kernels=True, two_pass=True),
 }
 
 

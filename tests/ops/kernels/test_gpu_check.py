@@ -28,14 +28,19 @@ def test_gpu_check_dry_run(tmp_path):
     assert {"torch", "triton", "cuda", "device", "python"} <= set(data["versions"])
     names = {r["check"] for r in data["checks"]}
     for dtype in ("fp16", "fp32"):
-        assert {f"logits[{dtype},head]", f"logits[{dtype},support]", f"linear[{dtype}]", f"quantisers[{dtype}]"} <= names
+        assert {f"logits[{dtype},head]", f"logits[{dtype},support]", f"linear[{dtype}]", f"quantisers[{dtype}]",
+                f"two_pass_loss[{dtype}]"} <= names
     rows = {r["check"]: r for r in data["checks"]}
     assert all(rows[f"quantisers[{d}]"][f"{f}_bit_exact"] for d in ("fp16", "fp32") for f in ("fp8", "nvfp4", "mxfp4"))
     assert rows["logits[fp32,head]"]["grad_err"] < 1e-5
+    assert rows["two_pass_loss[fp32]"]["two_pass_launches"] == 4 and rows["two_pass_loss[fp32]"]["mis_grad_err"] < 1e-5
     perf = data["perf"]
     assert perf["copy_gbps"] > 0 and perf["matmul_tflops"] > 0
     assert {"offpolicy", "torch_dense", "torch_compile"} <= set(perf["logits"]["rows"])
     assert {"offpolicy", "torch_dense"} <= set(perf["linear"]["rows"])
+    two = perf["two_pass"]["rows"]
+    assert "three_pass" in two and any(k.startswith("two_pass[") for k in two)
+    assert all("median_s" in r for r in two.values()), two
     assert all("median_s" in r for r in perf["logits"]["rows"].values() if "error" not in r)
 
 

@@ -54,3 +54,34 @@ def full_grad(
             (in-place: the logits are overwritten, outside autograd's version check).
     """
     return kernels.row_grad(logits, ids, inv_temp, lse, grad, grad_sum, out)
+
+
+def full_stats_grad(
+    logits: Tensor,
+    target: Tensor,
+    inv_temp: Tensor,
+    skip: Tensor | None,
+    coef: Tensor,
+    shift: Tensor,
+    out: Tensor,
+    *,
+    band: tuple[float, float] | None,
+    exp_clip: tuple[float, float, float] | None,
+) -> tuple[Tensor, ...]:
+    """The row statistics and the gradient of ``sum_rows g log p(target)``, ``g = coef f(log p(target) - shift)``,
+    in one program per row (:func:`offpolicy.kernels.logsoftmax.row_loss_grad`: one read of the logits from
+    memory, one re-read from L2, one write of ``out``).
+
+    Args:
+        logits: ``[N, V]`` bf16/fp16/fp32, unit stride along ``V``.
+        target: ``[N]`` int64 column ids.
+        inv_temp: ``[N]`` fp32.
+        skip: ``[N]`` bool or None: rows not read, zero gradient.
+        coef, shift: ``[N]`` fp32.
+        out: ``[N, V]`` in the logits' dtype.
+        band, exp_clip: the rule ``f`` (see the kernel's wrapper).
+
+    Returns:
+        ``(m, s, t, lse, g)``, each ``[N]`` fp32.
+    """
+    return kernels.row_loss_grad(logits, target, inv_temp, skip, coef, shift, out, band=band, exp_clip=exp_clip)

@@ -1,0 +1,84 @@
+"""When the loss's gradient of each row is a closed form of that row's own log-probability: the rule the two-pass
+kernel applies (:mod:`offpolicy.ops.logits_op.stats_grad_pass`).
+
+With the score-function surrogate, token-level weights and no batch coupling, the loss of
+:mod:`offpolicy.loss.logprobs` is
+
+    L = sum_t a_t (-A_t) w_t log p(y_t),     w_t = sg(f(log p(y_t) - lq_t))
+
+where ``a_t = dL / d token_loss_t`` is the aggregation's per-token factor (``1 / T`` for ``token_mean``, ``1 / C``
+for ``constant``, ``1 / (|i| S)`` or ``1 / S`` for the sequence means: linear in the token losses, known before
+the forward) and zero on untrained tokens (``A_t = 0``, masked). So ``dL / d log p(y_t) = coef_t f(lp_t - lq_t)``
+with ``coef_t = -A_t a_t``, and ``f`` of the weight mode is one of the kernel's rules:
+
+    none     f = 1
+    tis      f = exp(clamp(clamp(l, -M, M), log c, log C))          (M = max_log_ratio)
+    mis      f = 1[log L <= l <= log U] exp(clamp(l, -M, M))
+    reject   f = 1[log L <= l <= log U]
+
+(``w = 0`` where ``log p(y_t) = -inf``: the kernel's ``g = 0`` there). The bounds compare in fp32, as torch
+compares an fp32 tensor with a Python float, so the kernel's band and the loss's agree at the edges.
+
+Everything else keeps the three-pass path (:func:`row_rule` returns None): sequence, geometric and segment weights
+(the ratio is a sequence's sum), rejection rules, batch normalisation (a batch mean of the weights), score
+centering, trust regions, KL penalties, surrogates other than the score function, a proximal policy, context
+parallelism, support and CSR records.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from offpolicy.corrections.correction import Correction
+from offpolicy.corrections.node import log_bound
+from offpolicy.corrections.surrogates import ScoreFunction
+from offpolicy.corrections.weighting import MIS, TIS, NoWeights, Reject, TokenLevel
+from offpolicy.loss.aggregation import SEQUENCE_AGGREGATIONS, aggregate
+from offpolicy.loss.inputs import Aggregation, TokenData
+from offpolicy.loss.segments import Segments
+from offpolicy.ops.logits_op.stats_grad_pass import RowRule
+
+
+def served(corr: Correction, data: TokenData, cp_group) -> bool:
+    """Whether the loss's gradient of each row is a closed form of its own log-probability (module docstring)."""
+    tree = corr.tree
+    return (type(tree.weighting.level) is TokenLevel and type(tree.weighting.mode) in (NoWeights, TIS, MIS, Reject)
+            and not tree.rejections and tree.normalisation is None and tree.centering is None
+            and tree.trust_region is None and tree.kl_penalty is None and type(tree.surrogate) is ScoreFunction
+            and data.proximal_logprobs is None and cp_group is None)
+
+
+def row_rule(corr: Correction, data: TokenData, agg: Aggregation, *, n: int, device: torch.device,
+             cp_group) -> RowRule | None:
+    """The :class:`~offpolicy.ops.logits_op.stats_grad_pass.RowRule` of ``dL / d log p(y_t)``, or None where the
+    correction is not :func:`served` (or the batch is empty).
+
+    ``coef [N]`` is ``-A_t`` times the aggregation's factor on trained tokens (0 elsewhere), the factor read by
+    differentiating :func:`~offpolicy.loss.aggregation.aggregate` once at zero token losses (it is linear in them);
+    ``shift = lq``.
+    """
+    if n == 0 or not served(corr, data, cp_group):
+        return None
+    tree = corr.tree
+    active = (torch.ones(n, dtype=torch.bool, device=device) if data.loss_mask is None
+              else data.loss_mask.to(device=device, dtype=torch.bool))
+    adv = data.advantages.to(device=device, dtype=torch.float32).detach()
+    seg = (Segments.from_ids(data.seq_ids, active) if agg.name in SEQUENCE_AGGREGATIONS else None)
+    with torch.enable_grad():
+        zero = torch.zeros(n, dtype=torch.float32, device=device, requires_grad=True)
+        total = aggregate(zero, active, agg.name, seg, agg.num_loss_tokens, agg.num_sequences,
+                          agg.constant_normalizer, None)
+        (factor,) = torch.autograd.grad(total, zero)
+    coef = torch.where(active & (adv != 0), -adv * factor, torch.zeros_like(adv))
+    shift = data.sampler_logprobs.to(device=device, dtype=torch.float32).detach().contiguous()
+    mode, mlr = tree.weighting.mode, float(tree.max_log_ratio)
+    if isinstance(mode, TIS):
+        return RowRule(coef, shift, exp_clip=(mlr, log_bound(mode.lower), log_bound(mode.upper)))
+    if isinstance(mode, MIS):
+        return RowRule(coef, shift, band=(log_bound(mode.lower), log_bound(mode.upper)),
+                       exp_clip=(mlr, -math.inf, math.inf))
+    if isinstance(mode, Reject):
+        return RowRule(coef, shift, band=(log_bound(mode.lower), log_bound(mode.upper)))
+    return RowRule(coef, shift)

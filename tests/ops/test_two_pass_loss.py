@@ -1,0 +1,264 @@
+"""``policy_loss`` on the triton backend through the two-pass kernel (statistics and gradient in one program per row)
+against the float64 reference (:func:`offpolicy.reference.reference_policy_loss`) and against the three-pass path
+(the same call with the two-pass rule turned off), in every token-level mode the kernel serves: weights none / tis /
+mis / reject, the four aggregations, no record or a head record of 1 id up to the whole vocabulary, fp32 and fp16
+(the interpreter cannot do bf16 arithmetic; with a GPU bf16 is added), hostile rows, masked-everything batches.
+And that the corrections whose row gradient is no closed form of the row's own log-probability (sequence levels,
+batch normalisation, score centering, rejection rules, PPO, support records) keep the three-pass path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import offpolicy as op
+from offpolicy.kernels import logsoftmax as kernels
+from offpolicy.loss import logits as loss_logits
+from offpolicy.reference import reference_policy_loss
+
+from support.vocab_reference import dname, hostile_logits
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+WEIGHTS = ("none", "tis", "mis", "reject")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+#: log-ratio bounds of the default corrections (TIS (0, 2), MIS / reject (0.5, 5)): the sampler's log-probabilities
+#: are drawn 0.03 away from them, so fp32 and float64 decide the same side.
+EDGES = (math.log(0.5), math.log(2.0), math.log(5.0))
+#: gradient tolerance relative to the largest reference element: fp32 arithmetic, then one rounding to the dtype.
+GRAD_RTOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _batch(n, v, dtype, seed, *, hostile=False, k=0):
+    gen = torch.Generator().manual_seed(seed)
+    if hostile:
+        z = hostile_logits(n, v, dtype, gen)  # -inf scattered, an all -inf row, a late max, a max of 40
+    else:
+        z = (torch.randn(n, v, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    temp = 0.8
+    y = torch.randint(0, v, (n,), generator=gen)
+    if hostile:
+        finite = torch.isfinite(z.double())
+        for i in range(n):  # a finite target where the row has one (row 1 is all -inf: p(y) = 0)
+            cols = finite[i].nonzero()[:, 0]
+            if cols.numel():
+                y[i] = cols[torch.randint(0, cols.numel(), (1,), generator=gen)]
+    x = z.double() / temp
+    lp = x.gather(1, y[:, None])[:, 0] - torch.logsumexp(x, 1)
+    lr = torch.empty(n, dtype=torch.float64).uniform_(-2.0, 2.5, generator=gen)
+    lq = torch.where(torch.isfinite(lp), lp - lr, torch.full_like(lp, -3.0)).clamp_max(0.0)
+    near = (lp - lq)[:, None].sub(torch.tensor(EDGES, dtype=torch.float64)).abs().min(1).values < 0.03
+    lq = torch.where(near, lq - 0.06, lq)
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    adv[0] = 0.0  # no gradient from this token
+    mask = torch.rand(n, generator=gen) > 0.25
+    seq = torch.sort(torch.randint(0, 4, (n,), generator=gen)).values
+    cands = None
+    if k:
+        ids = torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(n)])
+        ids = torch.where(torch.rand(n, k, generator=gen) < 0.2, -1, ids) if k < v else ids
+        lq_c = torch.where(ids >= 0, torch.log_softmax(x, 1).gather(1, ids.clamp_min(0)) - 0.1, -math.inf)
+        lq_c = torch.where(ids == y[:, None], lq.clamp_max(0.0)[:, None], lq_c)  # the target's entry is its lq
+        cands = op.Candidates(ids, lq_c.float(), "head")
+    return z, y, lq.float(), adv.float(), mask, seq, temp, cands
+
+
+def _run(z, y, lq, adv, mask, seq, temp, cands, corr, agg, *, two_pass: bool, monkeypatch, scale=1.0):
+    leaf = z.detach().clone().to(DEVICE).requires_grad_()
+    kw = dict(candidates=cands, loss_mask=mask.to(DEVICE), temperature=temp, correction=corr, aggregation=agg,
+              seq_ids=seq.to(DEVICE))
+    if agg == "constant":
+        kw["constant_normalizer"] = 7.0
+    with monkeypatch.context() as mp:
+        if not two_pass:
+            mp.setattr(loss_logits, "_two_pass_rule", lambda *a, **k: None)
+        out = op.policy_loss(leaf, y.to(DEVICE), lq.to(DEVICE), adv.to(DEVICE), backend="triton", **kw)
+        (out.loss * scale if scale != 1.0 else out.loss).backward()
+    return out, leaf.grad
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = kernels.row_loss_grad
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kernels, "row_loss_grad", spy)
+    return calls
+
+
+def _reference(z, y, lq, adv, mask, seq, temp, cands, corr, agg):
+    zz = z.double().detach().requires_grad_()
+    kw = dict(candidates=cands, loss_mask=mask, temperature=temp, correction=corr, aggregation=agg, seq_ids=seq)
+    if agg == "constant":
+        kw["constant_normalizer"] = 7.0
+    loss, _, w = reference_policy_loss(zz, y, lq.double(), adv.double(), **kw)
+    loss.backward()
+    return loss.detach(), zz.grad, w
+
+
+def _assert_grad(got, want, dtype, what):
+    scale = float(want.abs().max()) or 1.0
+    err = float((got.double().cpu() - want).abs().max())
+    assert err <= GRAD_RTOL[dtype] * scale + 1e-30, f"{what}: gradient error {err:.3g} > {GRAD_RTOL[dtype]} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_two_pass_matches_reference_and_three_pass(weights, agg, dtype, monkeypatch):
+    z, y, lq, adv, mask, seq, temp, cands = _batch(11, 333, dtype, seed=hash((weights, agg)) % 1000)
+    corr = op.Correction(weights=weights)
+    calls = _spy(monkeypatch)
+    two, g2 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, agg, two_pass=True, monkeypatch=monkeypatch)
+    assert calls, "the two-pass kernel did not run"
+    three, g3 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, agg, two_pass=False, monkeypatch=monkeypatch)
+    assert len(calls) == 1
+    loss, dz, w = _reference(z, y, lq, adv, mask, seq, temp, cands, corr, agg)
+    torch.testing.assert_close(two.loss.detach().cpu().double(), loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(two.token_weight.cpu().double(), w, rtol=1e-5, atol=1e-7)
+    _assert_grad(g2, dz, dtype, "two-pass vs float64")
+    # against the three-pass path: the same formulas on the same fp32 numbers, so a few ulps
+    torch.testing.assert_close(two.loss, three.loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(two.token_loss, three.token_loss, rtol=1e-6, atol=1e-9)
+    for key in three.metrics:
+        torch.testing.assert_close(two.metrics[key], three.metrics[key], rtol=1e-5, atol=1e-7, msg=key)
+    _assert_grad(g2, g3.double().cpu(), dtype, "two-pass vs three-pass")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_hostile_rows(weights, dtype, monkeypatch):
+    """-inf scattered, an all -inf trained row (p(y) = 0: weight 0, no gradient), a max arriving late, a logit of 40.
+    ``constant`` aggregation keeps the rows independent, so the float64 reference (which has no value for an all
+    -inf row) is taken without row 1."""
+    z, y, lq, adv, mask, seq, temp, cands = _batch(9, 257, dtype, seed=5, hostile=True)
+    mask[1] = True
+    corr = op.Correction(weights=weights)
+    calls = _spy(monkeypatch)
+    two, g2 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, "constant", two_pass=True, monkeypatch=monkeypatch)
+    assert calls
+    three, g3 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, "constant", two_pass=False,
+                     monkeypatch=monkeypatch)
+    assert bool((g2[1] == 0).all())
+    keep = torch.arange(9) != 1
+    loss, dz, _ = _reference(z[keep], y[keep], lq[keep], adv[keep], mask[keep], seq[keep], temp, cands, corr,
+                             "constant")
+    # |x| reaches 50 here: fp32 log-probabilities carry 64 u (1 + 50) ~ 2e-4 absolute (support.vocab_reference)
+    torch.testing.assert_close(two.loss.detach().cpu().double(), loss, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(two.loss, three.loss, rtol=1e-6, atol=0)
+    _assert_grad(g2[keep], dz, dtype, "two-pass vs float64")
+    _assert_grad(g2, g3.double().cpu(), dtype, "two-pass vs three-pass")
+
+
+@pytest.mark.parametrize("k", [1, 40, 257], ids=["one_id", "k40", "whole_vocabulary"])
+@pytest.mark.parametrize("weights", ("none", "mis"))
+def test_head_records_from_one_id_to_the_whole_vocabulary(k, weights, monkeypatch):
+    z, y, lq, adv, mask, seq, temp, cands = _batch(8, 257, torch.float32, seed=k, k=k)
+    corr = op.Correction(weights=weights)
+    calls = _spy(monkeypatch)
+    two, g2 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, "token_mean", two_pass=True, monkeypatch=monkeypatch)
+    assert calls
+    three, g3 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, "token_mean", two_pass=False,
+                     monkeypatch=monkeypatch)
+    loss, dz, _ = _reference(z, y, lq, adv, mask, seq, temp, cands, corr, "token_mean")
+    torch.testing.assert_close(two.loss.detach().cpu().double(), loss, rtol=1e-5, atol=1e-7)
+    _assert_grad(g2, dz, torch.float32, "two-pass vs float64")
+    _assert_grad(g2, g3.double().cpu(), torch.float32, "two-pass vs three-pass")
+    for key in three.metrics:
+        torch.testing.assert_close(two.metrics[key], three.metrics[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=dname)
+def test_masked_everything_gives_zero_gradient(dtype, monkeypatch):
+    z, y, lq, adv, mask, seq, temp, cands = _batch(6, 100, dtype, seed=2)
+    mask[:] = False
+    calls = _spy(monkeypatch)
+    two, g2 = _run(z, y, lq, adv, mask, seq, temp, cands, op.Correction(weights="tis"), "token_mean", two_pass=True,
+                   monkeypatch=monkeypatch)
+    assert calls and float(two.loss.detach()) == 0.0 and bool((g2 == 0).all())
+
+
+def test_scaled_loss_and_a_second_backward(monkeypatch):
+    """A scaled loss (gradient accumulation) rescales the written gradient; a second backward is refused."""
+    z, y, lq, adv, mask, seq, temp, cands = _batch(7, 120, torch.float32, seed=9)
+    corr = op.Correction(weights="mis")
+    _, g2 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, "token_mean", two_pass=True, monkeypatch=monkeypatch,
+                 scale=0.25)
+    _, g3 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, "token_mean", two_pass=False, monkeypatch=monkeypatch,
+                 scale=0.25)
+    _assert_grad(g2, g3.double().cpu(), torch.float32, "scaled")
+    leaf = z.detach().clone().to(DEVICE).requires_grad_()
+    out = op.policy_loss(leaf, y.to(DEVICE), lq.to(DEVICE), adv.to(DEVICE), backend="triton", correction=corr)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.loss.backward()
+
+
+@pytest.mark.parametrize("corr,extra", [
+    (op.Correction(weights="tis", level="sequence"), {}),
+    (op.Correction(weights="mis", level="geometric"), {}),
+    (op.Correction(weights="tis", batch_normalize=True), {}),
+    (op.Correction(weights="mis", score_centering=True), {"k": 5}),
+    (op.Correction(weights="tis", veto=1e-4), {}),
+    (op.Correction(weights="mis", ppo_clip=(0.2, 0.2)), {"proximal": True}),
+    (op.Correction(weights="tis"), {"support": True}),
+    (op.Correction(weights="tis"), {"inplace": True}),
+    (op.Correction(weights="tis"), {"no_grad": True}),
+], ids=["sequence", "geometric", "batch_normalize", "score_centering", "veto", "ppo", "support", "inplace_grad",
+        "no_grad"])
+def test_other_corrections_keep_the_three_pass_path(corr, extra, monkeypatch):
+    z, y, lq, adv, mask, seq, temp, cands = _batch(8, 64, torch.float32, seed=4, k=extra.get("k", 0))
+    calls = _spy(monkeypatch)
+    stats = []
+    real = kernels.row_stats
+    monkeypatch.setattr(kernels, "row_stats", lambda *a, **k: stats.append(1) or real(*a, **k))
+    kw = dict(seq_ids=seq, loss_mask=mask, correction=corr, candidates=cands, backend="triton")
+    if extra.get("proximal"):
+        kw["proximal_logprobs"] = lq + 0.05
+    if extra.get("support"):
+        ids = torch.stack([torch.cat([y[i:i + 1], torch.tensor([(int(y[i]) + 1) % 64])]) for i in range(8)])
+        kw["candidates"] = op.Candidates(ids, torch.log(torch.full((8, 2), 0.5)), "support")
+    leaf = z.clone().requires_grad_(not extra.get("no_grad"))
+    out = op.policy_loss(leaf, y, lq, adv, inplace_grad=bool(extra.get("inplace")), **kw)
+    if leaf.requires_grad:
+        out.loss.backward()
+    assert not calls, "the two-pass kernel ran for a correction it does not serve"
+    assert stats or extra.get("support"), "the three-pass statistics kernel did not run"
+
+
+@pytest.mark.parametrize("agg,extra", [("token_mean", {"num_loss_tokens": 50.0}),
+                                       ("seq_mean_token_mean", {"num_sequences": 9.0})])
+def test_per_row_temperatures_global_normalisers_and_no_validation(agg, extra, monkeypatch):
+    """A ``[N]`` temperature tensor, the data-parallel normalisers, ``validate=False``: the same as three passes."""
+    z, y, lq, adv, mask, seq, _, cands = _batch(9, 200, torch.float32, seed=21)
+    temp = torch.linspace(0.6, 1.4, 9)
+    corr = op.Correction(weights="tis", bounds=(0.5, 2.0))
+    grads, losses = [], []
+    for two_pass in (True, False):
+        calls = _spy(monkeypatch)
+        leaf = z.detach().clone().to(DEVICE).requires_grad_()
+        with monkeypatch.context() as mp:
+            if not two_pass:
+                mp.setattr(loss_logits, "_two_pass_rule", lambda *a, **k: None)
+            out = op.policy_loss(leaf, y.to(DEVICE), lq.to(DEVICE), adv.to(DEVICE), loss_mask=mask.to(DEVICE),
+                                 temperature=temp.to(DEVICE), correction=corr, seq_ids=seq.to(DEVICE),
+                                 aggregation=agg, backend="triton", validate=False, **extra)
+            out.loss.backward()
+        assert bool(calls) == two_pass
+        grads.append(leaf.grad)
+        losses.append(out.loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+    _assert_grad(grads[0], grads[1].double().cpu(), torch.float32, "two-pass vs three-pass")
+    z64 = z.double().detach().requires_grad_()
+    loss64, _, _ = reference_policy_loss(z64, y, lq.double(), adv.double(), loss_mask=mask, temperature=temp.double(),
+                                         correction=corr, seq_ids=seq, aggregation=agg, **extra)
+    loss64.backward()
+    torch.testing.assert_close(losses[0].cpu().double(), loss64.detach(), rtol=1e-5, atol=1e-7)
+    _assert_grad(grads[0], z64.grad, torch.float32, "two-pass vs float64")
