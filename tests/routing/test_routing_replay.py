@@ -366,9 +366,10 @@ def test_captured_records_carry_padding_as_valid_and_replay_like_the_tensors():
     assert cap.to_records()[0].valid is None and torch.equal(cap.to_records()[0].ids, cap.routes[0])
 
 
-def test_a_record_replays_the_float64_reference_and_its_csr_form_alike():
-    """A sampler's routes given as one record (dense and CSR) replay to what the tensor form gives, which the float64
-    reference of the replayed block checks elsewhere; a padded token keeps the model's own routing."""
+def test_a_record_dense_or_csr_replays_like_the_tensor_form():
+    """A sampler's routes given as one record (dense, CSR, or a list of one) replay to exactly what the tensor form
+    gives (which ``test_replayed_block_matches_a_float64_reference`` checks against float64); a padded token keeps
+    the model's own routing."""
     import offpolicy as op
 
     model = tiny_qwen3_moe(seed=23)
@@ -380,7 +381,6 @@ def test_a_record_replays_the_float64_reference_and_its_csr_form_alike():
         with capture_routes(model) as cap:
             model(x)
         mixed = torch.where(valid[None, :, None, None], routes, cap.routes.long())  # padded: the model's own
-        expect = None
         with replay_routes(model, mixed):
             expect = model(x).logits
         fill = torch.where(valid[:, None, None], routes[0], 0)
