@@ -15,7 +15,14 @@ Per format it reports, over the generated tokens, with ``log r = log p_trainer -
   at the positions that predict the generated tokens (``tokens_with_flip``: share of them with at least one flip;
   ``flipped_layers_with_prompt``: the mean over the prompt positions too, whose flips also reach the generated
   tokens through attention);
-* ``routing_share``: ``1 - k3_replay / k3_natural``, the share of the mismatch that replay removes.
+* ``routing_share``: ``1 - k3_replay / k3_natural``, the share of the mismatch that replay removes;
+* ``shapley``: what ``offpolicy diagnose --attribute`` reports for the same tokens
+  (:func:`offpolicy.diagnose.attribute`, every generated token, the sampler's recorded routes replayed through
+  ``replay_routes``, the group declared in its format): each part's Shapley share of the mean ``|log r|`` and of the
+  k3 (``routing_shapley`` / ``routing_shapley_k3`` in the table). Its format cause re-scores with
+  ``fake_quantize_module`` (every ``nn.Linear`` but ``lm_head``: the attention projections); the fused experts
+  (``Qwen3MoeExperts``' 3-D tensors, no ``nn.Linear``) that the sampler quantised are not re-quantised there, so
+  their share stays in the residual.
 
 What is quantised (as serving stacks do with FP8 / FP4 Qwen3-MoE checkpoints): the attention projections and every
 expert's weights; the routers (``mlp.gate``), embeddings, norms and the output layer stay in full precision. The
@@ -41,6 +48,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from offpolicy.diagnose import RecordedRollouts, attribute  # noqa: E402
+from offpolicy.diagnose.attribution import NEGLIGIBLE  # noqa: E402
 from offpolicy.fleet.quant import fake_quantize  # noqa: E402
 from offpolicy.routing import capture_routes, moe_layers, replay_routes  # noqa: E402
 
@@ -166,6 +175,7 @@ def measure(trainer, fmt: str, chain: torch.Tensor, size: dict, seed: int) -> di
     nat = stats((logp_nat - logq)[:, gen])
     rep = stats((logp_rep - logq)[:, gen])
     share = 1.0 - rep["k3"] / nat["k3"] if nat["k3"] > 0 else None
+    shap = shapley(trainer, x, logq[:, gen], cap_q.routes, fmt, size["prompt"])
     return {"format": fmt, "tokens": int(flips.numel()), "k3_natural": nat["k3"], "k3_replay": rep["k3"],
             "outside_natural": nat["outside"], "outside_replay": rep["outside"],
             "outside_tight_natural": nat["outside_tight"], "outside_tight_replay": rep["outside_tight"],
@@ -173,7 +183,35 @@ def measure(trainer, fmt: str, chain: torch.Tensor, size: dict, seed: int) -> di
             "max_abs_log_r_natural": nat["max_abs_log_r"], "max_abs_log_r_replay": rep["max_abs_log_r"],
             "flipped_layers": float(flips.mean()), "tokens_with_flip": float((flips > 0).double().mean()),
             "flipped_layers_with_prompt": float(every.mean()),
-            "routing_share": share}
+            "routing_share": share, "routing_shapley": shap["routing"], "routing_shapley_k3": shap["routing_k3"],
+            "shapley": shap}
+
+
+def shapley(trainer, x: torch.Tensor, logq: torch.Tensor, routes: torch.Tensor, fmt: str, prompt: int) -> dict:
+    """``attribute()`` on the generated tokens ``x[:, prompt:]`` (sampler log-probs ``logq [B, T - prompt]``), one
+    group ``fmt`` served at the trainer's version in format ``fmt``, the sampler's ``routes [B, T, L, K]`` replayed:
+    the group's slice (``total``, ``parts``: Shapley value and share per part) and the cost."""
+    b, t = x.shape
+    n = b * (t - prompt)
+    rows = torch.arange(b).repeat_interleave(t - prompt)
+    cols = torch.arange(prompt, t).repeat(b)
+    rec = RecordedRollouts(
+        tokens=x[:, prompt:].reshape(-1), sampler_logprobs=logq.reshape(-1).float(), candidates=None,
+        group_names=(fmt,), group_index=torch.zeros(n, dtype=torch.int64), versions=torch.zeros(n, dtype=torch.int64),
+        seq_ids=rows.clone(), temperature=torch.ones(n), top_p=torch.ones(n), top_k=torch.full((n,), -1),
+        contexts=x, rows=rows, cols=cols)
+
+    def replay(model, batch):  # the sampler's routes of the batch's sequences (all of one length: no padding)
+        with replay_routes(model, routes[batch.rows]):
+            return model(batch.input_ids).logits
+
+    rep = attribute(rec, model=trainer, current_version=0, formats={fmt: fmt}, replay=replay, max_tokens=n,
+                    quantize_skip=("lm_head",))
+    group = rep.slice("group", fmt)
+    none = group.total["mean_abs_log_r"] < NEGLIGIBLE  # nothing to split (the control): no share, as routing_share
+    return {"routing": None if none else group.parts["routing"]["share_mean_abs_log_r"],
+            "routing_k3": None if none else group.parts["routing"]["share_k3"],
+            "total": group.total, "parts": group.parts, "cost": rep.cost}
 
 
 def markdown(result: dict) -> str:
@@ -182,13 +220,16 @@ def markdown(result: dict) -> str:
              f"{size['hidden']}, vocab {size['vocab']}; trained {size['train_steps']} steps), "
              f"{result['rows'][0]['tokens']} sampled tokens per format, seed {result['seed']}.", "",
              "| format | k3 natural | k3 replay | routing share (1 - k3 replay / natural) | r outside [0.5, 5]: "
-             "natural / replay | r outside [0.8, 1.25]: natural / replay | mean flipped layers | tokens with a flip |",
-             "|---|---|---|---|---|---|---|---|"]
+             "natural / replay | r outside [0.8, 1.25]: natural / replay | mean flipped layers | tokens with a flip | "
+             "Shapley routing share of mean abs log r / of k3 (diagnose --attribute) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         share = "n/a" if r["routing_share"] is None else f"{r['routing_share']:.2f}"
         lines.append(f"| {r['format']} | {r['k3_natural']:.2e} | {r['k3_replay']:.2e} | {share} | "
                      f"{r['outside_natural']:.2%} / {r['outside_replay']:.2%} | {r['outside_tight_natural']:.2%} / "
-                     f"{r['outside_tight_replay']:.2%} | {r['flipped_layers']:.3f} | {r['tokens_with_flip']:.1%} |")
+                     f"{r['outside_tight_replay']:.2%} | {r['flipped_layers']:.3f} | {r['tokens_with_flip']:.1%} | "
+                     + ("n/a |" if r["routing_shapley"] is None else
+                        f"{r['routing_shapley']:.2f} / {r['routing_shapley_k3']:.2f} |"))
     return "\n".join(lines) + "\n"
 
 

@@ -29,11 +29,19 @@ def test_the_script_runs_at_a_tiny_size(tmp_path):
     # the unquantised sampler is the trainer: no mismatch, no flip, nothing to attribute
     assert control["format"] == "fp32" and control["k3_natural"] == 0 and control["k3_replay"] == 0
     assert control["flipped_layers"] == 0 and control["flipped_layers_with_prompt"] == 0
-    assert control["routing_share"] is None
+    assert control["routing_share"] is None and control["routing_shapley"] is None
     assert nvfp4["k3_natural"] > 0 and nvfp4["tokens"] == 8 * 8
     assert nvfp4["routing_share"] == pytest.approx(1 - nvfp4["k3_replay"] / nvfp4["k3_natural"])
     if nvfp4["flipped_layers_with_prompt"] == 0:  # no flip anywhere: replay changes nothing
         assert nvfp4["k3_replay"] == nvfp4["k3_natural"]
+    # diagnose --attribute on the same tokens: the parts add up to the observed mismatch, which is the table's
+    shap = nvfp4["shapley"]
+    assert shap["total"]["mean_abs_log_r"] == pytest.approx(nvfp4["mean_abs_log_r_natural"], rel=1e-5)
+    assert sum(p["mean_abs_log_r"] for p in shap["parts"].values()) == pytest.approx(shap["total"]["mean_abs_log_r"])
+    assert nvfp4["routing_shapley"] == shap["parts"]["routing"]["share_mean_abs_log_r"]
+    assert shap["parts"]["staleness"]["mean_abs_log_r"] == 0  # one version
+    if nvfp4["flipped_layers_with_prompt"] > 0:
+        assert nvfp4["routing_shapley"] > 0
     md = (tmp_path / "moe_replay_table.md").read_text()
     assert "| nvfp4 |" in md and "| fp32 |" in md
 

@@ -331,3 +331,99 @@ def test_replayed_weights_match_the_models_own_top_k_weights():
         if norm:
             top /= top.sum(-1, keepdim=True)
         assert torch.equal(replayed_weights(z, idx, norm), top)
+
+
+# ------------------------------------------------------------------------------------- RoutedExperts records
+
+
+def test_captured_records_carry_padding_as_valid_and_replay_like_the_tensors():
+    """capture -> ``RoutedExperts`` per row (padded positions: ``valid`` False, fill 0, never the model's routes
+    there) -> ``replay_routes``: the same logits as the tensor form with ``pad_mask``, and the model's own forward."""
+    import offpolicy as op
+
+    model = tiny_qwen3_moe(seed=21)
+    x = _ids(seed=22)
+    attn = torch.ones_like(x)
+    attn[0, :3] = 0
+    pad = attn == 0
+    with torch.no_grad():
+        natural = model(x, attention_mask=attn).logits
+        with capture_routes(model) as cap:
+            model(x, attention_mask=attn)
+        recs = cap.to_records(pad_mask=pad)
+        with replay_routes(model, recs):
+            from_records = model(x, attention_mask=attn).logits
+        with replay_routes(model, cap.routes, pad_mask=pad):
+            from_tensor = model(x, attention_mask=attn).logits
+    assert len(recs) == 2 and all(isinstance(r, op.RoutedExperts) for r in recs)
+    assert recs[0].ids.dtype == torch.uint8 and recs[0].ids.shape == (9, 2, 2)
+    assert recs[0].valid.tolist() == [False] * 3 + [True] * 6 and recs[1].valid.all()
+    assert int(recs[0].ids[:3].abs().sum()) == 0 and float(recs[0].weights[:3].abs().sum()) == 0.0
+    assert torch.equal(recs[0].ids[3:], cap.routes[0, 3:]) and torch.equal(recs[1].ids, cap.routes[1])
+    assert torch.equal(recs[1].weights, cap.weights[1])
+    assert torch.equal(from_records, natural) and torch.equal(from_tensor, natural)
+    # no mask: valid None, every row kept as captured
+    assert cap.to_records()[0].valid is None and torch.equal(cap.to_records()[0].ids, cap.routes[0])
+
+
+def test_a_record_dense_or_csr_replays_like_the_tensor_form():
+    """A sampler's routes given as one record (dense, CSR, or a list of one) replay to exactly what the tensor form
+    gives (which ``test_replayed_block_matches_a_float64_reference`` checks against float64); a padded token keeps
+    the model's own routing."""
+    import offpolicy as op
+
+    model = tiny_qwen3_moe(seed=23)
+    x = _ids(b=1, seed=24)
+    routes = _random_routes(1, 9, 2, 2, 8, seed=25)
+    valid = torch.ones(9, dtype=torch.bool)
+    valid[[0, 4]] = False
+    with torch.no_grad():
+        with capture_routes(model) as cap:
+            model(x)
+        mixed = torch.where(valid[None, :, None, None], routes, cap.routes.long())  # padded: the model's own
+        with replay_routes(model, mixed):
+            expect = model(x).logits
+        fill = torch.where(valid[:, None, None], routes[0], 0)
+        rec = op.RoutedExperts.from_ids(fill, 8, valid=valid)
+        with replay_routes(model, rec):
+            dense = model(x).logits
+        with replay_routes(model, rec.to_csr()):
+            csr = model(x).logits
+        with replay_routes(model, [rec], pad_mask=torch.zeros(9, dtype=torch.bool)):  # a list; the mask ORed in
+            listed = model(x).logits
+        natural = model(x).logits
+    assert torch.equal(dense, expect) and torch.equal(csr, expect) and torch.equal(listed, expect)
+    assert not torch.allclose(dense, natural)  # the random routes do move the logits
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("experts", ValueError, r"routes\[0\].num_experts=16, the model's routers hold \[8\]"),
+    ("lengths", ValueError, r"unequal numbers of rows \[8, 9\]"),
+    ("varying_k", ValueError, r"routes\[0\]: RoutedExperts.offsets: the top-k varies"),
+    ("empty", TypeError, "routes must be a torch.Tensor of expert ids, a RoutedExperts or a non-empty list"),
+    ("layers", ValueError, r"routes has L=3 routed layers"),
+    ("mask", ValueError, r"pad_mask must be \[B, T\] = \(1, 9\) like the records"),
+])
+def test_record_errors_name_the_argument(case, exc, match):
+    import offpolicy as op
+
+    model = tiny_qwen3_moe(seed=26)
+    ids = _random_routes(1, 9, 2, 2, 8, seed=27)[0]
+    routes: object = op.RoutedExperts.from_ids(ids, 8)
+    mask = None
+    if case == "experts":
+        routes = op.RoutedExperts.from_ids(ids, 16)
+    elif case == "lengths":
+        routes = [op.RoutedExperts.from_ids(ids[:8], 8), routes]
+    elif case == "varying_k":
+        off = torch.cat([torch.tensor([0, 1]), 1 + 2 * torch.arange(1, 18)])  # row 0 holds 1 expert, the rest 2
+        routes = op.RoutedExperts.from_csr(ids.reshape(-1)[1:], off, 8, 2)
+    elif case == "empty":
+        routes = []
+    elif case == "layers":
+        routes = op.RoutedExperts.from_ids(_random_routes(1, 9, 3, 2, 8, seed=28)[0], 8)
+    elif case == "mask":
+        mask = torch.zeros(8, dtype=torch.bool)
+    with pytest.raises(exc, match=match):
+        with replay_routes(model, routes, pad_mask=mask):
+            pass

@@ -2,7 +2,9 @@
 
 With ``--attribute`` (and ``--model``) it also splits the mismatch into causes (``offpolicy.diagnose.attribution``):
 ``--version-weights VERSION=DIR`` for every served version other than the current one, ``--group-format
-NAME=FORMAT`` for every sampler group; it writes ``attribution.md``, ``attribution.json`` and ``attribution.png``.
+NAME=FORMAT`` for every sampler group, ``--routes FILE`` for a mixture of experts (the sampler's recorded routes,
+replayed for the routing cause: :mod:`offpolicy.diagnose.route_file`); it writes ``attribution.md``,
+``attribution.json`` and ``attribution.png``.
 
 Exit codes: 0 the report was written (``--strict``: and no mistake was found); 1 ``--strict`` and a mistake was
 found; 2 bad input (a malformed rollouts or trainer file, a model that does not load), with one message naming the
@@ -76,12 +78,13 @@ def _attribution_inputs(args) -> tuple[dict[int, str], dict[str, str], list[dict
 
 
 def _attribute(rollouts, model, args, versions: dict[int, str], formats: dict[str, str], history: list[dict],
-               current: int | None):
+               current: int | None, routes=None):
     from offpolicy.diagnose.attribution import attribute, check_plan
 
     if current is None:
         raise ValueError("--current-version: the record holds no weight versions; pass the trainer's version")
     check_plan(rollouts, current, versions, formats)  # before any version's weights are loaded
+    replay = routes.replay(model) if routes is not None else None  # checks the routes against the model
     weights = {}
     for v, folder in versions.items():
         try:
@@ -90,7 +93,7 @@ def _attribute(rollouts, model, args, versions: dict[int, str], formats: dict[st
             raise ValueError(f"--version-weights {v}={folder}: {str(exc).removeprefix(f'--model {folder}: ')}") \
                 from None
     rep = attribute(rollouts, model=model, current_version=current, weights=weights,
-                    formats=formats, max_tokens=args.attribute_tokens, semantics=args.semantics,
+                    formats=formats, replay=replay, max_tokens=args.attribute_tokens, semantics=args.semantics,
                     quantize_skip=tuple(args.quantize_skip), step=args.step)
     rep.save(args.out, history=history)
     _link_from_report(Path(args.out), rep)
@@ -143,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                           "than the current one")
     att.add_argument("--group-format", action="append", default=[], metavar="NAME=FORMAT",
                      help=f"a sampler group's weight format, one of {', '.join(FAKE_FORMATS)}; once per group")
+    att.add_argument("--routes", default=None, metavar="FILE",
+                     help="a mixture-of-experts sampler's recorded routes (.safetensors, one row per context "
+                          "position; docs/diagnose.md#routes-file), replayed for the routing cause")
     att.add_argument("--attribute-tokens", type=int, default=4096, metavar="N",
                      help="tokens sampled for the attribution (default 4096)")
     att.add_argument("--quantize-skip", action="append", default=[], metavar="SUBSTRING",
@@ -153,15 +159,24 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         att_inputs = _attribution_inputs(args) if args.attribute else None
+        if args.routes is not None and not args.attribute:
+            raise ValueError("--routes: only read with --attribute (the routing cause replays them)")
         rollouts = load_rollouts(args.rollouts)
+        routes = None
+        if args.routes is not None:
+            from offpolicy.diagnose.route_file import load_routes
+
+            routes = load_routes(args.routes, rollouts)  # checked against the rollouts before any model loads
         trainer = (load_trainer_logprobs(args.trainer_logprobs, len(rollouts), rollouts.candidates)
                    if args.trainer_logprobs else None)
         model = load_model(args.model) if att_inputs is not None else args.model  # loaded once for both
+        if routes is not None:
+            routes.check_model(model)  # before the diagnosis runs
         report = diagnose(rollouts, trainer_logprobs=trainer, model=model,
                           current_version=args.current_version, semantics=args.semantics, out_dir=args.out)
         attribution = None
         if att_inputs is not None:
-            attribution = _attribute(rollouts, model, args, *att_inputs, report.current_version)
+            attribution = _attribute(rollouts, model, args, *att_inputs, report.current_version, routes)
     except (ValueError, OSError) as exc:  # bad input: the message names the file, the line or tensor, the field
         print(f"offpolicy diagnose: {exc}", file=sys.stderr)
         return 2

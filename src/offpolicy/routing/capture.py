@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from offpolicy.records.routed_experts import RoutedExperts
+
 #: Router classes whose forward is ``softmax(x W^T) -> top-k -> (optional) renormalise``, by class name.
 SUPPORTED_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter")
 
@@ -92,6 +94,8 @@ class CapturedRoutes:
             prefill then one-token decode steps with a KV cache give the routes of the whole sequence); they must
             share ``B``. Padded positions carry whatever the model computed there (mask them with your padding mask).
         weights: the router weights the experts used, float32 ``[B, T, L, K]``, aligned with ``routes``.
+
+    :meth:`to_records` gives them as :class:`~offpolicy.records.RoutedExperts` (one per row, padding as ``valid``).
     """
 
     layers: list[MoeLayer]
@@ -119,6 +123,41 @@ class CapturedRoutes:
         e = self.layers[0].router.num_experts
         self.routes = torch.stack(ids, dim=2).to(route_dtype(e))
         self.weights = torch.stack(ws, dim=2).float()
+
+    def to_records(self, pad_mask: Tensor | None = None) -> list[RoutedExperts]:
+        """The capture as :class:`~offpolicy.records.RoutedExperts`, one per batch row: ``ids [T, L, K]`` (row
+        ``t`` = forward position ``t``), the router ``weights`` and ``valid = ~pad_mask[b]``; padded positions hold
+        the record's fill (ids and weights 0), never the routes the model computed there.
+
+        Args:
+            pad_mask: optional bool ``[B, T]`` (or ``[T]`` for ``B = 1``), True on padded positions (e.g.
+                ``~attention_mask.bool()``); None: every position carries a route (``valid`` None).
+
+        Raises ``RuntimeError`` before the ``with`` block has exited, ``ValueError`` naming ``pad_mask`` for a bad
+        mask or ``num_experts`` beyond a record's ``int16`` ids."""
+        if self.routes is None or self.weights is None:
+            raise RuntimeError("CapturedRoutes.to_records: read it after the `with capture_routes(...)` block")
+        b, t = self.routes.shape[:2]
+        if pad_mask is not None:
+            if not isinstance(pad_mask, Tensor) or pad_mask.dtype != torch.bool:
+                raise ValueError(f"CapturedRoutes.to_records: pad_mask must be a bool tensor, got "
+                                 f"{getattr(pad_mask, 'dtype', type(pad_mask).__name__)}")
+            pad_mask = pad_mask.reshape(1, -1) if pad_mask.dim() == 1 else pad_mask
+            if tuple(pad_mask.shape) != (b, t):
+                raise ValueError(f"CapturedRoutes.to_records: pad_mask must be [B, T] = {(b, t)} like the "
+                                 f"captured routes, got {tuple(pad_mask.shape)}")
+            pad_mask = pad_mask.cpu()
+        e = self.layers[0].router.num_experts
+        out = []
+        for i in range(b):
+            ids, w = self.routes[i].to(torch.int64), self.weights[i]
+            valid = None
+            if pad_mask is not None:
+                valid = ~pad_mask[i]
+                ids = torch.where(valid[:, None, None], ids, 0)
+                w = torch.where(valid[:, None, None], w, 0.0)
+            out.append(RoutedExperts.from_ids(ids, e, weights=w, valid=valid))
+        return out
 
 
 @contextmanager

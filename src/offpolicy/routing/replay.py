@@ -18,11 +18,13 @@ recomputed weights" convention of verl / slime / Megatron R3).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
+from offpolicy.records.routed_experts import RoutedExperts
 from offpolicy.routing.capture import MoeLayer, moe_layers
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -81,6 +83,47 @@ def check_routes(layers: list[MoeLayer], routes: Tensor, pad_mask: Tensor | None
     return ids, pad_mask
 
 
+def record_routes(layers: list[MoeLayer], routes: RoutedExperts | Sequence[RoutedExperts], pad_mask: Tensor | None,
+                  who: str = "replay_routes") -> tuple[Tensor, Tensor | None]:
+    """The hook's tensors from :class:`~offpolicy.records.RoutedExperts`: one record (``T`` rows, ``B = 1``) or a
+    list of ``B`` records of equal ``T`` -> ``ids [B, T, L, K]`` (the records' dense ids) and ``pad [B, T]`` bool,
+    True where a record's ``valid`` is False, ORed with ``pad_mask`` when given (None when neither pads). A record's
+    row ``t`` is forward position ``t`` here. Raises ``ValueError`` naming ``routes`` for an empty list, records of
+    unequal length, a CSR record whose top-k varies (no dense form), or ``num_experts`` unlike the model's."""
+    recs = [routes] if isinstance(routes, RoutedExperts) else list(routes) if isinstance(routes, (list, tuple)) else []
+    if not recs or not all(isinstance(r, RoutedExperts) for r in recs):
+        raise TypeError(f"{who}: routes must be a torch.Tensor of expert ids, a RoutedExperts or a non-empty list of "
+                        f"them, got {type(routes).__name__}")
+    lengths = {r.num_tokens for r in recs}
+    if len(lengths) != 1:
+        raise ValueError(f"{who}: routes: the {len(recs)} records hold unequal numbers of rows {sorted(lengths)}; "
+                         f"replay takes one row per forward position of a [B, T] batch (pad the short ones with "
+                         f"valid False)")
+    experts = {m.router.num_experts for m in layers}
+    dense = []
+    for b, r in enumerate(recs):
+        if {r.num_experts} != experts:
+            raise ValueError(f"{who}: routes[{b}].num_experts={r.num_experts}, the model's routers hold "
+                             f"{sorted(experts)} experts")
+        try:
+            dense.append(r.to_dense() if r.is_csr else r)
+        except ValueError as exc:
+            raise ValueError(f"{who}: routes[{b}]: {exc}") from None
+    ids = torch.stack([r.ids for r in dense])
+    pad = torch.stack([~r.token_valid for r in dense]) if any(r.valid is not None for r in dense) else None
+    if pad_mask is not None:
+        if not isinstance(pad_mask, Tensor) or pad_mask.dtype != torch.bool:
+            raise TypeError(f"{who}: pad_mask must be a bool tensor (True on padded positions), got "
+                            f"{getattr(pad_mask, 'dtype', type(pad_mask).__name__)}")
+        if pad_mask.dim() == 1:
+            pad_mask = pad_mask.unsqueeze(0)
+        if tuple(pad_mask.shape) != tuple(ids.shape[:2]):
+            raise ValueError(f"{who}: pad_mask must be [B, T] = {tuple(ids.shape[:2])} like the records, got "
+                             f"{tuple(pad_mask.shape)}")
+        pad = pad_mask.to(ids.device) if pad is None else pad | pad_mask.to(ids.device)
+    return ids, pad
+
+
 def replayed_weights(router_logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
     """The router weights of replayed experts: ``softmax(router_logits)`` (float32, over all experts) gathered at
     ``ids`` ``[N, K]``, renormalised over the K when ``norm_topk_prob``, cast to ``router_logits``' dtype.
@@ -93,7 +136,8 @@ def replayed_weights(router_logits: Tensor, ids: Tensor, norm_topk_prob: bool) -
 
 
 @contextmanager
-def replay_routes(model: nn.Module, routes: Tensor, pad_mask: Tensor | None = None):
+def replay_routes(model: nn.Module, routes: Tensor | RoutedExperts | Sequence[RoutedExperts],
+                  pad_mask: Tensor | None = None):
     """Force ``routes`` onto ``model``'s routers for every forward inside the ``with`` block (teacher-forced scoring).
 
     Args:
@@ -104,9 +148,15 @@ def replay_routes(model: nn.Module, routes: Tensor, pad_mask: Tensor | None = No
             layers in order (:func:`~offpolicy.routing.capture.moe_layers`), ``K`` its top-k. Any integer dtype
             (uint8 as recorded). Ids must be in ``[0, E)`` and distinct within a token-layer at every unpadded
             position. The order of the K slots does not change the result beyond float rounding of the sum.
+            Or a :class:`~offpolicy.records.RoutedExperts` (``T`` rows, one per forward position: ``B = 1``) or a
+            list of ``B`` of them with equal ``T`` (dense, or CSR with a fixed top-k); their ``num_experts`` must be
+            the model's, and a token whose ``valid`` is False is padding (the model routes it itself), as with
+            ``pad_mask``. Here row ``t`` is forward position ``t`` (:meth:`CapturedRoutes.to_records` gives such
+            records); a sampled-token record (row = the token's ``col - 1``) covers only the positions that
+            predicted sampled tokens, so a full forward needs the prompt's rows too.
         pad_mask: optional bool ``[B, T]`` (or ``[T]``), True on padded positions: there the model keeps its own
             routing and ``routes`` is ignored (stale or garbage ids on padded rows are harmless). Without it every
-            position is replayed.
+            position is replayed. With records it is ORed with their padding (``valid`` False).
 
     Each forward of the model inside the block must score exactly the ``B x T`` token rows of ``routes`` (a full,
     teacher-forced forward of the batch the routes belong to); a router seeing another number of rows raises
@@ -116,6 +166,8 @@ def replay_routes(model: nn.Module, routes: Tensor, pad_mask: Tensor | None = No
     exception, the hooks are removed and the model routes by itself again.
     """
     layers = moe_layers(model, "replay_routes")
+    if not isinstance(routes, Tensor):
+        routes, pad_mask = record_routes(layers, routes, pad_mask)
     ids, pad = check_routes(layers, routes, pad_mask)
     b, t = ids.shape[:2]
     handles = []
