@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from offpolicy.corrections.node import finite
+from offpolicy.corrections.node import Keyword, finite
 from offpolicy.corrections.rules import ESTIMATORS
 
 
@@ -20,6 +20,11 @@ class KLPenalty:
     in DeepSeek-V3.2, TRL's ``use_bias_correction_kl`` and slime's ``--use-unbiased-kl``: its gradient is then the
     unbiased gradient of the reverse KL on tokens drawn from ``pi_old``.
     """
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`kl_penalty=`'
+    inputs: ClassVar[tuple[str, ...]] = ('reference_logprobs',)
+    table_traits: ClassVar[str] = 'needs `reference_logprobs`'
 
     coef: float
     estimator: str = "k3"

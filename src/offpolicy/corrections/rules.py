@@ -17,7 +17,7 @@ from typing import Callable, ClassVar, NamedTuple, Union
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.node import Jump, NodeError, finite, log_bound
+from offpolicy.corrections.node import Keyword, Jump, NodeError, finite, log_bound
 from offpolicy.corrections.weighting import GeometricLevel, SequenceLevel, TokenLevel
 
 
@@ -66,6 +66,10 @@ class Veto:
     """Drop a sequence if any of its trained tokens has ``r < threshold`` (``0 < threshold < 1``), on the
     unclamped log-ratio."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("veto", ("threshold",)),)
+    inputs: ClassVar[tuple[str, ...]] = ('seq_ids',)
+    table_traits: ClassVar[str] = '`per_sequence`'
+
     threshold: float
     name: ClassVar[str] = "veto"
     per_sequence: ClassVar[bool] = True
@@ -88,6 +92,10 @@ class OPSM:
     """Off-policy sequence masking: drop sequence ``i`` iff its mean advantage is negative and
     ``mean_t (lq - log p) > delta`` with the *current* policy ``p`` (also under decoupled PPO: drift during the PPO
     epochs must be caught)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("opsm_delta", ("delta",)),)
+    inputs: ClassVar[tuple[str, ...]] = ('seq_ids',)
+    table_traits: ClassVar[str] = '`per_sequence`'
 
     delta: float
     name: ClassVar[str] = "opsm"
@@ -116,9 +124,15 @@ class KLRejection:
     tokens.
     """
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`kl_rejection=`, `rejections=`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = '`per_sequence` unless `level="token"`'
+
     threshold: float | tuple[float, float]
     estimator: str = "k3"
     level: str = "token"
+    chainable: ClassVar[bool] = True
     kind: ClassVar[str] = "kl"
     name: ClassVar[str] = "kl"
     anchor: ClassVar[str] = "docs/spec.md#kl-rejection"
@@ -171,9 +185,15 @@ class RatioRejection:
     ``exp(mean_t log r_t)``) whose ratio lies outside ``[lower, upper]`` (inclusive), independently of the weight
     mode's own bounds: importance weights and a rejection band at different bounds or levels at once."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`rejections=`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = '`per_sequence` unless `level="token"`'
+
     lower: float
     upper: float
     level: str = "token"
+    chainable: ClassVar[bool] = True
     kind: ClassVar[str] = "ratio"
     name: ClassVar[str] = "ratio"
     anchor: ClassVar[str] = "docs/spec.md#kl-rejection"

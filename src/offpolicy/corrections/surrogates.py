@@ -18,7 +18,7 @@ from typing import ClassVar, Union
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.node import Jump, NodeError, check, finite
+from offpolicy.corrections.node import Keyword, Jump, NodeError, check, finite
 
 #: VESPO's floor on the sequence log-ratio, log(1e-8) (TRL 1.16 ``get_gamma_weights``, from the paper's code).
 VESPO_LOG_W_MIN = math.log(1e-8)
@@ -47,6 +47,11 @@ class _Surrogate:
 class ScoreFunction(_Surrogate):
     """REINFORCE: ``A_t log p(y_t)`` (formed by the pipeline, with score centering when asked)."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '(no surrogate keyword)'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = '`centerable`'
+
     name: ClassVar[str] = "score_function"
     centerable: ClassVar[bool] = True
     needs_proximal: ClassVar[bool] = False
@@ -60,6 +65,14 @@ class PPO(_Surrogate):
     """Decoupled PPO: ``min(min(u, delta) A, clip(u, 1 - eps_lo, 1 + eps_hi) A)`` with ``u = p / pi_prox``;
     ``dual_clip=c > 1`` bounds it below by ``c A`` where ``A < 0``; ``ratio="gspo_token"`` clips GSPO's sequence
     ratio ``exp(mean_t log u_t)`` in value with each token's own gradient (needs ``seq_ids``)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("ppo_clip", ("eps_lo", "eps_hi"), "pair"),
+                                           Keyword("dual_clip", ("dual_clip",), role="modifier"),
+                                           Keyword("ppo_delta", ("delta",), role="modifier"),
+                                           Keyword("ppo_ratio", ("ratio",), "string", "token", "modifier",
+                                                   choices=("token", "gspo_token")))
+    inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs',)
+    table_traits: ClassVar[str] = '`needs_proximal`; `needs_sequences` for `gspo_token`'
 
     eps_lo: float
     eps_hi: float
@@ -117,6 +130,10 @@ class CISPO(_Surrogate):
     """``sg(clamp(u, lo, hi)) A log p``: the clipped ratio as a stop-gradient coefficient on REINFORCE (TRL:
     ``(0, epsilon_high)``; slime: ``(1 - eps_clip, 1 + eps_clip_high)``)."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("cispo", ("lo", "hi"), "pair"),)
+    inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs',)
+    table_traits: ClassVar[str] = '`needs_proximal`'
+
     lo: float
     hi: float
     expects: ClassVar[str] = "with 0 <= lo < hi < inf"
@@ -135,6 +152,10 @@ class CISPO(_Surrogate):
 @dataclass(frozen=True)
 class SAPO(_Surrogate):
     """SAPO's soft gate ``4/tau sigmoid(tau (u - 1)) A``, ``tau`` by the sign of ``A`` (TRL: ``(1.0, 1.05)``)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("sapo", ("tau_pos", "tau_neg"), "pair"),)
+    inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs',)
+    table_traits: ClassVar[str] = '`needs_proximal`, not `takes_trust_region`'
 
     tau_pos: float
     tau_neg: float
@@ -161,6 +182,10 @@ class SAPO(_Surrogate):
 class VESPO(_Surrogate):
     """``sg(phi(W)) A log p`` with VESPO's gamma weight ``phi(W) = exp(lam + k log W - lam W)`` of the sequence's
     ``W = prod_t u_t``, ``(k, lam)`` by the sign of ``A`` (TRL: ``(2, 3, 3, 2)``; needs ``seq_ids``)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("vespo", ("k_pos", "lam_pos", "k_neg", "lam_neg"), "four"),)
+    inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs', 'seq_ids')
+    table_traits: ClassVar[str] = '`needs_proximal`, `needs_sequences`, not `takes_trust_region`'
 
     k_pos: float
     lam_pos: float
@@ -198,6 +223,10 @@ class GMPO(_Surrogate):
     """GMPO's ``A exp(mean_t l_t)``, ``l = sgn(A) min(sgn(A) log u, sgn(A) clip(log u, -eps_lo, eps_hi))``: PPO's
     pessimistic clip in log space inside the sequence's geometric mean (needs ``seq_ids``; the paper: 0.4, 0.4)."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("gmpo", ("eps_lo", "eps_hi"), "pair"),)
+    inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs', 'seq_ids')
+    table_traits: ClassVar[str] = '`needs_proximal`, `needs_sequences`, not `takes_trust_region`'
+
     eps_lo: float
     eps_hi: float
     expects: ClassVar[str] = "finite and >= 0"
@@ -232,6 +261,11 @@ class GMPO(_Surrogate):
 class RatioSurrogate(_Surrogate):
     """DPPO's ``u A``, ``u = p / pi_prox`` (``p / q`` without a proximal policy), under a trust region's mask
     (``TrustRegion(on="update")``) instead of PPO's clip."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`trust_region=TrustRegion(on="update")` without another surrogate'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = '`proximal_optional`'
 
     name: ClassVar[str] = "trust_region"
     needs_proximal: ClassVar[bool] = False

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Iterator
 
 from offpolicy.corrections.kl_penalty import KLPenalty
-from offpolicy.corrections.node import Jump, NodeError, real
+from offpolicy.corrections.node import Keyword, Jump, NodeError, real
 from offpolicy.corrections.normalisation import NORMALISATION_CLASSES, Normalisation
 from offpolicy.corrections.rules import RULE_CLASSES, Rule
 from offpolicy.corrections.surrogates import SURROGATE_CLASSES, RatioSurrogate, ScoreFunction, Surrogate
@@ -35,6 +35,11 @@ MAX_LOG_RATIO_LIMIT = 40.0
 @dataclass(frozen=True)
 class ScoreCentering:
     """Subtract the sampler-expected weighted score at each position (needs a candidate record)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`score_centering=True`'
+    inputs: ClassVar[tuple[str, ...]] = ('candidates',)
+    table_traits: ClassVar[str] = 'needs a candidate record'
 
     anchor: ClassVar[str] = "docs/spec.md#score-centering"
     source: ClassVar[str] = "control variate over the sampler's recorded candidates (this project, docs/spec.md)"
@@ -62,6 +67,11 @@ class CorrectionTree:
             ``(0, MAX_LOG_RATIO_LIMIT]``.
         rejected_in_normalizer: keep rejected tokens in the aggregation's normaliser (default) or remove them.
     """
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`op.Correction(...)`; back with `op.Correction.from_tree`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = 'the combination rules'
 
     weighting: Weighting = field(default_factory=Weighting)
     rejections: tuple[Rule, ...] = ()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from offpolicy.corrections.node import Reductions as Segments
 from offpolicy.corrections.rules import ESTIMATORS
 from offpolicy.corrections.tree import CorrectionTree
-from offpolicy.loss.segments import Segments
 
 
 def kl_estimate(log_r: Tensor, estimator: str) -> Tensor:
