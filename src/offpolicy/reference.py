@@ -60,6 +60,7 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "vespo": None,
     "gmpo": None,
     "kl_penalty": None,
+    "max_staleness": None,
 }
 
 #: The fields of a ``TrustRegion`` and their defaults (None: required), docs/spec.md#trust-region.
@@ -84,6 +85,7 @@ DEFAULT_BOUNDS: dict[str, tuple[float, float]] = {"tis": (0.0, 2.0), "mis": (0.5
 RULE_DEFAULTS: dict[str, dict[str, Any]] = {
     "kl": {"threshold": None, "estimator": "k3", "level": "token"},
     "ratio": {"lower": None, "upper": None, "level": "token"},
+    "staleness": {"max_lag": None, "level": "token"},
 }
 
 
@@ -106,6 +108,8 @@ class _Rule:
         """Whether the rule drops whole sequences (else it bounds each token's own ratio)."""
         if self.kind == "kl":
             return _kl_level_per_sequence(self.level)
+        if self.kind == "staleness":
+            return self.level == "sequence"
         return _level_per_sequence(self.level)
 
 
@@ -153,6 +157,11 @@ class _Config:
         #: ``(name, rule)``: ``"kl"`` for ``kl_rejection``, ``"rule{i}"`` for ``rejections[i]`` (the metric names).
         self.rules = [(name, _Rule(item)) for name, item in
                       head + [(f"rule{i}", item) for i, item in enumerate(self.rejections)]]
+        #: ``(name, max_lag, level)`` of each staleness rejection (docs/spec.md#staleness-rejection): the
+        #: ``max_staleness`` keyword (token level), then those in ``rejections``.
+        self.staleness = ([("staleness", self.max_staleness, "token")] if self.max_staleness is not None else [])
+        self.staleness += [(name, rule.max_lag, rule.level) for name, rule in self.rules if rule.kind == "staleness"]
+        self.rules = [(name, rule) for name, rule in self.rules if rule.kind != "staleness"]
         self.token_rules = [rule for _, rule in self.rules if not rule.per_sequence]
 
     def _bounds(self) -> tuple[float, float]:
@@ -609,18 +618,21 @@ def reference_policy_loss(
     constant_normalizer: float | None = None,
     reference_logprobs: Tensor | None = None,
     segment_ids: Tensor | None = None,
+    versions: Tensor | None = None,
+    current_version: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Literal float64 policy loss. Returns ``(loss, token_loss [N], weight [N])``; ``loss`` is differentiable
     with respect to ``logits`` (pass float64 logits with ``requires_grad`` for gradients).
 
     ``candidates``: anything with ``.ids [N, K]``, ``.logprobs [N, K]`` and ``.kind`` (``"head"`` | ``"support"``);
     ``correction``: a ``Correction`` or a mapping of its fields (None: plain REINFORCE); ``reference_logprobs``
-    ``[N]`` goes with ``correction.kl_penalty``, ``segment_ids`` ``[N]`` with ``level="segment"``."""
+    ``[N]`` goes with ``correction.kl_penalty``, ``segment_ids`` ``[N]`` with ``level="segment"``, ``versions``
+    ``[N]`` and ``current_version`` with a staleness rejection."""
     cfg = _config(correction)
     if cfg.kl_penalty is not None and reference_logprobs is None:
         raise ValueError("reference: kl_penalty needs reference_logprobs")
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, cfg, seq_ids,
-                proximal_logprobs, segment_ids)
+                proximal_logprobs, segment_ids, versions, current_version)
     n, lp, logp_y, adv, mask, keep, w = st["n"], st["lp"], st["logp_y"], st["adv"], st["mask"], st["keep"], st["w"]
     if cfg.score_centering and candidates is None:
         raise ValueError("score centering needs candidates")
@@ -669,7 +681,7 @@ def reference_policy_loss(
 
 
 def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, cfg: _Config, seq_ids,
-           proximal_logprobs, segment_ids=None) -> dict:
+           proximal_logprobs, segment_ids=None, versions=None, current_version=None) -> dict:
     """Everything before the surrogate, token by token and sequence by sequence: log-probabilities, ratios, the
     ratio the bounds act on, weights, kept sequences, the normalisation scale."""
     n, vocab = logits.shape
@@ -689,6 +701,7 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
     if (cfg.level == "segment") != (segment_ids is not None):
         raise ValueError("reference: level='segment' and segment_ids go together")
     if seq_ids is None and ((cfg.per_sequence and cfg.level != "segment") or _sequence_rules(cfg) or cfg.batch_normalize == "sequences"
+                            or any(level == "sequence" for _, _, level in cfg.staleness)
                             or _surrogate_name(cfg) in ("gspo_token", "vespo", "gmpo") or tr_per_sequence):
         raise ValueError("reference: this correction needs seq_ids")
 
@@ -714,6 +727,18 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
     for idx in seqs:
         for name, drops in rules.items():
             if drops(r[idx], r_p[idx], adv[idx]):
+                dropped_by[name][idx] = True
+                keep[idx] = False
+    # Staleness rejections: a trained token more than max_lag versions behind current_version is rejected (with
+    # level="sequence", its whole sequence is).
+    for name, max_lag, level in cfg.staleness:
+        if versions is None or current_version is None:
+            raise ValueError("reference: a staleness rejection needs versions and current_version")
+        stale = [bool(mask[t]) and int(current_version) - int(versions[t]) > max_lag for t in range(n)]
+        dropped_by[name] = torch.zeros(n, dtype=torch.bool)
+        groups = seqs if level == "sequence" else [torch.tensor([t]) for t in range(n)]
+        for idx in groups:
+            if any(stale[t] for t in idx.tolist()):
                 dropped_by[name][idx] = True
                 keep[idx] = False
     w = w * (mask & keep)
@@ -803,7 +828,7 @@ def reference_metrics(
     if corr.kl_penalty is not None and reference_logprobs is None:
         raise ValueError("reference: kl_penalty needs reference_logprobs")
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
-                proximal_logprobs, segment_ids)
+                proximal_logprobs, segment_ids, versions, current_version)
     mask, n = st["mask"], st["n"]
     lp = st["lp"].detach()
     ent = -torch.where(lp > -math.inf, lp.exp() * lp, torch.zeros_like(lp)).sum(1)
@@ -824,8 +849,9 @@ def reference_metrics(
             ws = [sum(float(st["w"][t]) for t in idx.tolist()) / idx.numel() for idx in st["seqs"]]
             sq = sum(x * x for x in ws)
             out["seq_ess"] = sum(ws) ** 2 / (len(ws) * sq) if sq > 0 else 0.0
-        for name, dropped in st["dropped_by"].items():
-            out[f"rejected_frac/{name}"] = _mean([float(dropped[t]) for t in range(n) if mask[t]])
+    for name, dropped in st["dropped_by"].items():
+        # Each rule's share of trained tokens (a token rule such as the staleness rejection needs no seq_ids).
+        out[f"rejected_frac/{name}"] = _mean([float(dropped[t]) for t in range(n) if mask[t]])
     if corr.trust_region is not None:
         out["trust_region_masked_frac"] = _mean([float(st["tr_masked"][t]) for t in range(n) if mask[t]])
         if corr.trust_region.penalty:

@@ -4,7 +4,7 @@
 from offpolicy.corrections.correction import Correction
 from offpolicy.corrections.kl_penalty import KLPenalty
 from offpolicy.corrections.normalisation import SequenceMean, TokenMean
-from offpolicy.corrections.rules import OPSM, KLRejection, RatioRejection, Veto
+from offpolicy.corrections.rules import OPSM, KLRejection, RatioRejection, StalenessRejection, Veto
 from offpolicy.corrections.surrogates import CISPO, GMPO, PPO, SAPO, VESPO, RatioSurrogate, ScoreFunction
 from offpolicy.corrections.tree import CorrectionTree, ScoreCentering
 from offpolicy.corrections.trust_region import TrustRegion
@@ -13,5 +13,5 @@ from offpolicy.corrections.weighting import (MIS, TIS, GeometricLevel, NoWeights
 
 __all__ = ["CISPO", "GMPO", "MIS", "OPSM", "PPO", "SAPO", "TIS", "VESPO", "Correction", "CorrectionTree",
            "GeometricLevel", "KLPenalty", "KLRejection", "NoWeights", "RatioRejection", "RatioSurrogate", "Reject",
-           "ScoreCentering", "ScoreFunction", "SegmentLevel", "SequenceLevel", "SequenceMean", "TokenLevel", "TokenMean",
+           "ScoreCentering", "ScoreFunction", "SegmentLevel", "StalenessRejection", "SequenceLevel", "SequenceMean", "TokenLevel", "TokenMean",
            "TrustRegion", "Veto", "Weighting"]

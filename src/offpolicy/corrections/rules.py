@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar, NamedTuple, Union
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Union
 
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.node import Keyword, Jump, NodeError, finite, log_bound
+from offpolicy.corrections.node import Keyword, Jump, NodeError, Reductions, check, finite, log_bound
 from offpolicy.corrections.weighting import GeometricLevel, SequenceLevel, TokenLevel
 
 
@@ -223,5 +223,68 @@ class RatioRejection:
         return (Jump("log_r", tuple(math.log(b) for b in (self.lower, self.upper) if b > 0), self.level),)
 
 
-Rule = Union[Veto, OPSM, KLRejection, RatioRejection]
-RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection)
+# ---------------------------------------------------------------------------------------------------------------
+# Mask rules: an [N] mask of dropped tokens from the batch and the named inputs they declare
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class RuleInputs(NamedTuple):
+    """What a mask rule (``masks = True``) reads: ``mask_drop(RuleInputs) -> [N] bool``, the tokens it drops (a
+    dropped token leaves the loss like a token of a dropped sequence).
+
+    Attributes:
+        log_r: ``[N]`` the unclamped log-ratio the weights act on (``log pi_prox - lq`` under a proximal policy).
+        active: ``[N]`` bool, the trained tokens.
+        seg: the sequences (:class:`~offpolicy.corrections.node.Reductions`), or None without ``seq_ids``.
+        max_log_ratio: the correction's clamp.
+        inputs: the loss inputs by name (``"versions"``, ``"current_version"``, ...): those the rule declares in its
+            ``inputs`` are present.
+        group: the context-parallel process group, or None.
+    """
+
+    log_r: Tensor
+    active: Tensor
+    seg: Reductions | None
+    max_log_ratio: float
+    inputs: Mapping[str, Any]
+    group: Any = None
+
+
+@dataclass(frozen=True)
+class StalenessRejection:
+    """Reject tokens (``level="token"``) or whole sequences (``"sequence"``: any trained token) whose policy version
+    lags the trainer's by more than ``max_lag`` updates: ``current_version - versions_t > max_lag`` (Miles'
+    ``--max-weight-staleness``, TRL async ``max_staleness``). Needs the ``versions`` input and ``current_version``."""
+
+    max_lag: int
+    level: str = "token"
+    kind: ClassVar[str] = "staleness"
+    name: ClassVar[str] = "staleness"
+    masks: ClassVar[bool] = True
+    chainable: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#staleness-rejection"
+    source: ClassVar[str] = ("Miles --max-weight-staleness / --mask-offpolicy-in-partial-rollout, TRL async "
+                             "max_staleness: reject data more than k policy updates old")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("max_staleness", ("max_lag",), "int"),)
+    inputs: ClassVar[tuple[str, ...]] = ("versions", "current_version")
+    table_traits: ClassVar[str] = '`masks`; `per_sequence` with `level="sequence"` (also in `rejections=`)'
+
+    def __post_init__(self) -> None:
+        check("StalenessRejection", "max_lag", isinstance(self.max_lag, int) and not isinstance(self.max_lag, bool)
+              and self.max_lag >= 0, "an int >= 0", self.max_lag)
+        check("StalenessRejection", "level", self.level in ("token", "sequence"), "'token' or 'sequence'", self.level)
+
+    @property
+    def per_sequence(self) -> bool:
+        return self.level == "sequence"
+
+    def mask_drop(self, x: RuleInputs) -> Tensor:
+        lag = (int(x.inputs["current_version"]) - x.inputs["versions"].to(torch.int64)).to(x.log_r.dtype)
+        stale = x.active & (lag > self.max_lag)
+        if self.level == "token":
+            return stale
+        return x.active & (x.seg.broadcast(x.seg.max(stale.to(x.log_r.dtype))) > 0)
+
+
+Rule = Union[Veto, OPSM, KLRejection, RatioRejection, StalenessRejection]
+RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection, StalenessRejection)

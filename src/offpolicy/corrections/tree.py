@@ -147,17 +147,28 @@ class CorrectionTree:
     @property
     def token_rules(self) -> tuple[Rule, ...]:
         """The rules that act on each token's own ratio (folded into ``f``)."""
-        return tuple(r for r in self.rejections if not r.per_sequence)
+        return tuple(r for r in self.rejections if not r.per_sequence and not getattr(r, "masks", False))
 
     @property
     def sequence_rules(self) -> tuple[tuple[str, Rule], ...]:
-        """``(name, rule)`` of the rules that drop whole sequences."""
-        return tuple((n, r) for n, r in self.named_rules if r.per_sequence)
+        """``(name, rule)`` of the ratio rules that drop whole sequences."""
+        return tuple((n, r) for n, r in self.named_rules if r.per_sequence and not getattr(r, "masks", False))
+
+    @property
+    def mask_rules(self) -> tuple[tuple[str, Rule], ...]:
+        """``(name, rule)`` of the mask rules (``masks``: an ``[N]`` mask of dropped tokens from the batch and the
+        inputs they declare, :class:`~offpolicy.corrections.rules.RuleInputs`)."""
+        return tuple((n, r) for n, r in self.named_rules if getattr(r, "masks", False))
+
+    def needed_inputs(self) -> tuple[str, ...]:
+        """The loss inputs the nodes declare they read, each once."""
+        return tuple(dict.fromkeys(i for node in self.nodes() for i in getattr(node, "inputs", ())))
 
     @property
     def needs_sequences(self) -> bool:
         """Whether ``seq_ids`` are required."""
         return (self.weighting.level.needs_sequences or bool(self.sequence_rules) or self.surrogate.needs_sequences
+                or any(r.per_sequence for _, r in self.mask_rules)
                 or (self.normalisation is not None and self.normalisation.needs_sequences)
                 or (self.trust_region is not None and self.trust_region.per_sequence))
 

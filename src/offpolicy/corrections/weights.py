@@ -88,6 +88,12 @@ def sequence_drops(
             for name, rule in tree.sequence_rules}
 
 
+def mask_drops(inputs, tree: CorrectionTree) -> dict[str, Tensor]:
+    """``{rule name: [N] bool}``: the tokens each mask rule of the tree drops (``inputs``: the
+    :class:`~offpolicy.corrections.rules.RuleInputs` of the batch)."""
+    return {name: rule.mask_drop(inputs) for name, rule in tree.mask_rules}
+
+
 def sequence_keep(drops: dict[str, Tensor]) -> Tensor | None:
     """``[N]`` bool: False on tokens any rule of ``drops`` drops; None when no rule is on."""
     if not drops:
