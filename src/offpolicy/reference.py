@@ -61,6 +61,7 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "gmpo": None,
     "kl_penalty": None,
     "max_staleness": None,
+    "m2po": None,
 }
 
 #: The fields of a ``TrustRegion`` and their defaults (None: required), docs/spec.md#trust-region.
@@ -741,6 +742,20 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
             if any(stale[t] for t in idx.tolist()):
                 dropped_by[name][idx] = True
                 keep[idx] = False
+    if cfg.m2po is not None:
+        # M2PO (docs/spec.md#m2po): over the batch's trained tokens, largest (log r)^2 first (log r clamped), drop
+        # them one by one until the mean of the rest is below tau; keep at least one.
+        m2 = {t: min(max(math.log(float(r[t])) if r[t] > 0 else -math.inf, -cfg.max_log_ratio), cfg.max_log_ratio) ** 2
+              for t in range(n) if mask[t]}
+        order = sorted(m2, key=lambda t: -m2[t])
+        dropped_by["m2po"] = torch.zeros(n, dtype=torch.bool)
+        for k in range(len(order)):
+            rest = [m2[t] for t in order[k:]]
+            if sum(rest) / len(rest) < cfg.m2po or k == len(order) - 1:
+                for t in order[:k]:
+                    dropped_by["m2po"][t] = True
+                    keep[t] = False
+                break
     w = w * (mask & keep)
     # The trust region's mask (docs/spec.md#trust-region) zeroes the weight before the normalisation.
     tr_masked, tr_ref = _trust_region_state(logp_y.detach(), lq, proximal_logprobs, adv, mask, seqs, cfg)

@@ -286,5 +286,47 @@ class StalenessRejection:
         return x.active & (x.seg.broadcast(x.seg.max(stale.to(x.log_r.dtype))) > 0)
 
 
-Rule = Union[Veto, OPSM, KLRejection, RatioRejection, StalenessRejection]
-RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection, StalenessRejection)
+@dataclass(frozen=True)
+class M2PO:
+    """M2PO's second-moment mask (AReaL ``actor.m2_threshold``): over the batch's trained tokens, sorted by
+    ``m_t = (log r_t)^2`` (``log r``: the clamped log-ratio the weights act on, ``log pi_prox - lq`` under a
+    proximal policy, AReaL's ``old_logp - prox_logp``), drop the largest ``k`` where ``k`` is the least count whose
+    remaining tokens' mean ``m`` is below ``tau`` (all but one when no count is). Dropped tokens stay in the
+    aggregation's normaliser by default (the original token denominator). One batch: refused under ``cp_group``."""
+
+    tau: float = 0.04
+    kind: ClassVar[str] = "m2po"
+    name: ClassVar[str] = "m2po"
+    masks: ClassVar[bool] = True
+    per_sequence: ClassVar[bool] = False
+    anchor: ClassVar[str] = "docs/spec.md#m2po"
+    source: ClassVar[str] = ("M2PO (Zheng et al. 2025, arXiv 2510.01161; AReaL actor.m2_threshold, "
+                             "_apply_m2po_masking): second-moment trust region on log r")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("m2po", ("tau",)),)
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = "`masks` (one mask per batch)"
+
+    def __post_init__(self) -> None:
+        check("M2PO", "tau", finite(self.tau) and self.tau > 0, "a finite number > 0", self.tau)
+
+    def mask_drop(self, x: RuleInputs) -> Tensor:
+        if x.group is not None:
+            raise ValueError("Correction.m2po under cp_group is not supported: its second moment is over the whole "
+                             "batch, and each rank holds only some tokens")
+        m2 = x.log_r.clamp(-x.max_log_ratio, x.max_log_ratio).square()
+        idx = x.active.nonzero().squeeze(1)
+        drop = torch.zeros_like(x.active)
+        n = idx.numel()
+        if n == 0:
+            return drop
+        order = torch.sort(m2[idx], descending=True, stable=True)
+        suffix_mean = order.values.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=m2.dtype,
+                                                                              device=m2.device)
+        below = (suffix_mean < self.tau).nonzero()
+        k = int(below[0]) if below.numel() else n - 1
+        drop[idx[order.indices[:k]]] = True
+        return drop
+
+
+Rule = Union[Veto, OPSM, KLRejection, RatioRejection, StalenessRejection, M2PO]
+RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection, StalenessRejection, M2PO)
