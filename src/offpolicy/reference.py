@@ -62,6 +62,7 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "kl_penalty": None,
     "max_staleness": None,
     "m2po": None,
+    "topr": None,
 }
 
 #: The fields of a ``TrustRegion`` and their defaults (None: required), docs/spec.md#trust-region.
@@ -388,6 +389,8 @@ def _surrogate_name(cfg: _Config) -> str:
     if tr is not None and tr.on == "update" and cfg.ppo_clip is None and cfg.cispo is None:
         # The trust region's masked ratio u A (on the update, no PPO clip, no CISPO).
         return "trust_region"
+    if cfg.topr is not None:
+        return "topr"
     if cfg.sapo is not None:
         return "sapo"
     if cfg.vespo is not None:
@@ -419,7 +422,7 @@ def _clip(u: Tensor, a: Tensor, cfg: _Config) -> Tensor:
 
 
 def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tensor], cfg: _Config,
-               tr_ref: Tensor | None = None) -> Tensor | None:
+               tr_ref: Tensor | None = None, lq: Tensor | None = None) -> Tensor | None:
     """``[N]`` the surrogate ``s_t`` whose ``-w_t s_t`` is the token loss, or None for the score-function term
     ``A_t log p(y_t)`` (formed by the caller, which adds score centering). ``tr_ref``: the trust region's
     ``log p_ref`` of the update (``_trust_region_state``)."""
@@ -428,6 +431,17 @@ def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tens
         return None
     if name == "trust_region":
         return _trust_region_ratio(logp_y, tr_ref, adv, cfg)
+    if name == "topr":
+        # docs/spec.md#topr: A log p where A >= 0; sg(clamp(u, 0, 1)) A log p where A < 0, u = p / pi_old (the
+        # proximal policy, else the sampler's lq).
+        pos, neg = cfg.topr
+        old = prox if prox is not None else lq
+        out = torch.zeros_like(logp_y)
+        for t in range(logp_y.shape[0]):
+            u = math.exp(min(max(float(logp_y[t].detach() - old[t]), -cfg.max_log_ratio), cfg.max_log_ratio))
+            coef = pos if adv[t] >= 0 else neg * min(max(u, 0.0), 1.0)
+            out[t] = coef * adv[t] * logp_y[t] if coef != 0 else 0.0
+        return out
     if prox is None:
         raise ValueError(f"reference: the {name!r} surrogate needs proximal_logprobs")
     mlr = cfg.max_log_ratio
@@ -640,7 +654,7 @@ def reference_policy_loss(
     if cfg.score_centering and (cfg.per_sequence or _surrogate_name(cfg) != "score_function"):
         raise ValueError("reference: score centering is defined for the token-level score-function term only")
     s = _surrogate(logp_y, None if proximal_logprobs is None else proximal_logprobs.double(), adv, st["seqs"], cfg,
-                   st["tr_ref"])
+                   st["tr_ref"], lq=st["lq"])
     token_loss = torch.zeros(n, dtype=torch.float64)
     for t in range(n):
         if not (mask[t] and keep[t]) or adv[t] == 0:

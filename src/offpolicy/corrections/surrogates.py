@@ -278,5 +278,37 @@ class RatioSurrogate(_Surrogate):
         return _u(logp_y, prox, max_log_ratio) * adv
 
 
-Surrogate = Union[ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate]
-SURROGATE_CLASSES: tuple[type, ...] = (ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate)
+@dataclass(frozen=True)
+class TOPR(_Surrogate):
+    """Tapered off-policy REINFORCE: ``positive A log p`` where ``A >= 0`` (SFT-like, no ratio) and
+    ``negative sg(clamp(u, 0, 1)) A log p`` where ``A < 0``, ``u = p / pi_old`` (the proximal policy, the sampler
+    without one): the weight depends on the advantage's sign (ROLL ``pg_variant="topr"``)."""
+
+    positive: float = 1.0
+    negative: float = 1.0
+    expects: ClassVar[str] = "finite and >= 0"
+    name: ClassVar[str] = "topr"
+    needs_proximal: ClassVar[bool] = False
+    proximal_optional: ClassVar[bool] = True
+    takes_trust_region: ClassVar[bool] = False
+    anchor: ClassVar[str] = "docs/spec.md#topr"
+    source: ClassVar[str] = ("TOPR (Le Roux et al. 2025, arXiv 2503.14286; ROLL pg_variant='topr', _compute_topr_loss): "
+                             "A log p for A >= 0, sg(clamp(u, 0, 1)) A log p for A < 0")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("topr", ("positive", "negative"), "pair"),)
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = "`proximal_optional`, not `takes_trust_region`"
+    example: ClassVar[dict] = dict(weights="tis", record="head", topr=(1.0, 0.8))
+
+    def __post_init__(self) -> None:
+        for arg in ("positive", "negative"):
+            check("TOPR", arg, finite(getattr(self, arg)) and getattr(self, arg) >= 0, "a finite number >= 0",
+                  getattr(self, arg))
+
+    def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        u = _u(logp_y.detach(), prox, max_log_ratio)
+        coef = torch.where(adv >= 0, torch.full_like(u, self.positive), self.negative * u.clamp(0.0, 1.0))
+        return torch.where(coef != 0, coef * adv * logp_y, torch.zeros_like(logp_y))
+
+
+Surrogate = Union[ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR]
+SURROGATE_CLASSES: tuple[type, ...] = (ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR)
