@@ -63,6 +63,7 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "max_staleness": None,
     "m2po": None,
     "topr": None,
+    "kl_cov": None,
 }
 
 #: The fields of a ``TrustRegion`` and their defaults (None: required), docs/spec.md#trust-region.
@@ -391,6 +392,8 @@ def _surrogate_name(cfg: _Config) -> str:
         return "trust_region"
     if cfg.topr is not None:
         return "topr"
+    if cfg.kl_cov is not None:
+        return "kl_cov"
     if cfg.sapo is not None:
         return "sapo"
     if cfg.vespo is not None:
@@ -422,7 +425,8 @@ def _clip(u: Tensor, a: Tensor, cfg: _Config) -> Tensor:
 
 
 def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tensor], cfg: _Config,
-               tr_ref: Tensor | None = None, lq: Tensor | None = None) -> Tensor | None:
+               tr_ref: Tensor | None = None, lq: Tensor | None = None,
+               kept: Tensor | None = None) -> Tensor | None:
     """``[N]`` the surrogate ``s_t`` whose ``-w_t s_t`` is the token loss, or None for the score-function term
     ``A_t log p(y_t)`` (formed by the caller, which adds score centering). ``tr_ref``: the trust region's
     ``log p_ref`` of the update (``_trust_region_state``)."""
@@ -464,6 +468,21 @@ def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tens
             u = math.exp(min(max(float(logp_y[t].detach() - prox[t]), -mlr), mlr))
             coef = min(max(u, lo), hi)
             out[t] = coef * adv[t] * logp_y[t] if coef != 0 else 0.0
+    elif name == "kl_cov":
+        # docs/spec.md#kl-cov: s_t = A_t u_t, minus coef |log u_t| on the top max(1, int(n ratio)) kept trained
+        # tokens (finite log p) by (A_t - mean A)(log p_t - mean log p).
+        ratio, coef = cfg.kl_cov
+        lp_d = logp_y.detach()
+        valid = [t for t in range(logp_y.shape[0]) if kept[t] and math.isfinite(float(lp_d[t]))]
+        top = set()
+        if valid:
+            a_mean = sum(float(adv[t]) for t in valid) / len(valid)
+            l_mean = sum(float(lp_d[t]) for t in valid) / len(valid)
+            cov = {t: (float(adv[t]) - a_mean) * (float(lp_d[t]) - l_mean) for t in valid}
+            top = set(sorted(valid, key=lambda t: -cov[t])[:max(1, int(len(valid) * ratio))])
+        for t in range(logp_y.shape[0]):
+            log_u = (logp_y[t] - prox[t]).clamp(-mlr, mlr)
+            out[t] = torch.exp(log_u) * adv[t] - (coef * log_u.abs() if t in top else 0.0)
     elif name == "sapo":
         out = _sapo(logp_y, prox, adv, seqs, cfg)
     elif name == "vespo":
@@ -654,7 +673,7 @@ def reference_policy_loss(
     if cfg.score_centering and (cfg.per_sequence or _surrogate_name(cfg) != "score_function"):
         raise ValueError("reference: score centering is defined for the token-level score-function term only")
     s = _surrogate(logp_y, None if proximal_logprobs is None else proximal_logprobs.double(), adv, st["seqs"], cfg,
-                   st["tr_ref"], lq=st["lq"])
+                   st["tr_ref"], lq=st["lq"], kept=mask & keep)
     token_loss = torch.zeros(n, dtype=torch.float64)
     for t in range(n):
         if not (mask[t] and keep[t]) or adv[t] == 0:

@@ -310,5 +310,48 @@ class TOPR(_Surrogate):
         return torch.where(coef != 0, coef * adv * logp_y, torch.zeros_like(logp_y))
 
 
-Surrogate = Union[ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR]
-SURROGATE_CLASSES: tuple[type, ...] = (ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR)
+@dataclass(frozen=True)
+class KLCov(_Surrogate):
+    """KL-Cov (verl ``policy_loss.loss_mode="kl_cov"``): the unclipped ratio ``u A``, ``u = p / pi_prox``, minus
+    ``coef |log u|`` on the ``max(1, int(n ratio))`` kept trained tokens with the largest covariance
+    ``(A_t - mean A)(log p_t - mean log p)`` over the batch's ``n`` kept trained tokens (those the trainer gives a
+    nonzero probability): an entropy-collapse control on the tokens that drive it. One batch: refused under
+    ``cp_group``. ``fast`` takes the kept trained tokens as ``active`` (``batch_statistic``)."""
+
+    ratio: float = 0.0002
+    coef: float = 1.0
+    expects: ClassVar[str] = "with ratio in (0, 1] and coef >= 0, finite"
+    name: ClassVar[str] = "kl_cov"
+    takes_trust_region: ClassVar[bool] = False
+    batch_statistic: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#kl-cov"
+    source: ClassVar[str] = ("KL-Cov (Cui et al. 2025, 'The Entropy Mechanism of RL for Reasoning LMs', arXiv "
+                             "2505.22617; verl core_algos.py compute_policy_loss_kl_cov)")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("kl_cov", ("ratio", "coef"), "pair"),)
+    inputs: ClassVar[tuple[str, ...]] = ("proximal_logprobs",)
+    table_traits: ClassVar[str] = "`needs_proximal`, `batch_statistic`, not `takes_trust_region`"
+
+    def __post_init__(self) -> None:
+        check("KLCov", "ratio", finite(self.ratio) and 0 < self.ratio <= 1, "in (0, 1]", self.ratio)
+        check("KLCov", "coef", finite(self.coef) and self.coef >= 0, "a finite number >= 0", self.coef)
+
+    def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float, *,
+             active: Tensor) -> Tensor:
+        if seg is not None and seg.group is not None:
+            raise ValueError("Correction.kl_cov under cp_group is not supported: its covariance and top-k are over "
+                             "the whole batch, and each rank holds only some tokens")
+        lu = (logp_y - prox).clamp(-max_log_ratio, max_log_ratio)
+        s = torch.exp(lu) * adv
+        valid = (active & torch.isfinite(logp_y.detach())).nonzero().squeeze(1)
+        if valid.numel() == 0:
+            return s
+        a, lp = adv[valid], logp_y.detach()[valid]
+        cov = (a - a.mean()) * (lp - lp.mean())
+        k = max(1, int(valid.numel() * self.ratio))
+        top = torch.zeros_like(active)
+        top[valid[torch.topk(cov, k).indices]] = True
+        return s - torch.where(top, self.coef * lu.abs(), torch.zeros_like(lu))
+
+
+Surrogate = Union[ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov]
+SURROGATE_CLASSES: tuple[type, ...] = (ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov)

@@ -234,7 +234,7 @@ def _policy_term(p: _Pass) -> None:
     kept trained token the trainer can produce, masked or not."""
     p.rows = EntryRows.of(p.candidates) if p.candidates is not None else None
     loss, p.centering = _surrogate(p.logp_y, p.w, p.scale, p.adv, p.ref, p.seg, p.candidates, p.cand_lp, p.rows,
-                                   p.tree)
+                                   p.tree, p.sel)
     p.token_loss = torch.where(p.trained, loss, p.zero)
     tr = p.tree.trust_region
     if tr is not None and tr.penalty:
@@ -365,7 +365,7 @@ def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, tree: CorrectionTre
 
 def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | None, seg: Segments | None,
                candidates: Record | None, cand_lp: Tensor | None, rows: EntryRows | None,
-               tree: CorrectionTree) -> tuple[Tensor, Centering | None]:
+               tree: CorrectionTree, kept: Tensor) -> tuple[Tensor, Centering | None]:
     """``[N]`` token loss ``-w_t s_t`` of the correction's surrogate; for the score-function surrogate
     ``-A_t (w_t log p(y_t) - sum_v sg(c_t(v)) log p(v))`` with the centering sum under score centering."""
     if tree.centering is not None and candidates is None:
@@ -375,7 +375,9 @@ def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | Non
     zero = torch.zeros_like(logp_y)
     if sur.fast is not None:
         # w = 0 (masked, rejected, impossible) contributes exactly 0 whatever the surrogate holds there.
-        return torch.where(w != 0, -w * sur.fast(logp_y, prox, adv, seg, tree.max_log_ratio), zero), None
+        # A surrogate with a batch statistic (KL-Cov's covariance) reads the kept trained tokens.
+        batch = {"active": kept} if getattr(sur, "batch_statistic", False) else {}
+        return torch.where(w != 0, -w * sur.fast(logp_y, prox, adv, seg, tree.max_log_ratio, **batch), zero), None
     # w * log p(y) with w = 0 where the token's own weight is masked (0 * -inf must not make a NaN).
     policy_term = torch.where(w != 0, w * logp_y, zero)
     centering = None
