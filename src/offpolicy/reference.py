@@ -64,6 +64,7 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "m2po": None,
     "topr": None,
     "kl_cov": None,
+    "max_route_flips": None,
 }
 
 #: The fields of a ``TrustRegion`` and their defaults (None: required), docs/spec.md#trust-region.
@@ -89,6 +90,7 @@ RULE_DEFAULTS: dict[str, dict[str, Any]] = {
     "kl": {"threshold": None, "estimator": "k3", "level": "token"},
     "ratio": {"lower": None, "upper": None, "level": "token"},
     "staleness": {"max_lag": None, "level": "token"},
+    "route_flips": {"max_flips": None, "level": "token"},
 }
 
 
@@ -111,7 +113,7 @@ class _Rule:
         """Whether the rule drops whole sequences (else it bounds each token's own ratio)."""
         if self.kind == "kl":
             return _kl_level_per_sequence(self.level)
-        if self.kind == "staleness":
+        if self.kind in ("staleness", "route_flips"):
             return self.level == "sequence"
         return _level_per_sequence(self.level)
 
@@ -164,7 +166,12 @@ class _Config:
         #: ``max_staleness`` keyword (token level), then those in ``rejections``.
         self.staleness = ([("staleness", self.max_staleness, "token")] if self.max_staleness is not None else [])
         self.staleness += [(name, rule.max_lag, rule.level) for name, rule in self.rules if rule.kind == "staleness"]
-        self.rules = [(name, rule) for name, rule in self.rules if rule.kind != "staleness"]
+        #: ``(name, max_flips, level)`` of each route-flip rejection (docs/spec.md#route-flip-rejection).
+        self.route_flips = ([("route_flips", self.max_route_flips, "token")] if self.max_route_flips is not None
+                            else [])
+        self.route_flips += [(name, rule.max_flips, rule.level) for name, rule in self.rules
+                             if rule.kind == "route_flips"]
+        self.rules = [(name, rule) for name, rule in self.rules if rule.kind not in ("staleness", "route_flips")]
         self.token_rules = [rule for _, rule in self.rules if not rule.per_sequence]
 
     def _bounds(self) -> tuple[float, float]:
@@ -654,6 +661,7 @@ def reference_policy_loss(
     segment_ids: Tensor | None = None,
     versions: Tensor | None = None,
     current_version: int | None = None,
+    route_flips: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Literal float64 policy loss. Returns ``(loss, token_loss [N], weight [N])``; ``loss`` is differentiable
     with respect to ``logits`` (pass float64 logits with ``requires_grad`` for gradients).
@@ -661,12 +669,13 @@ def reference_policy_loss(
     ``candidates``: anything with ``.ids [N, K]``, ``.logprobs [N, K]`` and ``.kind`` (``"head"`` | ``"support"``);
     ``correction``: a ``Correction`` or a mapping of its fields (None: plain REINFORCE); ``reference_logprobs``
     ``[N]`` goes with ``correction.kl_penalty``, ``segment_ids`` ``[N]`` with ``level="segment"``, ``versions``
-    ``[N]`` and ``current_version`` with a staleness rejection."""
+    ``[N]`` and ``current_version`` with a staleness rejection, ``route_flips`` ``[N]`` with a route-flip
+    rejection."""
     cfg = _config(correction)
     if cfg.kl_penalty is not None and reference_logprobs is None:
         raise ValueError("reference: kl_penalty needs reference_logprobs")
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, cfg, seq_ids,
-                proximal_logprobs, segment_ids, versions, current_version)
+                proximal_logprobs, segment_ids, versions, current_version, route_flips)
     n, lp, logp_y, adv, mask, keep, w = st["n"], st["lp"], st["logp_y"], st["adv"], st["mask"], st["keep"], st["w"]
     if cfg.score_centering and candidates is None:
         raise ValueError("score centering needs candidates")
@@ -715,7 +724,7 @@ def reference_policy_loss(
 
 
 def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, cfg: _Config, seq_ids,
-           proximal_logprobs, segment_ids=None, versions=None, current_version=None) -> dict:
+           proximal_logprobs, segment_ids=None, versions=None, current_version=None, route_flips=None) -> dict:
     """Everything before the surrogate, token by token and sequence by sequence: log-probabilities, ratios, the
     ratio the bounds act on, weights, kept sequences, the normalisation scale."""
     n, vocab = logits.shape
@@ -735,7 +744,7 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
     if (cfg.level == "segment") != (segment_ids is not None):
         raise ValueError("reference: level='segment' and segment_ids go together")
     if seq_ids is None and ((cfg.per_sequence and cfg.level != "segment") or _sequence_rules(cfg) or cfg.batch_normalize == "sequences"
-                            or any(level == "sequence" for _, _, level in cfg.staleness)
+                            or any(level == "sequence" for _, _, level in cfg.staleness + cfg.route_flips)
                             or _surrogate_name(cfg) in ("gspo_token", "vespo", "gmpo") or tr_per_sequence):
         raise ValueError("reference: this correction needs seq_ids")
 
@@ -773,6 +782,17 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
         groups = seqs if level == "sequence" else [torch.tensor([t]) for t in range(n)]
         for idx in groups:
             if any(stale[t] for t in idx.tolist()):
+                dropped_by[name][idx] = True
+                keep[idx] = False
+    # Route-flip rejections: a trained token whose routing flipped in more than max_flips MoE layers is rejected
+    # (with level="sequence", its whole sequence is).
+    for name, max_flips, level in cfg.route_flips:
+        if route_flips is None:
+            raise ValueError("reference: a route-flip rejection needs route_flips")
+        flipped = [bool(mask[t]) and int(route_flips[t]) > max_flips for t in range(n)]
+        dropped_by[name] = torch.zeros(n, dtype=torch.bool)
+        for idx in (seqs if level == "sequence" else [torch.tensor([t]) for t in range(n)]):
+            if any(flipped[t] for t in idx.tolist()):
                 dropped_by[name][idx] = True
                 keep[idx] = False
     if cfg.m2po is not None:
@@ -868,6 +888,7 @@ def reference_metrics(
     num_sequences: float | None = None,
     constant_normalizer: float | None = None,
     segment_ids: Tensor | None = None,
+    route_flips: Tensor | None = None,
 ) -> dict[str, float]:
     """Every key of docs/spec.md#metrics (those of ``policy_loss``'s ``out.metrics``, entropy included), literally,
     token by token in float64; same arguments as :func:`reference_policy_loss` plus the metric-only ones (the
@@ -876,7 +897,7 @@ def reference_metrics(
     if corr.kl_penalty is not None and reference_logprobs is None:
         raise ValueError("reference: kl_penalty needs reference_logprobs")
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
-                proximal_logprobs, segment_ids, versions, current_version)
+                proximal_logprobs, segment_ids, versions, current_version, route_flips)
     mask, n = st["mask"], st["n"]
     lp = st["lp"].detach()
     ent = -torch.where(lp > -math.inf, lp.exp() * lp, torch.zeros_like(lp)).sum(1)

@@ -328,5 +328,42 @@ class M2PO:
         return drop
 
 
-Rule = Union[Veto, OPSM, KLRejection, RatioRejection, StalenessRejection, M2PO]
-RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection, StalenessRejection, M2PO)
+@dataclass(frozen=True)
+class RouteFlipRejection:
+    """Reject tokens (``level="token"``) or whole sequences (``"sequence"``: any trained token) whose MoE routing
+    flipped in more than ``max_flips`` layers: ``route_flips_t > max_flips``, ``route_flips`` the ``[N]`` int input
+    counting the layers where the sampler's top-k expert set differs from the trainer's (the routing record)."""
+
+    max_flips: int
+    level: str = "token"
+    kind: ClassVar[str] = "route_flips"
+    name: ClassVar[str] = "route_flips"
+    masks: ClassVar[bool] = True
+    chainable: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#route-flip-rejection"
+    source: ClassVar[str] = ("MoE routing mismatch between sampler and trainer (routing replay's diagnosis, R3 "
+                             "arXiv 2510.11370) as a rejection")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("max_route_flips", ("max_flips",), "int"),)
+    inputs: ClassVar[tuple[str, ...]] = ("route_flips",)
+    table_traits: ClassVar[str] = '`masks`; `per_sequence` with `level="sequence"` (also in `rejections=`)'
+
+    def __post_init__(self) -> None:
+        check("RouteFlipRejection", "max_flips", isinstance(self.max_flips, int)
+              and not isinstance(self.max_flips, bool) and self.max_flips >= 0, "an int >= 0", self.max_flips)
+        check("RouteFlipRejection", "level", self.level in ("token", "sequence"), "'token' or 'sequence'",
+              self.level)
+
+    @property
+    def per_sequence(self) -> bool:
+        return self.level == "sequence"
+
+    def mask_drop(self, x: RuleInputs) -> Tensor:
+        flipped = x.active & (x.inputs["route_flips"].to(torch.int64) > self.max_flips)
+        if self.level == "token":
+            return flipped
+        return x.active & (x.seg.broadcast(x.seg.max(flipped.to(x.log_r.dtype))) > 0)
+
+
+Rule = Union[Veto, OPSM, KLRejection, RatioRejection, StalenessRejection, M2PO, RouteFlipRejection]
+RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection, StalenessRejection, M2PO,
+                                  RouteFlipRejection)

@@ -87,6 +87,7 @@ def policy_loss_from_logprobs(
     current_version: int | None = None,
     reference_logprobs: Tensor | None = None,
     segment_ids: Tensor | None = None,
+    route_flips: Tensor | None = None,
     validate: bool = True,
 ) -> PolicyLossOutput:
     """Off-policy-corrected policy-gradient loss from the trainer's per-token log-probabilities.
@@ -103,7 +104,8 @@ def policy_loss_from_logprobs(
             ``candidates.ids`` (same normalisation as ``logprobs``; any finite value at ``-1`` padding); ``[nnz]``
             for a CSR record. Required with score centering and a record.
         loss_mask, correction, seq_ids, aggregation, num_loss_tokens, groups, versions, proximal_logprobs,
-            num_sequences, constant_normalizer, cp_group, current_version, reference_logprobs, segment_ids, validate: as in
+            num_sequences, constant_normalizer, cp_group, current_version, reference_logprobs, segment_ids, route_flips,
+            validate: as in
             :func:`offpolicy.policy_loss`.
         entropy: ``[N]`` detached entropy of the trainer's distribution, for the ``entropy`` metric (omitted from
             the metrics when None).
@@ -113,7 +115,7 @@ def policy_loss_from_logprobs(
         ``candidate_logprobs``.
     """
     data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
-                     current_version, reference_logprobs, segment_ids)
+                     current_version, reference_logprobs, segment_ids, route_flips)
     agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
     check_flag("validate", validate)
     if validate and not tracing():
@@ -326,7 +328,7 @@ def loss_from_logprobs(
 def _named_inputs(data: TokenData) -> dict:
     """The loss inputs a mask rule may declare, by name."""
     return {"versions": data.versions, "current_version": data.current_version, "seq_ids": data.seq_ids,
-            "groups": data.groups}
+            "groups": data.groups, "route_flips": data.route_flips}
 
 
 def _turns(data: TokenData, active: Tensor, cp_group) -> Segments:

@@ -121,9 +121,11 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
             raise ValueError(f"reference_logprobs: value {float(ref[active].max()):.4g} > 0 on a trained token "
                              "(log-probabilities are <= 0)")
     for name, val in (("seq_ids", seq_ids), ("groups", data.groups), ("versions", data.versions),
-                      ("segment_ids", data.segment_ids)):
+                      ("segment_ids", data.segment_ids), ("route_flips", data.route_flips)):
         if val is not None:
             check_vector(name, val, n, device, "int")
+    if data.route_flips is not None and bool((data.route_flips[active] < 0).any()):
+        raise ValueError("route_flips: a negative count on a trained token (it counts MoE layers)")
     for node in tree.nodes():
         # The inputs a node declares (seq_ids, segment_ids, proximal and reference log-probabilities have their own
         # messages above): a missing one is named with the node that reads it.
