@@ -65,6 +65,7 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "topr": None,
     "kl_cov": None,
     "max_route_flips": None,
+    "seq_logprob_error": None,
 }
 
 #: The fields of a ``TrustRegion`` and their defaults (None: required), docs/spec.md#trust-region.
@@ -345,6 +346,12 @@ def _sequence_rules(cfg: _Config):
     if cfg.opsm_delta is not None:
         # Negative mean advantage and mean_t (lq - log p) of the current policy above delta.
         rules["opsm"] = lambda r, r_p, adv: bool(adv.mean() < 0 and (-torch.log(r_p)).mean() > cfg.opsm_delta)
+    if cfg.seq_logprob_error is not None:
+        # NeMo-RL: mean over the sequence's trained tokens of exp(|log r|) (log r clamped) above the threshold.
+        def seq_error(r, r_p, adv):
+            lr = torch.log(r).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+            return float(torch.exp(lr.abs()).mean()) > cfg.seq_logprob_error
+        rules["seq_logprob_error"] = seq_error
     for name, rule in cfg.rules:
         if not rule.per_sequence:
             continue

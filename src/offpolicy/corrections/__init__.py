@@ -4,7 +4,8 @@
 from offpolicy.corrections.correction import Correction
 from offpolicy.corrections.kl_penalty import KLPenalty
 from offpolicy.corrections.normalisation import SequenceMean, TokenMean
-from offpolicy.corrections.rules import M2PO, OPSM, KLRejection, RatioRejection, RouteFlipRejection, StalenessRejection, Veto
+from offpolicy.corrections.rules import (M2PO, OPSM, KLRejection, RatioRejection, RouteFlipRejection, SeqLogprobError,
+                                        StalenessRejection, Veto)
 from offpolicy.corrections.surrogates import CISPO, GMPO, PPO, SAPO, TOPR, KLCov, VESPO, RatioSurrogate, ScoreFunction
 from offpolicy.corrections.tree import CorrectionTree, ScoreCentering
 from offpolicy.corrections.trust_region import TrustRegion
@@ -13,5 +14,5 @@ from offpolicy.corrections.weighting import (MIS, TIS, GeometricLevel, NoWeights
 
 __all__ = ["CISPO", "GMPO", "M2PO", "MIS", "OPSM", "PPO", "SAPO", "TIS", "TOPR", "VESPO", "Correction", "CorrectionTree",
            "GeometricLevel", "KLCov", "KLPenalty", "KLRejection", "NoWeights", "RatioRejection", "RatioSurrogate", "RouteFlipRejection", "Reject",
-           "ScoreCentering", "ScoreFunction", "SegmentLevel", "StalenessRejection", "SequenceLevel", "SequenceMean", "TokenLevel", "TokenMean",
+           "ScoreCentering", "ScoreFunction", "SegmentLevel", "SeqLogprobError", "StalenessRejection", "SequenceLevel", "SequenceMean", "TokenLevel", "TokenMean",
            "TrustRegion", "Veto", "Weighting"]

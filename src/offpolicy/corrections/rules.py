@@ -223,6 +223,31 @@ class RatioRejection:
         return (Jump("log_r", tuple(math.log(b) for b in (self.lower, self.upper) if b > 0), self.level),)
 
 
+@dataclass(frozen=True)
+class SeqLogprobError:
+    """NeMo-RL's sequence log-probability error mask: drop sequence ``i`` iff ``mean_t exp(|log r_t|) > threshold``
+    over its trained tokens, ``log r`` the clamped log-ratio the weights act on (NeMo-RL's
+    ``generation_logprobs - prev_logprobs``, the sampler against the trainer's old policy: ``log pi_prox - lq``
+    under a proximal policy, else ``log p - lq``). ``threshold >= 1`` (the statistic is at least 1)."""
+
+    threshold: float
+    name: ClassVar[str] = "seq_logprob_error"
+    per_sequence: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#seq-logprob-error"
+    source: ClassVar[str] = ("NeMo-RL grpo.seq_logprob_error_threshold (compute_and_apply_seq_logprob_error_masking: "
+                             "seq_mult_prob_error)")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("seq_logprob_error", ("threshold",)),)
+    inputs: ClassVar[tuple[str, ...]] = ("seq_ids",)
+    table_traits: ClassVar[str] = "`per_sequence`"
+
+    def __post_init__(self) -> None:
+        check("SeqLogprobError", "threshold", finite(self.threshold) and self.threshold >= 1,
+              "a finite number >= 1", self.threshold)
+
+    def drop(self, log_r: Tensor, log_p_ratio: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        return seg.mean(torch.exp(log_r.clamp(-max_log_ratio, max_log_ratio).abs())) > self.threshold
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Mask rules: an [N] mask of dropped tokens from the batch and the named inputs they declare
 # ---------------------------------------------------------------------------------------------------------------
@@ -364,6 +389,6 @@ class RouteFlipRejection:
         return x.active & (x.seg.broadcast(x.seg.max(flipped.to(x.log_r.dtype))) > 0)
 
 
-Rule = Union[Veto, OPSM, KLRejection, RatioRejection, StalenessRejection, M2PO, RouteFlipRejection]
-RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection, StalenessRejection, M2PO,
+Rule = Union[Veto, OPSM, KLRejection, RatioRejection, SeqLogprobError, StalenessRejection, M2PO, RouteFlipRejection]
+RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection, SeqLogprobError, StalenessRejection, M2PO,
                                   RouteFlipRejection)
