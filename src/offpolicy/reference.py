@@ -288,6 +288,8 @@ def kl(r: Tensor, estimator: str) -> Tensor:
         return 0.5 * torch.log(r) ** 2
     if estimator == "k3":
         return r - 1 - torch.log(r)
+    if estimator == "low_var_kl":
+        return (r - 1 - torch.log(r)).clamp(-10.0, 10.0)
     raise ValueError(f"reference: estimator={estimator!r} is not implemented here")
 
 
@@ -576,7 +578,7 @@ def _kl_penalty_estimate(log_rho: Tensor, estimator: str) -> Tensor:
         return -log_rho
     if estimator == "k2":
         return log_rho ** 2 / 2
-    if estimator == "k3":
+    if estimator in ("k3", "low_var_kl"):
         return torch.exp(log_rho) - 1 - log_rho
     raise ValueError(f"reference: KL penalty estimator={estimator!r} is not implemented here")
 
@@ -594,6 +596,9 @@ def _kl_penalty(logp_y: Tensor, ref: Tensor, old: Tensor, mask: Tensor, cfg: _Co
         k = _kl_penalty_estimate(log_rho, spec.estimator)
         if spec.importance_weighted:
             k = _ratio(logp_y[t] - old[t], cfg) * k
+        if spec.estimator == "low_var_kl":
+            # slime's low_var_kl: the (weighted) k3 clamped to [-10, 10] last.
+            k = k.clamp(-10.0, 10.0)
         pen[t] = float(spec.coef) * k
         est[t] = float(k)
     return pen, est

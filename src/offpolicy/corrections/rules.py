@@ -27,21 +27,31 @@ class Estimator(NamedTuple):
     Attributes:
         fast: ``lr -> k``, same shape and dtype.
         signed: the estimate can be negative (a negative threshold is then meaningful).
+        bound: the estimate is clamped to ``[-bound, bound]`` last (after a KL penalty's importance weight), or
+            None.
     """
 
     name: str
     fast: Callable[[Tensor], Tensor]
     signed: bool = False
+    bound: float | None = None
+
+    def value(self, lr: Tensor) -> Tensor:
+        """``k`` with its bound applied."""
+        k = self.fast(lr)
+        return k if self.bound is None else k.clamp(-self.bound, self.bound)
 
 
 #: Schulman's estimators by name: ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r`` (as
-#: ``expm1(log r) - log r``, accurate near ``log r = 0``).
+#: ``expm1(log r) - log r``, accurate near ``log r = 0``); ``low_var_kl``: ``k3`` clamped to ``[-10, 10]``.
 ESTIMATORS: dict[str, Estimator] = {
     e.name: e
     for e in (
         Estimator("k1", lambda lr: -lr, signed=True),
         Estimator("k2", lambda lr: 0.5 * lr.square()),
         Estimator("k3", lambda lr: torch.expm1(lr) - lr),
+        # slime's / verl's low_var_kl: k3 clamped to [-10, 10] (slime clamps after its importance weight).
+        Estimator("low_var_kl", lambda lr: torch.expm1(lr) - lr, bound=10.0),
     )
 }
 
@@ -166,7 +176,7 @@ class KLRejection:
         return tuple(self.threshold) if isinstance(self.threshold, tuple) else (-math.inf, self.threshold)
 
     def _k(self, log_r: Tensor, max_log_ratio: float) -> Tensor:
-        return ESTIMATORS[self.estimator].fast(log_r.clamp(-max_log_ratio, max_log_ratio))
+        return ESTIMATORS[self.estimator].value(log_r.clamp(-max_log_ratio, max_log_ratio))
 
     def token_keep(self, log_r: Tensor, max_log_ratio: float) -> Tensor:
         return _in_band(self._k(log_r, max_log_ratio), *self.band)

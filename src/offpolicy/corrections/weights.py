@@ -19,7 +19,7 @@ from offpolicy.corrections.tree import CorrectionTree
 def kl_estimate(log_r: Tensor, estimator: str) -> Tensor:
     """Schulman's per-token estimator ``k1 | k2 | k3`` of KL(q || p) from ``log r = log p - lq`` on tokens drawn
     from ``q`` (see :data:`offpolicy.corrections.rules.ESTIMATORS`)."""
-    return ESTIMATORS[estimator].fast(log_r)
+    return ESTIMATORS[estimator].value(log_r)
 
 
 def inside_bounds(log_r: Tensor, tree: CorrectionTree) -> Tensor:
