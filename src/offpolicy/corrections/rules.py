@@ -55,6 +55,13 @@ ESTIMATORS: dict[str, Estimator] = {
     )
 }
 
+def estimator_names() -> str:
+    """The estimators' names for an error message: Schulman's, then the clamped ones."""
+    plain = tuple(n for n, e in ESTIMATORS.items() if e.bound is None)
+    clamped = " or ".join(repr(n) for n, e in ESTIMATORS.items() if e.bound is not None)
+    return f"{plain}" + (f" or {clamped} (clamped)" if clamped else "")
+
+
 #: The per-sequence statistics of a KL rejection (``"token"``: none, the rule bounds each token's ratio).
 KL_LEVELS: dict[str, Callable | None] = {
     "token": None,
@@ -150,7 +157,7 @@ class KLRejection:
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
-            raise ValueError(f"KLRejection.estimator must be one of {tuple(ESTIMATORS)}, got {self.estimator!r}")
+            raise ValueError(f"KLRejection.estimator must be one of {estimator_names()}, got {self.estimator!r}")
         if self.level not in KL_LEVELS:
             raise ValueError(f"KLRejection.level must be one of {tuple(KL_LEVELS)}, got {self.level!r}")
         if isinstance(self.threshold, list):
