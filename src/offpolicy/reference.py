@@ -66,6 +66,7 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "kl_cov": None,
     "max_route_flips": None,
     "seq_logprob_error": None,
+    "kimi15": None,
 }
 
 #: The fields of a ``TrustRegion`` and their defaults (None: required), docs/spec.md#trust-region.
@@ -410,6 +411,8 @@ def _surrogate_name(cfg: _Config) -> str:
         return "topr"
     if cfg.kl_cov is not None:
         return "kl_cov"
+    if cfg.kimi15 is not None:
+        return "kimi15"
     if cfg.sapo is not None:
         return "sapo"
     if cfg.vespo is not None:
@@ -461,6 +464,14 @@ def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tens
             u = math.exp(min(max(float(logp_y[t].detach() - old[t]), -cfg.max_log_ratio), cfg.max_log_ratio))
             coef = pos if adv[t] >= 0 else neg * min(max(u, 0.0), 1.0)
             out[t] = coef * adv[t] * logp_y[t] if coef != 0 else 0.0
+        return out
+    if name == "kimi15":
+        # docs/spec.md#kimi15: A log p - tau/2 (log p - log pi_old)^2, pi_old the proximal policy, else the sampler.
+        old = prox if prox is not None else lq
+        out = torch.zeros_like(logp_y)
+        for t in range(logp_y.shape[0]):
+            log_u = (logp_y[t] - old[t]).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+            out[t] = adv[t] * logp_y[t] - cfg.kimi15 / 2 * log_u ** 2
         return out
     if prox is None:
         raise ValueError(f"reference: the {name!r} surrogate needs proximal_logprobs")

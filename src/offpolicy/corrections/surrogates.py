@@ -353,5 +353,34 @@ class KLCov(_Surrogate):
         return s - torch.where(top, self.coef * lu.abs(), torch.zeros_like(lu))
 
 
-Surrogate = Union[ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov]
-SURROGATE_CLASSES: tuple[type, ...] = (ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov)
+@dataclass(frozen=True)
+class Kimi15(_Surrogate):
+    """Kimi k1.5's mirror-descent surrogate (ROLL ``pg_variant="kimi15"``): ``A log p - tau/2 (log p - log pi_old)^2``
+    with ``pi_old`` the proximal policy (the sampler without one): REINFORCE with a squared penalty on the update's
+    log-ratio, differentiable in both terms."""
+
+    tau: float = 0.1
+    expects: ClassVar[str] = "a finite number >= 0"
+    name: ClassVar[str] = "kimi15"
+    needs_proximal: ClassVar[bool] = False
+    proximal_optional: ClassVar[bool] = True
+    takes_trust_region: ClassVar[bool] = False
+    anchor: ClassVar[str] = "docs/spec.md#kimi15"
+    source: ClassVar[str] = ("Kimi k1.5 (arXiv 2501.12599, eq. 3; ROLL pg_variant='kimi15', _compute_kimi15_loss): "
+                             "A log p - tau/2 (log p - log pi_old)^2")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("kimi15", ("tau",)),)
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = "`proximal_optional`, not `takes_trust_region`"
+    example: ClassVar[dict] = dict(weights="tis", record="support", kimi15=0.1)
+
+    def __post_init__(self) -> None:
+        check("Kimi15", "tau", finite(self.tau) and self.tau >= 0, "a finite number >= 0", self.tau)
+
+    def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        lu = (logp_y - prox).clamp(-max_log_ratio, max_log_ratio)
+        return adv * logp_y - 0.5 * self.tau * lu.square()
+
+
+Surrogate = Union[ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov, Kimi15]
+SURROGATE_CLASSES: tuple[type, ...] = (ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov,
+                                       Kimi15)
