@@ -27,19 +27,20 @@ class Estimator(NamedTuple):
     Attributes:
         fast: ``lr -> k``, same shape and dtype.
         signed: the estimate can be negative (a negative threshold is then meaningful).
-        bound: the estimate is clamped to ``[-bound, bound]`` last (after a KL penalty's importance weight), or
-            None.
+        bound: ``fast`` is ``base``'s estimate clamped to ``[-bound, bound]``; a KL penalty weights ``base``'s
+            estimate first and clamps last (slime's order), or None.
+        base: the unclamped estimator's name, or None.
     """
 
     name: str
     fast: Callable[[Tensor], Tensor]
     signed: bool = False
     bound: float | None = None
+    base: str | None = None
 
     def value(self, lr: Tensor) -> Tensor:
-        """``k`` with its bound applied."""
-        k = self.fast(lr)
-        return k if self.bound is None else k.clamp(-self.bound, self.bound)
+        """``k`` (its bound included)."""
+        return self.fast(lr)
 
 
 #: Schulman's estimators by name: ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r`` (as
@@ -51,7 +52,7 @@ ESTIMATORS: dict[str, Estimator] = {
         Estimator("k2", lambda lr: 0.5 * lr.square()),
         Estimator("k3", lambda lr: torch.expm1(lr) - lr),
         # slime's / verl's low_var_kl: k3 clamped to [-10, 10] (slime clamps after its importance weight).
-        Estimator("low_var_kl", lambda lr: torch.expm1(lr) - lr, bound=10.0),
+        Estimator("low_var_kl", lambda lr: (torch.expm1(lr) - lr).clamp(-10.0, 10.0), bound=10.0, base="k3"),
     )
 }
 

@@ -297,7 +297,6 @@ class TOPR(_Surrogate):
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("topr", ("positive", "negative"), "pair"),)
     inputs: ClassVar[tuple[str, ...]] = ()
     table_traits: ClassVar[str] = "`proximal_optional`, not `takes_trust_region`"
-    example: ClassVar[dict] = dict(weights="tis", record="head", topr=(1.0, 0.8))
 
     def __post_init__(self) -> None:
         for arg in ("positive", "negative"):
@@ -371,7 +370,6 @@ class Kimi15(_Surrogate):
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("kimi15", ("tau",)),)
     inputs: ClassVar[tuple[str, ...]] = ()
     table_traits: ClassVar[str] = "`proximal_optional`, not `takes_trust_region`"
-    example: ClassVar[dict] = dict(weights="tis", record="support", kimi15=0.1)
 
     def __post_init__(self) -> None:
         check("Kimi15", "tau", finite(self.tau) and self.tau >= 0, "a finite number >= 0", self.tau)

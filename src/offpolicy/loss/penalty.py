@@ -37,7 +37,8 @@ def kl_penalty_terms(logp_y: Tensor, reference_logprobs: Tensor, old_logprobs: T
     lp = torch.where(live, logp_y, zero)
     bound = tree.max_log_ratio
     estimator = ESTIMATORS[pen.estimator]
-    est = estimator.fast((torch.where(live, reference_logprobs, zero) - lp).clamp(-bound, bound))
+    raw = ESTIMATORS[estimator.base] if estimator.base is not None else estimator
+    est = raw.fast((torch.where(live, reference_logprobs, zero) - lp).clamp(-bound, bound))
     if pen.importance_weighted:
         est = torch.exp((lp - torch.where(live, old_logprobs, zero)).clamp(-bound, bound)) * est
     if estimator.bound is not None:
