@@ -81,3 +81,15 @@ def test_the_table_is_derived_from_the_nodes():
     in_spec = [line for line in lines[head:head + len(derived) + 1] if line.startswith("|")]
     assert in_spec == derived, "docs/spec.md#correction-table differs from correction_table():\n" + "\n".join(
         f"spec: {a}\nnode: {b}" for a, b in zip(in_spec + [""] * len(derived), derived) if a != b)
+
+
+def test_a_node_example_joins_the_kit_matrix(monkeypatch):
+    """A node class that declares ``example`` (the keywords of one configuration the kit can feed) is in
+    ``family_configs`` without a line of the kit changed."""
+    from offpolicy.corrections.surrogates import TOPR
+    from offpolicy.testing.config import family_configs, node_examples
+
+    assert not node_examples()
+    monkeypatch.setattr(TOPR, "example", dict(weights="tis", record="head", topr=(1.0, 0.8)), raising=False)
+    assert [c.surrogate for c in node_examples()] == ["topr"]
+    assert "topr" in {c.surrogate for c in family_configs()}
