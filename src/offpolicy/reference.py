@@ -60,6 +60,13 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "vespo": None,
     "gmpo": None,
     "kl_penalty": None,
+    "max_staleness": None,
+    "m2po": None,
+    "topr": None,
+    "kl_cov": None,
+    "max_route_flips": None,
+    "seq_logprob_error": None,
+    "kimi15": None,
 }
 
 #: The fields of a ``TrustRegion`` and their defaults (None: required), docs/spec.md#trust-region.
@@ -84,6 +91,8 @@ DEFAULT_BOUNDS: dict[str, tuple[float, float]] = {"tis": (0.0, 2.0), "mis": (0.5
 RULE_DEFAULTS: dict[str, dict[str, Any]] = {
     "kl": {"threshold": None, "estimator": "k3", "level": "token"},
     "ratio": {"lower": None, "upper": None, "level": "token"},
+    "staleness": {"max_lag": None, "level": "token"},
+    "route_flips": {"max_flips": None, "level": "token"},
 }
 
 
@@ -106,6 +115,8 @@ class _Rule:
         """Whether the rule drops whole sequences (else it bounds each token's own ratio)."""
         if self.kind == "kl":
             return _kl_level_per_sequence(self.level)
+        if self.kind in ("staleness", "route_flips"):
+            return self.level == "sequence"
         return _level_per_sequence(self.level)
 
 
@@ -153,6 +164,16 @@ class _Config:
         #: ``(name, rule)``: ``"kl"`` for ``kl_rejection``, ``"rule{i}"`` for ``rejections[i]`` (the metric names).
         self.rules = [(name, _Rule(item)) for name, item in
                       head + [(f"rule{i}", item) for i, item in enumerate(self.rejections)]]
+        #: ``(name, max_lag, level)`` of each staleness rejection (docs/spec.md#staleness-rejection): the
+        #: ``max_staleness`` keyword (token level), then those in ``rejections``.
+        self.staleness = ([("staleness", self.max_staleness, "token")] if self.max_staleness is not None else [])
+        self.staleness += [(name, rule.max_lag, rule.level) for name, rule in self.rules if rule.kind == "staleness"]
+        #: ``(name, max_flips, level)`` of each route-flip rejection (docs/spec.md#route-flip-rejection).
+        self.route_flips = ([("route_flips", self.max_route_flips, "token")] if self.max_route_flips is not None
+                            else [])
+        self.route_flips += [(name, rule.max_flips, rule.level) for name, rule in self.rules
+                             if rule.kind == "route_flips"]
+        self.rules = [(name, rule) for name, rule in self.rules if rule.kind not in ("staleness", "route_flips")]
         self.token_rules = [rule for _, rule in self.rules if not rule.per_sequence]
 
     def _bounds(self) -> tuple[float, float]:
@@ -268,6 +289,8 @@ def kl(r: Tensor, estimator: str) -> Tensor:
         return 0.5 * torch.log(r) ** 2
     if estimator == "k3":
         return r - 1 - torch.log(r)
+    if estimator == "low_var_kl":
+        return (r - 1 - torch.log(r)).clamp(-10.0, 10.0)
     raise ValueError(f"reference: estimator={estimator!r} is not implemented here")
 
 
@@ -326,6 +349,12 @@ def _sequence_rules(cfg: _Config):
     if cfg.opsm_delta is not None:
         # Negative mean advantage and mean_t (lq - log p) of the current policy above delta.
         rules["opsm"] = lambda r, r_p, adv: bool(adv.mean() < 0 and (-torch.log(r_p)).mean() > cfg.opsm_delta)
+    if cfg.seq_logprob_error is not None:
+        # NeMo-RL: mean over the sequence's trained tokens of exp(|log r|) (log r clamped) above the threshold.
+        def seq_error(r, r_p, adv):
+            lr = torch.log(r).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+            return float(torch.exp(lr.abs()).mean()) > cfg.seq_logprob_error
+        rules["seq_logprob_error"] = seq_error
     for name, rule in cfg.rules:
         if not rule.per_sequence:
             continue
@@ -378,6 +407,12 @@ def _surrogate_name(cfg: _Config) -> str:
     if tr is not None and tr.on == "update" and cfg.ppo_clip is None and cfg.cispo is None:
         # The trust region's masked ratio u A (on the update, no PPO clip, no CISPO).
         return "trust_region"
+    if cfg.topr is not None:
+        return "topr"
+    if cfg.kl_cov is not None:
+        return "kl_cov"
+    if cfg.kimi15 is not None:
+        return "kimi15"
     if cfg.sapo is not None:
         return "sapo"
     if cfg.vespo is not None:
@@ -409,7 +444,8 @@ def _clip(u: Tensor, a: Tensor, cfg: _Config) -> Tensor:
 
 
 def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tensor], cfg: _Config,
-               tr_ref: Tensor | None = None) -> Tensor | None:
+               tr_ref: Tensor | None = None, lq: Tensor | None = None,
+               kept: Tensor | None = None) -> Tensor | None:
     """``[N]`` the surrogate ``s_t`` whose ``-w_t s_t`` is the token loss, or None for the score-function term
     ``A_t log p(y_t)`` (formed by the caller, which adds score centering). ``tr_ref``: the trust region's
     ``log p_ref`` of the update (``_trust_region_state``)."""
@@ -418,6 +454,25 @@ def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tens
         return None
     if name == "trust_region":
         return _trust_region_ratio(logp_y, tr_ref, adv, cfg)
+    if name == "topr":
+        # docs/spec.md#topr: A log p where A >= 0; sg(clamp(u, 0, 1)) A log p where A < 0, u = p / pi_old (the
+        # proximal policy, else the sampler's lq).
+        pos, neg = cfg.topr
+        old = prox if prox is not None else lq
+        out = torch.zeros_like(logp_y)
+        for t in range(logp_y.shape[0]):
+            u = math.exp(min(max(float(logp_y[t].detach() - old[t]), -cfg.max_log_ratio), cfg.max_log_ratio))
+            coef = pos if adv[t] >= 0 else neg * min(max(u, 0.0), 1.0)
+            out[t] = coef * adv[t] * logp_y[t] if coef != 0 else 0.0
+        return out
+    if name == "kimi15":
+        # docs/spec.md#kimi15: A log p - tau/2 (log p - log pi_old)^2, pi_old the proximal policy, else the sampler.
+        old = prox if prox is not None else lq
+        out = torch.zeros_like(logp_y)
+        for t in range(logp_y.shape[0]):
+            log_u = (logp_y[t] - old[t]).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+            out[t] = adv[t] * logp_y[t] - cfg.kimi15 / 2 * log_u ** 2
+        return out
     if prox is None:
         raise ValueError(f"reference: the {name!r} surrogate needs proximal_logprobs")
     mlr = cfg.max_log_ratio
@@ -440,6 +495,21 @@ def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tens
             u = math.exp(min(max(float(logp_y[t].detach() - prox[t]), -mlr), mlr))
             coef = min(max(u, lo), hi)
             out[t] = coef * adv[t] * logp_y[t] if coef != 0 else 0.0
+    elif name == "kl_cov":
+        # docs/spec.md#kl-cov: s_t = A_t u_t, minus coef |log u_t| on the top max(1, int(n ratio)) kept trained
+        # tokens (finite log p) by (A_t - mean A)(log p_t - mean log p).
+        ratio, coef = cfg.kl_cov
+        lp_d = logp_y.detach()
+        valid = [t for t in range(logp_y.shape[0]) if kept[t] and math.isfinite(float(lp_d[t]))]
+        top = set()
+        if valid:
+            a_mean = sum(float(adv[t]) for t in valid) / len(valid)
+            l_mean = sum(float(lp_d[t]) for t in valid) / len(valid)
+            cov = {t: (float(adv[t]) - a_mean) * (float(lp_d[t]) - l_mean) for t in valid}
+            top = set(sorted(valid, key=lambda t: -cov[t])[:max(1, int(len(valid) * ratio))])
+        for t in range(logp_y.shape[0]):
+            log_u = (logp_y[t] - prox[t]).clamp(-mlr, mlr)
+            out[t] = torch.exp(log_u) * adv[t] - (coef * log_u.abs() if t in top else 0.0)
     elif name == "sapo":
         out = _sapo(logp_y, prox, adv, seqs, cfg)
     elif name == "vespo":
@@ -519,7 +589,7 @@ def _kl_penalty_estimate(log_rho: Tensor, estimator: str) -> Tensor:
         return -log_rho
     if estimator == "k2":
         return log_rho ** 2 / 2
-    if estimator == "k3":
+    if estimator in ("k3", "low_var_kl"):
         return torch.exp(log_rho) - 1 - log_rho
     raise ValueError(f"reference: KL penalty estimator={estimator!r} is not implemented here")
 
@@ -537,6 +607,9 @@ def _kl_penalty(logp_y: Tensor, ref: Tensor, old: Tensor, mask: Tensor, cfg: _Co
         k = _kl_penalty_estimate(log_rho, spec.estimator)
         if spec.importance_weighted:
             k = _ratio(logp_y[t] - old[t], cfg) * k
+        if spec.estimator == "low_var_kl":
+            # slime's low_var_kl: the (weighted) k3 clamped to [-10, 10] last.
+            k = k.clamp(-10.0, 10.0)
         pen[t] = float(spec.coef) * k
         est[t] = float(k)
     return pen, est
@@ -609,25 +682,30 @@ def reference_policy_loss(
     constant_normalizer: float | None = None,
     reference_logprobs: Tensor | None = None,
     segment_ids: Tensor | None = None,
+    versions: Tensor | None = None,
+    current_version: int | None = None,
+    route_flips: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Literal float64 policy loss. Returns ``(loss, token_loss [N], weight [N])``; ``loss`` is differentiable
     with respect to ``logits`` (pass float64 logits with ``requires_grad`` for gradients).
 
     ``candidates``: anything with ``.ids [N, K]``, ``.logprobs [N, K]`` and ``.kind`` (``"head"`` | ``"support"``);
     ``correction``: a ``Correction`` or a mapping of its fields (None: plain REINFORCE); ``reference_logprobs``
-    ``[N]`` goes with ``correction.kl_penalty``, ``segment_ids`` ``[N]`` with ``level="segment"``."""
+    ``[N]`` goes with ``correction.kl_penalty``, ``segment_ids`` ``[N]`` with ``level="segment"``, ``versions``
+    ``[N]`` and ``current_version`` with a staleness rejection, ``route_flips`` ``[N]`` with a route-flip
+    rejection."""
     cfg = _config(correction)
     if cfg.kl_penalty is not None and reference_logprobs is None:
         raise ValueError("reference: kl_penalty needs reference_logprobs")
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, cfg, seq_ids,
-                proximal_logprobs, segment_ids)
+                proximal_logprobs, segment_ids, versions, current_version, route_flips)
     n, lp, logp_y, adv, mask, keep, w = st["n"], st["lp"], st["logp_y"], st["adv"], st["mask"], st["keep"], st["w"]
     if cfg.score_centering and candidates is None:
         raise ValueError("score centering needs candidates")
     if cfg.score_centering and (cfg.per_sequence or _surrogate_name(cfg) != "score_function"):
         raise ValueError("reference: score centering is defined for the token-level score-function term only")
     s = _surrogate(logp_y, None if proximal_logprobs is None else proximal_logprobs.double(), adv, st["seqs"], cfg,
-                   st["tr_ref"])
+                   st["tr_ref"], lq=st["lq"], kept=mask & keep)
     token_loss = torch.zeros(n, dtype=torch.float64)
     for t in range(n):
         if not (mask[t] and keep[t]) or adv[t] == 0:
@@ -669,7 +747,7 @@ def reference_policy_loss(
 
 
 def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, cfg: _Config, seq_ids,
-           proximal_logprobs, segment_ids=None) -> dict:
+           proximal_logprobs, segment_ids=None, versions=None, current_version=None, route_flips=None) -> dict:
     """Everything before the surrogate, token by token and sequence by sequence: log-probabilities, ratios, the
     ratio the bounds act on, weights, kept sequences, the normalisation scale."""
     n, vocab = logits.shape
@@ -689,6 +767,7 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
     if (cfg.level == "segment") != (segment_ids is not None):
         raise ValueError("reference: level='segment' and segment_ids go together")
     if seq_ids is None and ((cfg.per_sequence and cfg.level != "segment") or _sequence_rules(cfg) or cfg.batch_normalize == "sequences"
+                            or any(level == "sequence" for _, _, level in cfg.staleness + cfg.route_flips)
                             or _surrogate_name(cfg) in ("gspo_token", "vespo", "gmpo") or tr_per_sequence):
         raise ValueError("reference: this correction needs seq_ids")
 
@@ -716,6 +795,43 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
             if drops(r[idx], r_p[idx], adv[idx]):
                 dropped_by[name][idx] = True
                 keep[idx] = False
+    # Staleness rejections: a trained token more than max_lag versions behind current_version is rejected (with
+    # level="sequence", its whole sequence is).
+    for name, max_lag, level in cfg.staleness:
+        if versions is None or current_version is None:
+            raise ValueError("reference: a staleness rejection needs versions and current_version")
+        stale = [bool(mask[t]) and int(current_version) - int(versions[t]) > max_lag for t in range(n)]
+        dropped_by[name] = torch.zeros(n, dtype=torch.bool)
+        groups = seqs if level == "sequence" else [torch.tensor([t]) for t in range(n)]
+        for idx in groups:
+            if any(stale[t] for t in idx.tolist()):
+                dropped_by[name][idx] = True
+                keep[idx] = False
+    # Route-flip rejections: a trained token whose routing flipped in more than max_flips MoE layers is rejected
+    # (with level="sequence", its whole sequence is).
+    for name, max_flips, level in cfg.route_flips:
+        if route_flips is None:
+            raise ValueError("reference: a route-flip rejection needs route_flips")
+        flipped = [bool(mask[t]) and int(route_flips[t]) > max_flips for t in range(n)]
+        dropped_by[name] = torch.zeros(n, dtype=torch.bool)
+        for idx in (seqs if level == "sequence" else [torch.tensor([t]) for t in range(n)]):
+            if any(flipped[t] for t in idx.tolist()):
+                dropped_by[name][idx] = True
+                keep[idx] = False
+    if cfg.m2po is not None:
+        # M2PO (docs/spec.md#m2po): over the batch's trained tokens, largest (log r)^2 first (log r clamped), drop
+        # them one by one until the mean of the rest is below tau; keep at least one.
+        m2 = {t: min(max(math.log(float(r[t])) if r[t] > 0 else -math.inf, -cfg.max_log_ratio), cfg.max_log_ratio) ** 2
+              for t in range(n) if mask[t]}
+        order = sorted(m2, key=lambda t: -m2[t])
+        dropped_by["m2po"] = torch.zeros(n, dtype=torch.bool)
+        for k in range(len(order)):
+            rest = [m2[t] for t in order[k:]]
+            if sum(rest) / len(rest) < cfg.m2po or k == len(order) - 1:
+                for t in order[:k]:
+                    dropped_by["m2po"][t] = True
+                    keep[t] = False
+                break
     w = w * (mask & keep)
     # The trust region's mask (docs/spec.md#trust-region) zeroes the weight before the normalisation.
     tr_masked, tr_ref = _trust_region_state(logp_y.detach(), lq, proximal_logprobs, adv, mask, seqs, cfg)
@@ -795,6 +911,7 @@ def reference_metrics(
     num_sequences: float | None = None,
     constant_normalizer: float | None = None,
     segment_ids: Tensor | None = None,
+    route_flips: Tensor | None = None,
 ) -> dict[str, float]:
     """Every key of docs/spec.md#metrics (those of ``policy_loss``'s ``out.metrics``, entropy included), literally,
     token by token in float64; same arguments as :func:`reference_policy_loss` plus the metric-only ones (the
@@ -803,7 +920,7 @@ def reference_metrics(
     if corr.kl_penalty is not None and reference_logprobs is None:
         raise ValueError("reference: kl_penalty needs reference_logprobs")
     st = _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, temperature, corr, seq_ids,
-                proximal_logprobs, segment_ids)
+                proximal_logprobs, segment_ids, versions, current_version, route_flips)
     mask, n = st["mask"], st["n"]
     lp = st["lp"].detach()
     ent = -torch.where(lp > -math.inf, lp.exp() * lp, torch.zeros_like(lp)).sum(1)
@@ -824,8 +941,9 @@ def reference_metrics(
             ws = [sum(float(st["w"][t]) for t in idx.tolist()) / idx.numel() for idx in st["seqs"]]
             sq = sum(x * x for x in ws)
             out["seq_ess"] = sum(ws) ** 2 / (len(ws) * sq) if sq > 0 else 0.0
-        for name, dropped in st["dropped_by"].items():
-            out[f"rejected_frac/{name}"] = _mean([float(dropped[t]) for t in range(n) if mask[t]])
+    for name, dropped in st["dropped_by"].items():
+        # Each rule's share of trained tokens (a token rule such as the staleness rejection needs no seq_ids).
+        out[f"rejected_frac/{name}"] = _mean([float(dropped[t]) for t in range(n) if mask[t]])
     if corr.trust_region is not None:
         out["trust_region_masked_frac"] = _mean([float(st["tr_masked"][t]) for t in range(n) if mask[t]])
         if corr.trust_region.penalty:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from offpolicy.demo.report import mean_ci, t_quantile, paired, predictions_text, seed_spread_table, seeds_needed, summarize
+from offpolicy.demo.predictions import predictions_text
+from offpolicy.demo.report import mean_ci, t_quantile, paired, seed_spread_table, seeds_needed, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 

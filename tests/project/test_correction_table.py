@@ -65,3 +65,31 @@ def test_a_missing_row_is_caught():
     """The check reads the table itself: a table without a row loses that class."""
     assert "MIS" in table_rows(spec_md)
     assert "MIS" not in table_rows(re.sub(r"^\| `MIS` .*\n", "", spec_md, flags=re.M))
+
+
+def test_the_table_is_derived_from_the_nodes():
+    """docs/spec.md's table is what the node classes declare (their keywords, traits, module), line for line:
+    :func:`offpolicy.corrections.registry.correction_table` writes it; paste its lines into the spec after a
+    change."""
+    from offpolicy.corrections.registry import NODE_CLASSES as DERIVED, correction_table
+
+    assert set(DERIVED) == set(NODE_CLASSES)
+    derived = correction_table()
+    start = spec_md.index('<a id="correction-table"></a>')
+    lines = spec_md[start:].splitlines()
+    head = lines.index(derived[0])
+    in_spec = [line for line in lines[head:head + len(derived) + 1] if line.startswith("|")]
+    assert in_spec == derived, "docs/spec.md#correction-table differs from correction_table():\n" + "\n".join(
+        f"spec: {a}\nnode: {b}" for a, b in zip(in_spec + [""] * len(derived), derived) if a != b)
+
+
+def test_a_node_example_joins_the_kit_matrix(monkeypatch):
+    """A node class that declares ``example`` (the keywords of one configuration the kit can feed) is in
+    ``family_configs`` without a line of the kit changed."""
+    from offpolicy.corrections.surrogates import TOPR
+    from offpolicy.testing.config import family_configs, node_examples
+
+    assert not node_examples()
+    monkeypatch.setattr(TOPR, "example", dict(weights="tis", record="head", topr=(1.0, 0.8)), raising=False)
+    assert [c.surrogate for c in node_examples()] == ["topr"]
+    assert "topr" in {c.surrogate for c in family_configs()}

@@ -40,26 +40,48 @@ in every error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import numbers
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from offpolicy.corrections import registry as reg
 from offpolicy.corrections.kl_penalty import KLPenalty
 from offpolicy.corrections.node import NodeError, real
 from offpolicy.corrections.normalisation import SequenceMean, TokenMean
-from offpolicy.corrections.rules import OPSM, KLRejection, RatioRejection, Veto
-from offpolicy.corrections.surrogates import CISPO, GMPO, PPO, SAPO, VESPO, RatioSurrogate, ScoreFunction
+from offpolicy.corrections.rules import RULE_CLASSES, KLRejection, RatioRejection
+from offpolicy.corrections.surrogates import RatioSurrogate, ScoreFunction
 from offpolicy.corrections.tree import MAX_LOG_RATIO_LIMIT, CorrectionTree, ScoreCentering
 from offpolicy.corrections.trust_region import TrustRegion
 from offpolicy.corrections.weighting import Weighting
 
 __all__ = ["MAX_LOG_RATIO_LIMIT", "Correction", "KLPenalty", "KLRejection", "RatioRejection"]
 
-#: The keywords that each select a surrogate other than the score function (at most one may be set).
-SURROGATE_FIELDS = ("ppo_clip", "cispo", "sapo", "vespo", "gmpo")
+#: The keywords that each select a surrogate other than the score function (at most one may be set), from the
+#: surrogate nodes' declarations.
+SURROGATE_FIELDS = tuple(reg.SURROGATE_KEYWORDS)
+
+#: The rule classes ``rejections=`` chains (those that declare ``chainable``).
+CHAINABLE = tuple(c for c in RULE_CLASSES if getattr(c, "chainable", False))
+
+_ANNOTATION = {"pair": "tuple[float, float] | None", "four": "tuple[float, float, float, float] | None",
+               "number": "float | None", "int": "int | None", "string": "str"}
+
+
+def _with_node_keywords(cls: type) -> type:
+    """Add a dataclass field for every keyword a node class declares (:data:`~offpolicy.corrections.registry.
+    KEYWORDS`) that the class body does not spell, after the written ones (positional order is kept)."""
+    ann = cls.__dict__["__annotations__"]
+    tree = ann.pop("_tree")
+    for name, (_, kw) in reg.KEYWORDS.items():
+        if name not in ann:
+            ann[name] = _ANNOTATION[kw.kind]
+            setattr(cls, name, kw.default)
+    ann["_tree"] = tree
+    return cls
 
 
 @dataclass(frozen=True)
+@_with_node_keywords
 class Correction:
     """The off-policy correction (see the module docstring for how the fields compose).
 
@@ -159,18 +181,23 @@ class Correction:
     def _check_types(self) -> None:
         """Each field has its type (a string ``"no"`` is truthy, ``True`` is the number 1: neither may pass as a
         flag or a number)."""
-        for name in ("weights", "level", "ppo_ratio"):
+        kinds = {name: kw.kind for name, (_, kw) in reg.KEYWORDS.items()}
+        for name in ("weights", "level", *(n for n, k in kinds.items() if k == "string")):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"Correction.{name} must be a string, got {getattr(self, name)!r}")
         for name in ("score_centering", "rejected_in_normalizer"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Correction.{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("veto", "opsm_delta", "dual_clip", "ppo_delta", "max_log_ratio"):
+        for name in ("max_log_ratio", *(n for n, k in kinds.items() if k == "number")):
             val = getattr(self, name)
             if not (val is None and name != "max_log_ratio") and not real(val):
                 raise TypeError(f"Correction.{name} must be a number, got {val!r}")
-        for name in ("ppo_clip", "cispo", "bounds", "sapo", "gmpo", "vespo"):
-            val, size = getattr(self, name), 4 if name == "vespo" else 2
+        for name in (n for n, k in kinds.items() if k == "int"):
+            val = getattr(self, name)
+            if val is not None and not (isinstance(val, numbers.Integral) and not isinstance(val, bool)):
+                raise TypeError(f"Correction.{name} must be an integer, got {val!r}")
+        for name in ("bounds", *(n for n, k in kinds.items() if k in ("pair", "four"))):
+            val, size = getattr(self, name), 4 if kinds.get(name) == "four" else 2
             if val is None or (name == "bounds" and real(val)):
                 continue
             if not (isinstance(val, (tuple, list)) and len(val) == size and all(real(x) for x in val)):
@@ -184,10 +211,9 @@ class Correction:
             raise TypeError("Correction.kl_rejection must be a KLRejection")
         if isinstance(self.rejections, list):
             object.__setattr__(self, "rejections", tuple(self.rejections))
-        if not (isinstance(self.rejections, tuple)
-                and all(isinstance(r, (KLRejection, RatioRejection)) for r in self.rejections)):
-            raise TypeError("Correction.rejections must be a tuple of KLRejection / RatioRejection items, got "
-                            f"{self.rejections!r}")
+        if not (isinstance(self.rejections, tuple) and all(isinstance(r, CHAINABLE) for r in self.rejections)):
+            raise TypeError(f"Correction.rejections must be a tuple of {' / '.join(c.__name__ for c in CHAINABLE)} "
+                            f"items, got {self.rejections!r}")
         if self.trust_region is not None and not isinstance(self.trust_region, TrustRegion):
             raise TypeError(f"Correction.trust_region must be a TrustRegion, got {self.trust_region!r}")
 
@@ -208,37 +234,42 @@ class Correction:
             bounds = (0.0, bounds)
         return self._node(lambda: cls(*bounds), cls.expects, lower="bounds", upper="bounds")
 
+    def _build(self, cls: type) -> Any:
+        """The node of ``cls`` from the keywords it declares (a pair or four spread over its arguments, a number or
+        string filling one), a node error re-raised naming the keyword."""
+        args, names = {}, {}
+        for kw in reg.declared(cls, "keywords", ()):
+            val = getattr(self, kw.name)
+            if kw.kind in ("pair", "four"):
+                args.update(zip(kw.args, val))
+            else:
+                args[kw.args[0]] = val
+            names.update({a: kw.name for a in kw.args})
+        return self._node(lambda: cls(**args), getattr(cls, "expects", ""), **names)
+
     def _surrogate(self):
         """The surrogate node the keywords select (the score function when none is set)."""
-        if self.ppo_ratio not in ("token", "gspo_token"):
-            raise ValueError(f"Correction.ppo_ratio must be 'token' or 'gspo_token', got {self.ppo_ratio!r}")
-        needs_clip = {"dual_clip": self.dual_clip, "ppo_delta": self.ppo_delta,
-                      "ppo_ratio='gspo_token'": None if self.ppo_ratio == "token" else self.ppo_ratio}
-        for name, val in needs_clip.items():
-            if val is not None and self.ppo_clip is None:
-                raise ValueError(f"Correction.{name} needs ppo_clip (it modifies the clipped PPO surrogate)")
+        for name, (cls, kw) in reg.KEYWORDS.items():
+            val = getattr(self, name)
+            if kw.choices and val not in kw.choices:
+                raise ValueError(f"Correction.{name} must be {' or '.join(map(repr, kw.choices))}, got {val!r}")
+            select = reg.selector(cls)
+            if kw.role == "modifier" and val != kw.default and getattr(self, select.name) is None:
+                shown = name if kw.default is None else f"{name}={val!r}"
+                raise ValueError(f"Correction.{shown} needs {select.name} (it modifies the {cls.__name__} node)")
         chosen = [name for name in SURROGATE_FIELDS if getattr(self, name) is not None]
         if len(chosen) > 1:
             raise ValueError(f"Correction.{' and '.join(chosen)} exclude each other (each selects a surrogate)")
-        if self.ppo_clip is not None:
-            return self._node(lambda: PPO(*self.ppo_clip, dual_clip=self.dual_clip, delta=self.ppo_delta,
-                                          ratio=self.ppo_ratio), PPO.expects,
-                              eps_lo="ppo_clip", eps_hi="ppo_clip", dual_clip="dual_clip", delta="ppo_delta",
-                              ratio="ppo_ratio")
-        for keyword, cls in (("cispo", CISPO), ("sapo", SAPO), ("vespo", VESPO), ("gmpo", GMPO)):
-            val = getattr(self, keyword)
-            if val is not None:
-                return self._node(lambda: cls(*val), cls.expects, **{f.name: keyword for f in fields(cls)})
+        if chosen:
+            return self._build(reg.SURROGATE_KEYWORDS[chosen[0]])
         tr = self.trust_region
         return RatioSurrogate() if tr is not None and tr.on == "update" else ScoreFunction()
 
     def _rules(self) -> tuple[tuple[str, ...], tuple]:
-        """``(names, rules)``: ``veto``, ``opsm``, then :attr:`rejection_rules`."""
-        named = []
-        if self.veto is not None:
-            named.append(("veto", self._node(lambda: Veto(self.veto), threshold="veto")))
-        if self.opsm_delta is not None:
-            named.append(("opsm", self._node(lambda: OPSM(self.opsm_delta), delta="opsm_delta")))
+        """``(names, rules)``: the rules the rule keywords select (``veto``, ``opsm_delta``, ... in node order, each
+        named by its class), then :attr:`rejection_rules`."""
+        named = [(cls.name, self._build(cls)) for name, cls in reg.RULE_KEYWORDS.items()
+                 if getattr(self, name) is not None]
         named += list(self.rejection_rules)
         return tuple(n for n, _ in named), tuple(r for _, r in named)
 
@@ -253,27 +284,27 @@ class Correction:
             kw["bounds"] = (mode.lower, mode.upper)
         rules = []
         for name, rule in tree.named_rules:
-            if isinstance(rule, Veto):
-                kw["veto"] = rule.threshold
-            elif isinstance(rule, OPSM):
-                kw["opsm_delta"] = rule.delta
+            select = reg.selector(type(rule))
+            own = not getattr(rule, "chainable", False) or name == rule.name
+            if select is not None and own and select.name not in kw:
+                kw.update(cls._read_back(rule))
             elif name == "kl" and isinstance(rule, KLRejection) and "kl_rejection" not in kw:
                 kw["kl_rejection"] = rule
             else:
                 rules.append(rule)
-        if isinstance(sur, PPO):
-            kw.update(ppo_clip=(sur.eps_lo, sur.eps_hi), dual_clip=sur.dual_clip, ppo_delta=sur.delta,
-                      ppo_ratio=sur.ratio)
-        for keyword, node_cls, args in (("cispo", CISPO, ("lo", "hi")), ("sapo", SAPO, ("tau_pos", "tau_neg")),
-                                        ("vespo", VESPO, ("k_pos", "lam_pos", "k_neg", "lam_neg")),
-                                        ("gmpo", GMPO, ("eps_lo", "eps_hi"))):
-            if isinstance(sur, node_cls):
-                kw[keyword] = tuple(getattr(sur, a) for a in args)
+        if reg.selector(type(sur)) is not None:
+            kw.update(cls._read_back(sur))
         norm = tree.normalisation
         return cls(weights=mode.name, level=tree.weighting.level.name, score_centering=tree.centering is not None,
                    batch_normalize=False if norm is None else norm.name, rejections=tuple(rules),
                    max_log_ratio=tree.max_log_ratio, rejected_in_normalizer=tree.rejected_in_normalizer,
                    trust_region=tree.trust_region, kl_penalty=tree.kl_penalty, **kw)
+
+    @staticmethod
+    def _read_back(node: Any) -> dict[str, Any]:
+        """The keywords that build ``node`` (the inverse of :meth:`_build`)."""
+        return {kw.name: tuple(getattr(node, a) for a in kw.args) if kw.kind in ("pair", "four")
+                else getattr(node, kw.args[0]) for kw in reg.declared(type(node), "keywords", ())}
 
     @property
     def tree(self) -> CorrectionTree:

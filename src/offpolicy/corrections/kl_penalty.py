@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from offpolicy.corrections.node import finite
-from offpolicy.corrections.rules import ESTIMATORS
+from offpolicy.corrections.node import Keyword, finite
+from offpolicy.corrections.rules import ESTIMATORS, estimator_names
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,11 @@ class KLPenalty:
     unbiased gradient of the reverse KL on tokens drawn from ``pi_old``.
     """
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`kl_penalty=`'
+    inputs: ClassVar[tuple[str, ...]] = ('reference_logprobs',)
+    table_traits: ClassVar[str] = 'needs `reference_logprobs`'
+
     coef: float
     estimator: str = "k3"
     importance_weighted: bool = False
@@ -32,6 +37,6 @@ class KLPenalty:
         if not (finite(self.coef) and self.coef >= 0):
             raise ValueError(f"KLPenalty.coef must be a finite number >= 0, got {self.coef!r}")
         if self.estimator not in ESTIMATORS:
-            raise ValueError(f"KLPenalty.estimator must be one of {tuple(ESTIMATORS)}, got {self.estimator!r}")
+            raise ValueError(f"KLPenalty.estimator must be one of {estimator_names()}, got {self.estimator!r}")
         if not isinstance(self.importance_weighted, bool):
             raise TypeError(f"KLPenalty.importance_weighted must be a bool, got {self.importance_weighted!r}")

@@ -13,10 +13,17 @@ from typing import ClassVar, Union
 import torch
 from torch import Tensor
 
+from offpolicy.corrections.node import Keyword
+
 
 @dataclass(frozen=True)
 class TokenMean:
     """The mean weight over the batch's kept trained tokens (``batch_normalize=True`` or ``"tokens"``)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`batch_normalize=True` or `"tokens"`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = ''
 
     name: ClassVar[str] = "tokens"
     needs_sequences: ClassVar[bool] = False
@@ -31,6 +38,11 @@ class TokenMean:
 class SequenceMean:
     """The mean over sequences of each sequence's mean kept weight (``batch_normalize="sequences"``; needs
     ``seq_ids``)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`batch_normalize="sequences"`'
+    inputs: ClassVar[tuple[str, ...]] = ('seq_ids',)
+    table_traits: ClassVar[str] = '`needs_sequences`'
 
     name: ClassVar[str] = "sequences"
     needs_sequences: ClassVar[bool] = True

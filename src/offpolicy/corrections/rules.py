@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar, NamedTuple, Union
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Union
 
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.node import Jump, NodeError, finite, log_bound
+from offpolicy.corrections.node import Keyword, Jump, NodeError, Reductions, check, finite, log_bound
 from offpolicy.corrections.weighting import GeometricLevel, SequenceLevel, TokenLevel
 
 
@@ -27,23 +27,41 @@ class Estimator(NamedTuple):
     Attributes:
         fast: ``lr -> k``, same shape and dtype.
         signed: the estimate can be negative (a negative threshold is then meaningful).
+        bound: ``fast`` is ``base``'s estimate clamped to ``[-bound, bound]``; a KL penalty weights ``base``'s
+            estimate first and clamps last (slime's order), or None.
+        base: the unclamped estimator's name, or None.
     """
 
     name: str
     fast: Callable[[Tensor], Tensor]
     signed: bool = False
+    bound: float | None = None
+    base: str | None = None
+
+    def value(self, lr: Tensor) -> Tensor:
+        """``k`` (its bound included)."""
+        return self.fast(lr)
 
 
 #: Schulman's estimators by name: ``k1 = -log r``, ``k2 = (log r)^2 / 2``, ``k3 = r - 1 - log r`` (as
-#: ``expm1(log r) - log r``, accurate near ``log r = 0``).
+#: ``expm1(log r) - log r``, accurate near ``log r = 0``); ``low_var_kl``: ``k3`` clamped to ``[-10, 10]``.
 ESTIMATORS: dict[str, Estimator] = {
     e.name: e
     for e in (
         Estimator("k1", lambda lr: -lr, signed=True),
         Estimator("k2", lambda lr: 0.5 * lr.square()),
         Estimator("k3", lambda lr: torch.expm1(lr) - lr),
+        # slime's / verl's low_var_kl: k3 clamped to [-10, 10] (slime clamps after its importance weight).
+        Estimator("low_var_kl", lambda lr: (torch.expm1(lr) - lr).clamp(-10.0, 10.0), bound=10.0, base="k3"),
     )
 }
+
+def estimator_names() -> str:
+    """The estimators' names for an error message: Schulman's, then the clamped ones."""
+    plain = tuple(n for n, e in ESTIMATORS.items() if e.bound is None)
+    clamped = " or ".join(repr(n) for n, e in ESTIMATORS.items() if e.bound is not None)
+    return f"{plain}" + (f" or {clamped} (clamped)" if clamped else "")
+
 
 #: The per-sequence statistics of a KL rejection (``"token"``: none, the rule bounds each token's ratio).
 KL_LEVELS: dict[str, Callable | None] = {
@@ -65,6 +83,10 @@ def _in_band(x: Tensor, lo: float, hi: float) -> Tensor:
 class Veto:
     """Drop a sequence if any of its trained tokens has ``r < threshold`` (``0 < threshold < 1``), on the
     unclamped log-ratio."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("veto", ("threshold",)),)
+    inputs: ClassVar[tuple[str, ...]] = ('seq_ids',)
+    table_traits: ClassVar[str] = '`per_sequence`'
 
     threshold: float
     name: ClassVar[str] = "veto"
@@ -88,6 +110,10 @@ class OPSM:
     """Off-policy sequence masking: drop sequence ``i`` iff its mean advantage is negative and
     ``mean_t (lq - log p) > delta`` with the *current* policy ``p`` (also under decoupled PPO: drift during the PPO
     epochs must be caught)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("opsm_delta", ("delta",)),)
+    inputs: ClassVar[tuple[str, ...]] = ('seq_ids',)
+    table_traits: ClassVar[str] = '`per_sequence`'
 
     delta: float
     name: ClassVar[str] = "opsm"
@@ -116,9 +142,15 @@ class KLRejection:
     tokens.
     """
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`kl_rejection=`, `rejections=`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = '`per_sequence` unless `level="token"`'
+
     threshold: float | tuple[float, float]
     estimator: str = "k3"
     level: str = "token"
+    chainable: ClassVar[bool] = True
     kind: ClassVar[str] = "kl"
     name: ClassVar[str] = "kl"
     anchor: ClassVar[str] = "docs/spec.md#kl-rejection"
@@ -126,7 +158,7 @@ class KLRejection:
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
-            raise ValueError(f"KLRejection.estimator must be one of {tuple(ESTIMATORS)}, got {self.estimator!r}")
+            raise ValueError(f"KLRejection.estimator must be one of {estimator_names()}, got {self.estimator!r}")
         if self.level not in KL_LEVELS:
             raise ValueError(f"KLRejection.level must be one of {tuple(KL_LEVELS)}, got {self.level!r}")
         if isinstance(self.threshold, list):
@@ -152,7 +184,7 @@ class KLRejection:
         return tuple(self.threshold) if isinstance(self.threshold, tuple) else (-math.inf, self.threshold)
 
     def _k(self, log_r: Tensor, max_log_ratio: float) -> Tensor:
-        return ESTIMATORS[self.estimator].fast(log_r.clamp(-max_log_ratio, max_log_ratio))
+        return ESTIMATORS[self.estimator].value(log_r.clamp(-max_log_ratio, max_log_ratio))
 
     def token_keep(self, log_r: Tensor, max_log_ratio: float) -> Tensor:
         return _in_band(self._k(log_r, max_log_ratio), *self.band)
@@ -171,9 +203,15 @@ class RatioRejection:
     ``exp(mean_t log r_t)``) whose ratio lies outside ``[lower, upper]`` (inclusive), independently of the weight
     mode's own bounds: importance weights and a rejection band at different bounds or levels at once."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`rejections=`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = '`per_sequence` unless `level="token"`'
+
     lower: float
     upper: float
     level: str = "token"
+    chainable: ClassVar[bool] = True
     kind: ClassVar[str] = "ratio"
     name: ClassVar[str] = "ratio"
     anchor: ClassVar[str] = "docs/spec.md#kl-rejection"
@@ -203,5 +241,172 @@ class RatioRejection:
         return (Jump("log_r", tuple(math.log(b) for b in (self.lower, self.upper) if b > 0), self.level),)
 
 
-Rule = Union[Veto, OPSM, KLRejection, RatioRejection]
-RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection)
+@dataclass(frozen=True)
+class SeqLogprobError:
+    """NeMo-RL's sequence log-probability error mask: drop sequence ``i`` iff ``mean_t exp(|log r_t|) > threshold``
+    over its trained tokens, ``log r`` the clamped log-ratio the weights act on (NeMo-RL's
+    ``generation_logprobs - prev_logprobs``, the sampler against the trainer's old policy: ``log pi_prox - lq``
+    under a proximal policy, else ``log p - lq``). ``threshold >= 1`` (the statistic is at least 1)."""
+
+    threshold: float
+    name: ClassVar[str] = "seq_logprob_error"
+    per_sequence: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#seq-logprob-error"
+    source: ClassVar[str] = ("NeMo-RL grpo.seq_logprob_error_threshold (compute_and_apply_seq_logprob_error_masking: "
+                             "seq_mult_prob_error)")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("seq_logprob_error", ("threshold",)),)
+    inputs: ClassVar[tuple[str, ...]] = ("seq_ids",)
+    table_traits: ClassVar[str] = "`per_sequence`"
+
+    def __post_init__(self) -> None:
+        check("SeqLogprobError", "threshold", finite(self.threshold) and self.threshold >= 1,
+              "a finite number >= 1", self.threshold)
+
+    def drop(self, log_r: Tensor, log_p_ratio: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        return seg.mean(torch.exp(log_r.clamp(-max_log_ratio, max_log_ratio).abs())) > self.threshold
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mask rules: an [N] mask of dropped tokens from the batch and the named inputs they declare
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class RuleInputs(NamedTuple):
+    """What a mask rule (``masks = True``) reads: ``mask_drop(RuleInputs) -> [N] bool``, the tokens it drops (a
+    dropped token leaves the loss like a token of a dropped sequence).
+
+    Attributes:
+        log_r: ``[N]`` the unclamped log-ratio the weights act on (``log pi_prox - lq`` under a proximal policy).
+        active: ``[N]`` bool, the trained tokens.
+        seg: the sequences (:class:`~offpolicy.corrections.node.Reductions`), or None without ``seq_ids``.
+        max_log_ratio: the correction's clamp.
+        inputs: the loss inputs by name (``"versions"``, ``"current_version"``, ...): those the rule declares in its
+            ``inputs`` are present.
+        group: the context-parallel process group, or None.
+    """
+
+    log_r: Tensor
+    active: Tensor
+    seg: Reductions | None
+    max_log_ratio: float
+    inputs: Mapping[str, Any]
+    group: Any = None
+
+
+@dataclass(frozen=True)
+class StalenessRejection:
+    """Reject tokens (``level="token"``) or whole sequences (``"sequence"``: any trained token) whose policy version
+    lags the trainer's by more than ``max_lag`` updates: ``current_version - versions_t > max_lag`` (Miles'
+    ``--max-weight-staleness``, TRL async ``max_staleness``). Needs the ``versions`` input and ``current_version``."""
+
+    max_lag: int
+    level: str = "token"
+    kind: ClassVar[str] = "staleness"
+    name: ClassVar[str] = "staleness"
+    masks: ClassVar[bool] = True
+    chainable: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#staleness-rejection"
+    source: ClassVar[str] = ("Miles --max-weight-staleness / --mask-offpolicy-in-partial-rollout, TRL async "
+                             "max_staleness: reject data more than k policy updates old")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("max_staleness", ("max_lag",), "int"),)
+    inputs: ClassVar[tuple[str, ...]] = ("versions", "current_version")
+    table_traits: ClassVar[str] = '`masks`; `per_sequence` with `level="sequence"` (also in `rejections=`)'
+
+    def __post_init__(self) -> None:
+        check("StalenessRejection", "max_lag", isinstance(self.max_lag, int) and not isinstance(self.max_lag, bool)
+              and self.max_lag >= 0, "an int >= 0", self.max_lag)
+        check("StalenessRejection", "level", self.level in ("token", "sequence"), "'token' or 'sequence'", self.level)
+
+    @property
+    def per_sequence(self) -> bool:
+        return self.level == "sequence"
+
+    def mask_drop(self, x: RuleInputs) -> Tensor:
+        lag = (int(x.inputs["current_version"]) - x.inputs["versions"].to(torch.int64)).to(x.log_r.dtype)
+        stale = x.active & (lag > self.max_lag)
+        if self.level == "token":
+            return stale
+        return x.active & (x.seg.broadcast(x.seg.max(stale.to(x.log_r.dtype))) > 0)
+
+
+@dataclass(frozen=True)
+class M2PO:
+    """M2PO's second-moment mask (AReaL ``actor.m2_threshold``): over the batch's trained tokens, sorted by
+    ``m_t = (log r_t)^2`` (``log r``: the clamped log-ratio the weights act on, ``log pi_prox - lq`` under a
+    proximal policy, AReaL's ``old_logp - prox_logp``), drop the largest ``k`` where ``k`` is the least count whose
+    remaining tokens' mean ``m`` is below ``tau`` (all but one when no count is). Dropped tokens stay in the
+    aggregation's normaliser by default (the original token denominator). One batch: refused under ``cp_group``."""
+
+    tau: float = 0.04
+    kind: ClassVar[str] = "m2po"
+    name: ClassVar[str] = "m2po"
+    masks: ClassVar[bool] = True
+    per_sequence: ClassVar[bool] = False
+    anchor: ClassVar[str] = "docs/spec.md#m2po"
+    source: ClassVar[str] = ("M2PO (Zheng et al. 2025, arXiv 2510.01161; AReaL actor.m2_threshold, "
+                             "_apply_m2po_masking): second-moment trust region on log r")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("m2po", ("tau",)),)
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = "`masks` (one mask per batch)"
+
+    def __post_init__(self) -> None:
+        check("M2PO", "tau", finite(self.tau) and self.tau > 0, "a finite number > 0", self.tau)
+
+    def mask_drop(self, x: RuleInputs) -> Tensor:
+        if x.group is not None:
+            raise ValueError("Correction.m2po under cp_group is not supported: its second moment is over the whole "
+                             "batch, and each rank holds only some tokens")
+        m2 = x.log_r.clamp(-x.max_log_ratio, x.max_log_ratio).square()
+        idx = x.active.nonzero().squeeze(1)
+        drop = torch.zeros_like(x.active)
+        n = idx.numel()
+        if n == 0:
+            return drop
+        order = torch.sort(m2[idx], descending=True, stable=True)
+        suffix_mean = order.values.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=m2.dtype,
+                                                                              device=m2.device)
+        below = (suffix_mean < self.tau).nonzero()
+        k = int(below[0]) if below.numel() else n - 1
+        drop[idx[order.indices[:k]]] = True
+        return drop
+
+
+@dataclass(frozen=True)
+class RouteFlipRejection:
+    """Reject tokens (``level="token"``) or whole sequences (``"sequence"``: any trained token) whose MoE routing
+    flipped in more than ``max_flips`` layers: ``route_flips_t > max_flips``, ``route_flips`` the ``[N]`` int input
+    counting the layers where the sampler's top-k expert set differs from the trainer's (the routing record)."""
+
+    max_flips: int
+    level: str = "token"
+    kind: ClassVar[str] = "route_flips"
+    name: ClassVar[str] = "route_flips"
+    masks: ClassVar[bool] = True
+    chainable: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#route-flip-rejection"
+    source: ClassVar[str] = ("MoE routing mismatch between sampler and trainer (routing replay's diagnosis, R3 "
+                             "arXiv 2510.11370) as a rejection")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("max_route_flips", ("max_flips",), "int"),)
+    inputs: ClassVar[tuple[str, ...]] = ("route_flips",)
+    table_traits: ClassVar[str] = '`masks`; `per_sequence` with `level="sequence"` (also in `rejections=`)'
+
+    def __post_init__(self) -> None:
+        check("RouteFlipRejection", "max_flips", isinstance(self.max_flips, int)
+              and not isinstance(self.max_flips, bool) and self.max_flips >= 0, "an int >= 0", self.max_flips)
+        check("RouteFlipRejection", "level", self.level in ("token", "sequence"), "'token' or 'sequence'",
+              self.level)
+
+    @property
+    def per_sequence(self) -> bool:
+        return self.level == "sequence"
+
+    def mask_drop(self, x: RuleInputs) -> Tensor:
+        flipped = x.active & (x.inputs["route_flips"].to(torch.int64) > self.max_flips)
+        if self.level == "token":
+            return flipped
+        return x.active & (x.seg.broadcast(x.seg.max(flipped.to(x.log_r.dtype))) > 0)
+
+
+Rule = Union[Veto, OPSM, KLRejection, RatioRejection, SeqLogprobError, StalenessRejection, M2PO, RouteFlipRejection]
+RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection, SeqLogprobError, StalenessRejection, M2PO,
+                                  RouteFlipRejection)

@@ -18,7 +18,7 @@ from typing import ClassVar, Union
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.node import Jump, NodeError, check, finite
+from offpolicy.corrections.node import Keyword, Jump, NodeError, check, finite
 
 #: VESPO's floor on the sequence log-ratio, log(1e-8) (TRL 1.16 ``get_gamma_weights``, from the paper's code).
 VESPO_LOG_W_MIN = math.log(1e-8)
@@ -47,6 +47,11 @@ class _Surrogate:
 class ScoreFunction(_Surrogate):
     """REINFORCE: ``A_t log p(y_t)`` (formed by the pipeline, with score centering when asked)."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '(no surrogate keyword)'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = '`centerable`'
+
     name: ClassVar[str] = "score_function"
     centerable: ClassVar[bool] = True
     needs_proximal: ClassVar[bool] = False
@@ -60,6 +65,14 @@ class PPO(_Surrogate):
     """Decoupled PPO: ``min(min(u, delta) A, clip(u, 1 - eps_lo, 1 + eps_hi) A)`` with ``u = p / pi_prox``;
     ``dual_clip=c > 1`` bounds it below by ``c A`` where ``A < 0``; ``ratio="gspo_token"`` clips GSPO's sequence
     ratio ``exp(mean_t log u_t)`` in value with each token's own gradient (needs ``seq_ids``)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("ppo_clip", ("eps_lo", "eps_hi"), "pair"),
+                                           Keyword("dual_clip", ("dual_clip",), role="modifier"),
+                                           Keyword("ppo_delta", ("delta",), role="modifier"),
+                                           Keyword("ppo_ratio", ("ratio",), "string", "token", "modifier",
+                                                   choices=("token", "gspo_token")))
+    inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs',)
+    table_traits: ClassVar[str] = '`needs_proximal`; `needs_sequences` for `gspo_token`'
 
     eps_lo: float
     eps_hi: float
@@ -117,6 +130,10 @@ class CISPO(_Surrogate):
     """``sg(clamp(u, lo, hi)) A log p``: the clipped ratio as a stop-gradient coefficient on REINFORCE (TRL:
     ``(0, epsilon_high)``; slime: ``(1 - eps_clip, 1 + eps_clip_high)``)."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("cispo", ("lo", "hi"), "pair"),)
+    inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs',)
+    table_traits: ClassVar[str] = '`needs_proximal`'
+
     lo: float
     hi: float
     expects: ClassVar[str] = "with 0 <= lo < hi < inf"
@@ -135,6 +152,10 @@ class CISPO(_Surrogate):
 @dataclass(frozen=True)
 class SAPO(_Surrogate):
     """SAPO's soft gate ``4/tau sigmoid(tau (u - 1)) A``, ``tau`` by the sign of ``A`` (TRL: ``(1.0, 1.05)``)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("sapo", ("tau_pos", "tau_neg"), "pair"),)
+    inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs',)
+    table_traits: ClassVar[str] = '`needs_proximal`, not `takes_trust_region`'
 
     tau_pos: float
     tau_neg: float
@@ -161,6 +182,10 @@ class SAPO(_Surrogate):
 class VESPO(_Surrogate):
     """``sg(phi(W)) A log p`` with VESPO's gamma weight ``phi(W) = exp(lam + k log W - lam W)`` of the sequence's
     ``W = prod_t u_t``, ``(k, lam)`` by the sign of ``A`` (TRL: ``(2, 3, 3, 2)``; needs ``seq_ids``)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("vespo", ("k_pos", "lam_pos", "k_neg", "lam_neg"), "four"),)
+    inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs', 'seq_ids')
+    table_traits: ClassVar[str] = '`needs_proximal`, `needs_sequences`, not `takes_trust_region`'
 
     k_pos: float
     lam_pos: float
@@ -198,6 +223,10 @@ class GMPO(_Surrogate):
     """GMPO's ``A exp(mean_t l_t)``, ``l = sgn(A) min(sgn(A) log u, sgn(A) clip(log u, -eps_lo, eps_hi))``: PPO's
     pessimistic clip in log space inside the sequence's geometric mean (needs ``seq_ids``; the paper: 0.4, 0.4)."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("gmpo", ("eps_lo", "eps_hi"), "pair"),)
+    inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs', 'seq_ids')
+    table_traits: ClassVar[str] = '`needs_proximal`, `needs_sequences`, not `takes_trust_region`'
+
     eps_lo: float
     eps_hi: float
     expects: ClassVar[str] = "finite and >= 0"
@@ -233,6 +262,11 @@ class RatioSurrogate(_Surrogate):
     """DPPO's ``u A``, ``u = p / pi_prox`` (``p / q`` without a proximal policy), under a trust region's mask
     (``TrustRegion(on="update")``) instead of PPO's clip."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`trust_region=TrustRegion(on="update")` without another surrogate'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = '`proximal_optional`'
+
     name: ClassVar[str] = "trust_region"
     needs_proximal: ClassVar[bool] = False
     proximal_optional: ClassVar[bool] = True
@@ -244,5 +278,107 @@ class RatioSurrogate(_Surrogate):
         return _u(logp_y, prox, max_log_ratio) * adv
 
 
-Surrogate = Union[ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate]
-SURROGATE_CLASSES: tuple[type, ...] = (ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate)
+@dataclass(frozen=True)
+class TOPR(_Surrogate):
+    """Tapered off-policy REINFORCE: ``positive A log p`` where ``A >= 0`` (SFT-like, no ratio) and
+    ``negative sg(clamp(u, 0, 1)) A log p`` where ``A < 0``, ``u = p / pi_old`` (the proximal policy, the sampler
+    without one): the weight depends on the advantage's sign (ROLL ``pg_variant="topr"``)."""
+
+    positive: float = 1.0
+    negative: float = 1.0
+    expects: ClassVar[str] = "finite and >= 0"
+    name: ClassVar[str] = "topr"
+    needs_proximal: ClassVar[bool] = False
+    proximal_optional: ClassVar[bool] = True
+    takes_trust_region: ClassVar[bool] = False
+    anchor: ClassVar[str] = "docs/spec.md#topr"
+    source: ClassVar[str] = ("TOPR (Le Roux et al. 2025, arXiv 2503.14286; ROLL pg_variant='topr', _compute_topr_loss): "
+                             "A log p for A >= 0, sg(clamp(u, 0, 1)) A log p for A < 0")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("topr", ("positive", "negative"), "pair"),)
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = "`proximal_optional`, not `takes_trust_region`"
+
+    def __post_init__(self) -> None:
+        for arg in ("positive", "negative"):
+            check("TOPR", arg, finite(getattr(self, arg)) and getattr(self, arg) >= 0, "a finite number >= 0",
+                  getattr(self, arg))
+
+    def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        u = _u(logp_y.detach(), prox, max_log_ratio)
+        coef = torch.where(adv >= 0, torch.full_like(u, self.positive), self.negative * u.clamp(0.0, 1.0))
+        return torch.where(coef != 0, coef * adv * logp_y, torch.zeros_like(logp_y))
+
+
+@dataclass(frozen=True)
+class KLCov(_Surrogate):
+    """KL-Cov (verl ``policy_loss.loss_mode="kl_cov"``): the unclipped ratio ``u A``, ``u = p / pi_prox``, minus
+    ``coef |log u|`` on the ``max(1, int(n ratio))`` kept trained tokens with the largest covariance
+    ``(A_t - mean A)(log p_t - mean log p)`` over the batch's ``n`` kept trained tokens (those the trainer gives a
+    nonzero probability): an entropy-collapse control on the tokens that drive it. One batch: refused under
+    ``cp_group``. ``fast`` takes the kept trained tokens as ``active`` (``batch_statistic``)."""
+
+    ratio: float = 0.0002
+    coef: float = 1.0
+    expects: ClassVar[str] = "with ratio in (0, 1] and coef >= 0, finite"
+    name: ClassVar[str] = "kl_cov"
+    takes_trust_region: ClassVar[bool] = False
+    batch_statistic: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#kl-cov"
+    source: ClassVar[str] = ("KL-Cov (Cui et al. 2025, 'The Entropy Mechanism of RL for Reasoning LMs', arXiv "
+                             "2505.22617; verl core_algos.py compute_policy_loss_kl_cov)")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("kl_cov", ("ratio", "coef"), "pair"),)
+    inputs: ClassVar[tuple[str, ...]] = ("proximal_logprobs",)
+    table_traits: ClassVar[str] = "`needs_proximal`, `batch_statistic`, not `takes_trust_region`"
+
+    def __post_init__(self) -> None:
+        check("KLCov", "ratio", finite(self.ratio) and 0 < self.ratio <= 1, "in (0, 1]", self.ratio)
+        check("KLCov", "coef", finite(self.coef) and self.coef >= 0, "a finite number >= 0", self.coef)
+
+    def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float, *,
+             active: Tensor) -> Tensor:
+        if seg is not None and seg.group is not None:
+            raise ValueError("Correction.kl_cov under cp_group is not supported: its covariance and top-k are over "
+                             "the whole batch, and each rank holds only some tokens")
+        lu = (logp_y - prox).clamp(-max_log_ratio, max_log_ratio)
+        s = torch.exp(lu) * adv
+        valid = (active & torch.isfinite(logp_y.detach())).nonzero().squeeze(1)
+        if valid.numel() == 0:
+            return s
+        a, lp = adv[valid], logp_y.detach()[valid]
+        cov = (a - a.mean()) * (lp - lp.mean())
+        k = max(1, int(valid.numel() * self.ratio))
+        top = torch.zeros_like(active)
+        top[valid[torch.topk(cov, k).indices]] = True
+        return s - torch.where(top, self.coef * lu.abs(), torch.zeros_like(lu))
+
+
+@dataclass(frozen=True)
+class Kimi15(_Surrogate):
+    """Kimi k1.5's mirror-descent surrogate (ROLL ``pg_variant="kimi15"``): ``A log p - tau/2 (log p - log pi_old)^2``
+    with ``pi_old`` the proximal policy (the sampler without one): REINFORCE with a squared penalty on the update's
+    log-ratio, differentiable in both terms."""
+
+    tau: float = 0.1
+    expects: ClassVar[str] = "a finite number >= 0"
+    name: ClassVar[str] = "kimi15"
+    needs_proximal: ClassVar[bool] = False
+    proximal_optional: ClassVar[bool] = True
+    takes_trust_region: ClassVar[bool] = False
+    anchor: ClassVar[str] = "docs/spec.md#kimi15"
+    source: ClassVar[str] = ("Kimi k1.5 (arXiv 2501.12599, eq. 3; ROLL pg_variant='kimi15', _compute_kimi15_loss): "
+                             "A log p - tau/2 (log p - log pi_old)^2")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("kimi15", ("tau",)),)
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = "`proximal_optional`, not `takes_trust_region`"
+
+    def __post_init__(self) -> None:
+        check("Kimi15", "tau", finite(self.tau) and self.tau >= 0, "a finite number >= 0", self.tau)
+
+    def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        lu = (logp_y - prox).clamp(-max_log_ratio, max_log_ratio)
+        return adv * logp_y - 0.5 * self.tau * lu.square()
+
+
+Surrogate = Union[ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov, Kimi15]
+SURROGATE_CLASSES: tuple[type, ...] = (ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov,
+                                       Kimi15)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Iterator
 
 from offpolicy.corrections.kl_penalty import KLPenalty
-from offpolicy.corrections.node import Jump, NodeError, real
+from offpolicy.corrections.node import Keyword, Jump, NodeError, real
 from offpolicy.corrections.normalisation import NORMALISATION_CLASSES, Normalisation
 from offpolicy.corrections.rules import RULE_CLASSES, Rule
 from offpolicy.corrections.surrogates import SURROGATE_CLASSES, RatioSurrogate, ScoreFunction, Surrogate
@@ -35,6 +35,11 @@ MAX_LOG_RATIO_LIMIT = 40.0
 @dataclass(frozen=True)
 class ScoreCentering:
     """Subtract the sampler-expected weighted score at each position (needs a candidate record)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`score_centering=True`'
+    inputs: ClassVar[tuple[str, ...]] = ('candidates',)
+    table_traits: ClassVar[str] = 'needs a candidate record'
 
     anchor: ClassVar[str] = "docs/spec.md#score-centering"
     source: ClassVar[str] = "control variate over the sampler's recorded candidates (this project, docs/spec.md)"
@@ -62,6 +67,11 @@ class CorrectionTree:
             ``(0, MAX_LOG_RATIO_LIMIT]``.
         rejected_in_normalizer: keep rejected tokens in the aggregation's normaliser (default) or remove them.
     """
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`op.Correction(...)`; back with `op.Correction.from_tree`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = 'the combination rules'
 
     weighting: Weighting = field(default_factory=Weighting)
     rejections: tuple[Rule, ...] = ()
@@ -137,17 +147,28 @@ class CorrectionTree:
     @property
     def token_rules(self) -> tuple[Rule, ...]:
         """The rules that act on each token's own ratio (folded into ``f``)."""
-        return tuple(r for r in self.rejections if not r.per_sequence)
+        return tuple(r for r in self.rejections if not r.per_sequence and not getattr(r, "masks", False))
 
     @property
     def sequence_rules(self) -> tuple[tuple[str, Rule], ...]:
-        """``(name, rule)`` of the rules that drop whole sequences."""
-        return tuple((n, r) for n, r in self.named_rules if r.per_sequence)
+        """``(name, rule)`` of the ratio rules that drop whole sequences."""
+        return tuple((n, r) for n, r in self.named_rules if r.per_sequence and not getattr(r, "masks", False))
+
+    @property
+    def mask_rules(self) -> tuple[tuple[str, Rule], ...]:
+        """``(name, rule)`` of the mask rules (``masks``: an ``[N]`` mask of dropped tokens from the batch and the
+        inputs they declare, :class:`~offpolicy.corrections.rules.RuleInputs`)."""
+        return tuple((n, r) for n, r in self.named_rules if getattr(r, "masks", False))
+
+    def needed_inputs(self) -> tuple[str, ...]:
+        """The loss inputs the nodes declare they read, each once."""
+        return tuple(dict.fromkeys(i for node in self.nodes() for i in getattr(node, "inputs", ())))
 
     @property
     def needs_sequences(self) -> bool:
         """Whether ``seq_ids`` are required."""
         return (self.weighting.level.needs_sequences or bool(self.sequence_rules) or self.surrogate.needs_sequences
+                or any(r.per_sequence for _, r in self.mask_rules)
                 or (self.normalisation is not None and self.normalisation.needs_sequences)
                 or (self.trust_region is not None and self.trust_region.per_sequence))
 

@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.node import Jump
+from offpolicy.corrections.node import Keyword, Jump
 
 DIVERGENCES = ("difference", "binary_kl", "binary_kl_max")
 SIGNS = ("advantage", "none")
@@ -61,6 +61,11 @@ class TrustRegion:
         penalty: ``c >= 0``: adds ``c (log p - log p_ref)^2`` of the update's ratio (current over proximal, or
             over the sampler) on every trained token, masked or not (prime-rl's ``kl_tau``).
     """
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`trust_region=`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = '`per_sequence` at the sequence levels'
 
     lower: float
     upper: float

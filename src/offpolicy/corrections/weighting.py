@@ -17,7 +17,7 @@ from typing import ClassVar, Union
 import torch
 from torch import Tensor
 
-from offpolicy.corrections.node import Jump, NodeError, check, finite, log_bound
+from offpolicy.corrections.node import Keyword, Jump, NodeError, check, finite, log_bound
 
 # ---------------------------------------------------------------------------------------------------------------
 # Levels: the ratio f acts on
@@ -27,6 +27,11 @@ from offpolicy.corrections.node import Jump, NodeError, check, finite, log_bound
 @dataclass(frozen=True)
 class TokenLevel:
     """Each token's own ratio ``r_t``."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`level="token"`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = ''
 
     name: ClassVar[str] = "token"
     per_sequence: ClassVar[bool] = False
@@ -43,6 +48,11 @@ class TokenLevel:
 @dataclass(frozen=True)
 class SequenceLevel:
     """The sequence's product ``exp(sum_t log r_t)`` over its trained tokens (needs ``seq_ids``)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`level="sequence"`'
+    inputs: ClassVar[tuple[str, ...]] = ('seq_ids',)
+    table_traits: ClassVar[str] = '`per_sequence`'
 
     name: ClassVar[str] = "sequence"
     per_sequence: ClassVar[bool] = True
@@ -64,6 +74,11 @@ class SequenceLevel:
 class GeometricLevel(SequenceLevel):
     """The sequence's geometric mean ``exp(mean_t log r_t)`` (needs ``seq_ids``)."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`level="geometric"`'
+    inputs: ClassVar[tuple[str, ...]] = ('seq_ids',)
+    table_traits: ClassVar[str] = '`per_sequence`'
+
     name: ClassVar[str] = "geometric"
     source: ClassVar[str] = "geometric mean exp(mean_t log r_t) (GSPO-style length-normalised ratio)"
 
@@ -76,6 +91,11 @@ class SegmentLevel(GeometricLevel):
     """Per-turn IS for multi-turn trajectories: each segment's geometric mean ``exp(mean_{t in k} log r_t)`` over
     its trained tokens, a segment being one ``(seq_ids, segment_ids)`` pair (ROLL's ``"segment"`` granularity, a
     masked mean per run of response tokens; needs the ``segment_ids`` input, and ``seg`` is then the segments)."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`level="segment"`, with the `segment_ids` input'
+    inputs: ClassVar[tuple[str, ...]] = ('segment_ids',)
+    table_traits: ClassVar[str] = '`per_sequence` (one ratio per turn), `needs_segments`'
 
     name: ClassVar[str] = "segment"
     needs_sequences: ClassVar[bool] = False
@@ -130,6 +150,11 @@ class _Mode:
 class NoWeights(_Mode):
     """``f = 1``: plain REINFORCE / GRPO on the sampler's tokens."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`weights="none"`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = 'unbounded'
+
     name: ClassVar[str] = "none"
     source: ClassVar[str] = "plain REINFORCE / GRPO"
 
@@ -156,6 +181,11 @@ class _Bounded(_Mode):
 class TIS(_Bounded):
     """Truncated IS: ``clamp(r, lower, upper)`` (``lower = 0``: ``min(r, C)``); default ``(0, 2)``."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`weights="tis"`, `bounds=C` or `(c, C)`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = 'default `(0, 2)`, `scalar_bound`, `ratio_inside`'
+
     lower: float = 0.0
     upper: float = 2.0
     name: ClassVar[str] = "tis"
@@ -172,6 +202,11 @@ class TIS(_Bounded):
 class MIS(_Bounded):
     """Masked IS: ``r 1[lower <= r <= upper]``; default ``(0.5, 5)``."""
 
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`weights="mis"`, `bounds=(L, U)`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = 'default `(0.5, 5)`, `masks_outside`, `ratio_inside`'
+
     lower: float = 0.5
     upper: float = 5.0
     name: ClassVar[str] = "mis"
@@ -186,6 +221,11 @@ class MIS(_Bounded):
 @dataclass(frozen=True)
 class Reject(_Bounded):
     """Rejection sampling on the ratio: ``1[lower <= r <= upper]`` (kept tokens weigh 1); default ``(0.5, 5)``."""
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`weights="reject"`, `bounds=(L, U)`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = 'default `(0.5, 5)`, `masks_outside`, `rejects`'
 
     lower: float = 0.5
     upper: float = 5.0
@@ -208,6 +248,11 @@ class Weighting:
 
     A per-sequence level needs a bounded mode (an unbounded product of ratios is refused).
     """
+
+    keywords: ClassVar[tuple[Keyword, ...]] = ()
+    table_form: ClassVar[str] = '`weights=`, `level=`'
+    inputs: ClassVar[tuple[str, ...]] = ()
+    table_traits: ClassVar[str] = 'a per-sequence level needs a bounded mode'
 
     mode: WeightMode = field(default_factory=NoWeights)
     level: Level = field(default_factory=TokenLevel)

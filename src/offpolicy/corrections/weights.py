@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from offpolicy.corrections.node import Reductions as Segments
 from offpolicy.corrections.rules import ESTIMATORS
 from offpolicy.corrections.tree import CorrectionTree
-from offpolicy.loss.segments import Segments
 
 
 def kl_estimate(log_r: Tensor, estimator: str) -> Tensor:
     """Schulman's per-token estimator ``k1 | k2 | k3`` of KL(q || p) from ``log r = log p - lq`` on tokens drawn
     from ``q`` (see :data:`offpolicy.corrections.rules.ESTIMATORS`)."""
-    return ESTIMATORS[estimator].fast(log_r)
+    return ESTIMATORS[estimator].value(log_r)
 
 
 def inside_bounds(log_r: Tensor, tree: CorrectionTree) -> Tensor:
@@ -86,6 +86,12 @@ def sequence_drops(
     """
     return {name: seg.broadcast(rule.drop(log_r, log_p_ratio, advantages, seg, tree.max_log_ratio))
             for name, rule in tree.sequence_rules}
+
+
+def mask_drops(inputs, tree: CorrectionTree) -> dict[str, Tensor]:
+    """``{rule name: [N] bool}``: the tokens each mask rule of the tree drops (``inputs``: the
+    :class:`~offpolicy.corrections.rules.RuleInputs` of the batch)."""
+    return {name: rule.mask_drop(inputs) for name, rule in tree.mask_rules}
 
 
 def sequence_keep(drops: dict[str, Tensor]) -> Tensor | None:

@@ -228,6 +228,7 @@ def run_demo(args: argparse.Namespace) -> dict:
 
     from offpolicy.demo.mismatch import numerics_table, step_kl_table
     from offpolicy.demo.model import ModelConfig
+    from offpolicy.demo.predictions import predictions_text
     from offpolicy.demo.report import markdown_table, reading_note, tables_text, write_outputs
     from offpolicy.demo.task import SortTask
     from offpolicy.demo.warmup import WarmupConfig, default_cache_dir, warmup
@@ -319,7 +320,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                                           for h in r["history"])}
     ] if any(r["config"]["fleet"] == "onpolicy" for r in results) else []
     meta["seconds"] = time.perf_counter() - t_start
-    files = write_outputs(results, out, meta, calibration, plots=not args.no_plots)
+    files = write_outputs(results, out, meta, calibration, plots=not args.no_plots, predictions=predictions_text)
     partial.unlink(missing_ok=True)
     print()
     print(tables_text(results))
@@ -348,6 +349,7 @@ SPREAD_COLS = [("a", "configuration"), ("b", "minus"), ("seeds", "seeds"), ("dif
 def _report_only(paths: list[Path], out: Path, plots: bool) -> dict:
     """Merge the runs of ``paths`` (a run id may appear once) and write the outputs; the first file's meta and
     calibration are kept, with every file's command listed under ``meta["merged"]``."""
+    from offpolicy.demo.predictions import predictions_text
     from offpolicy.demo.report import tables_text, write_outputs
 
     runs: list[dict] = []
@@ -369,7 +371,7 @@ def _report_only(paths: list[Path], out: Path, plots: bool) -> dict:
         calibration = calibration or data.get("calibration")
         meta.setdefault("merged", []).append({"file": path.name, "command": data["meta"].get("command"),
                                               "runs": len(data["runs"])})
-    files = write_outputs(runs, out, meta, calibration, plots=plots)
+    files = write_outputs(runs, out, meta, calibration, plots=plots, predictions=predictions_text)
     print(tables_text(runs))
     print(f"wrote {', '.join(sorted(files))} to {out}/ from {len(runs)} runs in {len(paths)} file(s)")
     return {"results": runs, "files": files, "meta": meta, "calibration": calibration}

@@ -1,6 +1,6 @@
 """The pre-registered predictions of docs/demo.md as data: the current registration (:data:`CURRENT`,
 "Pre-registration") and the earlier regime's (:data:`EARLIER`, "Earlier regime"), each claim a record of a kind in
-:mod:`offpolicy.demo.claims`, which judges them from the histories (:func:`offpolicy.demo.report.predictions_text`
+:mod:`offpolicy.demo.claims`, which judges them from the histories (:func:`predictions_text`
 picks the registration the histories belong to).
 
 Current registration: primary outcome ``Y``, a run's mean exact held-out success over its evaluations after the
@@ -16,7 +16,8 @@ from __future__ import annotations
 from offpolicy.demo.claims import (ControlRises, Direction, DoseResponse, DriftRemoved, DriftSigns, EarlierDrift,
                                    Equivalent, FinalDirection, GroupShares, KLRatio, LowestKL, NoCollapse,
                                    Registration)
-from offpolicy.demo.report import DELTA
+from offpolicy.demo.claims import judge
+from offpolicy.demo.report import DELTA, is_earlier_regime
 
 #: Equivalence margin of the "holds" claims, in exact held-out success (registered before the grid).
 MARGIN = DELTA
@@ -67,3 +68,9 @@ EARLIER = Registration(void_rule=False, claims=(
     GroupShares("9 per group: NVFP4 over, BF16 under their sample share", "sc_mis_topp@mixed",
                 not_run_label="9 per group"),
 ))
+
+
+def predictions_text(results: list[dict]) -> str:
+    """The pre-registered predictions of docs/demo.md judged from the histories: the current registration's, or
+    the earlier regime's for its histories."""
+    return judge(results, EARLIER if is_earlier_regime(results) else CURRENT)

@@ -26,6 +26,7 @@ import functools
 import statistics
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 #: A run *collapses* when its final exact held-out success falls below this fraction of its start.
 COLLAPSE_FRACTION = 0.5
@@ -464,15 +465,6 @@ def _interval_sign(d: PairedDifference | None) -> int:
     return 1 if d.diff - d.ci > 0 else -1 if d.diff + d.ci < 0 else 0
 
 
-def predictions_text(results: list[dict]) -> str:
-    """The pre-registered predictions of docs/demo.md judged from the histories: the current registration's, or
-    the earlier regime's for its histories (both listed in :mod:`offpolicy.demo.predictions`)."""
-    from offpolicy.demo.claims import judge
-    from offpolicy.demo.predictions import CURRENT, EARLIER
-
-    return judge(results, EARLIER if is_earlier_regime(results) else CURRENT)
-
-
 def _rounded(x, digits: int = 6):
     """``x`` with every float rounded to ``digits`` significant digits (small, still exact enough to re-derive
     every table)."""
@@ -514,9 +506,12 @@ def reading_note(results: list[dict]) -> str:
 
 
 def write_outputs(results: list[dict], out: Path, meta: dict, calibration: dict | None = None,
-                  plots: bool = True) -> dict[str, Path]:
+                  plots: bool = True, predictions: Callable[[list[dict]], str] | None = None) -> dict[str, Path]:
     """Write ``runs.json.gz`` (every run's config, per-step history, evaluations and groups), ``summary.csv``,
-    ``configs.csv``, ``groups.csv``, ``tables.md`` and (with matplotlib) the figures into ``out``."""
+    ``configs.csv``, ``groups.csv``, ``tables.md`` and (with matplotlib) the figures into ``out``.
+    ``predictions``: the judge of the pre-registered predictions
+    (:func:`offpolicy.demo.predictions.predictions_text`, which the command line passes: the claims sit above this
+    module), whose text ends ``tables.md``."""
     out.mkdir(parents=True, exist_ok=True)
     # Every table is derived from the rounded runs that the file keeps, so that --report-only on the file gives
     # the same tables to the last digit.
@@ -529,8 +524,8 @@ def write_outputs(results: list[dict], out: Path, meta: dict, calibration: dict 
     _write_csv(files["summary.csv"], [s.columns() for s in summary])
     _write_csv(files["configs.csv"], [a.columns() for a in aggregate(summary)])
     _write_csv(files["groups.csv"], [g.columns() for g in group_table(results)])
-    files["tables.md"].write_text(tables_text(results) + "\nPre-registered predictions (docs/demo.md):\n"
-                                  + predictions_text(results))
+    judged = "" if predictions is None else "\nPre-registered predictions (docs/demo.md):\n" + predictions(results)
+    files["tables.md"].write_text(tables_text(results) + judged)
     if plots:
         files.update(write_plots(results, out, calibration))
     return files

@@ -25,6 +25,8 @@ class TokenData:
         reference_logprobs: ``[N]`` float ``log p_ref(y_t)`` of the reference model (``Correction.kl_penalty``),
             or None.
         segment_ids: ``[N]`` int turn of each token within its sequence (``Correction(level="segment")``), or None.
+        route_flips: ``[N]`` int, the MoE layers where the sampler's top-k expert set differs from the trainer's
+            (``RouteFlipRejection``), or None.
     """
 
     sampler_logprobs: Tensor
@@ -37,6 +39,7 @@ class TokenData:
     current_version: int | None = None
     reference_logprobs: Tensor | None = None
     segment_ids: Tensor | None = None
+    route_flips: Tensor | None = None
 
 
 @dataclass(frozen=True)

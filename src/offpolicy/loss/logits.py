@@ -59,6 +59,7 @@ def policy_loss(
     current_version: int | None = None,
     reference_logprobs: Tensor | None = None,
     segment_ids: Tensor | None = None,
+    route_flips: Tensor | None = None,
     inplace_grad: bool = False,
     backend: str | None = None,
     validate: bool = True,
@@ -103,6 +104,8 @@ def policy_loss(
         segment_ids: ``[N]`` int turn of each token within its sequence, for ``Correction(level="segment")`` (both
             or neither; a turn is one ``(seq_ids, segment_ids)`` pair, or one ``segment_ids`` value without
             ``seq_ids``). Not under ``cp_group``.
+        route_flips: ``[N]`` int ``>= 0``, per trained token the number of MoE layers where the sampler's top-k
+            expert set differs from the trainer's, for ``Correction(max_route_flips=k)`` / ``RouteFlipRejection``.
         inplace_grad: write the logits' gradient into ``logits`` (saves an ``[N, V]`` buffer; the logits are
             overwritten by the backward and autograd's version check is bypassed). A CSR support record's
             gradient, which no vocabulary pass produces, is a fresh buffer whatever this says.
@@ -124,7 +127,7 @@ def policy_loss(
     logits, tp_group, vocab_start = vocab_shard_of(logits, tp_group, vocab_start)
     model = ModelInputs(logits, hidden, weight, bias)
     data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
-                     current_version, reference_logprobs, segment_ids)
+                     current_version, reference_logprobs, segment_ids, route_flips)
     agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
     par = Parallelism(tp_group, vocab_start, cp_group)
     # On CPU the checks and the O(N K) math are many small ops; each parallel region waits for all its threads,

@@ -34,8 +34,9 @@ from offpolicy.loss.segments import Segments
 from offpolicy.loss.inputs import Aggregation, TokenData
 from offpolicy.ops.library import tracing
 from offpolicy.loss.validation import LOGPROB_SLACK, check_batch, check_candidates, check_flag, check_vector
-from offpolicy.corrections.weights import (bounded_log_ratio, inside_bounds, sequence_drops, sequence_keep,
-                                           token_rejected, token_weight)
+from offpolicy.corrections.rules import RuleInputs
+from offpolicy.corrections.weights import (bounded_log_ratio, inside_bounds, mask_drops, sequence_drops,
+                                           sequence_keep, token_rejected, token_weight)
 
 
 @dataclass
@@ -86,6 +87,7 @@ def policy_loss_from_logprobs(
     current_version: int | None = None,
     reference_logprobs: Tensor | None = None,
     segment_ids: Tensor | None = None,
+    route_flips: Tensor | None = None,
     validate: bool = True,
 ) -> PolicyLossOutput:
     """Off-policy-corrected policy-gradient loss from the trainer's per-token log-probabilities.
@@ -102,7 +104,8 @@ def policy_loss_from_logprobs(
             ``candidates.ids`` (same normalisation as ``logprobs``; any finite value at ``-1`` padding); ``[nnz]``
             for a CSR record. Required with score centering and a record.
         loss_mask, correction, seq_ids, aggregation, num_loss_tokens, groups, versions, proximal_logprobs,
-            num_sequences, constant_normalizer, cp_group, current_version, reference_logprobs, segment_ids, validate: as in
+            num_sequences, constant_normalizer, cp_group, current_version, reference_logprobs, segment_ids, route_flips,
+            validate: as in
             :func:`offpolicy.policy_loss`.
         entropy: ``[N]`` detached entropy of the trainer's distribution, for the ``entropy`` metric (omitted from
             the metrics when None).
@@ -112,13 +115,193 @@ def policy_loss_from_logprobs(
         ``candidate_logprobs``.
     """
     data = TokenData(sampler_logprobs, advantages, loss_mask, seq_ids, groups, versions, proximal_logprobs,
-                     current_version, reference_logprobs, segment_ids)
+                     current_version, reference_logprobs, segment_ids, route_flips)
     agg = Aggregation(aggregation, num_loss_tokens, num_sequences, constant_normalizer)
     check_flag("validate", validate)
     if validate and not tracing():
         _validate(logprobs, candidates, candidate_logprobs, entropy, data, agg, correction)
     return loss_from_logprobs(logprobs, candidates, candidate_logprobs, entropy, data=data, agg=agg, corr=correction,
                               cp_group=cp_group)
+
+
+@dataclass
+class _Pass:
+    """What the stages of :func:`loss_from_logprobs` read and fill in, in order (``[N]`` tensors unless said).
+
+    Inputs: ``logp_y`` (differentiable), ``lq``, ``adv``, ``prox`` (or None), ``active`` (bool), ``seg`` / ``turns``
+    (the sequences, the turns), ``tree``. Then: ``log_r`` (``log p - lq``), ``log_w`` (the ratio the weights act
+    on), ``w`` (the weights, masked as the stages go), ``impossible``; ``drops`` (``{rule: [N] bool}``), ``kept``
+    (or None), ``sel`` (kept trained tokens), ``trained``; ``tr_masked`` (or None); ``scale``; ``token_loss``,
+    ``centering``, ``tr_penalty``; ``level_log_r``, ``counted``, ``loss``; ``kl_penalty``, ``kl_est``; ``metrics``.
+    """
+
+    logp_y: Tensor
+    candidates: Record | None
+    cand_lp: Tensor | None
+    entropy: Tensor | None
+    data: TokenData
+    agg: Aggregation
+    tree: CorrectionTree
+    cp_group: object
+    active: Tensor
+    lq: Tensor
+    adv: Tensor
+    prox: Tensor | None
+    seg: Segments | None
+    turns: Segments | None
+    zero: Tensor
+    log_r: Tensor | None = None
+    log_w: Tensor | None = None
+    w: Tensor | None = None
+    impossible: Tensor | None = None
+    drops: dict = field(default_factory=dict)
+    kept: Tensor | None = None
+    sel: Tensor | None = None
+    trained: Tensor | None = None
+    tr_masked: Tensor | None = None
+    scale: Tensor | float = 1.0
+    rows: EntryRows | None = None
+    token_loss: Tensor | None = None
+    centering: Centering | None = None
+    tr_penalty: Tensor | None = None
+    level_log_r: Tensor | None = None
+    counted: Tensor | None = None
+    loss: Tensor | None = None
+    kl_penalty: Tensor | None = None
+    kl_est: Tensor | None = None
+    metrics: dict = field(default_factory=dict)
+    view: TokenView | None = None
+
+    @property
+    def ref(self) -> Tensor:
+        """The log-probabilities a surrogate's ratio is taken against: the proximal policy's, else the sampler's."""
+        return self.prox if self.prox is not None else self.lq
+
+
+def _start(logprobs, candidates, candidate_logprobs, entropy, data: TokenData, agg: Aggregation, corr: Correction,
+           cp_group) -> _Pass:
+    """The pass's inputs: trained tokens, detached sampler-side inputs (data, never differentiated: ``w = sg(f(r))``,
+    ``c = sg(c)``, even if a caller's are attached), the sequences and turns."""
+    tree = corr.tree
+    n, dtype = logprobs.shape[0], logprobs.dtype
+    active = (torch.ones(n, dtype=torch.bool, device=logprobs.device) if data.loss_mask is None
+              else data.loss_mask.to(torch.bool))
+    prox = data.proximal_logprobs.to(dtype).detach() if data.proximal_logprobs is not None else None
+    seg = Segments.from_ids(data.seq_ids, active, cp_group) if data.seq_ids is not None else None
+    return _Pass(logprobs, candidates, candidate_logprobs, entropy, data, agg, tree, cp_group, active,
+                 data.sampler_logprobs.to(dtype).detach(), data.advantages.to(dtype).detach(), prox, seg,
+                 _turns(data, active, cp_group) if tree.needs_segments else None, torch.zeros_like(logprobs))
+
+
+def _ratios(p: _Pass) -> None:
+    """``log r = log p - lq``, and the ratio the weights act on (``pi_prox / q`` under decoupled PPO)."""
+    p.log_r = torch.where(p.active, p.logp_y.detach() - p.lq, p.zero)
+    p.log_w = p.log_r if p.prox is None else torch.where(p.active, p.prox - p.lq, p.zero)
+
+
+def _weights(p: _Pass) -> None:
+    """``w = f(r)`` at the correction's level. A sampled token the trainer gives probability 0 gets weight exactly 0
+    in every mode: its score is undefined and ``w log p(y)`` would be infinite (counted in ``zero_prob_frac``)."""
+    p.impossible = p.active & (p.logp_y.detach() == float("-inf"))
+    p.w = torch.where(p.impossible, p.zero, token_weight(p.log_w, p.seg, p.tree, p.turns))
+
+
+def _rejections(p: _Pass) -> None:
+    """Sequences the sequence rules drop (veto, OPSM, sequence KL / ratio rejections) and tokens the mask rules
+    drop (staleness, ...): out of ``sel``, their weight 0."""
+    p.drops = sequence_drops(p.log_w, p.log_r, p.adv, p.seg, p.tree)
+    p.drops.update(mask_drops(RuleInputs(p.log_w, p.active, p.seg, p.tree.max_log_ratio, _named_inputs(p.data),
+                                         p.cp_group), p.tree))
+    p.kept = sequence_keep(p.drops)
+    p.sel = p.active if p.kept is None else p.active & p.kept
+    p.trained = p.sel & (p.adv != 0)
+    p.w = torch.where(p.sel, p.w, p.zero)
+
+
+def _trust_region(p: _Pass) -> None:
+    """docs/spec.md#trust-region: a mask on probability differences zeroes the weight."""
+    tr = p.tree.trust_region
+    if tr is not None:
+        p.tr_masked = _trust_region_masked(tr, p.logp_y.detach(), p.lq, p.prox, p.adv, p.seg)
+        p.w = torch.where(p.tr_masked, p.zero, p.w)
+
+
+def _normalisation(p: _Pass) -> None:
+    """A batch constant on the weights and the centering coefficients alike (drift stays zero)."""
+    p.w, p.scale = _normalise(p.w, p.sel, p.seg, p.tree, p.cp_group)
+
+
+def _policy_term(p: _Pass) -> None:
+    """The surrogate (and score centering), on trained tokens; the trust region's squared-log-ratio penalty on every
+    kept trained token the trainer can produce, masked or not."""
+    p.rows = EntryRows.of(p.candidates) if p.candidates is not None else None
+    loss, p.centering = _surrogate(p.logp_y, p.w, p.scale, p.adv, p.ref, p.seg, p.candidates, p.cand_lp, p.rows,
+                                   p.tree, p.sel)
+    p.token_loss = torch.where(p.trained, loss, p.zero)
+    tr = p.tree.trust_region
+    if tr is not None and tr.penalty:
+        p.tr_penalty = tr.penalty * torch.where(p.sel & ~p.impossible, p.logp_y - p.ref, p.zero).square()
+        p.token_loss = p.token_loss + p.tr_penalty
+
+
+def _aggregation(p: _Pass) -> None:
+    """The aggregation, without the rejected tokens in the normaliser when the correction says so."""
+    tree = p.tree
+    p.level_log_r = bounded_log_ratio(p.log_w, p.seg, tree, p.turns)  # the ratio f acted on (also a metric)
+    p.counted, seg_counted = p.active, p.seg
+    if not tree.rejected_in_normalizer:
+        tok_rej = token_rejected(p.log_w, tree)
+        p.counted = p.sel if tok_rej is None else p.sel & ~tok_rej
+        p.counted = p.counted if p.tr_masked is None else p.counted & ~p.tr_masked
+        if tree.weighting.mode.rejects:
+            p.counted = p.counted & inside_bounds(p.level_log_r, tree)
+        seg_counted = replace(p.seg, active=p.counted) if p.seg is not None else None
+    agg = p.agg
+    p.loss = aggregate(p.token_loss, p.counted, agg.name, seg_counted, agg.num_loss_tokens, agg.num_sequences,
+                       agg.constant_normalizer, p.cp_group)
+
+
+def _kl_penalty(p: _Pass) -> None:
+    """The KL-to-reference penalty on every trained token, rejected or not, with the same aggregation over them."""
+    if p.tree.kl_penalty is None:
+        return
+    agg = p.agg
+    pen, p.kl_est = kl_penalty_terms(p.logp_y, p.data.reference_logprobs.to(p.logp_y.dtype).detach(), p.ref,
+                                     p.active, p.tree)
+    p.kl_penalty = aggregate(pen, p.active, agg.name, p.seg, agg.num_loss_tokens, agg.num_sequences,
+                             agg.constant_normalizer, p.cp_group)
+    p.loss = p.loss + p.kl_penalty
+    p.token_loss = p.token_loss + pen
+
+
+def _metrics(p: _Pass) -> None:
+    """docs/spec.md#metrics, and the trust region's and the KL penalty's own."""
+    p.view = token_view(log_ratio=p.log_r, bounded_log_ratio=p.level_log_r, impossible=p.impossible,
+                        weight_ratio=p.log_w, logprobs=p.logp_y, sampler_logprobs=p.lq, weight=p.w, tree=p.tree,
+                        advantages=p.adv)
+    data, active, dtype = p.data, p.active, p.logp_y.dtype
+    p.metrics = policy_metrics(
+        view=p.view, drops=p.drops, active=active, entropy=p.zero if p.entropy is None else p.entropy, tree=p.tree,
+        kept=p.kept, centering=p.centering,
+        support_size=p.rows.sizes(p.candidates) if p.candidates is not None else None,
+        seg=p.seg.local() if p.seg is not None else None, groups=data.groups,
+        versions=data.versions, current_version=data.current_version,
+    )
+    if p.entropy is None:
+        del p.metrics["entropy"]
+    n_active = active.sum().clamp_min(1)
+    if p.tr_masked is not None:
+        p.metrics["trust_region_masked_frac"] = (p.tr_masked & active).sum().to(dtype) / n_active
+        if p.tr_penalty is not None:
+            p.metrics["trust_region_penalty"] = p.tr_penalty.detach().sum() / n_active
+    if p.kl_penalty is not None:
+        p.metrics["ref_kl"] = torch.where(active, p.kl_est, p.zero).sum() / n_active
+        p.metrics["kl_penalty"] = p.kl_penalty.detach()
+
+
+#: The pipeline, in order: each stage reads what the ones before it filled in (:class:`_Pass`).
+STAGES = (_ratios, _weights, _rejections, _trust_region, _normalisation, _policy_term, _aggregation, _kl_penalty,
+          _metrics)
 
 
 def loss_from_logprobs(
@@ -132,98 +315,20 @@ def loss_from_logprobs(
     corr: Correction,
     cp_group=None,
 ) -> PolicyLossOutput:
-    """The pipeline behind both entry points, on validated records: ratios -> weights -> rejections ->
-    normalisation -> surrogate (+ score centering) -> aggregation -> metrics, each stage reading the nodes of the
-    correction's :class:`~offpolicy.corrections.tree.CorrectionTree`."""
-    tree = corr.tree
-    n = logprobs.shape[0]
-    active = (torch.ones(n, dtype=torch.bool, device=logprobs.device) if data.loss_mask is None
-              else data.loss_mask.to(torch.bool))
-    logp_y = logprobs
-    dtype = logp_y.dtype
-    # Sampler-side inputs are data, never differentiated (w = sg(f(r)), c = sg(c)), even if a caller's are attached.
-    lq = data.sampler_logprobs.to(dtype).detach()
-    adv = data.advantages.to(dtype).detach()
-    zero = torch.zeros_like(logp_y)
-    seg = Segments.from_ids(data.seq_ids, active, cp_group) if data.seq_ids is not None else None
-    turns = _turns(data, active, cp_group) if tree.needs_segments else None
+    """The pipeline behind both entry points, on validated records: the :data:`STAGES` (ratios -> weights ->
+    rejections -> trust region -> normalisation -> surrogate (+ score centering) -> aggregation -> KL penalty ->
+    metrics), each reading the nodes of the correction's :class:`~offpolicy.corrections.tree.CorrectionTree`."""
+    p = _start(logprobs, candidates, candidate_logprobs, entropy, data, agg, corr, cp_group)
+    for stage in STAGES:
+        stage(p)
+    return PolicyLossOutput(p.loss, p.token_loss.detach(), p.metrics, p.w.detach(), p.log_r, p.logp_y.detach(),
+                            p.view)
 
-    # 1. Ratios: log r = log p - lq, and the ratio the weights act on (pi_prox / q under decoupled PPO).
-    log_r = torch.where(active, logp_y.detach() - lq, zero)
-    prox = data.proximal_logprobs.to(dtype).detach() if data.proximal_logprobs is not None else None
-    log_w = log_r if prox is None else torch.where(active, prox - lq, zero)
-    # 2. Weights w = f(r) at the correction's level. A sampled token the trainer gives probability 0 gets weight
-    # exactly 0 in every mode: its score is undefined and w log p(y) would be infinite (counted in zero_prob_frac).
-    w = token_weight(log_w, seg, tree, turns)
-    impossible = active & (logp_y.detach() == float("-inf"))
-    w = torch.where(impossible, zero, w)
-    # 3. Rejections: sequences dropped by veto / sequence KL / OPSM.
-    drops = sequence_drops(log_w, log_r, adv, seg, tree)
-    kept = sequence_keep(drops)
-    sel = active if kept is None else active & kept
-    trained = sel & (adv != 0)
-    w = torch.where(sel, w, zero)
-    # 3b. Trust region (docs/spec.md#trust-region): a mask on probability differences zeroes the weight.
-    tr = tree.trust_region
-    tr_masked = None if tr is None else _trust_region_masked(tr, logp_y.detach(), lq, prox, adv, seg)
-    if tr_masked is not None:
-        w = torch.where(tr_masked, zero, w)
-    # 4. Normalisation: a batch constant on the weights and the centering coefficients alike (drift stays zero).
-    w, scale = _normalise(w, sel, seg, tree, cp_group)
-    # 5. Surrogate (and score centering).
-    # A surrogate that goes without a proximal policy takes the sampler's (the trust region's u = p / q).
-    ref = prox if prox is not None else lq
-    rows = EntryRows.of(candidates) if candidates is not None else None
-    token_loss, centering = _surrogate(logp_y, w, scale, adv, ref, seg, candidates, candidate_logprobs, rows, tree)
-    token_loss = torch.where(trained, token_loss, zero)
-    tr_penalty = None
-    if tr is not None and tr.penalty:
-        # c (log p - log p_ref)^2 on every kept trained token the trainer can produce, masked or not.
-        live = sel & ~impossible
-        tr_penalty = tr.penalty * torch.where(live, logp_y - ref, zero).square()
-        token_loss = token_loss + tr_penalty
-    # 6. Aggregation (without the rejected tokens in the normaliser when the correction says so).
-    level_log_r = bounded_log_ratio(log_w, seg, tree, turns)  # the ratio f acted on (also a metric below)
-    counted, seg_counted = active, seg
-    if not tree.rejected_in_normalizer:
-        tok_rej = token_rejected(log_w, tree)
-        counted = sel if tok_rej is None else sel & ~tok_rej
-        counted = counted if tr_masked is None else counted & ~tr_masked
-        if tree.weighting.mode.rejects:
-            counted = counted & inside_bounds(level_log_r, tree)
-        seg_counted = replace(seg, active=counted) if seg is not None else None
-    loss = aggregate(token_loss, counted, agg.name, seg_counted, agg.num_loss_tokens, agg.num_sequences,
-                     agg.constant_normalizer, cp_group)
-    kl_penalty = None
-    if tree.kl_penalty is not None:
-        # The KL penalty acts on every trained token, rejected or not, with the same aggregation over them.
-        pen, kl_est = kl_penalty_terms(logp_y, data.reference_logprobs.to(dtype).detach(), ref, active, tree)
-        kl_penalty = aggregate(pen, active, agg.name, seg, agg.num_loss_tokens, agg.num_sequences,
-                               agg.constant_normalizer, cp_group)
-        loss = loss + kl_penalty
-        token_loss = token_loss + pen
-    # 7. Metrics.
-    view = token_view(log_ratio=log_r, bounded_log_ratio=level_log_r, impossible=impossible,
-                      weight_ratio=log_w, logprobs=logp_y, sampler_logprobs=lq, weight=w, tree=tree,
-                      advantages=adv)
-    metrics = policy_metrics(
-        view=view, drops=drops, active=active, entropy=zero if entropy is None else entropy, tree=tree,
-        kept=kept, centering=centering,
-        support_size=rows.sizes(candidates) if candidates is not None else None,
-        seg=seg.local() if seg is not None else None, groups=data.groups,
-        versions=data.versions, current_version=data.current_version,
-    )
-    if entropy is None:
-        del metrics["entropy"]
-    if tr_masked is not None:
-        n_active = active.sum().clamp_min(1)
-        metrics["trust_region_masked_frac"] = (tr_masked & active).sum().to(dtype) / n_active
-        if tr_penalty is not None:
-            metrics["trust_region_penalty"] = tr_penalty.detach().sum() / n_active
-    if kl_penalty is not None:
-        metrics["ref_kl"] = torch.where(active, kl_est, zero).sum() / active.sum().clamp_min(1)
-        metrics["kl_penalty"] = kl_penalty.detach()
-    return PolicyLossOutput(loss, token_loss.detach(), metrics, w.detach(), log_r, logp_y.detach(), view)
+
+def _named_inputs(data: TokenData) -> dict:
+    """The loss inputs a mask rule may declare, by name."""
+    return {"versions": data.versions, "current_version": data.current_version, "seq_ids": data.seq_ids,
+            "groups": data.groups, "route_flips": data.route_flips}
 
 
 def _turns(data: TokenData, active: Tensor, cp_group) -> Segments:
@@ -262,7 +367,7 @@ def _normalise(w: Tensor, sel: Tensor, seg: Segments | None, tree: CorrectionTre
 
 def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | None, seg: Segments | None,
                candidates: Record | None, cand_lp: Tensor | None, rows: EntryRows | None,
-               tree: CorrectionTree) -> tuple[Tensor, Centering | None]:
+               tree: CorrectionTree, kept: Tensor) -> tuple[Tensor, Centering | None]:
     """``[N]`` token loss ``-w_t s_t`` of the correction's surrogate; for the score-function surrogate
     ``-A_t (w_t log p(y_t) - sum_v sg(c_t(v)) log p(v))`` with the centering sum under score centering."""
     if tree.centering is not None and candidates is None:
@@ -272,7 +377,9 @@ def _surrogate(logp_y: Tensor, w: Tensor, scale, adv: Tensor, prox: Tensor | Non
     zero = torch.zeros_like(logp_y)
     if sur.fast is not None:
         # w = 0 (masked, rejected, impossible) contributes exactly 0 whatever the surrogate holds there.
-        return torch.where(w != 0, -w * sur.fast(logp_y, prox, adv, seg, tree.max_log_ratio), zero), None
+        # A surrogate with a batch statistic (KL-Cov's covariance) reads the kept trained tokens.
+        batch = {"active": kept} if getattr(sur, "batch_statistic", False) else {}
+        return torch.where(w != 0, -w * sur.fast(logp_y, prox, adv, seg, tree.max_log_ratio, **batch), zero), None
     # w * log p(y) with w = 0 where the token's own weight is masked (0 * -inf must not make a NaN).
     policy_term = torch.where(w != 0, w * logp_y, zero)
     centering = None

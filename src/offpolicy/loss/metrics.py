@@ -266,8 +266,8 @@ def policy_metrics(
         out.update(_sequence_stats(lr, seg, tree))
         if tree.weighting.level.per_sequence:
             out["seq_ess"] = _ess(seg.mean(view.w), seg.has_active())
-        for name, dropped in drops.items():
-            out[f"rejected_frac/{name}"] = _mean(dropped.to(lr.dtype), active)
+    for name, dropped in drops.items():
+        out[f"rejected_frac/{name}"] = _mean(dropped.to(lr.dtype), active)
     out["entropy"] = _mean(entropy.detach().to(lr.dtype), active)
     out["rejected_frac"] = (
         _mean((~kept).to(lr.dtype), active) if kept is not None else lr.new_zeros(())

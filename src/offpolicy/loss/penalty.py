@@ -36,8 +36,13 @@ def kl_penalty_terms(logp_y: Tensor, reference_logprobs: Tensor, old_logprobs: T
     live = active & (logp_y.detach() > float("-inf"))
     lp = torch.where(live, logp_y, zero)
     bound = tree.max_log_ratio
-    est = ESTIMATORS[pen.estimator].fast((torch.where(live, reference_logprobs, zero) - lp).clamp(-bound, bound))
+    estimator = ESTIMATORS[pen.estimator]
+    raw = ESTIMATORS[estimator.base] if estimator.base is not None else estimator
+    est = raw.fast((torch.where(live, reference_logprobs, zero) - lp).clamp(-bound, bound))
     if pen.importance_weighted:
         est = torch.exp((lp - torch.where(live, old_logprobs, zero)).clamp(-bound, bound)) * est
+    if estimator.bound is not None:
+        # low_var_kl: the (weighted) estimate clamped last, as slime does.
+        est = est.clamp(-estimator.bound, estimator.bound)
     est = torch.where(live, est, zero)
     return pen.coef * est, est.detach()

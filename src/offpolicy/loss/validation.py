@@ -121,9 +121,17 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
             raise ValueError(f"reference_logprobs: value {float(ref[active].max()):.4g} > 0 on a trained token "
                              "(log-probabilities are <= 0)")
     for name, val in (("seq_ids", seq_ids), ("groups", data.groups), ("versions", data.versions),
-                      ("segment_ids", data.segment_ids)):
+                      ("segment_ids", data.segment_ids), ("route_flips", data.route_flips)):
         if val is not None:
             check_vector(name, val, n, device, "int")
+    if data.route_flips is not None and bool((data.route_flips[active] < 0).any()):
+        raise ValueError("route_flips: a negative count on a trained token (it counts MoE layers)")
+    for node in tree.nodes():
+        # The inputs a node declares (seq_ids, segment_ids, proximal and reference log-probabilities have their own
+        # messages above): a missing one is named with the node that reads it.
+        for name in getattr(node, "inputs", ()):
+            if hasattr(data, name) and getattr(data, name) is None:
+                raise ValueError(f"{type(node).__name__} (Correction{_keywords(node)}) needs the {name} input")
     current = data.current_version
     if current is not None:
         if isinstance(current, bool) or not isinstance(current, numbers.Integral):
@@ -134,6 +142,11 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
             raise ValueError(f"current_version={int(current)} is older than the batch's newest trained version "
                              f"{int(trained_versions.max())} (versions are the policies that sampled the tokens)")
     return active
+
+
+def _keywords(node) -> str:
+    kws = [k.name for k in type(node).__dict__.get("keywords", ())]
+    return f".{kws[0]}" if kws else ""
 
 
 def check_candidates(candidates, vocab: int | None, n: int, device, active: Tensor, tokens: Tensor | None) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from offpolicy.corrections.correction import Correction
-from offpolicy.corrections.registry import WEIGHT_MODES
+from offpolicy.corrections.registry import KEYWORDS, NODE_CLASSES, WEIGHT_MODES, declared
 from offpolicy.corrections.rules import KLRejection, RatioRejection
 from offpolicy.corrections.trust_region import TrustRegion
 from offpolicy.loss.aggregation import AGGREGATIONS, SEQUENCE_AGGREGATIONS
@@ -43,9 +43,10 @@ DEFAULT_TOLERANCES = {
 }
 
 #: The correction keywords beyond the weights that :meth:`LossConfig.describe` shows when not at their defaults.
-_CORRECTION_EXTRAS = ("veto", "kl_rejection", "opsm_delta", "rejections", "batch_normalize", "rejected_in_normalizer",
-                      "ppo_clip", "dual_clip", "ppo_delta", "ppo_ratio", "cispo", "trust_region", "sapo", "vespo",
-                      "gmpo")
+_CORRECTION_EXTRAS = ("kl_rejection", "rejections", "batch_normalize", "rejected_in_normalizer", "trust_region",
+                      *KEYWORDS)
+#: The node keywords by value kind (from the nodes' declarations), for :meth:`LossConfig.parse`.
+_KINDS = {name: kw.kind for name, (_, kw) in KEYWORDS.items()}
 
 #: Examples whose ratios fall this close (in log space) to a discontinuity of the weight function (MIS and
 #: rejection bounds, the tail ratio's bounds) are skipped: rounding alone may put them on either side.
@@ -201,8 +202,8 @@ class LossConfig:
             out += f"-{self.level}"
         if self.surrogate != "score_function":
             out += f"+{self.surrogate}" + (f"+delta{self.ppo_delta:g}" if self.ppo_delta is not None else "")
-        if self.rejections or self.kl_rejection is not None or self.veto is not None or self.opsm_delta is not None:
-            out += f"+rej{len(self.correction.rejection_rules) + (self.veto is not None) + (self.opsm_delta is not None)}"
+        if self.correction.tree.rejections:
+            out += f"+rej{len(self.correction.tree.rejections)}"
         if self.batch_normalize is not False:
             out += f"+bn-{'tokens' if self.batch_normalize is True else self.batch_normalize}"
         if self.trust_region is not None:
@@ -237,14 +238,14 @@ class LossConfig:
             if key == "bounds":
                 parts = [float(p) for p in val.split(":")]
                 kw[key] = parts[0] if len(parts) == 1 else tuple(parts)
-            elif key in ("ppo_clip", "cispo", "sapo", "vespo", "gmpo"):
+            elif _KINDS.get(key) in ("pair", "four"):
                 kw[key] = None if val.lower() in ("none", "") else tuple(float(p) for p in val.split(":"))
             elif key in ("score_centering", "rejected_in_normalizer"):
                 kw[key] = val.lower() in ("1", "true", "yes", "on")
             elif key == "batch_normalize":
                 kw[key] = {"0": False, "false": False, "1": True, "true": True}.get(val.lower(), val)
-            elif key in ("veto", "opsm_delta", "dual_clip", "ppo_delta"):
-                kw[key] = None if val.lower() in ("none", "") else float(val)
+            elif _KINDS.get(key) in ("number", "int"):
+                kw[key] = None if val.lower() in ("none", "") else (int if _KINDS[key] == "int" else float)(val)
             elif key in ("record", "aggregation"):
                 kw[key] = None if val.lower() in ("none", "") else val
             elif key == "dtype":
@@ -293,7 +294,13 @@ def family_configs(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
                    trust_region=TrustRegion(0.03, 0.05, "binary_kl", level="token")),
         LossConfig(weights="tis", record=None, dtype=dtype,
                    trust_region=TrustRegion(0.02, 0.03, sign="none", level="geometric", on="weights")),
-    ]
+    ] + node_examples(dtype)
+
+
+def node_examples(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
+    """One configuration per node class that declares an ``example`` (the keywords of a configuration the kit can
+    feed): a new correction joins the kit's matrix from its own declaration."""
+    return [LossConfig(**declared(cls, "example"), dtype=dtype) for cls in NODE_CLASSES if declared(cls, "example")]
 
 
 def every_config(dtype: torch.dtype = torch.float64) -> list[LossConfig]:
