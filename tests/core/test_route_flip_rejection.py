@@ -97,3 +97,40 @@ def test_errors_name_the_input_and_keyword():
 def test_from_tree_round_trips():
     for corr in CORRECTIONS:
         assert op.Correction.from_tree(corr.tree) == corr
+
+
+def test_route_flips_reach_the_metrics_per_group_and_the_fleet_table():
+    """``route_flips`` given to policy_loss puts the route-agreement keys in ``out.metrics`` over the trained tokens
+    (a literal count here), overall and per group, and FleetMetrics reads them."""
+    from offpolicy.fleet import FleetMetrics, SamplerGroup
+
+    gen = torch.Generator().manual_seed(3)
+    n, v = 12, 9
+    logits = torch.randn(n, v, generator=gen, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, v, (n,), generator=gen)
+    lq = torch.log_softmax(torch.randn(n, v, generator=gen, dtype=torch.float64), -1)[torch.arange(n), tokens]
+    flips = torch.tensor([0, 1, 0, 2, 0, 0, 3, 0, 0, 1, 0, 0])
+    groups = torch.tensor([0, 1] * 6)
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[3] = False
+    out = op.policy_loss(logits, tokens, lq, torch.randn(n, generator=gen, dtype=torch.float64), loss_mask=mask,
+                         route_flips=flips, groups=groups)
+    m = out.metrics
+    kept = [i for i in range(n) if mask[i]]
+    assert float(m["route_tokens"]) == len(kept)
+    assert float(m["route_flip_layers_mean"]) == pytest.approx(sum(int(flips[i]) for i in kept) / len(kept))
+    assert float(m["route_any_flip_frac"]) == pytest.approx(sum(int(flips[i]) > 0 for i in kept) / len(kept))
+    for g in (0, 1):
+        mine = [i for i in kept if int(groups[i]) == g]
+        assert float(m[f"group/{g}/route_tokens"]) == len(mine)
+        assert float(m[f"group/{g}/route_flip_layers_mean"]) == pytest.approx(
+            sum(int(flips[i]) for i in mine) / len(mine))
+        assert float(m[f"group/{g}/route_any_flip_frac"]) == pytest.approx(
+            sum(int(flips[i]) > 0 for i in mine) / len(mine))
+    assert not any("route" in k for k in op.policy_loss(
+        logits, tokens, lq, torch.ones(n, dtype=torch.float64), groups=groups).metrics)
+    fleet = FleetMetrics([SamplerGroup("a", "h100", "bf16", "bf16", 1.0), SamplerGroup("b", "b200", "nvfp4", "bf16", 1.0)])
+    fleet.update_from_metrics(m)
+    rows = {r.name: r for r in fleet.table().rows}
+    assert rows["a"].route_flip_layers_mean == pytest.approx(0.5)
+    assert rows["b"].route_any_flip_frac == pytest.approx(0.4)

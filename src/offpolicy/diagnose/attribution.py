@@ -287,9 +287,9 @@ class AttributionReport:
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.plots = [str(attribution_bars(self, out / "attribution.png"))]
+        self.plots = [str(attribution_bars(self, out / "attribution.png", PARTS))]
         if history:
-            self.plots.append(str(attribution_history([*history, self], out / "attribution_history.png")))
+            self.plots.append(str(attribution_history([*history, self], out / "attribution_history.png", PARTS)))
         (out / "attribution.json").write_text(self.json() + "\n")
         path = out / "attribution.md"
         path.write_text(self.markdown())

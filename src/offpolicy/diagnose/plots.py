@@ -85,23 +85,21 @@ def kl_by_staleness(by_staleness: dict[int, Divergence], path: Path) -> Path:
 PART_COLOURS = ("#d62728", "#1f77b4", "#ff7f0e", "#2ca02c", "#7f7f7f")
 
 
-def attribution_bars(report, path: Path) -> Path:
+def attribution_bars(report, path: Path, parts: tuple[str, ...]) -> Path:
     """Stacked bars, one per sampler group (and one for all tokens): each part's Shapley contribution to the
     group's mean ``|log r|`` in nats (a negative contribution, a part that cancels another, is drawn below 0),
-    the bar's total written above it."""
+    the bar's total written above it; ``parts`` in stacking order (``offpolicy.diagnose.attribution.PARTS``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from offpolicy.diagnose.attribution import PARTS
 
     rows = [s for s in report.slices if s.kind in ("all", "group")][: MAX_GROUPS_DRAWN + 1]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows) + 2.5), 4))
     x = list(range(len(rows)))
     up = [0.0] * len(rows)
     down = [0.0] * len(rows)
-    for part, colour in zip(PARTS, PART_COLOURS):
+    for part, colour in zip(parts, PART_COLOURS):
         vals = [s.parts[part]["mean_abs_log_r"] for s in rows]
         pos = [max(v, 0.0) for v in vals]
         neg = [min(v, 0.0) for v in vals]
@@ -124,15 +122,13 @@ def attribution_bars(report, path: Path) -> Path:
     return path
 
 
-def attribution_history(reports, path: Path) -> Path:
+def attribution_history(reports, path: Path, parts: tuple[str, ...]) -> Path:
     """Each part's contribution to the mean ``|log r|`` of all tokens against the training step, one report (or
-    its ``attribution.json`` dict) per step, stacked."""
+    its ``attribution.json`` dict) per step, stacked; ``parts`` as in :func:`attribution_bars`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from offpolicy.diagnose.attribution import PARTS
 
     points = []
     for r in reports:
@@ -140,11 +136,11 @@ def attribution_history(reports, path: Path) -> Path:
         if d.get("step") is None:
             raise ValueError("--history: every attribution report needs a 'step' (pass --step when it is made)")
         overall = next(s for s in d["slices"] if s["kind"] == "all")
-        points.append((int(d["step"]), [overall["parts"][p]["mean_abs_log_r"] or 0.0 for p in PARTS]))
+        points.append((int(d["step"]), [overall["parts"][p]["mean_abs_log_r"] or 0.0 for p in parts]))
     points.sort(key=lambda p: p[0])
     steps = [p[0] for p in points]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.stackplot(steps, *[[p[1][j] for p in points] for j in range(len(PARTS))], labels=PARTS,
+    ax.stackplot(steps, *[[p[1][j] for p in points] for j in range(len(parts))], labels=parts,
                  colors=PART_COLOURS, alpha=0.85)
     ax.set_xlabel("training step")
     ax.set_ylabel("mean |log r| (nats), Shapley parts")

@@ -285,7 +285,7 @@ def _metrics(p: _Pass) -> None:
         kept=p.kept, centering=p.centering,
         support_size=p.rows.sizes(p.candidates) if p.candidates is not None else None,
         seg=p.seg.local() if p.seg is not None else None, groups=data.groups,
-        versions=data.versions, current_version=data.current_version,
+        versions=data.versions, current_version=data.current_version, route_flips=data.route_flips,
     )
     if p.entropy is None:
         del p.metrics["entropy"]

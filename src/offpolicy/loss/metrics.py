@@ -41,7 +41,10 @@ Keys (all scalar tensors, means over trained tokens unless named otherwise):
   mismatch and weight keys above;
 * per staleness ``s = current_version - version``: ``staleness/{s}/<name>``, the same; with ``seq_ids`` too,
   ``staleness_in_flight`` (``mean_t v_end - v_t``, ``v_end`` the newest version among the sequence's trained
-  tokens, the one it finished under) and ``staleness_in_queue`` (``mean_t current_version - v_end``).
+  tokens, the one it finished under) and ``staleness_in_queue`` (``mean_t current_version - v_end``);
+* with the ``route_flips`` input (a mixture-of-experts sampler's flipped layers per token): the route-agreement
+  keys of :func:`offpolicy.loss.route_metrics.route_flip_metrics` over the trained tokens, ``route_tokens``,
+  ``route_flip_layers_mean``, ``route_any_flip_frac``, and per group ``group/{g}/route_*`` (docs/routing.md).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from torch import Tensor
 from offpolicy.loss.centering import Centering
 from offpolicy.corrections.rules import Veto
 from offpolicy.corrections.tree import CorrectionTree
+from offpolicy.loss.route_metrics import route_flip_metrics
 from offpolicy.loss.segments import Segments
 from offpolicy.corrections.node import log_bound
 from offpolicy.corrections.weights import kl_estimate
@@ -245,6 +249,7 @@ def policy_metrics(
     groups: Tensor | None = None,
     versions: Tensor | None = None,
     current_version: int | None = None,
+    route_flips: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """All metrics of the module docstring.
 
@@ -259,6 +264,7 @@ def policy_metrics(
         seg: sequence segments (for ``share_samples``), or None.
         groups, versions: ``[N]`` int sampler group and policy version of each token, or None.
         current_version: the trainer's version for staleness; default ``versions.max()``.
+        route_flips: ``[N]`` int flipped MoE layers per token, or None.
     """
     lr = view.lr
     out = token_stats(view, active, tree)
@@ -292,6 +298,8 @@ def policy_metrics(
                 done = seg.broadcast(seg.max(v))
                 out["staleness_in_flight"] = _mean(done - v, active)
                 out["staleness_in_queue"] = _mean(now - done, active)
+    if route_flips is not None:
+        out.update({k: v.to(lr.dtype) for k, v in route_flip_metrics(route_flips, None, active, groups).items()})
     return out
 
 
