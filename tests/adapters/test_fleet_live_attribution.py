@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from offpolicy.adapters.common import TurnRecord
+from offpolicy.adapters.common import TurnRecord, csr_record
 from offpolicy.adapters.fleet_live import LiveFleet, ServedTurn
 from offpolicy.adapters.fleet_live.group_attribution import (attribute_groups, attribute_live_batch,
                                                             attribution_table, group_shares)
+from offpolicy.adapters.fleet_live.toy_run import RunConfig, build_tiny_qwen3, train
 from offpolicy.fleet import SamplerGroup
 from offpolicy.fleet.quant import fake_quantize_module
 
@@ -177,3 +178,84 @@ def test_bad_inputs_name_the_argument(run):
         attribute_live_batch(none, groups, model=v1, current_version=1, weights={0: v0})
     with pytest.raises(TypeError, match="LiveBatch"):
         attribute_live_batch(batch.batch, groups, model=v1, current_version=1)
+
+
+class QwenGroup:
+    """EngineGroup's calls on the tiny Qwen3: loads the channel's weights in its group's format (``pin``: never past
+    that version) and samples ``max_tokens`` tokens per request at temperature 1 from the top-``top_k`` support,
+    returning the support record."""
+
+    def __init__(self, group: SamplerGroup, channel: MemoryChannel, pin: int | None = None, seed: int = 0):
+        self.group, self.channel, self.pin = group, channel, pin
+        self.version, self.net, self.loads = None, None, 0
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def sync(self) -> int:
+        newest = self.channel.latest()
+        want = newest if self.pin is None else min(newest, self.pin)
+        if want != self.version:
+            net = build_tiny_qwen3(None, seed=0)
+            net.load_state_dict(self.channel.fetch(want))
+            self.net = fake_quantize_module(net, self.group.weight_format).eval()
+            self.version, self.loads = want, self.loads + 1
+        return self.version
+
+    def generate(self, requests, sampling_params, sync=True, min_version=None):
+        version = self.sync() if sync or self.version is None else self.version
+        k = int(sampling_params["top_k"])
+        out = []
+        for sid, ctx in requests:
+            seq, toks, lqs, ids, lps = list(ctx), [], [], [], []
+            with torch.no_grad():
+                for _ in range(int(sampling_params["max_tokens"])):
+                    z = self.net(torch.tensor([seq])).logits.double()[0, -1]
+                    top = torch.topk(z, k).indices
+                    lp = torch.log_softmax(z[top], -1)
+                    j = int(torch.multinomial(lp.exp(), 1, generator=self.gen))
+                    seq.append(int(top[j]))
+                    toks.append(int(top[j]))
+                    lqs.append(float(lp[j]))
+                    ids.append(top.tolist())
+                    lps.append(lp.tolist())
+            rec = TurnRecord(tuple(ctx), torch.tensor(toks), torch.tensor(lqs, dtype=torch.float32),
+                             csr_record(ids, lps), 1.0, 1.0, k, versions=(str(version),) * len(toks))
+            out.append(ServedTurn(sid, self.group.name, version, rec))
+        return out
+
+    def info(self):
+        return {"pid": 0, "rss_mib": 0.0, "version": self.version, "loads": self.loads, "vocab_size": 128}
+
+
+def test_the_training_loop_logs_each_groups_attribution(tmp_path):
+    """toy_run.train(attribute_every=1): every step's log holds both groups' rows. Step 0 trains version 0 tokens
+    only: the NVFP4 group's row is >= 80% format, no staleness anywhere. From step 1 on the pinned group's tokens are
+    stale and its (fp32) row is >= 80% staleness, <= 5% format; the NVFP4 group's tokens are one version behind
+    (the batch is sampled during the previous step), so its row holds both parts."""
+    pytest.importorskip("transformers")
+    groups = [SamplerGroup("stale", "CPU", "fp32", "fp32", 1.0), SamplerGroup("quant", "CPU", "nvfp4", "fp32", 1.0)]
+    ch = MemoryChannel()
+    fleet = LiveFleet(groups, "unused", tmp_path, channel=ch)
+    fleet.start_in_process({"stale": QwenGroup(groups[0], ch, pin=0, seed=1), "quant": QwenGroup(groups[1], ch, seed=2)})
+    model = build_tiny_qwen3(None, seed=0)
+    fleet.publish(model.state_dict(), 0)
+    cfg = RunConfig(steps=3, prompts=2, samples=2, turns=2, turn_tokens=4, top_p=1.0, top_k=24, lr=3e-2)
+    try:
+        history, _ = train(fleet, model, cfg, attribute_every=1)
+    finally:
+        fleet.close()
+    for log in history:
+        assert set(log.attribution) == {"stale", "quant"}, log.step
+        for r in log.attribution.values():
+            if r["mean_abs_log_r"] > 0:
+                assert math.isclose(sum(r[p] for p in ("semantics", "staleness", "format", "residual")), 1.0,
+                                    abs_tol=1e-9)
+    q0 = history[0].attribution["quant"]
+    assert q0["format"] >= 0.8 and abs(q0["staleness"]) <= 1e-12, q0
+    s0 = history[0].attribution["stale"]
+    assert s0["staleness"] in (None, 0.0) or abs(s0["staleness"]) <= 1e-12, s0
+    for log in history[1:]:
+        s, q = log.attribution["stale"], log.attribution["quant"]
+        assert s["staleness"] >= 0.8 and abs(s["format"]) <= 0.05, (log.step, s)
+        assert q["staleness"] > 0.05 and q["format"] > 0.01, (log.step, q)
+    with pytest.raises(ValueError, match="attribute_every"):
+        train(fleet, model, cfg, attribute_every=0)
