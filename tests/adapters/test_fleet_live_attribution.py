@@ -164,6 +164,9 @@ def test_table_rows_and_report(run):
     assert set(row) == {"stale", "quant"}
     assert row["stale"][4] == f"{shares['stale']['staleness']:.1%}"
     assert row["quant"][5] == f"{shares['quant']['format']:.1%}"
+    still = {"idle": {"tokens": 4.0, "mean_abs_log_r": 0.0, "semantics": None, "staleness": float("nan"),
+                      "format": None, "residual": None}}
+    assert attribution_table(still).splitlines()[2].split() == ["idle", "4", "0.00e+00", "-", "-", "-", "-"]
 
 
 def test_bad_inputs_name_the_argument(run):

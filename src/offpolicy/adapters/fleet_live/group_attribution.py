@@ -100,13 +100,14 @@ def attribute_groups(batch: LiveBatch, groups: Sequence[SamplerGroup], **kwargs)
     return group_shares(attribute_live_batch(batch, groups, **kwargs))
 
 
-def attribution_table(shares: Mapping[str, Mapping[str, float]]) -> str:
-    """A text table, one row per group: tokens, mean ``|log r|`` and each part's share (``-`` where NaN)."""
+def attribution_table(shares: Mapping[str, Mapping[str, float | None]]) -> str:
+    """A text table, one row per group: tokens, mean ``|log r|`` and each part's share (``-`` where NaN or
+    ``None``, as ``StepLog.attribution`` stores NaN)."""
     parts = [p for p in ("semantics", "staleness", "format", "routing", "residual")
              if any(p in r for r in shares.values())]
     head = f"{'group':<12}{'tokens':>7}{'|log r|':>10}" + "".join(f"{p:>11}" for p in parts)
     lines = [head, "-" * len(head)]
     for name, r in shares.items():
-        cells = "".join(f"{r[p]:>11.1%}" if p in r and math.isfinite(r[p]) else f"{'-':>11}" for p in parts)
+        cells = "".join(f"{r[p]:>11.1%}" if r.get(p) is not None and math.isfinite(r[p]) else f"{'-':>11}" for p in parts)
         lines.append(f"{name[:11]:<12}{int(r['tokens']):>7}{r['mean_abs_log_r']:>10.2e}" + cells)
     return "\n".join(lines)
