@@ -8,7 +8,7 @@ It turns a :class:`~.fleet_runner.LiveBatch` (trained tokens, the group and serv
 log-probs) into the diagnose record (:func:`offpolicy.diagnose.recorded.from_token_batch`, trained tokens only),
 calls :func:`offpolicy.diagnose.attribution.attribute` with the trainer's model, the stored weights of the served
 versions and the groups' weight formats, and keeps, per group, each part's share of the group's mean ``|log r|``
-(Shapley over staleness, format, routing, residual, with semantics peeled off first: docs/diagnose.md#attribution).
+(Shapley over staleness, format, routing, residual, with semantics peeled off first: docs/diagnose.md#attribution-why-is-r--1).
 """
 
 from __future__ import annotations
