@@ -102,7 +102,8 @@ def run(tmp_path_factory):
     groups = [SamplerGroup("stale", "CPU", "fp32", "fp32", 1.0), SamplerGroup("quant", "CPU", "nvfp4", "fp32", 1.0)]
     ch = MemoryChannel()
     fleet = LiveFleet(groups, "unused", tmp_path_factory.mktemp("fleet"), channel=ch)
-    fleet.start_in_process({"stale": ModelGroup(groups[0], ch, pin=0, seed=1), "quant": ModelGroup(groups[1], ch, seed=2)})
+    fleet.start_in_process({"stale": ModelGroup(groups[0], ch, pin=0, seed=1),
+                            "quant": ModelGroup(groups[1], ch, seed=2)})
     v0 = TinyLM(0)
     fleet.publish(v0.state_dict(), 0)
     fleet.rollout([[3, 4]], SP)  # both groups load version 0 (the pinned one stays there)
@@ -238,7 +239,8 @@ def test_the_training_loop_logs_each_groups_attribution(tmp_path):
     groups = [SamplerGroup("stale", "CPU", "fp32", "fp32", 1.0), SamplerGroup("quant", "CPU", "nvfp4", "fp32", 1.0)]
     ch = MemoryChannel()
     fleet = LiveFleet(groups, "unused", tmp_path, channel=ch)
-    fleet.start_in_process({"stale": QwenGroup(groups[0], ch, pin=0, seed=1), "quant": QwenGroup(groups[1], ch, seed=2)})
+    fleet.start_in_process({"stale": QwenGroup(groups[0], ch, pin=0, seed=1),
+                            "quant": QwenGroup(groups[1], ch, seed=2)})
     model = build_tiny_qwen3(None, seed=0)
     fleet.publish(model.state_dict(), 0)
     cfg = RunConfig(steps=3, prompts=2, samples=2, turns=2, turn_tokens=4, top_p=1.0, top_k=24, lr=3e-2)

@@ -8,7 +8,8 @@ It turns a :class:`~.fleet_runner.LiveBatch` (trained tokens, the group and serv
 log-probs) into the diagnose record (:func:`offpolicy.diagnose.recorded.from_token_batch`, trained tokens only),
 calls :func:`offpolicy.diagnose.attribution.attribute` with the trainer's model, the stored weights of the served
 versions and the groups' weight formats, and keeps, per group, each part's share of the group's mean ``|log r|``
-(Shapley over staleness, format, routing, residual, with semantics peeled off first: docs/diagnose.md#attribution-why-is-r--1).
+(Shapley over staleness, format, routing, residual, with semantics peeled off first:
+docs/diagnose.md#attribution-why-is-r--1).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def attribution_table(shares: Mapping[str, Mapping[str, float | None]]) -> str:
     head = f"{'group':<12}{'tokens':>7}{'|log r|':>10}" + "".join(f"{p:>11}" for p in parts)
     lines = [head, "-" * len(head)]
     for name, r in shares.items():
-        cells = "".join(f"{r[p]:>11.1%}" if r.get(p) is not None and math.isfinite(r[p]) else f"{'-':>11}" for p in parts)
+        cells = "".join(f"{r[p]:>11.1%}" if r.get(p) is not None and math.isfinite(r[p]) else f"{'-':>11}"
+                        for p in parts)
         lines.append(f"{name[:11]:<12}{int(r['tokens']):>7}{r['mean_abs_log_r']:>10.2e}" + cells)
     return "\n".join(lines)
