@@ -16,7 +16,9 @@ reward, loss, the trainer's version, turns per group, trained tokens per stalene
 extreme-ratio share and ESS, and every session (id, and per turn its group, served version and tokens); then the
 final table, each process's memory, the run's time, the fleet's events and ``audit`` (sessions sent / trained /
 duplicated / incomplete / lost). At the end ``history.png`` (reward, per-group KL, per-staleness KL and step time
-per step). ``--replot`` only redraws ``history.png`` beside an existing ``history.json``.
+per step). ``--attribute-every k``: every ``k``-th step's per-group attribution of the mismatch (staleness /
+format / residual shares of mean ``|log r|``) goes into that step's ``attribution`` and is printed with the table.
+``--replot`` only redraws ``history.png`` beside an existing ``history.json``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 from offpolicy.adapters.fleet_live import EngineSettings, LiveFleet
+from offpolicy.adapters.fleet_live.group_attribution import attribution_table
 from offpolicy.adapters.fleet_live.history_plot import write_history_plot
 from offpolicy.adapters.fleet_live.toy_run import RunConfig, audit, build_tiny_qwen3, resumed_history, train
 from offpolicy.fleet import SamplerGroup
@@ -68,6 +71,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="output directory (default a temporary one); a rerun with the same "
                     "one resumes from its trainer.pt")
     ap.add_argument("--checkpoint-every", type=int, default=1, help="write the trainer's state every this many steps")
+    ap.add_argument("--attribute-every", type=int, default=None,
+                    help="attribute every this many steps' mismatch per group (staleness / format / residual)")
     ap.add_argument("--replot", default=None, metavar="HISTORY_JSON", help="only redraw history.png beside it")
     args = ap.parse_args()
     if args.replot is not None:
@@ -104,6 +109,8 @@ def main() -> None:
                   flush=True)
             if log.step == 0 or (log.step + 1) % 10 == 0 or log.step + 1 == cfg.steps:
                 print(metrics.table(), flush=True)
+                if log.attribution:
+                    print(attribution_table(log.attribution), flush=True)
                 memory.update({k: max(v, memory.get(k, 0.0)) for k, v in fleet.memory_mib().items()})
             step = dict(vars(log), metrics={k: v for k, v in log.metrics.items()
                                             if k.split("/")[-1] in KEPT_METRICS})
@@ -112,7 +119,8 @@ def main() -> None:
             record["audit"] = audit(record["steps"], fleet.sessions_opened, cfg.turns)
             write_json(out / "history.json", record)  # as it grows
 
-        history, metrics = train(fleet, model, cfg, on_step, checkpoint=ckpt, checkpoint_every=args.checkpoint_every)
+        history, metrics = train(fleet, model, cfg, on_step, checkpoint=ckpt, checkpoint_every=args.checkpoint_every,
+                                 attribute_every=args.attribute_every)
         print(fleet.status())
         wall = time.monotonic() - t0
         print(f"resident memory (MiB, the largest seen): {json.dumps({k: round(v) for k, v in memory.items()})}")

@@ -10,6 +10,8 @@ score centering and mask replay of the recorded top-p/top-k supports, with per-g
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import time
 from collections.abc import Callable
@@ -21,6 +23,7 @@ import torch
 import offpolicy as op
 from offpolicy.advantages import grpo, per_token
 from offpolicy.adapters.fleet_live.fleet_runner import LiveBatch, LiveFleet
+from offpolicy.adapters.fleet_live.group_attribution import attribute_groups
 from offpolicy.adapters.vllm import build_sampling_params
 from offpolicy.fleet.table import FleetMetrics
 
@@ -84,6 +87,7 @@ class StepLog:
     served: dict[str, int] = field(default_factory=dict)
     staleness: dict[int, int] = field(default_factory=dict)
     sessions: list[dict[str, object]] = field(default_factory=list)
+    attribution: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
 
 def session_log(batch: LiveBatch) -> list[dict[str, object]]:
@@ -133,6 +137,7 @@ def train(
     *,
     checkpoint: Path | None = None,
     checkpoint_every: int = 1,
+    attribute_every: int | None = None,
 ) -> tuple[list[StepLog], FleetMetrics]:
     """Train ``model`` for ``cfg.steps`` steps on batches from ``fleet`` (started, version 0 published).
 
@@ -149,11 +154,21 @@ def train(
     restored weights are published as the fleet's next version (the engines load them at their next call), and
     training goes on at the step after the checkpoint. Lost in a kill: the batch in flight and the steps after the
     last checkpoint (with ``checkpoint_every=1``, only the batch in flight); session ids are never reused.
+
+    Attribution: with ``attribute_every=k``, every ``k``-th step's batch is attributed before the step trains on it
+    (:func:`~.group_attribution.attribute_groups`: the trainer's model at the step's version, a frozen copy of
+    every version published since the oldest one the previous attributed batch served, the groups' formats) and
+    ``StepLog.attribution`` holds ``{group: {"tokens", "mean_abs_log_r", part: share}}`` (NaN shares as ``None``).
+    A batch holding a version no longer kept (one published before a resume) gets no attribution.
     """
     if fleet.version is None:
         raise RuntimeError("train: publish the model's weights first (fleet.publish(model.state_dict(), 0))")
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
+    if attribute_every is not None and (isinstance(attribute_every, bool) or not isinstance(attribute_every, int)
+                                        or attribute_every < 1):
+        raise ValueError(f"attribute_every must be an integer >= 1 or None, got {attribute_every!r}")
+    kept: dict[int, torch.nn.Module] = {}  # frozen copies of published versions, for the attribution
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     history: list[StepLog] = []
@@ -179,6 +194,8 @@ def train(
                             between=[TOOL_TOKEN], trained_at=trained_at)
 
     version = fleet.version
+    if attribute_every is not None:
+        kept[version] = copy.deepcopy(model).eval()
     if first >= cfg.steps:
         return history, metrics
     pending = submit(version)
@@ -191,6 +208,16 @@ def train(
         prompt_of = torch.arange(len(batch.session_ids)) // cfg.samples
         adv = per_token(grpo(rewards, prompt_of), batch.batch.seq_ids)
         b = batch.batch
+        attribution: dict[str, dict[str, float | None]] = {}
+        if attribute_every is not None and step % attribute_every == 0:
+            served = set(b.versions[b.loss_mask].tolist())
+            if served and served - {version} <= set(kept):
+                shares = attribute_groups(batch, fleet.groups, model=model, current_version=version, weights=kept,
+                                          top_p=cfg.top_p, top_k=cfg.top_k, step=step)
+                attribution = {g: {k: (v if math.isfinite(v) else None) for k, v in r.items()}
+                               for g, r in shares.items()}
+            if served:
+                kept = {v: m for v, m in kept.items() if v >= min(served)}
         model.train()
         logits = b.gather(model(batch.sequences).logits)
         out = op.policy_loss(logits, b.tokens, b.sampler_logprobs, adv, candidates=b.candidates,
@@ -203,9 +230,11 @@ def train(
         metrics.update_from_metrics(out.metrics)
         version += 1
         fleet.publish(model.state_dict(), version)
+        if attribute_every is not None:
+            kept[version] = copy.deepcopy(model).eval()
         log = StepLog(step, version - 1, float(rewards.mean()), float(out.loss.detach()), time.monotonic() - t0,
                       {k: float(v) for k, v in out.metrics.items()}, batch.served_counts(),
-                      staleness_counts(batch, version - 1), session_log(batch))
+                      staleness_counts(batch, version - 1), session_log(batch), attribution)
         history.append(log)
         if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == cfg.steps):
             save_checkpoint(Path(checkpoint), {
