@@ -8,8 +8,6 @@ each token's ``(row, col - 1)``. The context-parallel split is tested in tests/d
 from __future__ import annotations
 
 import base64
-import io
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +17,8 @@ from offpolicy import route_flips
 from offpolicy.adapters import sglang, vllm
 from offpolicy.adapters.common import RecordError, Trajectory, TurnRecord, collate
 from offpolicy.records.routed_experts import RoutedExperts
+from support.route_payloads import npy_b64 as _npy_b64
+from support.route_payloads import positions
 
 np = pytest.importorskip("numpy")
 
@@ -26,14 +26,7 @@ E, LAYERS, K = 16, 3, 2
 
 
 def _positions(n, seed, layers=LAYERS, k=K, e=E):
-    rng = random.Random(seed)
-    return np.array([[rng.sample(range(e), k) for _ in range(layers)] for _ in range(n)], dtype=np.int64)
-
-
-def _npy_b64(arr):
-    buf = io.BytesIO()
-    np.save(buf, arr, allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode()
+    return positions(n, seed, layers, k, e)
 
 
 @pytest.mark.parametrize("dtype", ["int16", "uint8", "int32", "int64", "uint16"])

@@ -56,6 +56,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch import Tensor
 
 from offpolicy.adapters.common import (
     RecordError,
@@ -480,22 +481,7 @@ def parse_routed_experts(
         raise RecordError("response has no meta_info dict")
     _finish_type(meta)
     where = f"SGLang response {meta.get('id', '')}".strip()
-    for name, v in (("num_hidden_layers", num_hidden_layers), ("top_k", top_k)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if "routed_experts" not in meta or meta["routed_experts"] is None:
-        raise RecordError(f"{where}: meta_info lacks routed_experts (send return_routed_experts=true to a server "
-                          "started with --enable-return-routed-experts)")
-    dtype = meta.get("routed_experts_dtype", "int32")
-    if dtype not in RAW_ROUTE_DTYPES:
-        raise RecordError(f"{where}: meta_info.routed_experts_dtype {dtype!r} is not one of {sorted(RAW_ROUTE_DTYPES)}")
-    flat = raw_int_array(decode_base64(meta["routed_experts"], f"{where}: meta_info.routed_experts"),
-                         RAW_ROUTE_DTYPES[dtype], f"{where}: meta_info.routed_experts")
-    row = num_hidden_layers * top_k
-    if flat.numel() % row:
-        raise RecordError(f"{where}: meta_info.routed_experts holds {flat.numel()} ids, not a whole number of "
-                          f"[num_hidden_layers={num_hidden_layers}, top_k={top_k}] rows ({row} ids each)")
-    positions = flat.view(-1, num_hidden_layers, top_k)
+    positions = _route_rows(meta, where, num_hidden_layers, top_k)
     input_ids = request.get("input_ids")
     if input_ids is None:
         raise RecordError(f"{where}: the request has no input_ids, so the prompt length is unknown")
@@ -511,3 +497,35 @@ def parse_routed_experts(
         raise RecordError(f"{where}: the response has neither output_ids nor output_token_logprobs")
     return output_routes(positions, prompt_len, n, num_experts=num_experts, moe_layers=moe_layers, where=where,
                          field="meta_info.routed_experts", num_layers=num_layers)
+
+
+def routed_positions(response: Mapping[str, object], *, num_hidden_layers: int, top_k: int) -> Tensor:
+    """Every forwarded position's routes of one ``/generate`` response, ``[prompt + output - 1, num_hidden_layers,
+    top_k]`` int64 (row ``s`` the position whose input is token ``s`` of prompt + output), decoded from
+    ``meta_info.routed_experts``: the rows :func:`parse_routed_experts` slices the sampled tokens' from, and what
+    :func:`offpolicy.diagnose.route_file.save_engine_routes` lays out per context for ``offpolicy diagnose
+    --routes``. Raises :class:`RecordError` naming the field."""
+    response = json_mapping(response, "response")
+    meta = response.get("meta_info")
+    if not isinstance(meta, Mapping):
+        raise RecordError("response has no meta_info dict")
+    return _route_rows(meta, f"SGLang response {meta.get('id', '')}".strip(), num_hidden_layers, top_k)
+
+
+def _route_rows(meta: Mapping[str, object], where: str, num_hidden_layers: int, top_k: int) -> Tensor:
+    for name, v in (("num_hidden_layers", num_hidden_layers), ("top_k", top_k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if "routed_experts" not in meta or meta["routed_experts"] is None:
+        raise RecordError(f"{where}: meta_info lacks routed_experts (send return_routed_experts=true to a server "
+                          "started with --enable-return-routed-experts)")
+    dtype = meta.get("routed_experts_dtype", "int32")
+    if dtype not in RAW_ROUTE_DTYPES:
+        raise RecordError(f"{where}: meta_info.routed_experts_dtype {dtype!r} is not one of {sorted(RAW_ROUTE_DTYPES)}")
+    flat = raw_int_array(decode_base64(meta["routed_experts"], f"{where}: meta_info.routed_experts"),
+                         RAW_ROUTE_DTYPES[dtype], f"{where}: meta_info.routed_experts")
+    row = num_hidden_layers * top_k
+    if flat.numel() % row:
+        raise RecordError(f"{where}: meta_info.routed_experts holds {flat.numel()} ids, not a whole number of "
+                          f"[num_hidden_layers={num_hidden_layers}, top_k={top_k}] rows ({row} ids each)")
+    return flat.view(-1, num_hidden_layers, top_k).to(torch.int64)

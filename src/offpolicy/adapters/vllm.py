@@ -78,6 +78,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch import Tensor
 
 from offpolicy.adapters.common import (
     RecordError,
@@ -675,6 +676,32 @@ def parse_routed_experts(
             holds an invalid route, each naming the field.
     """
     where = "vLLM routed experts"
+    positions, field = _positions_and_field(response, choice, where)
+    if isinstance(response, Mapping):
+        usage = response.get("usage")
+        if isinstance(usage, Mapping) and usage.get("prompt_tokens") is not None:
+            told = json_int(usage["prompt_tokens"], f"{where}: usage.prompt_tokens")
+            if told != prompt_len:
+                raise RecordError(f"{where}: usage.prompt_tokens = {told}, prompt_len = {prompt_len}: the routes "
+                                  "belong to another prompt")
+    else:
+        prompt = getattr(response, "prompt_token_ids", None)
+        if prompt is not None and len(prompt) != prompt_len:
+            raise RecordError(f"{where}: prompt_token_ids holds {len(prompt)} tokens, prompt_len = {prompt_len}")
+    return output_routes(positions, prompt_len, num_tokens, num_experts=num_experts, moe_layers=moe_layers,
+                         where=where, field=field, num_layers=num_layers)
+
+
+def routed_positions(response: object, *, choice: int = 0) -> Tensor:
+    """Every forwarded position's routes of one completion, ``[prompt + output - 1, L_all, K]`` int64, row ``s`` the
+    position whose input is token ``s`` of prompt + output (the rows :func:`parse_routed_experts` slices the sampled
+    tokens' from; :func:`offpolicy.diagnose.route_file.save_engine_routes` lays them out per context for
+    ``offpolicy diagnose --routes``). ``response``: an HTTP response dict (``choices[i].routed_experts``, base64
+    ``.npy``) or an offline ``RequestOutput``. Raises :class:`RecordError` naming the field."""
+    return _positions_and_field(response, choice, "vLLM routed experts")[0]
+
+
+def _positions_and_field(response: object, choice: int, where: str) -> tuple[Tensor, str]:
     if isinstance(response, Mapping):
         c = _choice(response, choice, where)
         field = f"choices[{choice}].routed_experts"
@@ -683,30 +710,17 @@ def parse_routed_experts(
             raise RecordError(f"{where}: {field} is missing or null (start the server with "
                               "--enable-return-routed-experts; the model must be a MoE)")
         if isinstance(payload, str):
-            positions = decode_npy(decode_base64(payload, f"{where}: {field}"), f"{where}: {field}")
-        else:
-            positions = route_positions(payload, f"{where}: {field}")
-        usage = response.get("usage")
-        if isinstance(usage, Mapping) and usage.get("prompt_tokens") is not None:
-            told = json_int(usage["prompt_tokens"], f"{where}: usage.prompt_tokens")
-            if told != prompt_len:
-                raise RecordError(f"{where}: usage.prompt_tokens = {told}, prompt_len = {prompt_len}: the routes "
-                                  "belong to another prompt")
-    else:
-        outputs = _list(response, "outputs", where)
-        if not 0 <= choice < len(outputs):
-            raise RecordError(f"{where}: RequestOutput.outputs holds {len(outputs)} completions, no index {choice}")
-        field = f"outputs[{choice}].routed_experts"
-        payload = getattr(outputs[choice], "routed_experts", None)
-        if payload is None:
-            raise RecordError(f"{where}: {field} is None (enable_return_routed_experts=True on the LLM; the model "
-                              "must be a MoE)")
-        positions = route_positions(payload, f"{where}: {field}")
-        prompt = getattr(response, "prompt_token_ids", None)
-        if prompt is not None and len(prompt) != prompt_len:
-            raise RecordError(f"{where}: prompt_token_ids holds {len(prompt)} tokens, prompt_len = {prompt_len}")
-    return output_routes(positions, prompt_len, num_tokens, num_experts=num_experts, moe_layers=moe_layers,
-                         where=where, field=field, num_layers=num_layers)
+            return decode_npy(decode_base64(payload, f"{where}: {field}"), f"{where}: {field}"), field
+        return route_positions(payload, f"{where}: {field}"), field
+    outputs = _list(response, "outputs", where)
+    if not 0 <= choice < len(outputs):
+        raise RecordError(f"{where}: RequestOutput.outputs holds {len(outputs)} completions, no index {choice}")
+    field = f"outputs[{choice}].routed_experts"
+    payload = getattr(outputs[choice], "routed_experts", None)
+    if payload is None:
+        raise RecordError(f"{where}: {field} is None (enable_return_routed_experts=True on the LLM; the model "
+                          "must be a MoE)")
+    return route_positions(payload, f"{where}: {field}"), field
 
 
 def attach_routed_experts(record: TurnRecord, response: object, **kwargs: object) -> TurnRecord:

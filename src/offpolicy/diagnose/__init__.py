@@ -35,6 +35,7 @@ from offpolicy.diagnose.recorded import (
     turn_to_json,
 )
 from offpolicy.diagnose.entries import padded_to_entries
+from offpolicy.diagnose.route_file import SequenceRoutes, engine_routes, load_routes, save_engine_routes, save_routes
 from offpolicy.diagnose.schema import MAX_INDEX, RolloutsError
 from offpolicy.diagnose.scoring import (
     TrainerScores,
@@ -58,6 +59,7 @@ __all__ = [
     "AttributionReport", "attribute", "DiagnoseReport", "Divergence", "Finding", "RecordedRollouts", "RolloutsError", "TrainerScores", "diagnose",
     "from_lines",
     "from_token_batch", "load_rollouts", "load_trainer_logprobs", "save_jsonl", "save_safetensors", "turn_to_json",
+    "SequenceRoutes", "engine_routes", "load_routes", "save_engine_routes", "save_routes",
 ]
 
 

@@ -119,6 +119,139 @@ def save_routes(records: Sequence[RoutedExperts], path: str | Path) -> Path:
     return Path(path)
 
 
+def engine_routes(
+    rollouts: RecordedRollouts,
+    positions: Sequence[object],
+    *,
+    num_experts: int,
+    moe_layers: Sequence[int] | None = None,
+) -> list[RoutedExperts]:
+    """Lay an engine's returned routes out per context: one dense record per context of ``rollouts`` (``T_b`` rows,
+    row ``t`` = forward position ``t``, the last marked unrouted), the records :func:`save_routes` writes.
+
+    Args:
+        rollouts: the rollouts diagnose reads (:func:`~offpolicy.diagnose.load_rollouts`); their contexts fix the
+            layout.
+        positions: one entry per context, in the rollouts' order: the engine's per-position rows of the turn
+            that sampled it, ``[P + T - 1, L_all, K]`` integer (a tensor, an array or nested lists; vLLM's
+            :func:`offpolicy.adapters.vllm.routed_positions`, SGLang's :func:`offpolicy.adapters.sglang.
+            routed_positions`), or for a multi-turn context a list of such arrays, one per sampled turn in order,
+            each covering the context up to its turn's last sampled token (turns share the prefix). Position ``s``
+            takes the row of the first turn that forwarded it, so each turn's sampled tokens keep the routes they
+            were sampled with (a later turn's prefill of an earlier prefix is not used).
+        num_experts: ``E``, routed experts per layer (ids checked in ``[0, E)``).
+        moe_layers: indices of the MoE layers among the ``L_all`` recorded ones (None: all; a dense layer that an
+            engine records as zeros must be left out).
+
+    Raises:
+        ValueError naming ``positions[b]`` (or ``positions[b][j]``, turn ``j``): a count of entries unlike the
+        rollouts' contexts, a last turn whose rows do not cover the context but its final token (the engine
+        returns ``P + T - 1`` rows: the last sampled token is never forwarded), an earlier turn whose rows do not
+        end one before one of the context's sampled tokens, turns out of order, ``L`` or ``K`` unlike another
+        turn's, an invalid route (id out of range, an expert twice in a token-layer).
+    """
+    from offpolicy.adapters.common import RecordError, route_positions
+
+    ctx = rollouts.contexts
+    if isinstance(positions, (str, bytes)) or not isinstance(positions, Sequence):
+        raise TypeError(f"positions must be a list with one entry per context, got {type(positions).__name__}")
+    if len(positions) != len(ctx):
+        raise ValueError(f"positions holds {len(positions)} entries, the rollouts {len(ctx)} contexts (one entry per "
+                         f"context, in the rollouts' order: one per JSONL line or seq_id)")
+    sampled_at = [set() for _ in range(len(ctx))]
+    for r, c in zip(rollouts.rows.tolist(), rollouts.cols.tolist()):
+        sampled_at[r].add(c)
+    shape: tuple[int, int] | None = None
+    out = []
+    for b, entry in enumerate(positions):
+        length = int(ctx.lengths[b])
+        single = isinstance(entry, Tensor) or hasattr(entry, "__array__") or (
+            isinstance(entry, Sequence) and len(entry) > 0 and not _is_array_list(entry))
+        turns = [entry] if single else list(entry)
+        if not turns:
+            raise ValueError(f"positions[{b}] holds no turn")
+        rows = torch.zeros(length, 0, 0, dtype=torch.int64)
+        done = 0
+        for j, turn in enumerate(turns):
+            name = f"positions[{b}]" if single else f"positions[{b}][{j}]"
+            try:
+                x = route_positions(turn, name)
+            except RecordError as exc:
+                raise ValueError(str(exc)) from None
+            if x.dim() != 3:
+                raise ValueError(f"{name} must be [positions, layers, top_k], got shape {tuple(x.shape)}")
+            if moe_layers is not None:
+                sel = list(moe_layers)
+                if not sel or len(set(sel)) != len(sel) or any(not 0 <= i < x.shape[1] for i in sel):
+                    raise ValueError(f"moe_layers must be distinct layer indices in [0, {x.shape[1]}), got {sel}")
+                x = x[:, sel]
+            if shape is None:
+                shape = (int(x.shape[1]), int(x.shape[2]))
+            elif (int(x.shape[1]), int(x.shape[2])) != shape:
+                raise ValueError(f"{name}: [{x.shape[1]} layers, top_k {x.shape[2]}], positions[0]'s [{shape[0]} "
+                                 f"layers, top_k {shape[1]}] (one model: every turn alike)")
+            if rows.shape[1:] != x.shape[1:]:
+                rows = torch.zeros(length, *x.shape[1:], dtype=torch.int64)
+            end = int(x.shape[0])  # rows cover positions 0 .. end - 1; the turn's last sampled token is at ``end``
+            if j == len(turns) - 1 and end != length - 1:
+                hint = (": one row more than an engine returns, drop the row of the last sampled token (never "
+                        "forwarded)" if end == length else
+                        "; the context's last turn missing?" if not single and end in sampled_at[b] else "")
+                raise ValueError(f"{name} holds {end} rows, its context {length} tokens: the last turn's rows must "
+                                 f"cover {length - 1} positions (prompt + output - 1){hint}")
+            if end not in sampled_at[b]:
+                raise ValueError(f"{name} holds {end} rows: position {end} of context {b} is no recorded sampled "
+                                 f"token (a turn's rows end one before its last sampled token: prompt + output - 1; "
+                                 f"the context's sampled positions are {_spans(sampled_at[b])})")
+            if end <= done:
+                raise ValueError(f"{name} holds {end} rows, no more than the turn before ({done}): turns in order")
+            rows[done:end] = x[done:end]
+            done = end
+        valid = torch.ones(length, dtype=torch.bool)
+        valid[-1] = False
+        try:
+            out.append(RoutedExperts.from_ids(rows, num_experts, valid=valid))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"positions[{b}]: {exc} (token = context position)") from None
+    return out
+
+
+def save_engine_routes(
+    rollouts: RecordedRollouts,
+    positions: Sequence[object],
+    path: str | Path,
+    *,
+    num_experts: int,
+    moe_layers: Sequence[int] | None = None,
+) -> Path:
+    """Write the routes file ``offpolicy diagnose --attribute --routes`` reads from an engine's returned routes,
+    aligned with ``rollouts``' contexts (:func:`engine_routes` lays them out; :func:`save_routes` writes)."""
+    return save_routes(engine_routes(rollouts, positions, num_experts=num_experts, moe_layers=moe_layers), path)
+
+
+def _is_array_list(entry: Sequence[object]) -> bool:
+    """True when ``entry`` is a list of per-turn arrays (tensors, arrays, or 3-deep nested lists), False when it is
+    one turn's nested lists ``[rows][layers][k]``."""
+    first = entry[0]
+    if isinstance(first, Tensor) or hasattr(first, "__array__"):
+        return True
+    if isinstance(first, Sequence) and first and isinstance(first[0], Sequence) and first[0] \
+            and isinstance(first[0][0], Sequence):
+        return True
+    return False
+
+
+def _spans(cols: set[int]) -> str:
+    out, run = [], None
+    for c in sorted(cols):
+        if run and c == run[1] + 1:
+            run[1] = c
+        else:
+            run = [c, c]
+            out.append(run)
+    return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in out[:8]) + (" ..." if len(out) > 8 else "")
+
+
 def load_routes(path: str | Path, rollouts: RecordedRollouts) -> SequenceRoutes:
     """Read and check a routes file against ``rollouts``' contexts. Raises :class:`RolloutsError` naming ``path``
     and the tensor or metadata field: unreadable file, missing tensor, wrong dtype or shape, ids out of range or
@@ -182,4 +315,4 @@ def load_routes(path: str | Path, rollouts: RecordedRollouts) -> SequenceRoutes:
     return SequenceRoutes(rec, off, str(path))
 
 
-__all__ = ["SequenceRoutes", "load_routes", "save_routes"]
+__all__ = ["SequenceRoutes", "engine_routes", "load_routes", "save_engine_routes", "save_routes"]
