@@ -183,12 +183,16 @@ class EngineGroup:
                                   "to load and none was loaded before")
         from safetensors.torch import save_file
 
-        shared = self.group.weight_format in channel_formats(self.channel)
+        made_once = self.group.weight_format in channel_formats(self.channel)  # the channel holds our format
+        shared = made_once and hasattr(self.channel, "format_dir")  # ... in a folder the engine can reload
         target = self._checkpoint_dir(newest, shared)
         try:
-            if not shared:  # quantise here, for this group alone
+            if not shared:
                 target.mkdir(exist_ok=True)
-                ckpt = group_checkpoint(self.channel.fetch(newest), self.group.weight_format)
+                if made_once:  # the format's copy, fetched (an object store): written, not quantised, here
+                    ckpt = self.channel.fetch(newest, self.group.weight_format)
+                else:  # quantise here, for this group alone
+                    ckpt = group_checkpoint(self.channel.fetch(newest), self.group.weight_format)
                 save_file(ckpt, str(target / WEIGHTS_FILE))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
         except Exception as exc:

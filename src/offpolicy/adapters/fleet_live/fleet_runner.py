@@ -62,6 +62,7 @@ from offpolicy.adapters.common import RecordError, Trajectory, collate
 from offpolicy.adapters.fleet_live.calls import DETAIL_CHARS, GroupCallFailed, RayCalls, ThreadCalls, plain
 from offpolicy.adapters.fleet_live.validate import check_answer
 from offpolicy.adapters.fleet_live.engine_group import EngineGroup, EngineSettings, ServedTurn, rss_mib
+from offpolicy.adapters.fleet_live.object_channel import ObjectStoreWeightChannel
 from offpolicy.adapters.fleet_live.weight_sync import DiskWeightChannel, WeightChannel
 from offpolicy.fleet.groups import SamplerGroup
 from offpolicy.fleet.router import Router
@@ -354,7 +355,7 @@ class LiveFleet:
     def publish(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Publish the trainer's weights as ``version``; every group loads it when next due."""
         in_use = {v for v in self.loaded.values() if v is not None}
-        if isinstance(self.channel, DiskWeightChannel):
+        if isinstance(self.channel, (DiskWeightChannel, ObjectStoreWeightChannel)):
             self.channel.publish(state_dict, version, in_use=in_use)  # the versions groups serve are kept
         else:
             self.channel.publish(state_dict, version)
