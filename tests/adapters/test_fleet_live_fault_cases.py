@@ -94,7 +94,8 @@ def test_a_corrupt_checkpoint_is_named_and_the_fleet_trains_on_the_last_good_ver
     def publish(state_dict, version, **kwargs):
         real_publish(state_dict, version, **kwargs)
         if version == corrupt:
-            (fleet.channel.path(version) / "model.safetensors").write_bytes(b"\xff" * 64)
+            for f in fleet.channel.path(version).rglob("model.safetensors"):  # the weights and each format's copy
+                f.write_bytes(b"\xff" * 64)
 
     fleet.channel.publish = publish
     before = len(fleet.events)

@@ -17,6 +17,7 @@ package does not import either.
 from offpolicy.adapters.fleet_live.engine_group import EngineGroup, EngineSettings, ServedTurn
 from offpolicy.adapters.fleet_live.calls import BelowStalenessFloor, EngineProcessDied, WeightLoadError
 from offpolicy.adapters.fleet_live.fleet_runner import EVENT_KINDS, FleetEvent, GroupRequestError, LiveBatch, LiveFleet
+from offpolicy.adapters.fleet_live.object_channel import LocalObjectStore, ObjectStore, ObjectStoreWeightChannel
 from offpolicy.adapters.fleet_live.weight_sync import DiskWeightChannel, WeightChannel, group_checkpoint
 
 __all__ = [
@@ -30,6 +31,9 @@ __all__ = [
     "GroupRequestError",
     "LiveBatch",
     "LiveFleet",
+    "LocalObjectStore",
+    "ObjectStore",
+    "ObjectStoreWeightChannel",
     "ServedTurn",
     "WeightChannel",
     "WeightLoadError",

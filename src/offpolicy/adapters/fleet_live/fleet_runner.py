@@ -62,6 +62,7 @@ from offpolicy.adapters.common import RecordError, Trajectory, collate
 from offpolicy.adapters.fleet_live.calls import DETAIL_CHARS, GroupCallFailed, RayCalls, ThreadCalls, plain
 from offpolicy.adapters.fleet_live.validate import check_answer
 from offpolicy.adapters.fleet_live.engine_group import EngineGroup, EngineSettings, ServedTurn, rss_mib
+from offpolicy.adapters.fleet_live.object_channel import ObjectStoreWeightChannel
 from offpolicy.adapters.fleet_live.weight_sync import DiskWeightChannel, WeightChannel
 from offpolicy.fleet.groups import SamplerGroup
 from offpolicy.fleet.router import Router
@@ -188,7 +189,8 @@ class LiveFleet:
             sync).
         work_dir: a directory every engine can reach (the disk weight channel and each group's checkpoints).
         settings: one :class:`EngineSettings` for every group, or a mapping from group name to settings.
-        channel: the weight channel (default a :class:`DiskWeightChannel` under ``work_dir / "weights"``).
+        channel: the weight channel (default a :class:`DiskWeightChannel` under ``work_dir / "weights"`` with the
+            groups' weight formats: each published version is quantised once per format, not once per group).
         address: a Ray cluster address (``"auto"``, ``"ray://head:10001"``); ``None`` starts a local instance.
         timeout_s: the fixed part of a call's time limit (a weight reload and the call's overhead), one number
             ``> 0`` or a mapping from group name; a call not answered in time fails its group (``"hung"``).
@@ -242,7 +244,7 @@ class LiveFleet:
             raise ValueError(f"restart_backoff_s must be a number >= 0, got {restart_backoff_s!r}")
         self.max_staleness, self.max_restarts, self.restart_backoff_s = max_staleness, max_restarts, restart_backoff_s
         self.model_dir, self.work_dir = Path(model_dir), Path(work_dir)
-        self.channel = channel if channel is not None else DiskWeightChannel(self.work_dir / "weights")
+        self.channel = channel if channel is not None else self._default_channel()
         self.address = address
         self.timeout_s, self.token_timeout_s = timeout_s, token_timeout_s
         self.start_timeout_s = 600.0
@@ -332,6 +334,16 @@ class LiveFleet:
             ray.shutdown()
             self._own_ray = False
 
+    def _default_channel(self) -> DiskWeightChannel:
+        """A disk channel under ``work_dir / "weights"`` quantising each of the groups' weight formats once per
+        version (when every engine runs in one dtype; with several dtypes each group quantises for itself)."""
+        dtypes = {getattr(torch, s.dtype, None) if isinstance(s.dtype, str) else None for s in self.settings.values()}
+        dtype = dtypes.pop() if len(dtypes) == 1 else None
+        if not isinstance(dtype, torch.dtype):
+            return DiskWeightChannel(self.work_dir / "weights")
+        formats = sorted({g.weight_format for g in self.groups})
+        return DiskWeightChannel(self.work_dir / "weights", formats=formats, dtype=dtype)
+
     def __enter__(self) -> LiveFleet:
         self.start()
         return self
@@ -343,7 +355,7 @@ class LiveFleet:
     def publish(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Publish the trainer's weights as ``version``; every group loads it when next due."""
         in_use = {v for v in self.loaded.values() if v is not None}
-        if isinstance(self.channel, DiskWeightChannel):
+        if isinstance(self.channel, (DiskWeightChannel, ObjectStoreWeightChannel)):
             self.channel.publish(state_dict, version, in_use=in_use)  # the versions groups serve are kept
         else:
             self.channel.publish(state_dict, version)

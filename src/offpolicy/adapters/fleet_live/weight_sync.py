@@ -5,7 +5,10 @@ A channel has three operations (:class:`WeightChannel`): ``publish(state_dict, v
 ``latest()`` and ``fetch(version)`` on the engines. :class:`DiskWeightChannel` is the one implemented here: one
 directory per version (``v000007/model.safetensors``, written whole, then renamed into place) and a ``LATEST`` file
 replaced atomically after it, so a reader never sees a half-written version; the folder is private (0700, this
-user's) and old versions are collected (the newest ``keep`` and those still served stay). An NCCL channel (a broadcast from the
+user's) and old versions are collected (the newest ``keep`` and those still served stay). Built with ``formats``
+(the fleet passes its groups' weight formats), ``publish`` also writes each format's checkpoint once
+(``v000007/nvfp4/model.safetensors``, :func:`group_checkpoint`): the groups of one format load that one copy, so a
+version is quantised once per format, not once per group. An NCCL channel (a broadcast from the
 trainer rank into each engine's weights, as vLLM's ``collective_rpc`` and SGLang's ``update_weights_from_distributed``
 allow) fits the same three calls: ``publish`` broadcasts, ``fetch`` receives.
 
@@ -46,6 +49,11 @@ class WeightChannel(Protocol):
         """The weights of ``version`` (on CPU, as published)."""
 
 
+def channel_formats(channel: object) -> tuple[str, ...]:
+    """The weight formats ``channel`` publishes quantised copies of (``()`` for a channel without them)."""
+    return tuple(getattr(channel, "formats", ()) or ())
+
+
 class DiskWeightChannel:
     """Versions as directories under ``root`` (shared by the trainer and every engine: a local or network disk).
 
@@ -57,18 +65,43 @@ class DiskWeightChannel:
     Args:
         root: the channel's directory (created if missing).
         keep: how many of the newest versions to keep (``>= 1``; ``None``: keep every version).
+        formats: weight formats (of :data:`offpolicy.fleet.quant.FAKE_FORMATS`) quantised once per version at
+            ``publish``, each into :meth:`format_dir` (duplicates are dropped). A group whose ``weight_format`` is
+            among them loads that copy instead of quantising the version itself.
+        dtype: the dtype of the per-format copies (the engines' dtype: ``torch.float32`` for vLLM on CPU).
+
+    Attributes:
+        quantised: how many per-format copies this process has written (one per version and format).
+        bytes_written: bytes of safetensors files this process has written (published weights and copies).
     """
 
-    def __init__(self, root: str | os.PathLike, keep: int | None = 4):
+    def __init__(self, root: str | os.PathLike, keep: int | None = 4, formats: Iterable[str] = (),
+                 dtype: torch.dtype = torch.float32):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be None or an integer >= 1, got {keep!r}")
-        self.root, self.keep = Path(root), keep
+        if isinstance(formats, str):
+            raise ValueError(f"formats must be a collection of format names, got the string {formats!r}")
+        formats = tuple(dict.fromkeys(formats))
+        bad = [f for f in formats if f not in FAKE_FORMATS]
+        if bad:
+            raise ValueError(f"formats must be among {FAKE_FORMATS}, got {bad}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.root, self.keep, self.formats, self.dtype = Path(root), keep, formats, dtype
+        self.quantised = 0
+        self.bytes_written = 0
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         private_folder(self.root)
 
     def path(self, version: int) -> Path:
         """The directory of ``version``."""
         return self.root / f"v{_check_version(version):06d}"
+
+    def format_dir(self, version: int, weight_format: str) -> Path:
+        """The directory of ``version``'s ``weight_format`` copy (what an engine of that format reloads)."""
+        if weight_format not in self.formats:
+            raise ValueError(f"weight_format {weight_format!r} is not one this channel quantises {self.formats}")
+        return self.path(version) / weight_format
 
     def publish(self, state_dict: Mapping[str, Tensor], version: int, in_use: Iterable[int] = ()) -> None:
         """Write ``version``, make it the newest, then :meth:`collect` old versions (``in_use`` kept)."""
@@ -85,6 +118,12 @@ class DiskWeightChannel:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o700)
         save_file({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}, str(tmp / WEIGHTS_FILE))
+        self.bytes_written += (tmp / WEIGHTS_FILE).stat().st_size
+        for fmt in self.formats:  # once per format, whatever the number of groups serving it
+            (tmp / fmt).mkdir(mode=0o700)
+            save_file(group_checkpoint(state_dict, fmt, self.dtype), str(tmp / fmt / WEIGHTS_FILE))
+            self.quantised += 1
+            self.bytes_written += (tmp / fmt / WEIGHTS_FILE).stat().st_size
         os.replace(tmp, final)
         latest_tmp = self.root / "LATEST.tmp"
         latest_tmp.write_text(str(version))
@@ -113,10 +152,12 @@ class DiskWeightChannel:
         except FileNotFoundError:
             return None
 
-    def fetch(self, version: int) -> dict[str, Tensor]:
+    def fetch(self, version: int, weight_format: str | None = None) -> dict[str, Tensor]:
+        """The weights of ``version`` as published, or (``weight_format``) its quantised copy in that format."""
         from safetensors.torch import load_file
 
-        path = self.path(version) / WEIGHTS_FILE
+        base = self.path(version) if weight_format is None else self.format_dir(version, weight_format)
+        path = base / WEIGHTS_FILE
         if not path.exists():
             raise FileNotFoundError(f"fetch: version {version} is not under {self.root} (never published, or "
                                     f"collected: the channel keeps the newest {self.keep})")

@@ -1,0 +1,187 @@
+"""A weight channel on an object store, for fleets without a shared disk.
+
+:class:`ObjectStoreWeightChannel` keeps versions as objects under a key prefix of any store with four calls
+(:class:`ObjectStore`: ``put``, ``get``, ``list``, ``delete``, the subset of fsspec's file-system calls a channel
+needs; an S3 / GCS bucket through fsspec, or Ray's object store behind a named actor, fit it).
+:class:`LocalObjectStore` is that interface on a local directory (tests, and a single machine). Layout under
+``prefix``: ``v000007/model.safetensors`` (the trainer's weights), ``v000007/<format>/model.safetensors`` (each
+format's copy, quantised once at ``publish``), and ``LATEST``, put after every object of the version, so a reader
+that sees ``LATEST = 7`` finds all of version 7. Old versions are collected as the disk channel's are.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from offpolicy.adapters.fleet_live.weight_sync import WEIGHTS_FILE, _check_version, group_checkpoint, private_folder
+from offpolicy.fleet.quant import FAKE_FORMATS
+
+
+class ObjectStore(Protocol):
+    """Bytes under string keys (``/``-separated)."""
+
+    def put(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key``, whole (a reader sees the old object or the new one)."""
+
+    def get(self, key: str) -> bytes:
+        """The object under ``key``; raises ``FileNotFoundError`` when there is none."""
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key that starts with ``prefix``."""
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error when it is missing)."""
+
+
+class LocalObjectStore:
+    """:class:`ObjectStore` on a private local directory: one file per key, written to a temporary name and
+    renamed into place.
+
+    Args:
+        root: the directory (created 0700 if missing; one another user owns is refused).
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_folder(self.root)
+
+    def _path(self, key: str) -> Path:
+        parts = key.split("/")
+        if not key or any(p in ("", ".", "..") for p in parts) or key.endswith(".tmp"):
+            raise ValueError(f"key must be a relative '/'-separated name without '.', '..' or a '.tmp' end, got "
+                             f"{key!r}")
+        return self.root.joinpath(*parts)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        if not path.is_file():
+            raise FileNotFoundError(f"no object {key!r} in {self.root}")
+        return path.read_bytes()
+
+    def list(self, prefix: str) -> list[str]:
+        keys = (p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
+        return sorted(k for k in keys if k.startswith(prefix) and not k.endswith(".tmp"))
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        for parent in path.parents:  # drop folders left empty, up to the root
+            if parent == self.root or any(parent.iterdir()):
+                break
+            parent.rmdir()
+
+
+class ObjectStoreWeightChannel:
+    """A :class:`~.weight_sync.WeightChannel` on an :class:`ObjectStore` (no shared disk needed).
+
+    Args:
+        store: the object store (pickled into every engine's actor: it must reach the same objects there).
+        prefix: the key prefix of this channel's objects (no leading or trailing ``/``).
+        keep: how many of the newest versions to keep (``>= 1``; ``None``: keep every version).
+        formats: weight formats quantised once per version at ``publish`` (a group of one of them fetches that
+            copy with :meth:`fetch` ``(version, format)`` instead of quantising).
+        dtype: the dtype of the per-format copies (the engines' dtype).
+
+    Attributes:
+        quantised: per-format copies this process has put; bytes_written: bytes of weights it has put.
+    """
+
+    def __init__(self, store: ObjectStore, prefix: str = "weights", keep: int | None = 4,
+                 formats: Iterable[str] = (), dtype: torch.dtype = torch.float32):
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be None or an integer >= 1, got {keep!r}")
+        if not isinstance(prefix, str) or not prefix or prefix.startswith("/") or prefix.endswith("/"):
+            raise ValueError(f"prefix must be a non-empty key without a leading or trailing '/', got {prefix!r}")
+        if isinstance(formats, str):
+            raise ValueError(f"formats must be a collection of format names, got the string {formats!r}")
+        formats = tuple(dict.fromkeys(formats))
+        bad = [f for f in formats if f not in FAKE_FORMATS]
+        if bad:
+            raise ValueError(f"formats must be among {FAKE_FORMATS}, got {bad}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.store, self.prefix, self.keep, self.formats, self.dtype = store, prefix, keep, formats, dtype
+        self.quantised = 0
+        self.bytes_written = 0
+
+    def key(self, version: int, weight_format: str | None = None) -> str:
+        """The key of ``version``'s weights, or of its ``weight_format`` copy."""
+        base = f"{self.prefix}/v{_check_version(version):06d}"
+        if weight_format is None:
+            return f"{base}/{WEIGHTS_FILE}"
+        if weight_format not in self.formats:
+            raise ValueError(f"weight_format {weight_format!r} is not one this channel quantises {self.formats}")
+        return f"{base}/{weight_format}/{WEIGHTS_FILE}"
+
+    def publish(self, state_dict: Mapping[str, Tensor], version: int, in_use: Iterable[int] = ()) -> None:
+        """Put ``version`` and its per-format copies, then ``LATEST``, then :meth:`collect` (``in_use`` kept)."""
+        from safetensors.torch import save
+
+        version = _check_version(version)
+        newest = self.latest()
+        if newest is not None and version <= newest:
+            raise ValueError(f"publish: version must grow, got {version} after {newest}")
+        if not state_dict:
+            raise ValueError("publish: state_dict is empty")
+        blobs = {self.key(version): save({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()})}
+        for fmt in self.formats:
+            blobs[self.key(version, fmt)] = save(group_checkpoint(state_dict, fmt, self.dtype))
+            self.quantised += 1
+        for key, data in blobs.items():
+            self.store.put(key, data)
+            self.bytes_written += len(data)
+        self.store.put(f"{self.prefix}/LATEST", str(version).encode())
+        self.collect(in_use)
+
+    def versions(self) -> list[int]:
+        """The versions in the store, oldest first."""
+        found = set()
+        for key in self.store.list(f"{self.prefix}/v"):
+            name = key[len(self.prefix) + 1:].split("/", 1)[0]
+            if name[1:].isdigit():
+                found.add(int(name[1:]))
+        return sorted(found)
+
+    def collect(self, in_use: Iterable[int] = ()) -> list[int]:
+        """Delete every version but the newest ``keep`` and those ``in_use``; returns the versions deleted."""
+        if self.keep is None:
+            return []
+        have = self.versions()
+        kept = set(have[-self.keep:]) | {int(v) for v in in_use}
+        gone = [v for v in have if v not in kept]
+        for v in gone:
+            for key in self.store.list(f"{self.prefix}/v{v:06d}/"):
+                self.store.delete(key)
+        return gone
+
+    def latest(self) -> int | None:
+        try:
+            return int(self.store.get(f"{self.prefix}/LATEST").decode())
+        except FileNotFoundError:
+            return None
+
+    def fetch(self, version: int, weight_format: str | None = None) -> dict[str, Tensor]:
+        """The weights of ``version`` as published, or its ``weight_format`` copy (on CPU)."""
+        from safetensors.torch import load
+
+        key = self.key(version, weight_format)
+        try:
+            data = self.store.get(key)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"fetch: version {version} is not in the store ({key!r}: never published, or "
+                                    f"collected: the channel keeps the newest {self.keep})") from exc
+        return load(data)
