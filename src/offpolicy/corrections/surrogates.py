@@ -295,6 +295,7 @@ class TOPR(_Surrogate):
     source: ClassVar[str] = ("TOPR (Le Roux et al. 2025, arXiv 2503.14286; ROLL pg_variant='topr', _compute_topr_loss): "
                              "A log p for A >= 0, sg(clamp(u, 0, 1)) A log p for A < 0")
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("topr", ("positive", "negative"), "pair"),)
+    example: ClassVar[dict] = {"weights": "tis", "record": "head", "topr": (1.0, 0.8)}
     inputs: ClassVar[tuple[str, ...]] = ()
     table_traits: ClassVar[str] = "`proximal_optional`, not `takes_trust_region`"
 
@@ -327,12 +328,16 @@ class KLCov(_Surrogate):
     source: ClassVar[str] = ("KL-Cov (Cui et al. 2025, 'The Entropy Mechanism of RL for Reasoning LMs', arXiv "
                              "2505.22617; verl core_algos.py compute_policy_loss_kl_cov)")
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("kl_cov", ("ratio", "coef"), "pair"),)
+    example: ClassVar[dict] = {"weights": "tis", "record": "support", "kl_cov": (1.0, 1.0)}
     inputs: ClassVar[tuple[str, ...]] = ("proximal_logprobs",)
     table_traits: ClassVar[str] = "`needs_proximal`, `batch_statistic`, not `takes_trust_region`"
 
     def __post_init__(self) -> None:
         check("KLCov", "ratio", finite(self.ratio) and 0 < self.ratio <= 1, "in (0, 1]", self.ratio)
         check("KLCov", "coef", finite(self.coef) and self.coef >= 0, "a finite number >= 0", self.coef)
+
+    def jumps(self) -> tuple[Jump, ...]:
+        return (Jump("log_u", (0.0,)),)  # the kink of |log u|
 
     def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float, *,
              active: Tensor) -> Tensor:
@@ -368,6 +373,7 @@ class Kimi15(_Surrogate):
     source: ClassVar[str] = ("Kimi k1.5 (arXiv 2501.12599, eq. 3; ROLL pg_variant='kimi15', _compute_kimi15_loss): "
                              "A log p - tau/2 (log p - log pi_old)^2")
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("kimi15", ("tau",)),)
+    example: ClassVar[dict] = {"weights": "mis", "record": "head", "kimi15": 0.1}
     inputs: ClassVar[tuple[str, ...]] = ()
     table_traits: ClassVar[str] = "`proximal_optional`, not `takes_trust_region`"
 
@@ -411,6 +417,8 @@ class ClipCov(_Surrogate):
         Keyword("clip_cov_ratio", ("ratio",), "number", 0.0002, "modifier"),
         Keyword("clip_cov_eps", ("eps_lo", "eps_hi"), "pair", (0.2, 0.2), "modifier"),
         Keyword("clip_cov_seed", ("seed",), "int", 0, "modifier"))
+    example: ClassVar[dict] = {"weights": "tis", "record": "head", "clip_cov": (-0.5, 5.0), "clip_cov_ratio": 0.2,
+                               "clip_cov_seed": 1}
     inputs: ClassVar[tuple[str, ...]] = ("proximal_logprobs",)
     table_traits: ClassVar[str] = "`needs_proximal`, `batch_statistic`, not `takes_trust_region`"
 
@@ -422,6 +430,9 @@ class ClipCov(_Surrogate):
         check("ClipCov", "eps_hi", finite(self.eps_hi) and self.eps_hi >= 0, "a finite number >= 0", self.eps_hi)
         check("ClipCov", "seed", isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
               "an integer >= 0", self.seed)
+
+    def jumps(self) -> tuple[Jump, ...]:
+        return (Jump("log_u", (math.log(1 - self.eps_lo), math.log(1 + self.eps_hi))),)
 
     def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float, *,
              active: Tensor) -> Tensor:
