@@ -64,6 +64,10 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "m2po": None,
     "topr": None,
     "kl_cov": None,
+    "clip_cov": None,
+    "clip_cov_ratio": 0.0002,
+    "clip_cov_eps": (0.2, 0.2),
+    "clip_cov_seed": 0,
     "max_route_flips": None,
     "seq_logprob_error": None,
     "kimi15": None,
@@ -411,6 +415,8 @@ def _surrogate_name(cfg: _Config) -> str:
         return "topr"
     if cfg.kl_cov is not None:
         return "kl_cov"
+    if cfg.clip_cov is not None:
+        return "clip_cov"
     if cfg.kimi15 is not None:
         return "kimi15"
     if cfg.sapo is not None:
@@ -510,6 +516,32 @@ def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tens
         for t in range(logp_y.shape[0]):
             log_u = (logp_y[t] - prox[t]).clamp(-mlr, mlr)
             out[t] = torch.exp(log_u) * adv[t] - (coef * log_u.abs() if t in top else 0.0)
+    elif name == "clip_cov":
+        # docs/spec.md#clip-cov: PPO's min(u A, clip(u) A), set to 0 on max(1, int(n ratio)) tokens drawn among the
+        # kept trained tokens (finite log p) PPO leaves unclipped with lb < (A_t - mean A)(log p_t - mean log p) < ub:
+        # the candidates in token order, permuted by randperm under a CPU generator seeded with clip_cov_seed.
+        lb, ub = cfg.clip_cov
+        lo, hi = cfg.clip_cov_eps
+        lp_d = logp_y.detach()
+        valid = [t for t in range(logp_y.shape[0]) if kept[t] and math.isfinite(float(lp_d[t]))]
+        drop = set()
+        if valid:
+            a_mean = sum(float(adv[t]) for t in valid) / len(valid)
+            l_mean = sum(float(lp_d[t]) for t in valid) / len(valid)
+            cand = []
+            for t in valid:
+                u = math.exp(min(max(float(lp_d[t] - prox[t]), -mlr), mlr))
+                a = float(adv[t])
+                clipped = (a > 0 and u > 1 + hi) or (a < 0 and u < 1 - lo)
+                cov = (a - a_mean) * (float(lp_d[t]) - l_mean)
+                if not clipped and lb < cov < ub:
+                    cand.append(t)
+            perm = torch.randperm(len(cand), generator=torch.Generator().manual_seed(cfg.clip_cov_seed)).tolist()
+            drop = {cand[i] for i in perm[:max(1, int(len(valid) * cfg.clip_cov_ratio))]}
+        for t in range(logp_y.shape[0]):
+            u_t = torch.exp((logp_y[t] - prox[t]).clamp(-mlr, mlr))
+            s_t = torch.minimum(u_t * adv[t], u_t.clamp(1 - lo, 1 + hi) * adv[t])
+            out[t] = s_t * 0.0 if t in drop else s_t
     elif name == "sapo":
         out = _sapo(logp_y, prox, adv, seqs, cfg)
     elif name == "vespo":

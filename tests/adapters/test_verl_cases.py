@@ -466,3 +466,35 @@ def test_verl_presets_give_the_installed_verl_loss(name):
     out.loss.backward()
     assert math.isclose(out.loss.item(), loss.item(), rel_tol=1e-7, abs_tol=1e-10), (name, out.loss.item(), loss.item())
     torch.testing.assert_close(leaf.grad, grad, rtol=1e-7, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("ratio, lb, ub", [(0.0002, 1.0, 5.0), (0.1, 0.05, 5.0), (0.3, -0.5, 2.0)])
+@pytest.mark.parametrize("seed", range(3))
+def test_verl_clip_cov_with_the_same_seed(ratio, lb, ub, seed):
+    """verl's ``compute_policy_loss_clip_cov`` draws its clipped tokens with ``torch.randperm`` on the global CPU
+    generator: after ``torch.manual_seed(seed)`` that draw is ``Correction(clip_cov=(lb, ub), clip_cov_seed=seed)``'s,
+    so the token-sum loss and its gradient match (docs/spec.md#clip-cov)."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_clip_cov
+    g = torch.Generator().manual_seed(100 + seed)
+    b, t, vocab = 4, 8, 7
+    z = torch.randn(b * t, vocab, generator=g, dtype=torch.float64)
+    y = torch.randint(0, vocab, (b * t,), generator=g)
+    old = (torch.log_softmax(z, 1)[torch.arange(b * t), y]
+           + 0.3 * torch.randn(b * t, generator=g, dtype=torch.float64)).clamp(max=0.0)
+    adv = 2 * torch.randn(b * t, generator=g, dtype=torch.float64)
+    mask = torch.rand(b * t, generator=g) < 0.85
+    z1, z2 = z.clone().requires_grad_(), z.clone().requires_grad_()
+    lp = torch.log_softmax(z2, 1)[torch.arange(b * t), y]
+    cfg = _config(agg="token-sum", policy_loss=PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=ratio,
+                                                                 clip_cov_lb=lb, clip_cov_ub=ub))
+    torch.manual_seed(seed)
+    theirs, metrics = compute_policy_loss_clip_cov(old.view(b, t), lp.view(b, t), adv.view(b, t),
+                                                   mask.view(b, t).double(), "token-sum", cfg)
+    theirs.backward()
+    corr = op.Correction(clip_cov=(lb, ub), clip_cov_ratio=ratio, clip_cov_seed=seed)
+    out = op.policy_loss(z1, y, old, adv, loss_mask=mask, proximal_logprobs=old, aggregation="constant",
+                         constant_normalizer=1.0, correction=corr)
+    out.loss.backward()
+    assert metrics["actor/pg_clipfrac"] > 0
+    torch.testing.assert_close(out.loss.detach(), theirs.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-10, atol=1e-13)

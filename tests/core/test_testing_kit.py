@@ -80,7 +80,7 @@ def test_project_policy_loss_passes_every_invariant(cfg):
     report, ran = _project_passes(cfg)
     plain = (cfg.weights in ("tis", "mis") and cfg.surrogate == "score_function" and not cfg.batch_normalize
              and not cfg.correction.rejection_rules and not cfg.has_sequence_rejections
-             and cfg.trust_region is None)
+             and cfg.trust_region is None and cfg.m2po is None)
     assert ("zero_drift" in ran) == (cfg.score_centering and not cfg.has_sequence_rejections)
     assert ("support_replay" in ran) == (cfg.record == "support")
     assert ("plain_is_unbiased" in ran) == plain
@@ -93,7 +93,9 @@ def test_every_config_covers_the_family():
     cfgs = every_config()
     corrs = [c.correction for c in cfgs]
     assert {c.surrogate for c in cfgs} == {"score_function", "ppo", "ppo_dual_clip", "gspo_token", "cispo",
-                                           "trust_region", "sapo", "vespo", "gmpo"}
+                                           "trust_region", "sapo", "vespo", "gmpo", "topr", "kimi15", "kl_cov",
+                                           "clip_cov"}
+    assert any(c.m2po is not None for c in cfgs) and any(c.seq_logprob_error is not None for c in cfgs)
     assert any(c.ppo_delta is not None for c in cfgs)
     kinds = {(r.kind, getattr(r, "estimator", None), r.level, isinstance(getattr(r, "threshold", 0), tuple))
              for c in corrs for _, r in c.rejection_rules}

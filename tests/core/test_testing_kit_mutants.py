@@ -12,6 +12,7 @@ import pytest
 from support.mutants import BUGS, dense_loss
 from offpolicy import KLRejection, RatioRejection
 from offpolicy.testing import INVARIANTS, InvariantViolation, LossConfig, check_all, family_configs, run_invariant
+from offpolicy.testing.config import node_examples
 
 MIS_HEAD_SC = LossConfig(weights="mis", score_centering=True, record="head")
 MIS_SUPPORT_SC = LossConfig(weights="mis", score_centering=True, record="support")
@@ -46,6 +47,10 @@ REJ_OUT_TOKEN = LossConfig(weights="reject", record="head", kl_rejection=KLRejec
                            rejected_in_normalizer=False, aggregation="token_mean")
 REJ_OUT_SEQ = LossConfig(weights="mis", record="support", rejections=(KLRejection((-0.3, 0.3), "k1", "seq_mean"),),
                          rejected_in_normalizer=False, aggregation="seq_mean_token_mean")
+#: The node examples (the kit's configurations of TOPR, Kimi15, KL-Cov, Clip-Cov, M2PO, seq_logprob_error),
+#: by the keyword that selects each.
+EXAMPLES = {k: c for c in node_examples() for k in ("topr", "kimi15", "kl_cov", "clip_cov", "m2po", "seq_logprob_error")
+            if getattr(c, k) is not None}
 #: Combinations no mutant targets, passed by the correct loss only: sequence-level weights under decoupled PPO and
 #: CISPO, GSPO-token with sequence normalisation and a sequence aggregation, the veto with sequence weights.
 COMBINED = [
@@ -98,6 +103,12 @@ CAUGHT = [
     ("gspo_token_sequence_gradient", GSPO_TOKEN, "agreement"),  # same value; per-token advantages expose it
     ("rejected_kept_in_normalizer", REJ_OUT_TOKEN, "agreement"),
     ("rejected_kept_in_normalizer", REJ_OUT_SEQ, "agreement"),
+    ("topr_negative_unclipped", EXAMPLES["topr"], "agreement"),
+    ("kimi15_penalty_detached", EXAMPLES["kimi15"], "agreement"),  # same value, the penalty's gradient is lost
+    ("kl_cov_penalty_signed", EXAMPLES["kl_cov"], "agreement"),
+    ("clip_cov_unseeded_draw", EXAMPLES["clip_cov"], "agreement"),
+    ("m2po_smallest_first", EXAMPLES["m2po"], "agreement"),
+    ("seq_logprob_error_signed", EXAMPLES["seq_logprob_error"], "agreement"),
 ]
 
 

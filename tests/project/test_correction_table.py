@@ -86,10 +86,12 @@ def test_the_table_is_derived_from_the_nodes():
 def test_a_node_example_joins_the_kit_matrix(monkeypatch):
     """A node class that declares ``example`` (the keywords of one configuration the kit can feed) is in
     ``family_configs`` without a line of the kit changed."""
-    from offpolicy.corrections.surrogates import TOPR
+    from offpolicy.corrections.surrogates import GMPO
     from offpolicy.testing.config import family_configs, node_examples
 
-    assert not node_examples()
-    monkeypatch.setattr(TOPR, "example", dict(weights="tis", record="head", topr=(1.0, 0.8)), raising=False)
-    assert [c.surrogate for c in node_examples()] == ["topr"]
-    assert "topr" in {c.surrogate for c in family_configs()}
+    declared = {c.surrogate for c in node_examples()}
+    assert {"topr", "kimi15", "kl_cov", "clip_cov"} <= declared
+    assert "gmpo" not in declared
+    monkeypatch.setattr(GMPO, "example", dict(weights="tis", record="head", gmpo=(0.3, 0.3)), raising=False)
+    assert "gmpo" in {c.surrogate for c in node_examples()}
+    assert sum(c.gmpo == (0.3, 0.3) for c in family_configs()) == 1

@@ -6,8 +6,9 @@ written in the style of a framework's loss function and reached through the kit'
 Besides the weights, levels and score centering it implements the rest of the family from docs/spec.md#family:
 token-level rejection rules (chained ratio and KL bands, one- or two-sided), sequence rules (ratio bands on the
 summed or mean log-ratio, KL bands at ``seq_sum`` / ``seq_mean`` / ``seq_max``, veto, OPSM), batch normalisation over
-tokens and over sequences, the surrogates (decoupled PPO with its dual clip and delta, GSPO-token, CISPO, at any
-weight level) and ``rejected_in_normalizer=False``. It refuses nothing the kit's :class:`LossConfig` can declare.
+tokens and over sequences, the surrogates (decoupled PPO with its dual clip and delta, GSPO-token, CISPO, TOPR,
+Kimi15, KL-Cov, Clip-Cov, at any weight level), M2PO's batch mask, seq_logprob_error and
+``rejected_in_normalizer=False``. It refuses nothing the kit's :class:`LossConfig` can declare.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ BUGS = {
                                     "(exp(mean_t log p_t / pi_prox_t)): the gradient is GSPO's, not per token",
     "opsm_any_advantage": "OPSM drops off-policy sequences whatever their advantage (it drops only A_i < 0)",
     "rejected_kept_in_normalizer": "rejected_in_normalizer=False ignored: rejected tokens stay in the normaliser",
+    "topr_negative_unclipped": "TOPR's A < 0 coefficient u never clamped to [0, 1]",
+    "kimi15_penalty_detached": "Kimi15's squared penalty computed on a detached log p (no gradient from it)",
+    "kl_cov_penalty_signed": "KL-Cov's penalty coef * log u instead of coef * |log u|",
+    "clip_cov_unseeded_draw": "Clip-Cov drops the first candidates in token order, not the seeded draw",
+    "m2po_smallest_first": "M2PO drops the tokens with the smallest (log r)^2 first",
+    "seq_logprob_error_signed": "seq_logprob_error's statistic mean exp(log r), not mean exp(|log r|)",
 }
 
 #: The KL estimators at a clamped log-ratio ``lr`` (k1, k2, k3 of KL(q || p)).
@@ -114,12 +121,17 @@ def _dropped(log_r: Tensor, log_r_p: Tensor, adv: Tensor, trained: Tensor, seq_i
     log-ratio."""
     rules = [r for _, r in cfg.correction.rejection_rules if bug != "sequence_rule_per_token" and _is_sequence_rule(r)]
     drop = torch.zeros_like(trained)
-    if not rules and cfg.veto is None and cfg.opsm_delta is None:
+    if not rules and cfg.veto is None and cfg.opsm_delta is None and cfg.seq_logprob_error is None:
         return drop
     seq, num = _segments(seq_ids)
     count = _seq_sum(trained.to(log_r.dtype), seq, num)
     lr = log_r.clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
     seq_drop = torch.zeros(num, dtype=torch.bool)
+    if cfg.seq_logprob_error is not None:
+        # docs/spec.md#seq-logprob-error: mean over the sequence's trained tokens of exp(|clamped log r|).
+        e = torch.exp(lr if bug == "seq_logprob_error_signed" else lr.abs())
+        mean = _seq_sum(torch.where(trained, e, torch.zeros_like(e)), seq, num) / count.clamp_min(1)
+        seq_drop |= (count > 0) & (mean > cfg.seq_logprob_error)
     if cfg.veto is not None:
         seq_drop |= _seq_sum((trained & (log_r < math.log(cfg.veto))).to(lr.dtype), seq, num) > 0
     if cfg.opsm_delta is not None:
@@ -145,6 +157,34 @@ def _dropped(log_r: Tensor, log_r_p: Tensor, adv: Tensor, trained: Tensor, seq_i
             band = rule.threshold if isinstance(rule.threshold, tuple) else (-math.inf, rule.threshold)
         seq_drop |= (count > 0) & ~((stat >= band[0]) & (stat <= band[1]))
     return seq_drop[seq] & trained
+
+
+def _m2po_drop(log_r: Tensor, trained: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
+    """docs/spec.md#m2po: over the trained tokens in order of decreasing ``(clamped log r)^2`` (ties in token order),
+    drop the fewest whose removal brings the remaining mean below ``tau`` (all but one when none does)."""
+    drop = torch.zeros_like(trained)
+    if cfg.m2po is None:
+        return drop
+    idx = [int(i) for i in trained.nonzero().flatten()]
+    m2 = log_r.clamp(-cfg.max_log_ratio, cfg.max_log_ratio).square()
+    order = sorted(idx, key=lambda i: (float(m2[i]) if bug == "m2po_smallest_first" else -float(m2[i]), i))
+    for k in range(len(order)):
+        rest = order[k:]
+        if sum(float(m2[i]) for i in rest) / len(rest) < cfg.m2po:
+            break
+    else:
+        k = max(0, len(order) - 1)
+    for i in order[:k]:
+        drop[i] = True
+    return drop
+
+
+def _covariance(logp_y: Tensor, adv: Tensor, valid: Tensor) -> Tensor:
+    """``[N]`` ``(A_t - mean A)(log p_t - mean log p)`` with the means over ``valid`` (detached)."""
+    lp = torch.where(valid, logp_y.detach(), torch.zeros_like(logp_y))
+    n = valid.sum().clamp_min(1)
+    a_mean = torch.where(valid, adv, torch.zeros_like(adv)).sum() / n
+    return (adv - a_mean) * (lp - lp.sum() / n)
 
 
 def _batch_scale(w: Tensor, sel: Tensor, seq_ids: Tensor | None, cfg: LossConfig, bug: str | None) -> Tensor:
@@ -226,7 +266,7 @@ def _aggregate(loss: Tensor, trained: Tensor, seq_ids: Tensor | None, cfg: LossC
 
 
 def _surrogate(logp_y: Tensor, prox: Tensor, adv: Tensor, trained: Tensor, seq_ids: Tensor | None, cfg: LossConfig,
-               bug: str | None) -> Tensor:
+               bug: str | None, valid: Tensor | None = None) -> Tensor:
     """``s_t`` of decoupled PPO (clipped ``u A``, dual clip, delta) or CISPO (``sg(clamp(u, lo, hi)) A log p``),
     ``u = p / pi_prox`` (GSPO-token: ``u = sg(s_i) p_t / sg(p_t)`` with GSPO's sequence ratio
     ``s_i = exp(mean_{t in i} log(p_t / pi_prox_t))`` over trained tokens); the token loss is ``-w s``."""
@@ -248,6 +288,32 @@ def _surrogate(logp_y: Tensor, prox: Tensor, adv: Tensor, trained: Tensor, seq_i
             coef = coef.clamp(*cfg.cispo)
         return torch.where(coef != 0, coef * adv * logp_y, torch.zeros_like(logp_y))
     u = torch.exp(log_u)
+    if cfg.kl_cov is not None:
+        # docs/spec.md#kl-cov: u A minus coef |log u| on the top max(1, int(n ratio)) valid tokens by covariance.
+        ratio, coef = cfg.kl_cov
+        valid = valid & torch.isfinite(logp_y.detach())
+        cov = torch.where(valid, _covariance(logp_y, adv, valid), torch.full_like(adv, -math.inf))
+        k = max(1, int(int(valid.sum()) * ratio))
+        top = torch.zeros_like(valid)
+        if valid.any():
+            top[torch.sort(cov, descending=True, stable=True).indices[:k]] = True
+        pen = coef * (log_u if bug == "kl_cov_penalty_signed" else log_u.abs())
+        return u * adv - torch.where(top & valid, pen, torch.zeros_like(pen))
+    if cfg.clip_cov is not None:
+        # docs/spec.md#clip-cov: PPO's clipped u A, 0 on tokens drawn (seeded randperm) among the unclipped valid
+        # tokens with lb < covariance < ub.
+        lb, ub = cfg.clip_cov
+        lo, hi = cfg.clip_cov_eps
+        valid = valid & torch.isfinite(logp_y.detach())
+        s1, s2 = u * adv, u.clamp(1 - lo, 1 + hi) * adv
+        cov = _covariance(logp_y, adv, valid)
+        cand = (valid & ~(s2.detach() < s1.detach()) & (cov > lb) & (cov < ub)).nonzero().flatten()
+        k = max(1, int(int(valid.sum()) * cfg.clip_cov_ratio))
+        perm = (torch.arange(len(cand)) if bug == "clip_cov_unseeded_draw"
+                else torch.randperm(len(cand), generator=torch.Generator().manual_seed(cfg.clip_cov_seed)))
+        out = torch.ones_like(valid)
+        out[cand[perm[:k]]] = False
+        return torch.where(out, torch.minimum(s1, s2), torch.zeros_like(s1))
     lo, hi = cfg.ppo_clip
     capped = u if cfg.ppo_delta is None or bug == "ppo_delta_ignored" else u.clamp(max=cfg.ppo_delta)
     s = torch.minimum(capped * adv, u.clamp(1 - lo, 1 + hi) * adv)
@@ -304,6 +370,7 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
             w = _sequence_weight(log_r, trained, seq_ids, cfg, bug)
             bounded = _sequence_log_ratio(log_r, trained, seq_ids, cfg, bug)
         dropped = _dropped(log_r, logp_y.detach() - lq_used.detach(), adv, trained, seq_ids, cfg, bug)
+        dropped = dropped | _m2po_drop(log_r.detach(), trained, cfg, bug)
         w = torch.where(dropped, torch.zeros_like(w), w)
         impossible = logp_y.detach() == -math.inf
         kept = trained & ~dropped
@@ -320,9 +387,24 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
         if cfg.needs_proximal:
             # Decoupled PPO / CISPO: the weight acts on pi_prox / q; an impossible token weighs 0.
             w = torch.where(impossible, torch.zeros_like(w), w)
-            s = _surrogate(logp_y, prox, adv, trained, seq_ids, cfg, bug)
+            s = _surrogate(logp_y, prox, adv, trained, seq_ids, cfg, bug, valid=kept)
             loss = torch.where(w != 0, -w * s, torch.zeros_like(s))
             loss = torch.where((adv != 0) & trained, loss, torch.zeros_like(loss))
+            return loss if cfg.aggregation is None else _aggregate(loss, counted, seq_ids, cfg, bug)
+        if cfg.topr is not None or cfg.kimi15 is not None:
+            # docs/spec.md#topr, #kimi15: u = p / pi_old, pi_old the sampler here (no proximal policy fed).
+            log_u = (logp_y - lq_used).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+            if cfg.topr is not None:
+                pos, neg = cfg.topr
+                u = torch.exp(log_u.detach())
+                coef = torch.where(adv >= 0, torch.full_like(u, pos),
+                                   neg * (u if bug == "topr_negative_unclipped" else u.clamp(0.0, 1.0)))
+                s = torch.where(coef != 0, coef * adv * logp_y, torch.zeros_like(logp_y))
+            else:
+                pen = log_u.detach() if bug == "kimi15_penalty_detached" else log_u
+                s = adv * logp_y - 0.5 * cfg.kimi15 * pen.square()
+            loss = torch.where(w != 0, -w * s, torch.zeros_like(s))
+            loss = torch.where((adv != 0) & kept, loss, torch.zeros_like(loss))
             return loss if cfg.aggregation is None else _aggregate(loss, counted, seq_ids, cfg, bug)
         term = w * logp_y if bug == "no_inf_guard" else torch.where(w != 0, w * logp_y, torch.zeros_like(logp_y))
         if cfg.score_centering and candidates is not None:

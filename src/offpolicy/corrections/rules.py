@@ -255,6 +255,7 @@ class SeqLogprobError:
     source: ClassVar[str] = ("NeMo-RL grpo.seq_logprob_error_threshold (compute_and_apply_seq_logprob_error_masking: "
                              "seq_mult_prob_error)")
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("seq_logprob_error", ("threshold",)),)
+    example: ClassVar[dict] = {"weights": "mis", "record": "head", "seq_logprob_error": 1.5}
     inputs: ClassVar[tuple[str, ...]] = ("seq_ids",)
     table_traits: ClassVar[str] = "`per_sequence`"
 
@@ -346,6 +347,7 @@ class M2PO:
     source: ClassVar[str] = ("M2PO (Zheng et al. 2025, arXiv 2510.01161; AReaL actor.m2_threshold, "
                              "_apply_m2po_masking): second-moment trust region on log r")
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("m2po", ("tau",)),)
+    example: ClassVar[dict] = {"weights": "tis", "record": "support", "m2po": 0.04}
     inputs: ClassVar[tuple[str, ...]] = ()
     table_traits: ClassVar[str] = "`masks` (one mask per batch)"
 

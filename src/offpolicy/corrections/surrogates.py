@@ -295,6 +295,7 @@ class TOPR(_Surrogate):
     source: ClassVar[str] = ("TOPR (Le Roux et al. 2025, arXiv 2503.14286; ROLL pg_variant='topr', _compute_topr_loss): "
                              "A log p for A >= 0, sg(clamp(u, 0, 1)) A log p for A < 0")
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("topr", ("positive", "negative"), "pair"),)
+    example: ClassVar[dict] = {"weights": "tis", "record": "head", "topr": (1.0, 0.8)}
     inputs: ClassVar[tuple[str, ...]] = ()
     table_traits: ClassVar[str] = "`proximal_optional`, not `takes_trust_region`"
 
@@ -327,12 +328,16 @@ class KLCov(_Surrogate):
     source: ClassVar[str] = ("KL-Cov (Cui et al. 2025, 'The Entropy Mechanism of RL for Reasoning LMs', arXiv "
                              "2505.22617; verl core_algos.py compute_policy_loss_kl_cov)")
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("kl_cov", ("ratio", "coef"), "pair"),)
+    example: ClassVar[dict] = {"weights": "tis", "record": "support", "kl_cov": (1.0, 1.0)}
     inputs: ClassVar[tuple[str, ...]] = ("proximal_logprobs",)
     table_traits: ClassVar[str] = "`needs_proximal`, `batch_statistic`, not `takes_trust_region`"
 
     def __post_init__(self) -> None:
         check("KLCov", "ratio", finite(self.ratio) and 0 < self.ratio <= 1, "in (0, 1]", self.ratio)
         check("KLCov", "coef", finite(self.coef) and self.coef >= 0, "a finite number >= 0", self.coef)
+
+    def jumps(self) -> tuple[Jump, ...]:
+        return (Jump("log_u", (0.0,)),)  # the kink of |log u|
 
     def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float, *,
              active: Tensor) -> Tensor:
@@ -368,6 +373,7 @@ class Kimi15(_Surrogate):
     source: ClassVar[str] = ("Kimi k1.5 (arXiv 2501.12599, eq. 3; ROLL pg_variant='kimi15', _compute_kimi15_loss): "
                              "A log p - tau/2 (log p - log pi_old)^2")
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("kimi15", ("tau",)),)
+    example: ClassVar[dict] = {"weights": "mis", "record": "head", "kimi15": 0.1}
     inputs: ClassVar[tuple[str, ...]] = ()
     table_traits: ClassVar[str] = "`proximal_optional`, not `takes_trust_region`"
 
@@ -379,6 +385,77 @@ class Kimi15(_Surrogate):
         return adv * logp_y - 0.5 * self.tau * lu.square()
 
 
-Surrogate = Union[ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov, Kimi15]
+@dataclass(frozen=True)
+class ClipCov(_Surrogate):
+    """Clip-Cov (verl ``policy_loss.loss_mode="clip_cov"``): PPO's clipped surrogate
+    ``min(u A, clip(u, 1 - eps_lo, 1 + eps_hi) A)``, ``u = p / pi_prox``, set to 0 (no gradient) on
+    ``max(1, int(n ratio))`` tokens drawn at random among the kept trained tokens PPO leaves unclipped whose covariance
+    ``(A_t - mean A)(log p_t - mean log p)`` lies strictly in ``(lb, ub)`` (means over the batch's ``n`` kept trained
+    tokens with a finite ``log p``). The draw is reproducible: the candidates in token order, permuted by
+    ``torch.randperm(len, generator=torch.Generator().manual_seed(seed))`` on the CPU, the first ones taken (verl
+    draws with the global generator: ``torch.manual_seed(seed)`` before its call gives the same draw). A fixed
+    ``seed`` repeats the draw for the same candidate count; pass a new one per step (the step number) for fresh
+    draws. One batch: refused under ``cp_group``. ``fast`` takes the kept trained tokens as ``active``
+    (``batch_statistic``); all ``[N]`` float tensors, ``active`` ``[N]`` bool."""
+
+    lb: float = 1.0
+    ub: float = 5.0
+    ratio: float = 0.0002
+    eps_lo: float = 0.2
+    eps_hi: float = 0.2
+    seed: int = 0
+    expects: ClassVar[str] = ("with lb < ub finite, ratio in (0, 1], eps_lo in [0, 1), eps_hi >= 0 and "
+                              "seed an integer >= 0")
+    name: ClassVar[str] = "clip_cov"
+    takes_trust_region: ClassVar[bool] = False
+    batch_statistic: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#clip-cov"
+    source: ClassVar[str] = ("Clip-Cov (Cui et al. 2025, 'The Entropy Mechanism of RL for Reasoning LMs', arXiv "
+                             "2505.22617; verl core_algos.py compute_policy_loss_clip_cov), with a seeded draw")
+    keywords: ClassVar[tuple[Keyword, ...]] = (
+        Keyword("clip_cov", ("lb", "ub"), "pair"),
+        Keyword("clip_cov_ratio", ("ratio",), "number", 0.0002, "modifier"),
+        Keyword("clip_cov_eps", ("eps_lo", "eps_hi"), "pair", (0.2, 0.2), "modifier"),
+        Keyword("clip_cov_seed", ("seed",), "int", 0, "modifier"))
+    example: ClassVar[dict] = {"weights": "tis", "record": "head", "clip_cov": (-0.5, 5.0), "clip_cov_ratio": 0.2,
+                               "clip_cov_seed": 1}
+    inputs: ClassVar[tuple[str, ...]] = ("proximal_logprobs",)
+    table_traits: ClassVar[str] = "`needs_proximal`, `batch_statistic`, not `takes_trust_region`"
+
+    def __post_init__(self) -> None:
+        check("ClipCov", "lb", finite(self.lb), "a finite number", self.lb)
+        check("ClipCov", "ub", finite(self.ub) and self.ub > self.lb, "a finite number > lb", self.ub)
+        check("ClipCov", "ratio", finite(self.ratio) and 0 < self.ratio <= 1, "in (0, 1]", self.ratio)
+        check("ClipCov", "eps_lo", finite(self.eps_lo) and 0 <= self.eps_lo < 1, "in [0, 1)", self.eps_lo)
+        check("ClipCov", "eps_hi", finite(self.eps_hi) and self.eps_hi >= 0, "a finite number >= 0", self.eps_hi)
+        check("ClipCov", "seed", isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+              "an integer >= 0", self.seed)
+
+    def jumps(self) -> tuple[Jump, ...]:
+        return (Jump("log_u", (math.log(1 - self.eps_lo), math.log(1 + self.eps_hi))),)
+
+    def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float, *,
+             active: Tensor) -> Tensor:
+        if seg is not None and seg.group is not None:
+            raise ValueError("Correction.clip_cov under cp_group is not supported: its covariance and draw are over "
+                             "the whole batch, and each rank holds only some tokens")
+        u = torch.exp((logp_y - prox).clamp(-max_log_ratio, max_log_ratio))
+        s1, s2 = u * adv, u.clamp(1.0 - self.eps_lo, 1.0 + self.eps_hi) * adv
+        s = torch.minimum(s1, s2)
+        valid = (active & torch.isfinite(logp_y.detach())).nonzero().squeeze(1)
+        if valid.numel() == 0:
+            return s
+        a, lp = adv[valid], logp_y.detach()[valid]
+        cov = (a - a.mean()) * (lp - lp.mean())
+        unclipped = ~(s2.detach() < s1.detach())[valid]
+        cand = valid[unclipped & (cov > self.lb) & (cov < self.ub)]
+        k = max(1, int(valid.numel() * self.ratio))
+        perm = torch.randperm(cand.numel(), generator=torch.Generator().manual_seed(self.seed))
+        drop = torch.zeros_like(active)
+        drop[cand[perm[:k].to(cand.device)]] = True
+        return torch.where(drop, torch.zeros_like(s), s)
+
+
+Surrogate = Union[ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov, Kimi15, ClipCov]
 SURROGATE_CLASSES: tuple[type, ...] = (ScoreFunction, PPO, CISPO, SAPO, VESPO, GMPO, RatioSurrogate, TOPR, KLCov,
-                                       Kimi15)
+                                       Kimi15, ClipCov)
