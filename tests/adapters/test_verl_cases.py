@@ -498,3 +498,107 @@ def test_verl_clip_cov_with_the_same_seed(ratio, lb, ub, seed):
     assert metrics["actor/pg_clipfrac"] > 0
     torch.testing.assert_close(out.loss.detach(), theirs.detach(), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-10, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verl's other policy losses (gpg, dro, gspo, sapo, geo_mean), run as verl's own registered functions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _loss_cfg(loss_mode, agg, **policy_loss):
+    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
+                      policy_loss=PolicyLossConfig(loss_mode=loss_mode, **policy_loss), loss_agg_mode=agg,
+                      clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, tau_pos=1.0, tau_neg=1.05)
+    return cfg
+
+
+def _verl_named_loss(loss_mode, agg, cur, old, mask, adv, **policy_loss):
+    """verl 0.9.1's registered ``loss_mode`` function on float64 ``[B, T]`` inputs: (loss, d loss / d cur)."""
+    leaf = cur.clone().requires_grad_(True)
+    loss, _ = get_policy_loss_fn(loss_mode)(old, leaf, adv, mask.double(), agg,
+                                            _loss_cfg(loss_mode, agg, **policy_loss), None)
+    loss.backward()
+    return loss.detach(), leaf.grad
+
+
+def _ours_named(cur, old, mask, adv, corr, aggregation, proximal=True, **kw):
+    b, t = mask.shape
+    leaf = cur.clone().requires_grad_(True)
+    out = op.policy_loss_from_logprobs(leaf.reshape(-1), old.reshape(-1), adv.reshape(-1),
+                                       loss_mask=mask.reshape(-1), correction=corr, aggregation=aggregation,
+                                       seq_ids=torch.arange(b)[:, None].expand(b, t).reshape(-1),
+                                       proximal_logprobs=old.reshape(-1) if proximal else None, **kw)
+    out.loss.backward()
+    return out.loss.detach(), leaf.grad
+
+
+def _token_adv(seed, mask):
+    """A per-token advantage that varies along each sequence (verl's losses take ``[B, T]`` advantages)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    return torch.randn(mask.shape, generator=g, dtype=torch.float64)
+
+
+NAMED = {
+    # loss_mode: (offpolicy Correction, offpolicy aggregation, verl loss_agg_mode, proximal, extra kwargs)
+    "gpg": (op.Correction(), "token_mean", "token-mean", False, {}),
+    "dro": (op.Correction(kl_penalty=op.KLPenalty(0.3, "k2")), "token_mean", "token-mean", False, {"dro_beta": 0.3}),
+    "gspo": (op.Correction(ppo_clip=(0.2, 0.28), ppo_ratio="gspo_token"), "seq_mean_token_mean",
+             "seq-mean-token-mean", True, {}),
+    "sapo": (op.Correction(sapo=(1.0, 1.05)), "seq_mean_token_mean", "seq-mean-token-mean", True, {}),
+    "geo_mean": (op.Correction(gmpo=(0.2, 0.28)), "seq_mean_token_mean", "token-mean", True, {}),
+}
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("loss_mode", sorted(NAMED))
+def test_verl_named_losses_are_reproduced(loss_mode, seed):
+    """verl 0.9.1's ``gpg`` (-A log p), ``dro`` (-A log p + beta/2 (log p - log old)^2, offpolicy's k2 KL penalty
+    with the old log-probs as reference), ``gspo`` (GSPO-token: sg[s_i] p / sg[p], clamped at log 10), ``sapo`` and
+    ``geo_mean`` (GMPO), each run as verl's own registered function, against offpolicy: loss and gradient to 1e-9
+    relative (1e-7 for gspo, sapo and geo_mean: verl adds 1e-8 to their per-sequence token counts, offpolicy does
+    not). Advantages vary along each sequence except for
+    geo_mean, whose verl code takes the sequence's mean advantage."""
+    corr, ours_agg, verl_agg, proximal, extra = NAMED[loss_mode]
+    cur, old, _, mask, adv = _preset_batch(seed, 0.1)
+    if loss_mode != "geo_mean":
+        adv = _token_adv(seed, mask)
+    want, want_grad = _verl_named_loss(loss_mode, verl_agg, cur, old, mask, adv, **extra)
+    kw = {"reference_logprobs": old.reshape(-1)} if loss_mode == "dro" else {}
+    got, got_grad = _ours_named(cur, old, mask, adv, corr, ours_agg, proximal, **kw)
+    tol = 1e-9 if verl_agg == "token-mean" and loss_mode != "geo_mean" else 1e-7
+    assert math.isclose(got.item(), want.item(), rel_tol=tol, abs_tol=1e-12), (loss_mode, got.item(), want.item())
+    torch.testing.assert_close(got_grad, want_grad, rtol=tol, atol=1e-12, msg=loss_mode)
+
+
+def _sequence_gspo(cur, old, mask, adv, low=0.2, high=0.28):
+    """GSPO at sequence level, float64 transcription of arXiv 2507.18071 eq. (5) with per-token advantages: the
+    ratio ``s_i = exp(mean_t log(p / old))`` is differentiated through (no stop-gradient), each token loses
+    ``-min(s_i A_t, clip(s_i, 1 - low, 1 + high) A_t)``; mean over each sequence's tokens, then over sequences.
+    Returns (loss, d loss / d cur)."""
+    leaf = cur.clone().requires_grad_(True)
+    m = mask.double()
+    n = m.sum(-1)
+    s = torch.exp(((leaf - old) * m).sum(-1) / n)[:, None]
+    per_token = -torch.minimum(s * adv, s.clamp(1 - low, 1 + high) * adv)
+    loss = ((per_token * m).sum(-1) / n).mean()
+    loss.backward()
+    return loss.detach(), leaf.grad
+
+
+def test_verl_gspo_is_gspo_token_and_not_sequence_level_gspo():
+    """verl 0.9.1's ``gspo`` is GSPO-token (``sg[s_i] p / sg[p]``). Sequence-level GSPO has the same loss value, and
+    the same gradient when the advantage is constant along each sequence; with advantages that vary within a
+    sequence, its gradient spreads the sequence's summed advantage over every token (``-s_i / |y_i|^2 sum_j A_j``)
+    where GSPO-token's is per token (``-s_i A_t / |y_i|``): the gradients differ, by more than 10% of their norm
+    on this batch. offpolicy reproduces verl's (GSPO-token); sequence-level GSPO is not reproduced."""
+    cur, old, _, mask, adv_const = _preset_batch(0, 0.05)
+    adv_var = _token_adv(0, mask)
+    for adv, same_grad in ((adv_const, True), (adv_var, False)):
+        verl_loss, verl_grad = _verl_named_loss("gspo", "seq-mean-token-mean", cur, old, mask, adv)
+        seq_loss, seq_grad = _sequence_gspo(cur, old, mask, adv)
+        assert math.isclose(seq_loss.item(), verl_loss.item(), rel_tol=1e-7), (seq_loss.item(), verl_loss.item())
+        gap = float((seq_grad - verl_grad)[mask].norm() / verl_grad[mask].norm())
+        if same_grad:
+            assert gap < 1e-7, gap
+        else:
+            assert gap > 0.1, gap
