@@ -341,3 +341,16 @@ def test_record_reader_maps_the_other_off_sentinels_to_minus_one():
     assert from_lines([_line(top_k=1 << 30)]).top_k.tolist() == [-1, -1]
     ro = sample(TinyLM(), prompts(1), 2, record="head")
     assert from_token_batch(ro.flatten(), ro.sequences, top_k=0).top_k.tolist() == [-1, -1]
+
+
+def test_the_recommended_correction_is_printed_as_a_short_call_that_builds_it():
+    """The text report names only the keywords that differ from their defaults (the family's full repr is a line of
+    several hundred characters), and the printed call builds the recommended correction back."""
+    from offpolicy.diagnose.summary import correction_call
+
+    for corr in (op.Correction(), op.Correction(weights="mis", bounds=(0.5, 5.0), score_centering=True, veto=1e-4),
+                 op.Correction(weights="tis", level="geometric", max_staleness=2)):
+        call = correction_call(corr)
+        assert eval(call, {"Correction": op.Correction}) == corr
+        assert len(call) < 120
+    assert correction_call(op.Correction()) == "Correction()"

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from offpolicy.corrections.correction import Correction
 from offpolicy.diagnose.divergence import Divergence
 from offpolicy.diagnose.findings import Finding, short_label
+
+
+def correction_call(corr: Correction) -> str:
+    """``Correction(...)`` with only the keywords that differ from their defaults (the full repr lists every field of
+    the family, one line of several hundred characters)."""
+    default = Correction()
+    args = [f"{f.name}={getattr(corr, f.name)!r}" for f in fields(corr)
+            if f.repr and getattr(corr, f.name) != getattr(default, f.name)]
+    return f"Correction({', '.join(args)})"
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,7 @@ class DiagnoseReport:
         lines += ["", "semantics:"]
         lines += [f"  [{'XX' if not f.ok else '~~' if f.mismatch else 'ok'}] {f.check}: {f.message}"
                   for f in self.findings]
-        lines += ["", f"recommended correction: {self.correction!r}" if self.correction else
+        lines += ["", f"recommended correction: {correction_call(self.correction)}" if self.correction else
                   "recommended correction: none until the record is fixed"]
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
@@ -122,7 +131,7 @@ class DiagnoseReport:
                     tag = f.mistake if not f.ok else "mismatch" if f.mismatch else "ok"
                     con.print(f"[{'bold red' if not f.ok else 'yellow' if f.mismatch else 'green'}]{tag}[/] {f.check}: "
                               f"{escape(f.message)}", highlight=False)
-                con.print(f"recommended correction: {self.correction!r}" if self.correction else
+                con.print(f"recommended correction: {correction_call(self.correction)}" if self.correction else
                           "recommended correction: none until the record is fixed", highlight=False)
                 return
         print(self.text(), file=stream)
