@@ -10,6 +10,7 @@ batch normalisation, score centering, rejection rules, PPO, support records) kee
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def _assert_grad(got, want, dtype, what):
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_two_pass_matches_reference_and_three_pass(weights, agg, dtype, monkeypatch):
-    z, y, lq, adv, mask, seq, temp, cands = _batch(11, 333, dtype, seed=hash((weights, agg)) % 1000)
+    z, y, lq, adv, mask, seq, temp, cands = _batch(11, 333, dtype, seed=zlib.crc32(f"{weights}/{agg}".encode()) % 1000)
     corr = op.Correction(weights=weights)
     calls = _spy(monkeypatch)
     two, g2 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, agg, two_pass=True, monkeypatch=monkeypatch)
@@ -124,8 +125,10 @@ def test_two_pass_matches_reference_and_three_pass(weights, agg, dtype, monkeypa
     torch.testing.assert_close(two.loss.detach().cpu().double(), loss, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(two.token_weight.cpu().double(), w, rtol=1e-5, atol=1e-7)
     _assert_grad(g2, dz, dtype, "two-pass vs float64")
-    # against the three-pass path: the same formulas on the same fp32 numbers, so a few ulps
-    torch.testing.assert_close(two.loss, three.loss, rtol=1e-6, atol=0)
+    # against the three-pass path: the same formulas on the same fp32 numbers, so a few ulps per token; the loss is a
+    # sum of terms of both signs, so its error is bounded by the terms' magnitudes, not by the (possibly cancelled) sum
+    scale = float(three.token_loss.detach().abs().sum())
+    torch.testing.assert_close(two.loss, three.loss, rtol=1e-6, atol=1e-6 * scale)
     torch.testing.assert_close(two.token_loss, three.token_loss, rtol=1e-6, atol=1e-9)
     for key in three.metrics:
         torch.testing.assert_close(two.metrics[key], three.metrics[key], rtol=1e-5, atol=1e-7, msg=key)
