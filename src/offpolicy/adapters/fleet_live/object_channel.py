@@ -19,7 +19,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from offpolicy.adapters.fleet_live.weight_sync import WEIGHTS_FILE, _check_version, group_checkpoint, private_folder
+from offpolicy.adapters.fleet_live.weight_sync import (
+    WEIGHTS_FILE,
+    _check_version,
+    check_publish,
+    group_checkpoint,
+    private_folder,
+)
 from offpolicy.fleet.quant import FAKE_FORMATS
 
 
@@ -131,12 +137,7 @@ class ObjectStoreWeightChannel:
         """Put ``version`` and its per-format copies, then ``LATEST``, then :meth:`collect` (``in_use`` kept)."""
         from safetensors.torch import save
 
-        version = _check_version(version)
-        newest = self.latest()
-        if newest is not None and version <= newest:
-            raise ValueError(f"publish: version must grow, got {version} after {newest}")
-        if not state_dict:
-            raise ValueError("publish: state_dict is empty")
+        version = check_publish(state_dict, version, self.latest())
         blobs = {self.key(version): save({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()})}
         for fmt in self.formats:
             blobs[self.key(version, fmt)] = save(group_checkpoint(state_dict, fmt, self.dtype))

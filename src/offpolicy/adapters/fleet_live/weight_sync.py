@@ -107,12 +107,7 @@ class DiskWeightChannel:
         """Write ``version``, make it the newest, then :meth:`collect` old versions (``in_use`` kept)."""
         from safetensors.torch import save_file
 
-        version = _check_version(version)
-        newest = self.latest()
-        if newest is not None and version <= newest:
-            raise ValueError(f"publish: version must grow, got {version} after {newest}")
-        if not state_dict:
-            raise ValueError("publish: state_dict is empty")
+        version = check_publish(state_dict, version, self.latest())
         final = self.path(version)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,6 +179,17 @@ def private_folder(path: Path) -> None:
 def _check_version(version: int) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version must be an integer >= 0, got {version!r}")
+    return version
+
+
+def check_publish(state_dict: Mapping[str, Tensor], version: int, newest: int | None) -> int:
+    """``version`` checked for a channel's ``publish``: an integer >= 0 above the channel's ``newest`` one, with a
+    non-empty ``state_dict``."""
+    version = _check_version(version)
+    if newest is not None and version <= newest:
+        raise ValueError(f"publish: version must grow, got {version} after {newest}")
+    if not state_dict:
+        raise ValueError("publish: state_dict is empty")
     return version
 
 
