@@ -71,6 +71,7 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "max_route_flips": None,
     "seq_logprob_error": None,
     "kimi15": None,
+    "veto_high": None,
 }
 
 #: The fields of a ``TrustRegion`` and their defaults (None: required), docs/spec.md#trust-region.
@@ -350,6 +351,10 @@ def _sequence_rules(cfg: _Config):
     if cfg.veto is not None:
         # Any trained token with r < veto drops the sequence.
         rules["veto"] = lambda r, r_p, adv: bool((r < cfg.veto).any())
+    if cfg.veto_high is not None:
+        # SkyRL's outlier-high mask: any trained token with r > veto_high (log r clamped) drops the sequence.
+        rules["veto_high"] = lambda r, r_p, adv: bool(
+            (torch.log(r).clamp(-cfg.max_log_ratio, cfg.max_log_ratio) > math.log(cfg.veto_high)).any())
     if cfg.opsm_delta is not None:
         # Negative mean advantage and mean_t (lq - log p) of the current policy above delta.
         rules["opsm"] = lambda r, r_p, adv: bool(adv.mean() < 0 and (-torch.log(r_p)).mean() > cfg.opsm_delta)

@@ -454,13 +454,12 @@ def test_skyrl_off_policy_correction(case, dual_clip):
 
 
 def test_skyrl_masks_that_compose_not_supported():
-    """``outlier_token_is_threshold_high`` (drop a sequence with any ``r > high``) has no offpolicy rule
-    (``veto`` is the low side only), and SkyRL's sequence mask after a token mask averages over the surviving
-    tokens, offpolicy's geometric ratio over all trained tokens: both differ from the nearest Correction. Exact by
-    hand: SkyRL's mask passed as ``loss_mask`` with ``num_loss_tokens`` = the original count."""
+    """SkyRL's sequence mask after a token mask averages over the surviving tokens, offpolicy's geometric ratio
+    over all trained tokens: it differs from the nearest Correction. Exact by hand: SkyRL's mask passed as
+    ``loss_mask`` with ``num_loss_tokens`` = the original count. (``outlier_token_is_threshold_high`` is
+    ``veto_high``: tests/core/test_veto_high.py.)"""
     logp, old, roll, mask, adv = _batch(99)
-    for case, nearest in [((None, None, None, None, None, None, None, 1.3), dict(veto=None)),
-                          ((None, None, "geometric", 0.97, 1.03, (0.8, 1.25), None),
+    for case, nearest in [((None, None, "geometric", 0.97, 1.03, (0.8, 1.25), None),
                            dict(rejections=(op.RatioRejection(0.8, 1.25), op.RatioRejection(0.97, 1.03,
                                                                                               "geometric"))))]:
         w, keep = _skyrl_correction(old, roll, mask, *case)

@@ -106,6 +106,33 @@ class Veto:
 
 
 @dataclass(frozen=True)
+class VetoHigh:
+    """The high side of the veto (SkyRL ``outlier_token_is_threshold_high``): drop a sequence if any of its trained
+    tokens has ``r > threshold`` (``threshold > 1``), ``log r`` the log-ratio the weights act on clamped to
+    ``max_log_ratio`` (SkyRL's ``safe_exp_delta`` clamps at 20, the default)."""
+
+    threshold: float
+    name: ClassVar[str] = "veto_high"
+    per_sequence: ClassVar[bool] = True
+    anchor: ClassVar[str] = "docs/spec.md#veto"
+    source: ClassVar[str] = ("SkyRL off_policy_correction.outlier_token_is_threshold_high "
+                             "(compute_outlier_token_mask: a sequence with any token ratio above it is masked)")
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("veto_high", ("threshold",)),)
+    inputs: ClassVar[tuple[str, ...]] = ("seq_ids",)
+    table_traits: ClassVar[str] = "`per_sequence`"
+
+    def __post_init__(self) -> None:
+        check("VetoHigh", "threshold", finite(self.threshold) and self.threshold > 1, "a finite number > 1",
+              self.threshold)
+
+    def drop(self, log_r: Tensor, log_p_ratio: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
+        return seg.max(log_r.clamp(-max_log_ratio, max_log_ratio)) > math.log(self.threshold)
+
+    def jumps(self) -> tuple[Jump, ...]:
+        return (Jump("log_r", (math.log(self.threshold),), "max"),)
+
+
+@dataclass(frozen=True)
 class OPSM:
     """Off-policy sequence masking: drop sequence ``i`` iff its mean advantage is negative and
     ``mean_t (lq - log p) > delta`` with the *current* policy ``p`` (also under decoupled PPO: drift during the PPO
@@ -409,6 +436,7 @@ class RouteFlipRejection:
         return x.active & (x.seg.broadcast(x.seg.max(flipped.to(x.log_r.dtype))) > 0)
 
 
-Rule = Union[Veto, OPSM, KLRejection, RatioRejection, SeqLogprobError, StalenessRejection, M2PO, RouteFlipRejection]
-RULE_CLASSES: tuple[type, ...] = (Veto, OPSM, KLRejection, RatioRejection, SeqLogprobError, StalenessRejection, M2PO,
-                                  RouteFlipRejection)
+Rule = Union[Veto, VetoHigh, OPSM, KLRejection, RatioRejection, SeqLogprobError, StalenessRejection, M2PO,
+             RouteFlipRejection]
+RULE_CLASSES: tuple[type, ...] = (Veto, VetoHigh, OPSM, KLRejection, RatioRejection, SeqLogprobError,
+                                  StalenessRejection, M2PO, RouteFlipRejection)
