@@ -57,6 +57,7 @@ CORRECTION_DEFAULTS: dict[str, Any] = {
     "rejections": (),
     "trust_region": None,
     "sapo": None,
+    "sapo_level": "token",
     "vespo": None,
     "gmpo": None,
     "kl_penalty": None,
@@ -573,10 +574,22 @@ def _sapo(logp_y: Tensor, prox: Tensor, adv: Tensor, seqs: list, cfg: _Config) -
     where ``A_t > 0`` else ``tau_neg``."""
     tau_pos, tau_neg = cfg.sapo
     out = torch.zeros_like(logp_y)
-    for t in range(logp_y.shape[0]):
-        tau = tau_pos if float(adv[t]) > 0 else tau_neg
-        u = _ratio(logp_y[t] - prox[t], cfg)
-        out[t] = 4.0 / tau / (1.0 + torch.exp(-tau * (u - 1.0))) * adv[t]
+    if cfg.sapo_level == "token":
+        for t in range(logp_y.shape[0]):
+            tau = tau_pos if float(adv[t]) > 0 else tau_neg
+            u = _ratio(logp_y[t] - prox[t], cfg)
+            out[t] = 4.0 / tau / (1.0 + torch.exp(-tau * (u - 1.0))) * adv[t]
+    elif cfg.sapo_level == "sequence":
+        # The gate of the sequence's s_i = exp(mean_t clamp(log u_t)) over its trained tokens, differentiable through
+        # each of them; tau by each token's own A_t.
+        for idx in seqs:
+            terms = [(logp_y[t] - prox[t]).clamp(-cfg.max_log_ratio, cfg.max_log_ratio) for t in idx.tolist()]
+            s_i = torch.exp(torch.stack(terms).sum() / len(terms))
+            for t in idx.tolist():
+                tau = tau_pos if float(adv[t]) > 0 else tau_neg
+                out[t] = 4.0 / tau / (1.0 + torch.exp(-tau * (s_i - 1.0))) * adv[t]
+    else:
+        raise ValueError(f"reference: sapo_level={cfg.sapo_level!r} is not implemented here")
     return out
 
 
@@ -805,7 +818,8 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
         raise ValueError("reference: level='segment' and segment_ids go together")
     if seq_ids is None and ((cfg.per_sequence and cfg.level != "segment") or _sequence_rules(cfg) or cfg.batch_normalize == "sequences"
                             or any(level == "sequence" for _, _, level in cfg.staleness + cfg.route_flips)
-                            or _surrogate_name(cfg) in ("gspo_token", "vespo", "gmpo") or tr_per_sequence):
+                            or _surrogate_name(cfg) in ("gspo_token", "vespo", "gmpo") or tr_per_sequence
+                            or (_surrogate_name(cfg) == "sapo" and cfg.sapo_level == "sequence")):
         raise ValueError("reference: this correction needs seq_ids")
 
     # Importance weight w_t at the correction's level (a token-level rejection rule zeros the token's own weight).

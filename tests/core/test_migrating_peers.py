@@ -275,13 +275,15 @@ def test_areal_sapo(taus):
            _theirs(lambda lp: _areal_sapo(lp, roll, adv, mask, *taus), logp, "token-mean", mask))
 
 
-def test_areal_sapo_sequence_level_not_supported():
+def test_areal_sapo_sequence_level():
     """``importance_sampling_level="sequence"`` with SAPO gates the sequence's geometric-mean ratio (with its
-    gradient); offpolicy's SAPO is per token (and ``ppo_ratio="gspo_token"`` needs ``ppo_clip``): the nearest
-    Correction gives a different loss."""
+    gradient) on the sequence's mean advantage: ``sapo_level="sequence"`` with the advantages replaced by each
+    sequence's masked mean (here already constant along each sequence, as GRPO's). Token-level SAPO differs."""
     logp, _, roll, mask, adv = _batch(73)
-    _differs(_ours(logp, roll, roll, mask, adv, op.Correction(sapo=(1.0, 1.05))),
-             _theirs(lambda lp: _areal_sapo(lp, roll, adv, mask, 1.0, 1.05, "sequence"), logp, "token-mean", mask))
+    theirs = _theirs(lambda lp: _areal_sapo(lp, roll, adv, mask, 1.0, 1.05, "sequence"), logp, "token-mean", mask)
+    mean_adv = _geo(adv, mask).expand(B, T)
+    _check(_ours(logp, roll, roll, mask, mean_adv, op.Correction(sapo=(1.0, 1.05), sapo_level="sequence")), theirs)
+    _differs(_ours(logp, roll, roll, mask, adv, op.Correction(sapo=(1.0, 1.05))), theirs)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -151,29 +151,52 @@ class CISPO(_Surrogate):
 
 @dataclass(frozen=True)
 class SAPO(_Surrogate):
-    """SAPO's soft gate ``4/tau sigmoid(tau (u - 1)) A``, ``tau`` by the sign of ``A`` (TRL: ``(1.0, 1.05)``)."""
+    """SAPO's soft gate ``4/tau sigmoid(tau (u - 1)) A``, ``tau`` by the sign of ``A`` (TRL: ``(1.0, 1.05)``).
+    ``level="sequence"`` (TRL's and AReaL's ``importance_sampling_level="sequence"``) gates the sequence's
+    geometric-mean ratio ``s_i = exp(mean_t log u_t)`` over its trained tokens instead of ``u_t``, differentiated
+    through every token of the sequence (needs ``seq_ids``; refused under ``cp_group``)."""
 
-    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("sapo", ("tau_pos", "tau_neg"), "pair"),)
+    keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("sapo", ("tau_pos", "tau_neg"), "pair"),
+                                           Keyword("sapo_level", ("level",), "string", "token", "modifier",
+                                                   choices=("token", "sequence")))
     inputs: ClassVar[tuple[str, ...]] = ('proximal_logprobs',)
-    table_traits: ClassVar[str] = '`needs_proximal`, not `takes_trust_region`'
+    table_traits: ClassVar[str] = ('`needs_proximal`, not `takes_trust_region`; `needs_sequences` for '
+                                   '`sapo_level="sequence"`')
 
     tau_pos: float
     tau_neg: float
+    level: str = "token"
     expects: ClassVar[str] = "with finite temperatures > 0"
     name: ClassVar[str] = "sapo"
     takes_trust_region: ClassVar[bool] = False
     anchor: ClassVar[str] = "docs/spec.md#sapo"
-    source: ClassVar[str] = ("SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347; TRL loss_type='sapo'): "
+    source: ClassVar[str] = ("SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347; TRL loss_type='sapo', with "
+                             "importance_sampling_level='sequence' the gate of exp(mean_t log u_t)): "
                              "4/tau sigmoid(tau (u - 1)) A")
 
     def __post_init__(self) -> None:
         for arg in ("tau_pos", "tau_neg"):
             check("SAPO", arg, finite(getattr(self, arg)) and getattr(self, arg) > 0, "a finite number > 0",
                   getattr(self, arg))
+        check("SAPO", "level", self.level in ("token", "sequence"), "'token' or 'sequence'", self.level)
+
+    @property
+    def needs_sequences(self) -> bool:  # type: ignore[override]
+        return self.level == "sequence"
 
     def fast(self, logp_y: Tensor, prox: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
         # The gate's slope at u = 1 is 1: the gradient there is A grad log p; away from it it decays smoothly.
-        u = _u(logp_y, prox, max_log_ratio)
+        if self.level == "token":
+            u = _u(logp_y, prox, max_log_ratio)
+        else:
+            if seg.group is not None:
+                raise ValueError("Correction.sapo_level='sequence' under cp_group is not supported: its geometric "
+                                 "mean is differentiated through every token of the sequence, which the "
+                                 "context-parallel reductions are not")
+            lu = (torch.where(seg.active, logp_y, torch.zeros_like(logp_y)) - prox).clamp(-max_log_ratio,
+                                                                                          max_log_ratio)
+            count = seg.partial_sum(torch.ones_like(lu)).clamp_min(1)
+            u = torch.exp(seg.broadcast(seg.partial_sum(lu) / count))
         tau = torch.where(adv > 0, torch.full_like(u, self.tau_pos), torch.full_like(u, self.tau_neg))
         return torch.sigmoid(tau * (u - 1)) * (4.0 / tau) * adv
 
