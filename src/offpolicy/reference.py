@@ -526,7 +526,10 @@ def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tens
         # docs/spec.md#clip-cov: PPO's min(u A, clip(u) A), set to 0 on max(1, int(n ratio)) tokens drawn among the
         # kept trained tokens (finite log p) PPO leaves unclipped with lb < (A_t - mean A)(log p_t - mean log p) < ub:
         # the candidates in token order, permuted by randperm under a CPU generator seeded with clip_cov_seed.
-        lb, ub = cfg.clip_cov
+        if len(cfg.clip_cov) == 3:  # verl's three knobs: (clip_cov_ratio, clip_cov_lb, clip_cov_ub)
+            cov_ratio, lb, ub = cfg.clip_cov
+        else:
+            (lb, ub), cov_ratio = cfg.clip_cov, cfg.clip_cov_ratio
         lo, hi = cfg.clip_cov_eps
         lp_d = logp_y.detach()
         valid = [t for t in range(logp_y.shape[0]) if kept[t] and math.isfinite(float(lp_d[t]))]
@@ -543,7 +546,7 @@ def _surrogate(logp_y: Tensor, prox: Tensor | None, adv: Tensor, seqs: list[Tens
                 if not clipped and lb < cov < ub:
                     cand.append(t)
             perm = torch.randperm(len(cand), generator=torch.Generator().manual_seed(cfg.clip_cov_seed)).tolist()
-            drop = {cand[i] for i in perm[:max(1, int(len(valid) * cfg.clip_cov_ratio))]}
+            drop = {cand[i] for i in perm[:max(1, int(len(valid) * cov_ratio))]}
         for t in range(logp_y.shape[0]):
             u_t = torch.exp((logp_y[t] - prox[t]).clamp(-mlr, mlr))
             s_t = torch.minimum(u_t * adv[t], u_t.clamp(1 - lo, 1 + hi) * adv[t])

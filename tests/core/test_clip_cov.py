@@ -92,6 +92,20 @@ def test_clip_cov_matches_the_reference(corr, seed):
     torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-10, atol=1e-13)
 
 
+def test_the_reference_reads_the_triple_form():
+    """The reference spells verl's ``clip_cov=(ratio, lb, ub)`` itself (a mapping keeps the triple as given)."""
+    z, y, lq, prox, adv, mask, seq = _batch(2)
+    kw = dict(loss_mask=mask, seq_ids=seq, proximal_logprobs=prox)
+    triple = reference_policy_loss(z, y, lq, adv, correction={"clip_cov": (0.2, 0.05, 5.0), "clip_cov_seed": 7}, **kw)
+    pair = reference_policy_loss(z, y, lq, adv, correction={"clip_cov": (0.05, 5.0), "clip_cov_ratio": 0.2,
+                                                            "clip_cov_seed": 7}, **kw)
+    out = op.policy_loss(z, y, lq, adv, correction=op.Correction(clip_cov=(0.2, 0.05, 5.0), clip_cov_seed=7), **kw)
+    torch.testing.assert_close(triple[1], pair[1], rtol=0, atol=0)
+    torch.testing.assert_close(out.token_loss, triple[1], rtol=1e-12, atol=1e-14)
+    assert not torch.equal(triple[1], reference_policy_loss(
+        z, y, lq, adv, correction={"clip_cov": (0.05, 5.0), "clip_cov_seed": 7}, **kw)[1])  # the ratio is read
+
+
 def test_the_draw_drops_tokens_and_follows_the_seed():
     """The cases above do drop tokens (the comparison is not vacuous), the number asked for, and another seed draws
     other tokens."""
@@ -123,7 +137,9 @@ def test_clip_cov_is_verl_clip_cov(ratio, lb, ub, eps, seed):
     theirs = _verl_clip_cov(old.view(b, t), lp.view(b, t), adv.view(b, t), mask.view(b, t).double(), ratio, lb, ub,
                             *eps, seed=seed)
     (theirs * mask.view(b, t)).sum().backward()
-    corr = op.Correction(clip_cov=(lb, ub), clip_cov_ratio=ratio, clip_cov_eps=eps, clip_cov_seed=seed)
+    # verl's three knobs as one keyword, (clip_cov_ratio, clip_cov_lb, clip_cov_ub): the same correction as the pair
+    corr = op.Correction(clip_cov=(ratio, lb, ub), clip_cov_eps=eps, clip_cov_seed=seed)
+    assert corr == op.Correction(clip_cov=(lb, ub), clip_cov_ratio=ratio, clip_cov_eps=eps, clip_cov_seed=seed)
     out = op.policy_loss(z1, y, old, adv, loss_mask=mask, proximal_logprobs=old, aggregation="constant",
                          constant_normalizer=1.0, correction=corr)
     out.loss.backward()
@@ -135,6 +151,9 @@ def test_clip_cov_is_verl_clip_cov(ratio, lb, ub, eps, seed):
     (dict(clip_cov=(5.0, 1.0)), r"Correction.clip_cov must be .*ClipCov.ub must be a finite number > lb"),
     (dict(clip_cov=(math.nan, 1.0)), r"Correction.clip_cov must be .*ClipCov.lb must be a finite number"),
     (dict(clip_cov=(1.0,)), "Correction.clip_cov must be a pair of numbers"),
+    (dict(clip_cov=(1.0, 2.0, 3.0, 4.0)), r"Correction.clip_cov must be a pair of numbers or \(ratio, lb, ub\)"),
+    (dict(clip_cov=(0.1, 1.0, 5.0), clip_cov_ratio=0.2), "sets ratio and Correction.clip_cov_ratio=0.2 sets it too"),
+    (dict(clip_cov=(0.0, 1.0, 5.0)), r"Correction.clip_cov_ratio must be in \(0, 1\]"),
     (dict(clip_cov=(1.0, 5.0), clip_cov_ratio=0.0), r"Correction.clip_cov_ratio must be in \(0, 1\]"),
     (dict(clip_cov=(1.0, 5.0), clip_cov_eps=(1.0, 0.2)), r"Correction.clip_cov_eps must be .*ClipCov.eps_lo must be in"),
     (dict(clip_cov=(1.0, 5.0), clip_cov_seed=-1), "Correction.clip_cov_seed must be an integer >= 0"),

@@ -200,11 +200,36 @@ class Correction:
             val, size = getattr(self, name), 4 if kinds.get(name) == "four" else 2
             if val is None or (name == "bounds" and real(val)):
                 continue
-            if not (isinstance(val, (tuple, list)) and len(val) == size and all(real(x) for x in val)):
+            alt = reg.KEYWORDS[name][1].alt_args if name in reg.KEYWORDS else ()
+            if not (isinstance(val, (tuple, list)) and len(val) in (size, len(alt) or size)
+                    and all(real(x) for x in val)):
+                alt_form = " or (" + ", ".join(alt) + ")" if alt else ""
                 raise TypeError(f"Correction.{name} must be {'a pair' if size == 2 else 'four'} of numbers"
-                                f"{' or a number' * (name == 'bounds')}, got {val!r}")
+                                f"{' or a number' * (name == 'bounds')}{alt_form}, got {val!r}")
             if isinstance(val, list):
                 object.__setattr__(self, name, tuple(val))
+        self._spread_alt_forms()
+
+    def _spread_alt_forms(self) -> None:
+        """A keyword given in its second spelling (:attr:`~offpolicy.corrections.node.Keyword.alt_args`, verl's
+        ``clip_cov=(ratio, lb, ub)``) is rewritten as its first (``clip_cov=(lb, ub)``) with the other arguments
+        moved to the node's keywords that own them (``clip_cov_ratio``); one of those set to another value is
+        refused."""
+        for name, (cls, kw) in reg.KEYWORDS.items():
+            val = getattr(self, name)
+            if not kw.alt_args or val is None or len(val) != len(kw.alt_args) or len(val) == len(kw.args):
+                continue
+            given = dict(zip(kw.alt_args, val))
+            for arg in kw.alt_args:
+                if arg in kw.args:
+                    continue
+                owner = next(k for k in reg.declared(cls, "keywords", ()) if k.args == (arg,))
+                if getattr(self, owner.name) != owner.default and getattr(self, owner.name) != given[arg]:
+                    raise ValueError(f"Correction.{name}=({', '.join(kw.alt_args)}) sets {arg} and "
+                                     f"Correction.{owner.name}={getattr(self, owner.name)!r} sets it too: give "
+                                     "one of them")
+                object.__setattr__(self, owner.name, given[arg])
+            object.__setattr__(self, name, tuple(given[a] for a in kw.args))
         if self.kl_penalty is not None and not isinstance(self.kl_penalty, KLPenalty):
             raise TypeError(f"Correction.kl_penalty must be a KLPenalty, got {self.kl_penalty!r}")
         if self.kl_rejection is not None and not isinstance(self.kl_rejection, KLRejection):

@@ -72,6 +72,10 @@ class Keyword(NamedTuple):
             ``"modifier"``: it sets an argument of a node another keyword selects (``dual_clip`` of ``ppo_clip``).
         doc: the keyword form in the spec's table when not the plain ``name=``.
         choices: the values a ``"string"`` keyword takes (checked before the node is built).
+        alt_args: a second spelling of a ``"pair"`` keyword: a value of this many numbers fills these arguments
+            instead (a peer's order, verl's ``(clip_cov_ratio, clip_cov_lb, clip_cov_ub)``); the arguments not in
+            ``args`` belong to single-argument keywords of the same node, which :class:`~offpolicy.Correction` sets
+            from it, so that both spellings give the same (equal) correction.
     """
 
     name: str
@@ -81,6 +85,7 @@ class Keyword(NamedTuple):
     role: str = "select"
     doc: str = ""
     choices: tuple[str, ...] = ()
+    alt_args: tuple[str, ...] = ()
 
     def form(self) -> str:
         """The keyword as the spec's table writes it."""

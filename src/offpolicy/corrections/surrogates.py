@@ -436,7 +436,8 @@ class ClipCov(_Surrogate):
     source: ClassVar[str] = ("Clip-Cov (Cui et al. 2025, 'The Entropy Mechanism of RL for Reasoning LMs', arXiv "
                              "2505.22617; verl core_algos.py compute_policy_loss_clip_cov), with a seeded draw")
     keywords: ClassVar[tuple[Keyword, ...]] = (
-        Keyword("clip_cov", ("lb", "ub"), "pair"),
+        Keyword("clip_cov", ("lb", "ub"), "pair", doc="`clip_cov=(lb, ub)` or `(ratio, lb, ub)`",
+                alt_args=("ratio", "lb", "ub")),
         Keyword("clip_cov_ratio", ("ratio",), "number", 0.0002, "modifier"),
         Keyword("clip_cov_eps", ("eps_lo", "eps_hi"), "pair", (0.2, 0.2), "modifier"),
         Keyword("clip_cov_seed", ("seed",), "int", 0, "modifier"))
