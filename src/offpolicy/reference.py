@@ -123,6 +123,8 @@ class _Rule:
             return _kl_level_per_sequence(self.level)
         if self.kind in ("staleness", "route_flips"):
             return self.level == "sequence"
+        if self.kind == "ratio" and self.level == "segment":
+            return False  # it drops turns, handled on its own (_Config.segment_rules)
         return _level_per_sequence(self.level)
 
 
@@ -179,7 +181,11 @@ class _Config:
                             else [])
         self.route_flips += [(name, rule.max_flips, rule.level) for name, rule in self.rules
                              if rule.kind == "route_flips"]
-        self.rules = [(name, rule) for name, rule in self.rules if rule.kind not in ("staleness", "route_flips")]
+        #: ``(name, rule)`` of each ratio rejection at the segment level (a band on each turn's geometric ratio).
+        self.segment_rules = [(name, rule) for name, rule in self.rules
+                              if rule.kind == "ratio" and rule.level == "segment"]
+        self.rules = [(name, rule) for name, rule in self.rules if rule.kind not in ("staleness", "route_flips")
+                      and not (rule.kind == "ratio" and rule.level == "segment")]
         self.token_rules = [rule for _, rule in self.rules if not rule.per_sequence]
 
     def _bounds(self) -> tuple[float, float]:
@@ -817,8 +823,8 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
     r_p = torch.where(mask, torch.exp(logp_y.detach() - lq), torch.ones_like(lq))
     seqs = _sequences(seq_ids, mask) if seq_ids is not None else []
     tr_per_sequence = cfg.trust_region is not None and _trust_region_per_sequence(cfg.trust_region.level)
-    if (cfg.level == "segment") != (segment_ids is not None):
-        raise ValueError("reference: level='segment' and segment_ids go together")
+    if (cfg.level == "segment" or bool(cfg.segment_rules)) != (segment_ids is not None):
+        raise ValueError("reference: level='segment' (or a segment-level ratio rejection) and segment_ids go together")
     if seq_ids is None and ((cfg.per_sequence and cfg.level != "segment") or _sequence_rules(cfg) or cfg.batch_normalize == "sequences"
                             or any(level == "sequence" for _, _, level in cfg.staleness + cfg.route_flips)
                             or _surrogate_name(cfg) in ("gspo_token", "vespo", "gmpo") or tr_per_sequence
@@ -870,6 +876,15 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
         dropped_by[name] = torch.zeros(n, dtype=torch.bool)
         for idx in (seqs if level == "sequence" else [torch.tensor([t]) for t in range(n)]):
             if any(flipped[t] for t in idx.tolist()):
+                dropped_by[name][idx] = True
+                keep[idx] = False
+    # Segment-level ratio rejections: a turn's trained tokens are dropped when exp(mean of their log r) lies outside
+    # [lower, upper].
+    for name, rule in cfg.segment_rules:
+        dropped_by[name] = torch.zeros(n, dtype=torch.bool)
+        for idx in _turns(seq_ids, segment_ids, mask):
+            rho = math.exp(float(torch.log(r[idx]).mean()))
+            if not (rule.lower <= rho <= rule.upper):
                 dropped_by[name][idx] = True
                 keep[idx] = False
     if cfg.m2po is not None:

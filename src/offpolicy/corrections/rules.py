@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from offpolicy.corrections.node import Keyword, Jump, NodeError, Reductions, check, finite, log_bound
-from offpolicy.corrections.weighting import GeometricLevel, SequenceLevel, TokenLevel
+from offpolicy.corrections.weighting import GeometricLevel, SegmentLevel, SequenceLevel, TokenLevel
 
 
 class Estimator(NamedTuple):
@@ -72,7 +72,7 @@ KL_LEVELS: dict[str, Callable | None] = {
 }
 
 #: The ratio levels of a :class:`RatioRejection`, by name.
-RATIO_LEVELS = {c.name: c for c in (TokenLevel, SequenceLevel, GeometricLevel)}
+RATIO_LEVELS = {c.name: c for c in (TokenLevel, SequenceLevel, GeometricLevel, SegmentLevel)}
 
 
 def _in_band(x: Tensor, lo: float, hi: float) -> Tensor:
@@ -226,14 +226,18 @@ class KLRejection:
 
 @dataclass(frozen=True)
 class RatioRejection:
-    """Reject tokens (``level="token"``) or whole sequences (``"sequence"``: ``prod_t r_t``; ``"geometric"``:
-    ``exp(mean_t log r_t)``) whose ratio lies outside ``[lower, upper]`` (inclusive), independently of the weight
-    mode's own bounds: importance weights and a rejection band at different bounds or levels at once."""
+    """Reject tokens (``level="token"``), whole sequences (``"sequence"``: ``prod_t r_t``; ``"geometric"``:
+    ``exp(mean_t log r_t)``) or whole turns (``"segment"``: each turn's ``exp(mean_t log r_t)``, a turn being one
+    ``(seq_ids, segment_ids)`` pair; ROLL's filter ``agg_type="segment"``) whose ratio lies outside
+    ``[lower, upper]`` (inclusive), independently of the weight mode's own bounds: importance weights and a
+    rejection band at different bounds or levels at once. The segment level is a mask rule (``masks``) that reads
+    the ``segment_ids`` input (and ``seq_ids`` where given); it is refused under ``cp_group``."""
 
     keywords: ClassVar[tuple[Keyword, ...]] = ()
     table_form: ClassVar[str] = '`rejections=`'
     inputs: ClassVar[tuple[str, ...]] = ()
-    table_traits: ClassVar[str] = '`per_sequence` unless `level="token"`'
+    table_traits: ClassVar[str] = ('`per_sequence` unless `level="token"` / `"segment"`; `masks`, `needs_segments` '
+                                   'with `level="segment"`')
 
     lower: float
     upper: float
@@ -242,7 +246,8 @@ class RatioRejection:
     kind: ClassVar[str] = "ratio"
     name: ClassVar[str] = "ratio"
     anchor: ClassVar[str] = "docs/spec.md#kl-rejection"
-    source: ClassVar[str] = "a ratio band as a rejection (IcePop's mask at its own level)"
+    source: ClassVar[str] = ("a ratio band as a rejection (IcePop's mask at its own level; ROLL's train-infer "
+                             "correction filters, agg_type token / geometric / sequence / segment)")
 
     def __post_init__(self) -> None:
         if self.level not in RATIO_LEVELS:
@@ -251,8 +256,17 @@ class RatioRejection:
             raise ValueError(f"RatioRejection needs 0 <= lower <= upper < inf, got ({self.lower!r}, {self.upper!r})")
 
     @property
+    def masks(self) -> bool:
+        """The segment level drops turns: a mask rule (:meth:`mask_drop`)."""
+        return self.level == "segment"
+
+    @property
+    def needs_segments(self) -> bool:
+        return self.level == "segment"
+
+    @property
     def per_sequence(self) -> bool:
-        return RATIO_LEVELS[self.level].per_sequence
+        return self.level != "segment" and RATIO_LEVELS[self.level].per_sequence
 
     @property
     def log_band(self) -> tuple[float, float]:
@@ -263,6 +277,24 @@ class RatioRejection:
 
     def drop(self, log_r: Tensor, log_p_ratio: Tensor, adv: Tensor, seg, max_log_ratio: float) -> Tensor:
         return ~_in_band(RATIO_LEVELS[self.level]().reduce(log_r, seg), *self.log_band)
+
+    def mask_drop(self, x: "RuleInputs") -> Tensor:
+        """``level="segment"``: the trained tokens of the turns whose mean ``log r`` lies outside the band."""
+        if x.group is not None:
+            raise ValueError("RatioRejection(level='segment') under cp_group is not supported: a turn's mean is "
+                             "taken over this rank's tokens only")
+        ids = x.inputs["segment_ids"].to(torch.int64)
+        seq = x.inputs.get("seq_ids")
+        if ids.numel() == 0:
+            return torch.zeros_like(x.active)
+        key = ids[:, None] if seq is None else torch.stack([seq.to(torch.int64), ids], 1)
+        turn = torch.unique(key, dim=0, return_inverse=True)[1]
+        zero = torch.zeros_like(x.log_r)
+        num = int(turn.max()) + 1
+        sums = torch.zeros(num, dtype=x.log_r.dtype, device=x.log_r.device).index_add(
+            0, turn, torch.where(x.active, x.log_r, zero))
+        counts = torch.zeros_like(sums).index_add(0, turn, x.active.to(x.log_r.dtype))
+        return x.active & ~_in_band((sums / counts.clamp_min(1))[turn], *self.log_band)
 
     def jumps(self) -> tuple[Jump, ...]:
         return (Jump("log_r", tuple(math.log(b) for b in (self.lower, self.upper) if b > 0), self.level),)
@@ -308,8 +340,9 @@ class RuleInputs(NamedTuple):
         active: ``[N]`` bool, the trained tokens.
         seg: the sequences (:class:`~offpolicy.corrections.node.Reductions`), or None without ``seq_ids``.
         max_log_ratio: the correction's clamp.
-        inputs: the loss inputs by name (``"versions"``, ``"current_version"``, ...): those the rule declares in its
-            ``inputs`` are present.
+        inputs: the loss inputs by name (``"versions"``, ``"current_version"``, ``"seq_ids"``, ``"segment_ids"``,
+            ...): those the rule declares in its ``inputs`` are present (``segment_ids`` where the tree
+            ``needs_segments``).
         group: the context-parallel process group, or None.
     """
 

@@ -328,7 +328,7 @@ def loss_from_logprobs(
 def _named_inputs(data: TokenData) -> dict:
     """The loss inputs a mask rule may declare, by name."""
     return {"versions": data.versions, "current_version": data.current_version, "seq_ids": data.seq_ids,
-            "groups": data.groups, "route_flips": data.route_flips}
+            "groups": data.groups, "route_flips": data.route_flips, "segment_ids": data.segment_ids}
 
 
 def _turns(data: TokenData, active: Tensor, cp_group) -> Segments:

@@ -90,9 +90,10 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
         raise ValueError("aggregation='constant' needs constant_normalizer > 0")
     tree = corr.tree
     if tree.needs_segments != (data.segment_ids is not None):
-        raise ValueError("Correction(level='segment') and segment_ids go together: per-turn weights need each token's "
-                         f"[N] turn id, and segment_ids is read by nothing else (got level={corr.level!r}, "
-                         f"segment_ids={'None' if data.segment_ids is None else 'a tensor'})")
+        raise ValueError("Correction(level='segment') and segment_ids go together (so do a "
+                         "RatioRejection(level='segment') and segment_ids): per-turn weights and rejections need each "
+                         "token's [N] turn id, and segment_ids is read by nothing else (got level="
+                         f"{corr.level!r}, segment_ids={'None' if data.segment_ids is None else 'a tensor'})")
     if tree.needs_sequences and seq_ids is None:
         raise ValueError("this correction (sequence-level weights or a sequence rejection) needs seq_ids")
     for name, val in (("num_loss_tokens", agg.num_loss_tokens), ("num_sequences", agg.num_sequences),
