@@ -87,14 +87,15 @@ def _adapter(cfg: LossConfig):
     """The kit's signature on top of the framework path: the caller's dense log-softmax, then our loss math."""
 
     def logprob_framework_loss(logits, tokens, sampler_logprobs, candidates, advantages, temperature,
-                               loss_mask=None, seq_ids=None, proximal_logprobs=None):
+                               loss_mask=None, seq_ids=None, proximal_logprobs=None, versions=None,
+                               current_version=None, route_flips=None):
         lp_y, lp_c, _ = dense_logprobs(logits, tokens, candidates, temperature)
         agg = {"aggregation": cfg.aggregation or "constant",
                "constant_normalizer": cfg.constant_normalizer if cfg.aggregation else 1.0}
         out = op.policy_loss_from_logprobs(
             lp_y, sampler_logprobs, advantages, candidates, lp_c if cfg.score_centering else None,
             loss_mask=loss_mask, correction=cfg.correction, seq_ids=seq_ids, proximal_logprobs=proximal_logprobs,
-            **agg)
+            versions=versions, current_version=current_version, route_flips=route_flips, **agg)
         if cfg.aggregation is not None:
             return out.loss
         first = (torch.arange(tokens.shape[0]) == 0).to(out.loss.dtype)

@@ -43,13 +43,14 @@ def reference_loss(cfg: LossConfig):
     (otherwise the kit's properties, not the implementations, would be wrong)."""
 
     def oracle(logits, tokens, sampler_logprobs, candidates, advantages, temperature, loss_mask=None, seq_ids=None,
-               proximal_logprobs=None):
+               proximal_logprobs=None, versions=None, current_version=None, route_flips=None):
         z = logits.double()
         prox = None if proximal_logprobs is None else proximal_logprobs.detach()
         loss, token_loss, _ = reference_policy_loss(z, tokens, sampler_logprobs.detach(), advantages.detach(),
                                                     candidates, loss_mask, temperature, cfg.correction, seq_ids,
                                                     aggregation="constant", constant_normalizer=1.0,
-                                                    proximal_logprobs=prox)
+                                                    proximal_logprobs=prox, versions=versions,
+                                                    current_version=current_version, route_flips=route_flips)
         first = (torch.arange(token_loss.shape[0]) == 0).double()
         return token_loss + (loss - loss.detach()) * first
 
@@ -80,7 +81,7 @@ def test_project_policy_loss_passes_every_invariant(cfg):
     report, ran = _project_passes(cfg)
     plain = (cfg.weights in ("tis", "mis") and cfg.surrogate == "score_function" and not cfg.batch_normalize
              and not cfg.correction.rejection_rules and not cfg.has_sequence_rejections
-             and cfg.trust_region is None and cfg.m2po is None)
+             and cfg.trust_region is None and not cfg.correction.tree.mask_rules)
     assert ("zero_drift" in ran) == (cfg.score_centering and not cfg.has_sequence_rejections)
     assert ("support_replay" in ran) == (cfg.record == "support")
     assert ("plain_is_unbiased" in ran) == plain
@@ -96,6 +97,8 @@ def test_every_config_covers_the_family():
                                            "trust_region", "sapo", "vespo", "gmpo", "topr", "kimi15", "kl_cov",
                                            "clip_cov"}
     assert any(c.m2po is not None for c in cfgs) and any(c.seq_logprob_error is not None for c in cfgs)
+    mask_rules = {(type(r).__name__, r.level) for c in corrs for _, r in c.tree.mask_rules if hasattr(r, "level")}
+    assert {("StalenessRejection", "sequence"), ("RouteFlipRejection", "token")} <= mask_rules  # fed by the kit
     assert any(c.ppo_delta is not None for c in cfgs)
     kinds = {(r.kind, getattr(r, "estimator", None), r.level, isinstance(getattr(r, "threshold", 0), tuple))
              for c in corrs for _, r in c.rejection_rules}

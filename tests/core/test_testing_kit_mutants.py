@@ -47,9 +47,11 @@ REJ_OUT_TOKEN = LossConfig(weights="reject", record="head", kl_rejection=KLRejec
                            rejected_in_normalizer=False, aggregation="token_mean")
 REJ_OUT_SEQ = LossConfig(weights="mis", record="support", rejections=(KLRejection((-0.3, 0.3), "k1", "seq_mean"),),
                          rejected_in_normalizer=False, aggregation="seq_mean_token_mean")
-#: The node examples (the kit's configurations of TOPR, Kimi15, KL-Cov, Clip-Cov, M2PO, seq_logprob_error),
+#: The node examples (the kit's configurations of TOPR, Kimi15, KL-Cov, Clip-Cov, M2PO, seq_logprob_error, and
+#: the route-flip rejection's, which holds a sequence-level staleness rejection too),
 #: by the keyword that selects each.
-EXAMPLES = {k: c for c in node_examples() for k in ("topr", "kimi15", "kl_cov", "clip_cov", "m2po", "seq_logprob_error")
+EXAMPLES = {k: c for c in node_examples() for k in ("topr", "kimi15", "kl_cov", "clip_cov", "m2po", "seq_logprob_error",
+                                                    "max_route_flips")
             if getattr(c, k) is not None}
 #: Combinations no mutant targets, passed by the correct loss only: sequence-level weights under decoupled PPO and
 #: CISPO, GSPO-token with sequence normalisation and a sequence aggregation, the veto with sequence weights.
@@ -109,6 +111,8 @@ CAUGHT = [
     ("clip_cov_unseeded_draw", EXAMPLES["clip_cov"], "agreement"),
     ("m2po_smallest_first", EXAMPLES["m2po"], "agreement"),
     ("seq_logprob_error_signed", EXAMPLES["seq_logprob_error"], "agreement"),
+    ("staleness_sequence_as_token", EXAMPLES["max_route_flips"], "agreement"),
+    ("route_flips_at_threshold", EXAMPLES["max_route_flips"], "agreement"),
 ]
 
 

@@ -67,6 +67,8 @@ BUGS = {
     "clip_cov_unseeded_draw": "Clip-Cov drops the first candidates in token order, not the seeded draw",
     "m2po_smallest_first": "M2PO drops the tokens with the smallest (log r)^2 first",
     "seq_logprob_error_signed": "seq_logprob_error's statistic mean exp(log r), not mean exp(|log r|)",
+    "staleness_sequence_as_token": "a sequence-level staleness rejection drops the stale tokens, not their sequences",
+    "route_flips_at_threshold": "the route-flip rejection drops tokens with route_flips >= max_flips, not >",
 }
 
 #: The KL estimators at a clamped log-ratio ``lr`` (k1, k2, k3 of KL(q || p)).
@@ -78,12 +80,41 @@ def _is_sequence_rule(rule) -> bool:
     return rule.level != "token"
 
 
+def _ratio_rules(corr) -> list:
+    """The ``KLRejection`` / ``RatioRejection`` items of ``kl_rejection`` and ``rejections`` (the mask rules, staleness
+    and route flips, are :func:`_mask_rule_drop`'s)."""
+    return [r for _, r in corr.rejection_rules if r.kind in ("kl", "ratio")]
+
+
+def _mask_rule_drop(trained: Tensor, seq_ids: Tensor | None, versions: Tensor | None, current_version: int | None,
+                    route_flips: Tensor | None, cfg: LossConfig, bug: str | None) -> Tensor:
+    """``[N]`` bool: the trained tokens a staleness rejection (docs/spec.md#staleness-rejection: ``current_version -
+    versions > max_lag``) or a route-flip rejection (docs/spec.md#route-flip-rejection: ``route_flips > max_flips``)
+    drops, the token itself at ``level="token"``, every trained token of its sequence at ``"sequence"``."""
+    corr = cfg.correction
+    rules = [("staleness", corr.max_staleness, "token")] if corr.max_staleness is not None else []
+    rules += [("route_flips", corr.max_route_flips, "token")] if corr.max_route_flips is not None else []
+    rules += [(r.kind, r.max_lag if r.kind == "staleness" else r.max_flips, r.level) for r in corr.rejections
+              if r.kind in ("staleness", "route_flips")]
+    drop = torch.zeros_like(trained)
+    for kind, limit, level in rules:
+        if kind == "staleness":
+            bad = trained & (current_version - versions > limit)
+        else:
+            bad = trained & ((route_flips >= limit) if bug == "route_flips_at_threshold" else (route_flips > limit))
+        if level == "sequence" and bug != "staleness_sequence_as_token":
+            seq, num = _segments(seq_ids)
+            bad = trained & (_seq_sum(bad.to(torch.float64), seq, num) > 0)[seq]
+        drop |= bad
+    return drop
+
+
 def _keep(log_r: Tensor, cfg: LossConfig, bug: str | None) -> Tensor:
     """The token-level rejection rules (``kl_rejection``, then ``rejections`` in order), chained: a token is kept
     iff every rule keeps it. Sequence-level rules are :func:`_dropped`'s (``sequence_rule_per_token`` tests them
     here, on each token's own ratio)."""
     corr = cfg.correction
-    rules = [r for _, r in corr.rejection_rules]
+    rules = _ratio_rules(corr)
     if bug == "rejection_chain_first_only":
         rules = rules[:1]
     if bug != "sequence_rule_per_token":
@@ -119,7 +150,7 @@ def _dropped(log_r: Tensor, log_r_p: Tensor, adv: Tensor, trained: Tensor, seq_i
     ``seq_sum`` / ``seq_mean`` / ``seq_max`` of ``k`` on the clamped log-ratio outside its band
     (docs/spec.md#kl-rejection), a ratio band on the summed (``"sequence"``) or mean (``"geometric"``) unclamped
     log-ratio."""
-    rules = [r for _, r in cfg.correction.rejection_rules if bug != "sequence_rule_per_token" and _is_sequence_rule(r)]
+    rules = [r for r in _ratio_rules(cfg.correction) if bug != "sequence_rule_per_token" and _is_sequence_rule(r)]
     drop = torch.zeros_like(trained)
     if not rules and cfg.veto is None and cfg.opsm_delta is None and cfg.seq_logprob_error is None:
         return drop
@@ -334,7 +365,7 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
         raise KeyError(f"unknown bug {bug!r}; expected one of {list(BUGS)}")
 
     def loss_fn(logits, tokens, sampler_logprobs, candidates, advantages, temperature, loss_mask=None, seq_ids=None,
-                proximal_logprobs=None):
+                proximal_logprobs=None, versions=None, current_version=None, route_flips=None):
         if cfg.needs_sequences and seq_ids is None:
             raise ValueError(f"seq_ids is required by {cfg.describe()}")
         trained = torch.ones_like(tokens, dtype=torch.bool) if loss_mask is None else loss_mask
@@ -371,6 +402,7 @@ def dense_loss(cfg: LossConfig, bug: str | None = None):
             bounded = _sequence_log_ratio(log_r, trained, seq_ids, cfg, bug)
         dropped = _dropped(log_r, logp_y.detach() - lq_used.detach(), adv, trained, seq_ids, cfg, bug)
         dropped = dropped | _m2po_drop(log_r.detach(), trained, cfg, bug)
+        dropped = dropped | _mask_rule_drop(trained, seq_ids, versions, current_version, route_flips, cfg, bug)
         w = torch.where(dropped, torch.zeros_like(w), w)
         impossible = logp_y.detach() == -math.inf
         kept = trained & ~dropped

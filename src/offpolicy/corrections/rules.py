@@ -370,6 +370,7 @@ class StalenessRejection:
     source: ClassVar[str] = ("Miles --max-weight-staleness / --mask-offpolicy-in-partial-rollout, TRL async "
                              "max_staleness: reject data more than k policy updates old")
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("max_staleness", ("max_lag",), "int"),)
+    # Its kit configuration is RouteFlipRejection's example (one configuration covers both mask rules).
     inputs: ClassVar[tuple[str, ...]] = ("versions", "current_version")
     table_traits: ClassVar[str] = '`masks`; `per_sequence` with `level="sequence"` (also in `rejections=`)'
 
@@ -449,6 +450,10 @@ class RouteFlipRejection:
     source: ClassVar[str] = ("MoE routing mismatch between sampler and trainer (routing replay's diagnosis, R3 "
                              "arXiv 2510.11370) as a rejection")
     keywords: ClassVar[tuple[Keyword, ...]] = (Keyword("max_route_flips", ("max_flips",), "int"),)
+    #: One kit configuration for both mask rules that read loss inputs (the kit feeds versions and route flips):
+    #: this rule at the token level and a staleness rejection at the sequence level (the suite's time budget).
+    example: ClassVar[dict] = {"weights": "tis", "record": "head", "max_route_flips": 1,
+                               "rejections": (StalenessRejection(1, "sequence"),)}
     inputs: ClassVar[tuple[str, ...]] = ("route_flips",)
     table_traits: ClassVar[str] = '`masks`; `per_sequence` with `level="sequence"` (also in `rejections=`)'
 

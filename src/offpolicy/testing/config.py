@@ -145,6 +145,16 @@ class LossConfig:
         return self.correction.needs_sequences or self.aggregation in SEQUENCE_AGGREGATIONS
 
     @property
+    def needs_versions(self) -> bool:
+        """Whether the function receives ``versions`` and ``current_version`` (a staleness rejection)."""
+        return "versions" in self.correction.tree.needed_inputs()
+
+    @property
+    def needs_route_flips(self) -> bool:
+        """Whether the function receives ``route_flips`` (a route-flip rejection)."""
+        return "route_flips" in self.correction.tree.needed_inputs()
+
+    @property
     def needs_proximal(self) -> bool:
         """Whether the function receives ``proximal_logprobs`` (decoupled PPO, CISPO)."""
         return self.correction.tree.surrogate.needs_proximal
@@ -204,6 +214,8 @@ class LossConfig:
             out += f"+{self.surrogate}" + (f"+delta{self.ppo_delta:g}" if self.ppo_delta is not None else "")
         if self.correction.tree.rejections:
             out += f"+rej{len(self.correction.tree.rejections)}"
+            masks = [name for name, _ in self.correction.tree.mask_rules]
+            out += f"({'-'.join(masks)})" if masks else ""
         if self.batch_normalize is not False:
             out += f"+bn-{'tokens' if self.batch_normalize is True else self.batch_normalize}"
         if self.trust_region is not None:

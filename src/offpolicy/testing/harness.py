@@ -47,14 +47,18 @@ class _Fed:
     seq_ids: Tensor | None = None
     scalar: bool = False  # the function returns the aggregated scalar, not per-token losses
     prox: Tensor | None = None  # proximal log-probabilities (decoupled PPO, CISPO)
+    versions: Tensor | None = None  # policy versions (staleness rejection), with current_version
+    current_version: int | None = None
+    route_flips: Tensor | None = None  # MoE route-flip counts (route-flip rejection)
 
     @property
     def loss_name(self) -> str:
         return "aggregated loss" if self.scalar else "per-token loss"
 
-    def keywords(self) -> dict[str, Tensor]:
+    def keywords(self) -> dict[str, Tensor | int]:
         """The optional keywords this call passes (only those set)."""
-        kw = {"loss_mask": self.loss_mask, "seq_ids": self.seq_ids, "proximal_logprobs": self.prox}
+        kw = {"loss_mask": self.loss_mask, "seq_ids": self.seq_ids, "proximal_logprobs": self.prox,
+              "versions": self.versions, "current_version": self.current_version, "route_flips": self.route_flips}
         return {k: v for k, v in kw.items() if v is not None}
 
     def trained(self) -> Tensor:
@@ -86,8 +90,16 @@ def _feed(prob: Problem, cfg: LossConfig, logits: Tensor | None = None, sampler_
             raise ValueError("the configuration needs proximal log-probabilities: draw problems through "
                              "offpolicy.testing.strategies.with_proximal")
         prox = prob.proximal_logprobs.to(sd).detach().requires_grad_(sampler_grad)
+    for needed, value, strategy in ((cfg.needs_versions, prob.versions, "with_versions"),
+                                    (cfg.needs_route_flips, prob.route_flips, "with_route_flips")):
+        if needed and value is None:
+            raise ValueError(f"the configuration needs what offpolicy.testing.strategies.{strategy} adds: draw "
+                             "problems through it")
+    versions = prob.versions.clone() if cfg.needs_versions else None
+    flips = prob.route_flips.clone() if cfg.needs_route_flips else None
     return _Fed(z, prob.tokens.clone(), lq, cands, adv, float(prob.temperature), mask, seq_ids,
-                cfg.aggregation is not None, prox)
+                cfg.aggregation is not None, prox, versions, prob.current_version if cfg.needs_versions else None,
+                flips)
 
 
 def _call(fn: LossFn, fed: _Fed, example: str) -> Tensor:
@@ -135,6 +147,7 @@ def _reference(fed: _Fed, cfg: LossConfig) -> tuple[Tensor, Tensor]:
         cfg.correction, fed.seq_ids, aggregation=agg,
         constant_normalizer=cfg.constant_normalizer if cfg.aggregation else (1.0 if agg == "constant" else None),
         proximal_logprobs=None if fed.prox is None else fed.prox.detach().double(),
+        versions=fed.versions, current_version=fed.current_version, route_flips=fed.route_flips,
     )
     (g,) = torch.autograd.grad(loss, z)
     return (loss.detach() if fed.scalar else token_loss), g

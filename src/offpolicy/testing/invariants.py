@@ -20,8 +20,10 @@ Optional keywords widen what is checked: ``loss_mask`` ([N] bool, True on traine
 invariant runs when the function takes it), ``seq_ids`` ([N] int64 packed sequence ids; needed for
 ``LossConfig(level="sequence" | "geometric")``, whose batches the kit packs into random sequences, and for every
 other sequence-wise part of a configuration: sequence rejections, ``batch_normalize="sequences"``,
-``ppo_ratio="gspo_token"``, sequence aggregations) and ``proximal_logprobs`` ([N] float ``log pi_prox(y_t)``; needed
-for decoupled PPO and CISPO). The function receives each keyword only where the check uses it.
+``ppo_ratio="gspo_token"``, sequence aggregations), ``proximal_logprobs`` ([N] float ``log pi_prox(y_t)``; needed
+for decoupled PPO and CISPO), ``versions`` and ``current_version`` ([N] int64 and an int; a staleness rejection)
+and ``route_flips`` ([N] int64; a route-flip rejection). The function receives each keyword only where the check
+uses it.
 
 and a :class:`~offpolicy.testing.LossConfig` declaring which correction it claims. Each invariant is a property
 over a hypothesis strategy from :mod:`offpolicy.testing.strategies`; a violation is shrunk to a small example

@@ -25,15 +25,16 @@ def project_loss(config: LossConfig):
     def offpolicy_policy_loss(logits: Tensor, tokens: Tensor, sampler_logprobs: Tensor,
                               candidates: Candidates | None, advantages: Tensor, temperature: float,
                               loss_mask: Tensor | None = None, seq_ids: Tensor | None = None,
-                              proximal_logprobs: Tensor | None = None) -> Tensor:
+                              proximal_logprobs: Tensor | None = None, versions: Tensor | None = None,
+                              current_version: int | None = None, route_flips: Tensor | None = None) -> Tensor:
+        kw = dict(candidates=candidates, loss_mask=loss_mask, temperature=temperature, correction=corr,
+                  seq_ids=seq_ids, proximal_logprobs=proximal_logprobs, versions=versions,
+                  current_version=current_version, route_flips=route_flips)
         if config.aggregation is not None:
-            return policy_loss(logits, tokens, sampler_logprobs, advantages, candidates=candidates,
-                               loss_mask=loss_mask, temperature=temperature, correction=corr, seq_ids=seq_ids,
-                               aggregation=config.aggregation, constant_normalizer=config.constant_normalizer,
-                               proximal_logprobs=proximal_logprobs).loss
-        out = policy_loss(logits, tokens, sampler_logprobs, advantages, candidates=candidates, loss_mask=loss_mask,
-                          temperature=temperature, correction=corr, seq_ids=seq_ids, aggregation="constant",
-                          constant_normalizer=1.0, proximal_logprobs=proximal_logprobs)
+            return policy_loss(logits, tokens, sampler_logprobs, advantages, aggregation=config.aggregation,
+                               constant_normalizer=config.constant_normalizer, **kw).loss
+        out = policy_loss(logits, tokens, sampler_logprobs, advantages, aggregation="constant",
+                          constant_normalizer=1.0, **kw)
         token_loss = out.token_loss.to(out.loss.dtype)
         first = (torch.arange(token_loss.shape[0], device=token_loss.device) == 0).to(token_loss.dtype)
         return token_loss + (out.loss - out.loss.detach()) * first

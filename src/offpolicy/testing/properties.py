@@ -21,7 +21,9 @@ from offpolicy.testing.strategies import (
     problems,
     temperatures,
     with_proximal,
+    with_route_flips,
     with_sequences,
+    with_versions,
 )
 from offpolicy.testing.harness import LossFn, _Fail, _Fed, _call, _feed, _grads, _logit_grad, _reference
 from offpolicy.testing.tolerances import _compare, _near_discontinuity, _rounding_floor, _row_scale
@@ -41,9 +43,14 @@ def _batches(cfg: LossConfig, record: str | None | bool = False) -> st.SearchStr
 
 
 def _dressed(batches: st.SearchStrategy[Problem], cfg: LossConfig) -> st.SearchStrategy[Problem]:
-    """``batches`` with what ``cfg`` needs besides: packed sequences, proximal log-probabilities."""
+    """``batches`` with what ``cfg`` needs besides: packed sequences, proximal log-probabilities, policy versions,
+    route-flip counts."""
     if cfg.needs_sequences:
         batches = with_sequences(batches)
+    if cfg.needs_versions:
+        batches = with_versions(batches)
+    if cfg.needs_route_flips:
+        batches = with_route_flips(batches)
     return with_proximal(batches) if cfg.needs_proximal else batches
 
 

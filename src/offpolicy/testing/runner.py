@@ -83,9 +83,9 @@ class Report:
 
 
 def _keywords(fn: Callable) -> set[str]:
-    """The optional keywords (``loss_mask``, ``seq_ids``, ``proximal_logprobs``) a loss function takes (all of them
-    with ``**kwargs``)."""
-    optional = {"loss_mask", "seq_ids", "proximal_logprobs"}
+    """The optional keywords (``loss_mask``, ``seq_ids``, ``proximal_logprobs``, ``versions``,
+    ``current_version``, ``route_flips``) a loss function takes (all of them with ``**kwargs``)."""
+    optional = {"loss_mask", "seq_ids", "proximal_logprobs", "versions", "current_version", "route_flips"}
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin or extension callable: pass only the six positional arguments
@@ -132,6 +132,13 @@ def run_invariant(
                 "a sequence-wise rule, normalisation or surrogate")
         raise ValueError(f"LossConfig({what}) works on packed sequences: the loss function {_target_name(fn)} must "
                          "take a seq_ids keyword ([N] int64 packed sequence ids)")
+    for needed, keywords, what in ((config.needs_versions, ("versions", "current_version"),
+                                    "a staleness rejection needs each token's policy version"),
+                                   (config.needs_route_flips, ("route_flips",),
+                                    "a route-flip rejection needs each token's MoE route-flip count")):
+        if needed and not set(keywords) <= takes:
+            raise ValueError(f"LossConfig: {what}: the loss function {_target_name(fn)} must take "
+                             f"{' and '.join(keywords)} keywords ([N] int64{', and an int' * (len(keywords) > 1)})")
     if config.needs_proximal and "proximal_logprobs" not in takes:
         raise ValueError(f"LossConfig(surrogate {config.surrogate!r}) needs the proximal policy's log-probabilities: "
                          f"the loss function {_target_name(fn)} must take a proximal_logprobs keyword ([N] float)")

@@ -15,7 +15,8 @@ Building blocks (public):
 Composite strategies (what the checkers in :mod:`offpolicy.testing.properties` draw from):
 
 * :func:`problems`: a batch (:class:`Problem`) for a given record kind, tokens drawn from the sampler's support;
-  :func:`with_sequences` packs a batch into sequences; :func:`with_proximal` adds proximal log-probabilities.
+  :func:`with_sequences` packs a batch into sequences; :func:`with_proximal` adds proximal log-probabilities;
+  :func:`with_versions` adds policy versions (staleness) and :func:`with_route_flips` MoE route-flip counts.
 * :func:`positions`: one position with a *complete* sampler model (:class:`Position`): a support record, a head
   record covering the vocabulary, or a partial head whose true tail is exactly ``rho * p``
   (docs/spec.md#inv-head-exact). A position expands into one row per possible token, for exact expectations over
@@ -282,6 +283,10 @@ class Problem:
             alone.
         proximal_logprobs: ``[N]`` float64 ``log pi_prox(y_t)`` of the proximal policy (decoupled PPO, CISPO; see
             :func:`with_proximal`), or None.
+        versions: ``[N]`` int64 policy version that sampled each token, with ``current_version`` the trainer's
+            (an int; see :func:`with_versions`), or None.
+        route_flips: ``[N]`` int64 MoE layers whose routing flipped at each token (see :func:`with_route_flips`),
+            or None.
     """
 
     logits: Tensor
@@ -294,6 +299,9 @@ class Problem:
     notes: dict = field(default_factory=dict)
     seq_ids: Tensor | None = None
     proximal_logprobs: Tensor | None = None
+    versions: Tensor | None = None
+    current_version: int | None = None
+    route_flips: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -315,6 +323,10 @@ class Problem:
             lines.append(f"seq_ids          = {_fmt(self.seq_ids)}")
         if self.proximal_logprobs is not None:
             lines.append(f"proximal_logprobs = {_fmt(self.proximal_logprobs)}")
+        if self.versions is not None:
+            lines.append(f"versions         = {_fmt(self.versions)} (current_version={self.current_version})")
+        if self.route_flips is not None:
+            lines.append(f"route_flips      = {_fmt(self.route_flips)}")
         if self.candidates is None:
             lines.append("candidates       = None")
         else:
@@ -453,6 +465,32 @@ def with_proximal(draw: st.DrawFn, batches: st.SearchStrategy[Problem]) -> Probl
     shifts = torch.tensor(draw(st.lists(_PROXIMAL_SHIFT, min_size=n, max_size=n)), dtype=torch.float64).reshape(n)
     prox = torch.where(torch.isfinite(logp_y), (logp_y + shifts).clamp(max=0.0), prob.sampler_logprobs)
     return replace(prob, proximal_logprobs=prox)
+
+
+#: How many updates behind the trainer a token's policy is (mostly fresh, a tail of stale ones).
+_LAGS = st.sampled_from([0, 0, 0, 0, 0, 1, 1, 2, 3])
+#: MoE layers whose top-k expert set flipped at a token (mostly none).
+_FLIPS = st.sampled_from([0, 0, 0, 1, 2, 4])
+
+
+@st.composite
+def with_versions(draw: st.DrawFn, batches: st.SearchStrategy[Problem]) -> Problem:
+    """A problem from ``batches`` with the policy version of each token (staleness rejection): ``current_version``
+    drawn in ``[3, 10]`` and ``versions_t = current_version - lag_t``, the lags from :data:`_LAGS`."""
+    prob = draw(batches)
+    current = draw(st.integers(3, 10))
+    lags = draw(st.lists(_LAGS, min_size=prob.num_tokens, max_size=prob.num_tokens))
+    return replace(prob, versions=current - torch.tensor(lags, dtype=torch.int64).reshape(prob.num_tokens),
+                   current_version=current)
+
+
+@st.composite
+def with_route_flips(draw: st.DrawFn, batches: st.SearchStrategy[Problem]) -> Problem:
+    """A problem from ``batches`` with each token's count of MoE layers whose routing flipped (route-flip
+    rejection), from :data:`_FLIPS`."""
+    prob = draw(batches)
+    flips = draw(st.lists(_FLIPS, min_size=prob.num_tokens, max_size=prob.num_tokens))
+    return replace(prob, route_flips=torch.tensor(flips, dtype=torch.int64).reshape(prob.num_tokens))
 
 
 # ----------------------------------------------------------------------------------------------------------------
