@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from test_migrating import B, T, _batch, _check, _ours, _ppo, _rejected_some, _theirs
+from test_migrating import B, _batch, _check, _ours, _ppo, _rejected_some, _theirs
 
 import offpolicy as op
 from offpolicy.reference import reference_metrics, reference_policy_loss
