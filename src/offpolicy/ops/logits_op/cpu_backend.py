@@ -351,8 +351,7 @@ def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_t
         mask_ptr, slot_ptr, m_ptr, ls_ptr = (wide.mask.data_ptr(), wide.slot.data_ptr(), wide.m.data_ptr(),
                                              wide.ls.data_ptr())
     else:
-        z_ptr = z_stride = mask_ptr = slot_ptr = m_ptr = ls_ptr = None
-        z_stride = 0
+        z_ptr, z_stride, mask_ptr, slot_ptr, m_ptr, ls_ptr = None, 0, None, None, None, None
     call = getattr(lib, f"support_grad_{suffix}")
     stride = out.stride(0) * out.element_size()
 
