@@ -395,3 +395,29 @@ def test_cpu_wide_rows_keep_a_mask_and_their_backward_reads_no_ids():
     assert torch.equal(got[only_wide], entries[only_wide]) and bool((got[~only_wide] == 0).all())
     with pytest.raises(RuntimeError, match="outside"):  # the entry path does read them
         cpu_backend.support_grad(lp, offsets, garbage, *args[:3], gt, only_wide, torch.empty_like(z))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_wide_rows_ignore_non_finite_logits_outside_their_support(backend, bad):
+    """A row of ``V - 1`` ids whose one id outside the support holds NaN or ``+inf``: the streamed backward reads
+    that logit (the entry path never did) but it must not leak: the gradient there is exactly 0 and the rest is the
+    reference's."""
+    z, tokens, offsets, ids, skip, inv_temp = _batch([V - 1] * 4, torch.float32, seed=41)
+    skip[:] = False
+    z = torch.where(torch.isfinite(z), z, torch.full_like(z, -20.0))
+    row = torch.repeat_interleave(torch.arange(4), offsets[1:] - offsets[:-1])
+    member = torch.zeros(4, V, dtype=torch.bool)
+    member[row, ids] = True
+    outside = (~member).nonzero()
+    z[outside[:, 0], outside[:, 1]] = bad
+    leaf = z.clone().requires_grad_()
+    target, *_ = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
+                                                  backend=backend_registry.get(backend), eager=True)
+    live = torch.isfinite(target.detach())
+    target[live].sum().backward()
+    assert bool(torch.isfinite(leaf.grad).all()) and bool((leaf.grad[~member] == 0).all())
+    *want, x = _reference(torch.where(member, z, 0.0), tokens, offsets, ids, skip, inv_temp)
+    want_grad, _ = _reference_grad(want, x, tokens, offsets, ids, inv_temp, live.double(),
+                                   torch.zeros(ids.numel(), dtype=torch.float64))
+    torch.testing.assert_close(leaf.grad.double(), want_grad, rtol=1e-5, atol=1e-6)

@@ -8,7 +8,8 @@ with ``x = z / tau``. The backward is closed-form,
     dz[t, v] = inv_temp (g_lp[e] [v = v_e in S_t] + g_t [v = y_t] - G_t p^S_t(v) [v in S_t]),
     G_t = g_t + sum_{e in row t} g_lp[e]
 
-so nothing but ``lp`` (``4 nnz`` bytes) is saved. Cost, per row of width ``K``:
+so nothing but ``lp`` (``4 nnz`` bytes) is saved (and, for the ``cpu`` backend's wide rows below, a byte mask
+and a reference to the logits). Cost, per row of width ``K``:
 
 * logits (:func:`support_log_softmax`): the backend's ``support_stats`` (one gather of the ``K`` logits, passes
   over the gathered copy) and ``support_grad`` (the gradient row zeroed, ``K`` entries written once): ``O(K)``
