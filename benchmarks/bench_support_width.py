@@ -2,6 +2,7 @@
 
     python benchmarks/bench_support_width.py --threads 1            # N = 128, D = 128, V = 8192, 9 repetitions
     python benchmarks/bench_support_width.py --quick --out /tmp/x   # tiny shapes, 2 repetitions (the smoke test)
+    python benchmarks/bench_support_width.py --threads 1 --tag _after   # ..._t1_<date>_after.json: keeps an earlier file
 
 For each support width (about 1%, 10%, 50%, 85% and 100% of V by default; every row of the batch has that width,
 the sampled token inside), forward + backward of ``op.policy_loss`` (MIS weights, ``validate=False``: the op's cost;
@@ -56,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="logits / weights dtype")
     p.add_argument("--quick", action="store_true", help="tiny shapes and 2 repetitions: checks that the script runs")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output folder")
+    p.add_argument("--tag", default="", help="suffix of the output files' name (a second run on one day keeps the first)")
     args = p.parse_args(argv)
     if args.quick:
         args.n, args.v, args.d, args.reps = 16, 256, 16, 2
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     payload = run(args)
     tag = "quick" if args.quick else f"t{args.threads}"
-    stem = Path(args.out) / f"support_width_{platform.node() or 'host'}_{tag}_{payload['date'][:10]}"
+    stem = Path(args.out) / f"support_width_{platform.node() or 'host'}_{tag}_{payload['date'][:10]}{args.tag}"
     write_results(stem, payload, payload["results"], drop=("support_over_dense", "support_over_norec", "seconds",
                                                            "raw_seconds"))
     return 0

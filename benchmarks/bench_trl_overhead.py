@@ -15,6 +15,11 @@ Reported: per repetition the ratio offpolicy / plain of the median step time, pe
 repetitions their median, min and max, and the mean realised support size.
 
     python benchmarks/bench_trl_overhead.py --repeats 5 --note "shared 2-core VM, loaded"
+    python benchmarks/bench_trl_overhead.py --threads 1 --peak 1 --tag _unscaled   # supports of ~7,000 of 8,192 ids
+
+``--threads`` sets torch's intra-op threads (default 1: on a shared machine, one thread per process is what gives
+repeatable times; ``0`` takes every core). ``--peak 1`` is the unscaled model, whose top-p 0.9 supports hold most of
+the vocabulary (the wide-support case of issue #42).
 
 Results go to benchmarks/results/trl_overhead_<host>_<date><tag>.json and .csv.
 """
@@ -134,11 +139,14 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=32)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: every core)")
     ap.add_argument("--note", default="")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.threads < 0:
+        raise SystemExit(f"--threads must be >= 0, got {args.threads}")
+    torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     load_before = os.getloadavg()
     rows, ratios = [], {"generate": [], "loss": [], "step": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,7 +167,7 @@ def main() -> None:
 
     payload = {
         "meta": {"host": socket.gethostname(), "cpu": cpu_model(), "platform": platform.platform(),
-                 "cpus": os.cpu_count(), "torch": torch.__version__, "trl": trl.__version__,
+                 "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__, "trl": trl.__version__,
                  "transformers": transformers.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                  "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "load_before": load_before,
                  "load_after": os.getloadavg(), "note": args.note, "interleaved": True},

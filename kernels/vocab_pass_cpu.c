@@ -272,31 +272,42 @@ DEFINE_GRAD(grad_f16, load_f16, store_f16, _Float16, 0)
 
 /* ---- The support pass (mask replay over CSR rows of any width) ----
  * Row r owns the entries offsets[r] .. offsets[r + 1] of ids (its support S_r, any width 0 .. V). Work per row is
- * O(|S_r|) in the forward and O(|S_r|) plus one zeroing of the gradient row in the backward: no [N, K_max] padding,
- * no membership mask, no sweep over the V - |S_r| ids outside the support.
- *   support_stats: x_e = z[r, ids[e]] gathered once into xe[e] (fp32, the caller's [nnz] output), the max taken in
- *                  the same loop, then one vector pass over the contiguous xe[offsets[r] ..] (in L1/L2):
- *                  m = max x_e, s = sum 2^y_e, t2 = sum 2^y_e y_e with y_e = (x_e - m) a, a = it log2(e) (as stats
- *                  above), and one more over the same copy, in place: xe[e] = (x_e - m) it - ln s, the support-
- *                  normalised log-probabilities (ln by ln_ge1, no libm). Rows without mass and skipped rows (skip[r],
- *                  skip may be NULL; not read) get xe = -inf and s = 0. bad[r] = 1 where an entry is NaN or +inf (the
+ * O(|S_r|) in the forward; in the backward O(|S_r|) plus one zeroing of the gradient row (a narrow row), or one
+ * streaming write of the row (a wide row, below): no [N, K_max] padding, each id read once per pass.
+ *   support_stats: x_e = z[r, ids[e]] gathered once into xe[e] (fp32, the caller's [nnz] output), then one vector
+ *                  pass over the contiguous xe[offsets[r] ..] (in L1/L2): m = max x_e, s = sum 2^y_e,
+ *                  t2 = sum 2^y_e y_e with y_e = (x_e - m) a, a = it log2(e) (as stats above), and one more over the
+ *                  same copy, in place: xe[e] = (x_e - m) it - ln s, the support-normalised log-probabilities (ln by
+ *                  ln_ge1, no libm; ln s is returned in ls_out). Rows without mass and skipped rows (skip[r], skip
+ *                  may be NULL; not read) get xe = -inf and s = 0. bad[r] = 1 where an entry is NaN or +inf (the
  *                  caller recomputes such rows). An id outside [0, V) is never read (element 0 is, instead) and
  *                  makes the call return 2: the caller raises and discards the outputs.
- *   support_grad:  the gradient row, zeroed, then at each entry e: it (gc_e - G 2^(lp_e log2 e)) (gc NULL: 0),
- *                  G = gt + sum_e gc_e the row's whole upstream gradient, plus it gt at the token (folded into its
- *                  entry when the token is in the support, so a 16-bit element is rounded once); G = 0 skips the probability term, so a row without gradient never
- *                  reads its log-probabilities (NaN there cannot leak). An id or token outside [0, V) is never written
- *                  and makes the call return 2 (the caller raises). The ids are read once per pass, in the same
- *                  loop as their range check. */
+ *                  Wide rows (mask not NULL and slot[r] >= 0, chosen by the caller): the same gather also writes
+ *                  the row's membership byte mask mask[slot[r] V + v] = [v in S_r] (zeroed first; V bytes, at most
+ *                  a quarter of the row's int64 ids at the caller's threshold |S_r| >= V / 2), then its count is compared
+ *                  with |S_r|: a repeated id (a record not validated) sets slot[r] = -1, and the row's backward
+ *                  takes the entry path, whose sum over entries the mask cannot express.
+ *   support_grad:  narrow rows (and every row when gc is not NULL): the gradient row, zeroed, then at each entry e:
+ *                  it (gc_e - G 2^(lp_e log2 e)) (gc NULL: 0), G = gt + sum_e gc_e the row's whole upstream
+ *                  gradient, plus it gt at the token (for a 16-bit output folded into its entry when the token is
+ *                  in the support, so each element is rounded once; for fp32 added after, the same rounding).
+ *                  Wide rows with gc NULL (slot[r] >= 0): one streaming pass over V writes every element once,
+ *                  d_v = [mask_v] it (0 - G 2^(((z_v - m) it - ln s) log2 e)) (+ it gt at the token), the exponent
+ *                  computed as the forward's log-probability, so d equals the entry path's value; it reads the
+ *                  logits row (4 or 2 bytes per id) and the mask (1 byte) instead of the ids (8) and the
+ *                  log-probabilities (4) and a scatter. G = 0 skips the probability term (a row without gradient
+ *                  never reads its log-probabilities or logits: NaN there cannot leak). An id or token outside
+ *                  [0, V) is never written and makes the call return 2 (the caller raises). */
 #define SUPPORT_STATS_PARAMS                                                                                       \
     const void *z, int64_t z_stride, int64_t v, const int64_t *rows, int64_t n_rows, const int64_t *offsets,       \
         const int64_t *ids, const uint8_t *skip, const float *it, float *xe, float *m_out, float *s_out,           \
-        float *t_out, uint8_t *bad
+        float *t_out, float *ls_out, uint8_t *bad, uint8_t *mask, int64_t *slot
 #define SUPPORT_GRAD_PARAMS                                                                                        \
     void *out, int64_t out_stride, int64_t v, const int64_t *rows, int64_t n_rows, const int64_t *offsets,         \
         const int64_t *ids, const int64_t *tokens, const float *lp, const float *gc, const float *gt,              \
-        const float *it
-#define SUPPORT_ABI_VERSION "1"
+        const float *it, const void *z, int64_t z_stride, const uint8_t *mask, const int64_t *slot,                \
+        const float *m, const float *ls
+#define SUPPORT_ABI_VERSION "2"
 
 const char *offpolicy_support_abi(void) {
     return SUPPORT_ABI_VERSION ";int64_t support_stats(" TEXT(SUPPORT_STATS_PARAMS) ");int64_t support_grad(" TEXT(
@@ -320,7 +331,7 @@ static inline double ln_ge1(double s) {
 
 /* The gather of one row's support: xr[j] = z[ids[j]] in fp32 (restrict: the compiler may use gather
  * instructions), the ids' range checked in the same loop (an id outside [0, V) reads element 0 and makes the
- * result nonzero), so the ids are read once. */
+ * result nonzero), so the ids are read once; with mk not NULL, mk[ids[j]] = 1 in the same loop (in range only). */
 #define DEFINE_GATHER(NAME, ELEM, CONV)                                                                            \
     static inline uint64_t NAME(float *restrict xr, const ELEM *restrict zr, const int64_t *restrict ids,         \
                                 int64_t w, int64_t v) {                                                           \
@@ -329,6 +340,17 @@ static inline double ln_ge1(double s) {
             const uint64_t u = (uint64_t)ids[j];                                                                   \
             bad |= u >= (uint64_t)v;                                                                               \
             xr[j] = CONV(zr[u < (uint64_t)v ? u : 0]);                                                             \
+        }                                                                                                          \
+        return bad;                                                                                                \
+    }                                                                                                              \
+    static inline uint64_t NAME##_mask(float *restrict xr, const ELEM *restrict zr, const int64_t *restrict ids,  \
+                                       int64_t w, int64_t v, uint8_t *restrict mk) {                              \
+        uint64_t bad = 0;                                                                                          \
+        for (int64_t j = 0; j < w; j++) {                                                                          \
+            const uint64_t u = (uint64_t)ids[j], at = u < (uint64_t)v ? u : 0;                                     \
+            bad |= u >= (uint64_t)v;                                                                               \
+            xr[j] = CONV(zr[at]);                                                                                  \
+            mk[at] = 1; /* an id out of range marks element 0: the call fails, its outputs are discarded */        \
         }                                                                                                          \
         return bad;                                                                                                \
     }
@@ -346,8 +368,21 @@ static inline float conv_f16(_Float16 h) { return (float)h; }
 DEFINE_GATHER(gather_f16, _Float16, conv_f16)
 #endif
 
+/* The number of set bytes of a 0/1 mask of v bytes. */
+static inline int64_t mask_count(const uint8_t *restrict mk, int64_t v) {
+    int64_t n = 0;
+    for (int64_t b0 = 0; b0 < v; b0 += 1 << 16) { /* uint32 lanes cannot overflow within a block */
+        const int64_t b1 = b0 + (1 << 16) < v ? b0 + (1 << 16) : v;
+        uint32_t c = 0;
+        for (int64_t i = b0; i < b1; i++) c += mk[i];
+        n += c;
+    }
+    return n;
+}
+
 /* One row's statistics and log-probabilities over its gathered copy xr[0 .. w) (fp32, in L1/L2), in place. */
-static void support_row(float *xr, int64_t w, float ir, float *m_out, float *s_out, float *t_out, uint8_t *bad) {
+static void support_row(float *xr, int64_t w, float ir, float *m_out, float *s_out, float *t_out, float *ls_out,
+                        uint8_t *bad) {
     const int64_t w_main = w - w % LANES;
     const vf ninf = vsplat(-__builtin_inff()), pinf = vsplat(__builtin_inff()), lowest = vsplat(-127.0f);
     vf mx = ninf;
@@ -391,6 +426,7 @@ static void support_row(float *xr, int64_t w, float ir, float *m_out, float *s_o
     *t_out = (float)t;
     /* the log-probabilities in place, while the copy is in cache (-inf without mass) */
     const float ls = s > 0.0 && !any_odd ? (float)ln_ge1(s) : __builtin_inff();
+    *ls_out = ls;
     if (ls == __builtin_inff()) {
         for (int64_t j = 0; j < w; j++) xr[j] = -__builtin_inff();
         *s_out = any_odd ? (float)s : 0.0f;
@@ -408,14 +444,24 @@ static void support_row(float *xr, int64_t w, float ir, float *m_out, float *s_o
         for (int64_t k = 0; k < n_rows; k++) {                                                                     \
             const int64_t r = rows[k], e0 = offsets[r], w = offsets[r + 1] - e0;                                    \
             float *xr = xe + e0;                                                                                   \
+            uint8_t *mk = mask && slot[r] >= 0 ? mask + slot[r] * v : NULL;                                        \
             if (skip && skip[r]) {                                                                                 \
                 for (int64_t j = 0; j < w; j++) xr[j] = -__builtin_inff();                                         \
                 m_out[r] = s_out[r] = t_out[r] = 0.0f;                                                             \
+                ls_out[r] = __builtin_inff();                                                                      \
                 bad[r] = 0;                                                                                        \
+                if (mk) slot[r] = -1;                                                                              \
                 continue;                                                                                          \
             }                                                                                                      \
-            out_of_range |= GATHER(xr, (const ELEM *)((const char *)z + r * z_stride), ids + e0, w, v);            \
-            support_row(xr, w, it[r], m_out + r, s_out + r, t_out + r, bad + r);                                   \
+            const ELEM *zr = (const ELEM *)((const char *)z + r * z_stride);                                       \
+            if (mk) {                                                                                              \
+                memset(mk, 0, (size_t)v);                                                                          \
+                out_of_range |= GATHER##_mask(xr, zr, ids + e0, w, v, mk);                                         \
+                if (mask_count(mk, v) != w) slot[r] = -1; /* a repeated id: the entry path */                     \
+            } else {                                                                                               \
+                out_of_range |= GATHER(xr, zr, ids + e0, w, v);                                                    \
+            }                                                                                                      \
+            support_row(xr, w, it[r], m_out + r, s_out + r, t_out + r, ls_out + r, bad + r);                       \
         }                                                                                                          \
         return out_of_range ? 2 : 0;                                                                               \
     }
@@ -441,20 +487,87 @@ static inline void st1_f16(void *p, int64_t i, float x) { ((_Float16 *)p)[i] = (
 
 /* The first position of y among ids[0 .. w), or -1. */
 static inline int64_t find_id(const int64_t *restrict ids, int64_t w, int64_t y) {
-    for (int64_t j = 0; j < w; j++)
+    int64_t j = 0;
+    for (; j + 8 <= w; j += 8) { /* a branch-free test of 8 ids (vectorised), then the exact position */
+        int hit = 0;
+        for (int q = 0; q < 8; q++) hit |= ids[j + q] == y;
+        if (hit) break;
+    }
+    for (; j < w; j++)
         if (ids[j] == y) return j;
     return -1;
 }
 
-#define DEFINE_SUPPORT_GRAD(NAME, LD1, ST1, ELEM)                                                                  \
+/* LANES mask bytes as lane selectors (all ones where the byte is nonzero): one widening load on x86 (the generic
+ * vector conversion compiles to byte-by-byte inserts there). */
+static inline vi mask_lanes(const uint8_t *mk, int64_t i) {
+#if defined(__AVX512F__) && LANES == 16
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mk + i))) != 0;
+#elif defined(__AVX2__) && LANES == 8
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mk + i))) != 0;
+#else
+    vi x;
+    for (int j = 0; j < LANES; j++) x[j] = mk[i + j];
+    return x != 0;
+#endif
+}
+
+/* The wide-row gradient: d_v over the whole row in one streaming write (see the header). The token's block is
+ * done apart (its term added to one lane before the store), so the main loops index no lane by a variable. */
+#define DEFINE_SUPPORT_STREAM(NAME, LOAD, STORE, ELEM)                                                             \
+    static inline __attribute__((always_inline)) vf NAME##_block(const ELEM *zr, const uint8_t *mk, int64_t i,    \
+                                                                 vf vm, vf vl, vf vg, vf vi_) {                    \
+        const vf log2e = vsplat(1.4426950408889634f), lowest = vsplat(-127.0f), zero = {0};                        \
+        const vf lp = (LOAD(zr, i) - vm) * vi_ - vl;                                                               \
+        return vselect(mask_lanes(mk, i), (zero - vg * vexp2(vmax(lowest, lp * log2e))) * vi_, zero);              \
+    }                                                                                                              \
+    static void NAME(ELEM *restrict orow, const ELEM *restrict zr, const uint8_t *restrict mk, int64_t v,         \
+                     float mz, float ls, float gr, float ir, int64_t y, float gy) {                                \
+        const int64_t v_main = v - v % LANES, yb = y - y % LANES;                                                  \
+        const vf vm = vsplat(mz), vl = vsplat(ls), vg = vsplat(gr), vi_ = vsplat(ir);                              \
+        const int64_t end1 = yb < v_main ? yb : v_main;                                                            \
+        for (int64_t i = 0; i < end1; i += LANES) STORE(orow, i, NAME##_block(zr, mk, i, vm, vl, vg, vi_));       \
+        if (yb < v_main) {                                                                                         \
+            vf d = NAME##_block(zr, mk, yb, vm, vl, vg, vi_);                                                      \
+            d[y - yb] += gy;                                                                                       \
+            STORE(orow, yb, d);                                                                                    \
+        }                                                                                                          \
+        for (int64_t i = yb + LANES; i < v_main; i += LANES)                                                       \
+            STORE(orow, i, NAME##_block(zr, mk, i, vm, vl, vg, vi_));                                              \
+        if (v_main < v) { /* the last v % LANES: through LANES-wide buffers (logits padded with -inf) */           \
+            uint8_t mb[LANES] = {0};                                                                               \
+            ELEM zb[LANES], packed[LANES];                                                                         \
+            memcpy(mb, mk + v_main, (size_t)(v - v_main));                                                         \
+            vf zt = TAIL_LOAD(LOAD, ELEM, zr, v_main, v);                                                          \
+            vf d;                                                                                                  \
+            {                                                                                                      \
+                const vf log2e = vsplat(1.4426950408889634f), lowest = vsplat(-127.0f), zero = {0};                \
+                const vf lp = (zt - vm) * vi_ - vl;                                                                \
+                d = vselect(mask_lanes(mb, 0), (zero - vg * vexp2(vmax(lowest, lp * log2e))) * vi_, zero);         \
+                (void)zb;                                                                                          \
+            }                                                                                                      \
+            if (yb == v_main) d[y - yb] += gy;                                                                     \
+            STORE(packed, 0, d);                                                                                   \
+            memcpy(orow + v_main, packed, (size_t)(v - v_main) * sizeof(ELEM));                                    \
+        }                                                                                                          \
+    }
+
+/* The entry path's values of LANES entries b .. b + LANES (all in the row). */
+static inline vf entry_vals(const float *lp, const float *gc, int64_t b, vf vg, vf vi_, int with_p) {
+    const vf log2e = vsplat(1.4426950408889634f), lowest = vsplat(-127.0f);
+    const vf g = gc ? load_f32(gc, b) : (vf){0};
+    return with_p ? (g - vg * vexp2(vmax(lowest, load_f32(lp, b) * log2e))) * vi_ : g * vi_;
+}
+
+#define DEFINE_SUPPORT_GRAD(NAME, LD1, ST1, LOAD, STORE, ELEM, DIRECT)                                             \
+    DEFINE_SUPPORT_STREAM(NAME##_stream, LOAD, STORE, ELEM)                                                        \
     int64_t NAME(SUPPORT_GRAD_PARAMS) {                                                                            \
         uint64_t out_of_range = 0;                                                                                 \
-        const vf log2e = vsplat(1.4426950408889634f), lowest = vsplat(-127.0f);                                    \
         for (int64_t k = 0; k < n_rows; k++) {                                                                     \
             const int64_t r = rows[k], e0 = offsets[r], e1 = offsets[r + 1], y = tokens[r];                        \
-            char *orow = (char *)out + r * out_stride;                                                              \
-            memset(orow, 0, (size_t)v * sizeof(ELEM));                                                             \
+            ELEM *restrict orow = (ELEM *)((char *)out + r * out_stride);                                          \
             if ((uint64_t)y >= (uint64_t)v) {                                                                      \
+                memset(orow, 0, (size_t)v * sizeof(ELEM));                                                         \
                 out_of_range = 1;                                                                                  \
                 continue;                                                                                          \
             }                                                                                                      \
@@ -462,24 +575,39 @@ static inline int64_t find_id(const int64_t *restrict ids, int64_t w, int64_t y)
             if (gc)                                                                                                \
                 for (int64_t e = e0; e < e1; e++) gd += gc[e];                                                     \
             const float gr = (float)gd, ir = it[r], gy = gt[r] * ir;                                               \
+            if (!gc && gr == 0.0f) { /* no gradient: G = gt = 0, the token's term too */                            \
+                memset(orow, 0, (size_t)v * sizeof(ELEM));                                                         \
+                continue;                                                                                          \
+            }                                                                                                      \
+            if (!gc && mask && slot[r] >= 0) {                                                       \
+                NAME##_stream(orow, (const ELEM *)((const char *)z + r * z_stride), mask + slot[r] * v, v, m[r],   \
+                              ls[r], gr, ir, y, gy);                                                               \
+                continue;                                                                                          \
+            }                                                                                                      \
+            memset(orow, 0, (size_t)v * sizeof(ELEM));                                                             \
             const vf vg = vsplat(gr), vi_ = vsplat(ir);                                                            \
-            const int64_t at = gy != 0.0f ? find_id(ids + e0, e1 - e0, y) : -1; /* where the token's term goes */ \
-            for (int64_t b = e0; b < e1; b += LANES) {                                                             \
-                const int64_t nb = e1 - b < LANES ? e1 - b : LANES;                                                \
-                float lpb[LANES] = {0}, gcb[LANES] = {0}, val[LANES];                                              \
-                if (gc) memcpy(gcb, gc + b, (size_t)nb * sizeof(float));                                           \
-                vf d;                                                                                              \
-                if (gr != 0.0f) {                                                                                  \
-                    memcpy(lpb, lp + b, (size_t)nb * sizeof(float));                                               \
-                    d = (load_f32(gcb, 0) - vg * vexp2(vmax(lowest, load_f32(lpb, 0) * log2e))) * vi_;             \
-                } else {                                                                                           \
-                    d = load_f32(gcb, 0) * vi_;                                                                    \
+            /* where the token's term goes: into its entry (16-bit: rounded once), or added after (fp32) */       \
+            const int64_t at = !DIRECT && gy != 0.0f ? find_id(ids + e0, e1 - e0, y) : -1;                        \
+            int64_t b = e0;                                                                                        \
+            for (; b + LANES <= e1; b += LANES) {                                                                  \
+                vf d = entry_vals(lp, gc, b, vg, vi_, gr != 0.0f);                                                 \
+                if ((uint64_t)(at - (b - e0)) < (uint64_t)LANES) d[at - (b - e0)] += gy;                           \
+                for (int j = 0; j < LANES; j++) {                                                                  \
+                    const uint64_t id = (uint64_t)ids[b + j];                                                      \
+                    if (id < (uint64_t)v) ST1(orow, id, LD1(orow, id) + d[j]);                                     \
+                    else out_of_range = 1;                                                                         \
                 }                                                                                                  \
-                store_f32(val, 0, d);                                                                              \
-                if (at >= b - e0 && at < b - e0 + nb) val[at - (b - e0)] += gy;                                    \
+            }                                                                                                      \
+            if (b < e1) {                                                                                          \
+                const int64_t nb = e1 - b;                                                                         \
+                float lpb[LANES] = {0}, gcb[LANES] = {0};                                                          \
+                if (gc) memcpy(gcb, gc + b, (size_t)nb * sizeof(float));                                           \
+                if (gr != 0.0f) memcpy(lpb, lp + b, (size_t)nb * sizeof(float));                                  \
+                vf d = entry_vals(lpb, gc ? gcb : NULL, 0, vg, vi_, gr != 0.0f);                                   \
+                if ((uint64_t)(at - (b - e0)) < (uint64_t)LANES) d[at - (b - e0)] += gy;                           \
                 for (int64_t j = 0; j < nb; j++) {                                                                 \
                     const uint64_t id = (uint64_t)ids[b + j];                                                      \
-                    if (id < (uint64_t)v) ST1(orow, id, LD1(orow, id) + val[j]);                                   \
+                    if (id < (uint64_t)v) ST1(orow, id, LD1(orow, id) + d[j]);                                     \
                     else out_of_range = 1;                                                                         \
                 }                                                                                                  \
             }                                                                                                      \
@@ -488,8 +616,8 @@ static inline int64_t find_id(const int64_t *restrict ids, int64_t w, int64_t y)
         return out_of_range ? 2 : 0;                                                                               \
     }
 
-DEFINE_SUPPORT_GRAD(support_grad_f32, ld1_f32, st1_f32, float)
-DEFINE_SUPPORT_GRAD(support_grad_bf16, ld1_bf16, st1_bf16, uint16_t)
+DEFINE_SUPPORT_GRAD(support_grad_f32, ld1_f32, st1_f32, load_f32, store_f32, float, 1)
+DEFINE_SUPPORT_GRAD(support_grad_bf16, ld1_bf16, st1_bf16, load_bf16, store_bf16, uint16_t, 0)
 #if HAVE_F16
-DEFINE_SUPPORT_GRAD(support_grad_f16, ld1_f16, st1_f16, _Float16)
+DEFINE_SUPPORT_GRAD(support_grad_f16, ld1_f16, st1_f16, load_f16, store_f16, _Float16, 0)
 #endif

@@ -216,6 +216,31 @@ def test_duplicate_and_outside_support_and_empty_trained_row():
         op.policy_loss(z, y, lq, torch.ones(3), rec)
 
 
+@pytest.mark.parametrize("path", ["bitmap", "bitmap-chunked", "sort"])
+def test_validate_duplicate_and_token_checks_agree_on_both_paths(path, monkeypatch):
+    """The duplicate-id and token-in-support checks of ``CSRCandidates.validate`` by the row bitmap (dense records;
+    also in chunks of 3 rows) and by the sort (sparse ones) give the same verdicts: a valid record with rows of
+    0, 1, V - 1 and V ids passes; an id repeated in the last row, and a token outside row 2's support, raise
+    naming the row."""
+    from offpolicy.records import csr_candidates as cc
+
+    monkeypatch.setattr(cc, "DENSE_CHECK_RATIO", 0 if path == "sort" else 10 ** 9)
+    if path == "bitmap-chunked":
+        monkeypatch.setattr(cc, "CHECK_CHUNK_BYTES", 3 * 50)
+    sizes = [2, 0, 49, 1, 50, 3, 50]
+    z, y, lq, rec, mask = _csr_batch("support", 81, sizes=sizes, v=50)
+    rec.validate(50, len(sizes), y, mask)
+    ids = rec.ids.clone()
+    ids[-1] = ids[-2]
+    with pytest.raises(ValueError, match="duplicate id within row 6"):
+        op.CSRCandidates(ids, rec.offsets, rec.logprobs, "support").validate(50, len(sizes), y, mask)
+    y2 = y.clone()
+    row2 = set(rec.ids[2:51].tolist())
+    y2[2] = next(v for v in range(50) if v not in row2)
+    with pytest.raises(ValueError, match="sampled token of row 2"):
+        rec.validate(50, len(sizes), y2, mask)
+
+
 @pytest.mark.parametrize("make,exc,match", [
     (lambda r: op.CSRCandidates(r.ids[:, None], r.offsets, r.logprobs), ValueError, "CSRCandidates.ids must be 1-D"),
     (lambda r: op.CSRCandidates(r.ids.float(), r.offsets, r.logprobs), TypeError, "ids must be int32 or int64"),

@@ -340,3 +340,84 @@ def test_rows_without_mass_take_no_gradient_whatever_arrives(backend):
     assert bool(torch.isfinite(g).all())
     assert bool((g[dead] == 0).all())
     assert bool((g[~dead] != 0).any())
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_level_gradient_matches_reference(shape, dtype, backend):
+    """The gradient when only ``target`` takes one (``g_lp`` None: the token-level losses), the case in which the
+    ``cpu`` backend streams the wide rows' gradient (``K >= V / WIDE_DIVISOR``) from the logits and a byte mask:
+    against the float64 reference at ``K = V``, ``V - 1`` and mixed widths (empty, 1-id, untrained, all ``-inf``)."""
+    widths = SHAPES[shape]
+    z, tokens, offsets, ids, skip, inv_temp = _batch(widths, dtype, seed=3 * len(widths) + 1)
+    leaf = z.clone().requires_grad_()
+    got = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
+                                           backend=backend_registry.get(backend), eager=True)
+    *want, x = _reference(z, tokens, offsets, ids, skip, inv_temp)
+    w_t, _ = _weights(len(widths), ids.numel(), 2)
+    t = torch.where(torch.isfinite(got[0].detach()), got[0], torch.zeros_like(got[0]))
+    (w_t.to(t.dtype) * t).sum().backward()
+    want_grad, bound = _reference_grad(want, x, tokens, offsets, ids, inv_temp, w_t,
+                                       torch.zeros(ids.numel(), dtype=torch.float64))
+    tol = STORE_RTOL[dtype] * want_grad.abs() + (arg_tol(x) * bound)[:, None] + STORE_FLOOR[dtype]
+    err = (leaf.grad.double() - want_grad).abs()
+    assert bool((err <= tol).all()), f"gradient error {float((err - tol).max()):.3g} over the tolerance"
+    assert bool((leaf.grad[skip] == 0).all()) and bool((leaf.grad[4] == 0).all())
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the native CPU kernels are not built here")
+def test_cpu_wide_rows_keep_a_mask_and_their_backward_reads_no_ids():
+    """The cost shape of a wide row on the ``cpu`` backend, without timing it: the forward keeps a ``V``-byte
+    membership mask for exactly the rows of ``K >= V / WIDE_DIVISOR`` ids (not the narrow, skipped or
+    id-repeating ones), and the backward of those rows reads no id: with every id replaced by one outside the
+    vocabulary it still writes the same gradient (an entry-path row would refuse it), to the last bit."""
+    widths = [V, V - 1, V // cpu_backend.WIDE_DIVISOR, V // cpu_backend.WIDE_DIVISOR - 1, 1, 0, V, V]
+    z, tokens, offsets, ids, skip, inv_temp = _batch(widths, torch.float32, seed=31)
+    z = torch.where(torch.isfinite(z), z, torch.full_like(z, -20.0))
+    ids[offsets[7] + 1] = ids[offsets[7]]  # row 7 repeats an id: the entry path
+    lp, lse, _, wide = cpu_backend.support_stats(z, offsets, ids, inv_temp, skip, keep_wide=True)
+    assert wide.slot.tolist() == [0, -1, 1, -1, -1, -1, 2, -1]  # row 1 is skipped
+    for r in (0, 2, 6):
+        member = torch.zeros(V, dtype=torch.uint8)
+        member[ids[offsets[r]:offsets[r + 1]]] = 1
+        assert torch.equal(wide.mask[wide.slot[r]], member)
+    live = torch.isfinite(lse)
+    gt = torch.randn(len(widths), generator=torch.Generator().manual_seed(1))
+    args = (tokens, inv_temp, None, gt, live)
+    entries = cpu_backend.support_grad(lp, offsets, ids, *args, torch.empty_like(z))
+    streamed = cpu_backend.support_grad(lp, offsets, ids, *args, torch.empty_like(z), wide=wide, logits=z)
+    assert torch.equal(streamed, entries)
+    only_wide = live & (wide.slot >= 0)
+    garbage = torch.full_like(ids, V + 5)
+    got = cpu_backend.support_grad(lp, offsets, garbage, *args[:3], gt, only_wide, torch.empty_like(z), wide=wide,
+                                   logits=z)
+    assert torch.equal(got[only_wide], entries[only_wide]) and bool((got[~only_wide] == 0).all())
+    with pytest.raises(RuntimeError, match="outside"):  # the entry path does read them
+        cpu_backend.support_grad(lp, offsets, garbage, *args[:3], gt, only_wide, torch.empty_like(z))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_wide_rows_ignore_non_finite_logits_outside_their_support(backend, bad):
+    """A row of ``V - 1`` ids whose one id outside the support holds NaN or ``+inf``: the streamed backward reads
+    that logit (the entry path never did) but it must not leak: the gradient there is exactly 0 and the rest is the
+    reference's."""
+    z, tokens, offsets, ids, skip, inv_temp = _batch([V - 1] * 4, torch.float32, seed=41)
+    skip[:] = False
+    z = torch.where(torch.isfinite(z), z, torch.full_like(z, -20.0))
+    row = torch.repeat_interleave(torch.arange(4), offsets[1:] - offsets[:-1])
+    member = torch.zeros(4, V, dtype=torch.bool)
+    member[row, ids] = True
+    outside = (~member).nonzero()
+    z[outside[:, 0], outside[:, 1]] = bad
+    leaf = z.clone().requires_grad_()
+    target, *_ = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
+                                                  backend=backend_registry.get(backend), eager=True)
+    live = torch.isfinite(target.detach())
+    target[live].sum().backward()
+    assert bool(torch.isfinite(leaf.grad).all()) and bool((leaf.grad[~member] == 0).all())
+    *want, x = _reference(torch.where(member, z, 0.0), tokens, offsets, ids, skip, inv_temp)
+    want_grad, _ = _reference_grad(want, x, tokens, offsets, ids, inv_temp, live.double(),
+                                   torch.zeros(ids.numel(), dtype=torch.float64))
+    torch.testing.assert_close(leaf.grad.double(), want_grad, rtol=1e-5, atol=1e-6)

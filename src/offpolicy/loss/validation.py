@@ -254,10 +254,11 @@ def _warn_once(code: str, message: str) -> None:
 
 
 def _per_row(candidates, values: Tensor, on: Tensor, n: int) -> Tensor:
-    """``[N]`` float64 sum of ``values`` (entry-shaped, float) over each row's entries where ``on``."""
+    """``[N]`` float64 sum of ``values`` (entry-shaped, float) over each row's entries where ``on``; for a CSR
+    record (validated: its offsets checked) one segment sum over the offsets, ``O(nnz)``, no search of rows."""
     v = torch.where(on, values.double(), torch.zeros((), dtype=torch.float64, device=values.device))
     if isinstance(candidates, CSRCandidates):
-        return torch.zeros(n, dtype=torch.float64, device=v.device).index_add_(0, candidates.row_index(), v)
+        return torch.segment_reduce(v, "sum", offsets=candidates.offsets.to(torch.int64))
     return v.sum(dim=1)
 
 
@@ -280,17 +281,23 @@ def warn_on_contradicting_record(candidates, tokens: Tensor, sampler_logprobs: T
     csr = isinstance(candidates, CSRCandidates)
     ids, lp = candidates.ids, candidates.logprobs
     tok = tokens.to(device=ids.device, dtype=torch.int64)
-    if csr:
-        row = candidates.row_index()
+    if csr:  # the offsets were checked by the validation before this: per-row values spread by one repeat
+        lengths, nnz = candidates.lengths, candidates.nnz
         valid = torch.ones_like(ids, dtype=torch.bool)
-        hit = ids.to(torch.int64) == tok[row]
-        trained_entry = active[row]
+        hit = ids.to(torch.int64) == torch.repeat_interleave(tok, lengths, output_size=nnz)
+        trained_entry = torch.repeat_interleave(active.to(ids.device), lengths, output_size=nnz)
     else:
         valid = ids >= 0
         hit = (ids.to(torch.int64) == tok[:, None]) & valid
         trained_entry = active[:, None] & valid
-    holds = _per_row(candidates, hit.to(torch.float64), hit, n) > 0
-    entry = _per_row(candidates, lp, hit, n)
+    if csr:  # the hits are at most a few per row: their rows by a search among the rows' ends, O(hits log N)
+        pos = hit.nonzero().view(-1)
+        at = torch.searchsorted(candidates.offsets.to(torch.int64)[1:], pos, right=True)
+        holds = torch.zeros(n, dtype=torch.bool, device=ids.device).index_fill_(0, at, True)
+        entry = torch.zeros(n, dtype=torch.float64, device=ids.device).index_add_(0, at, lp[pos].double())
+    else:
+        holds = _per_row(candidates, hit.to(torch.float64), hit, n) > 0
+        entry = _per_row(candidates, lp, hit, n)
     lq = sampler_logprobs.double()
     rtol = ENTRY_RTOL + torch.finfo(lp.dtype).eps  # a bf16 record's entry is lq rounded to bf16
     off = active & holds & ((entry - lq).abs() > ENTRY_ATOL + rtol * lq.abs())

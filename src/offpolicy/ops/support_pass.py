@@ -8,15 +8,21 @@ with ``x = z / tau``. The backward is closed-form,
     dz[t, v] = inv_temp (g_lp[e] [v = v_e in S_t] + g_t [v = y_t] - G_t p^S_t(v) [v in S_t]),
     G_t = g_t + sum_{e in row t} g_lp[e]
 
-so nothing but ``lp`` (``4 nnz`` bytes) is saved. Cost, per row of width ``K``:
+so nothing but ``lp`` (``4 nnz`` bytes) is saved (and, for the ``cpu`` backend's wide rows below, a byte mask
+and a reference to the logits). Cost, per row of width ``K``:
 
-* logits (:func:`support_log_softmax`): the backend's ``support_stats`` (one gather of the ``K`` logits, a pass
+* logits (:func:`support_log_softmax`): the backend's ``support_stats`` (one gather of the ``K`` logits, passes
   over the gathered copy) and ``support_grad`` (the gradient row zeroed, ``K`` entries written once): ``O(K)``
   work forward, ``O(K)`` plus the zeroing of the ``[N, V]`` gradient backward (which any logits gradient writes),
   whatever ``K`` is: no per-row Python, no ``[N, K_max]`` padding, one gather. The C loops of the ``cpu`` backend
   (:mod:`offpolicy.ops.logits_op.cpu_backend`) and the vectorised PyTorch ones
   (:mod:`offpolicy.ops.logits_op.torch_backend`, also what the ``triton`` backend runs: it has no support kernel);
-  while ``torch.compile`` traces, the PyTorch ones.
+  while ``torch.compile`` traces, the PyTorch ones. On the ``cpu`` backend a *wide* row (``K >= V /
+  WIDE_DIVISOR``) also writes a ``V``-byte membership mask in its gather's loop, and when the loss sends no
+  gradient to ``lp`` (``g_lp`` None: the token-level losses) its backward is one streaming write of the gradient
+  row from the logits and the mask (the dense pass's own bytes: 4 or 2 per id read, one write) instead of reading
+  ``12`` bytes per entry (id and ``lp``) and scattering; the logits are then held for the backward, as the dense
+  pass holds them.
 * hidden states (:func:`linear_support_log_softmax`): the logits of a chunk of rows, ``h W^T (+ b)``, by one
   matmul (the dense pass's own), then the logits pass above on that chunk; backward, the chunk's ``dz`` by
   ``support_grad`` and ``dh = dz W``, ``dW += dz^T h``: the dense pass's three matmuls and ``O(rows V)`` element-wise
@@ -81,9 +87,16 @@ class _SupportLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor,
                 skip: Tensor | None, impl, eager: bool):
-        lp, lse, entropy = impl.support_stats(logits, offsets, ids, inv_temp, skip)
+        wide = None
+        if eager and ctx.needs_input_grad[0] and getattr(impl, "WIDE_DIVISOR", None):
+            lp, lse, entropy, wide = impl.support_stats(logits, offsets, ids, inv_temp, skip, keep_wide=True)
+        else:
+            lp, lse, entropy = impl.support_stats(logits, offsets, ids, inv_temp, skip)
         target = _target(_token_logits(logits, tokens), inv_temp, lse)
-        ctx.save_for_backward(lp, offsets, ids, tokens, inv_temp, lse)
+        # wide rows stream their gradient from the logits (held, as the dense pass holds them); otherwise the
+        # backward needs only lp, and the logits are not held
+        ctx.save_for_backward(lp, offsets, ids, tokens, inv_temp, lse, logits if wide is not None else None)
+        ctx.wide = wide
         # the gradient's shape, dtype and device, without holding the logits (one element, expanded)
         ctx.like = torch.empty(1, dtype=logits.dtype, device=logits.device).expand(logits.shape)
         ctx.impl, ctx.eager = impl, eager
@@ -93,7 +106,7 @@ class _SupportLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_target, g_lp, _g_lse, _g_entropy):
-        lp, offsets, ids, tokens, inv_temp, lse = ctx.saved_tensors
+        lp, offsets, ids, tokens, inv_temp, lse, logits = ctx.saved_tensors
         like = ctx.like
         eager = ctx.eager and not library.tracing()
         impl = ctx.impl if eager else torch_backend
@@ -101,7 +114,11 @@ class _SupportLogSoftmax(torch.autograd.Function):
             gt, gc, live = _upstream(g_target, g_lp, lse)
             out = workspace.gradient_buffer(like) if eager else torch.empty(like.shape, dtype=like.dtype,
                                                                               device=like.device)
-            dz = impl.support_grad(lp, offsets, ids, tokens, inv_temp, gc, gt, live, out)
+            if eager and ctx.wide is not None:
+                dz = impl.support_grad(lp, offsets, ids, tokens, inv_temp, gc, gt, live, out, wide=ctx.wide,
+                                       logits=logits)
+            else:
+                dz = impl.support_grad(lp, offsets, ids, tokens, inv_temp, gc, gt, live, out)
         return dz, None, None, None, None, None, None, None
 
 

@@ -171,11 +171,17 @@ class CSRCandidates:
 
     def validate(self, vocab_size: int | None, num_rows: int, tokens: Tensor | None = None,
                  loss_mask: Tensor | None = None) -> None:
-        """The checks of :meth:`Candidates.validate` on the CSR layout (``O(nnz log nnz)``, a few host syncs):
-        row count and offsets, ids in ``[0, vocab_size)``, no duplicate id within a row, no NaN or ``+inf``
-        log-probability; on trained rows (``loss_mask [N]``, None: all) no log-probability above 0, support rows
-        summing to one within the tolerance of :func:`~offpolicy.records.candidates.support_sum_tolerance` and
-        holding the sampled token, head rows of mass at most 1."""
+        """The checks of :meth:`Candidates.validate` on the CSR layout (a few host syncs): row count and offsets,
+        ids in ``[0, vocab_size)``, no duplicate id within a row, no NaN or ``+inf`` log-probability; on trained
+        rows (``loss_mask [N]``, None: all) no log-probability above 0, support rows summing to one within the
+        tolerance of :func:`~offpolicy.records.candidates.support_sum_tolerance` and holding the sampled token, head
+        rows of mass at most 1.
+
+        Cost ``O(nnz)`` element-wise passes and segment sums, except the duplicate check: where the record is
+        dense enough (``N V <= DENSE_CHECK_RATIO nnz``, wide supports) a membership bitmap of the rows, a chunk of
+        at most :data:`CHECK_CHUNK_BYTES` at a time (``O(nnz + N V)``, one scatter and one count; it also answers
+        whether each row holds its token in ``O(N)``); otherwise one sort of the ``(row, id)`` keys
+        (``O(nnz log nnz)``, cheap at those sizes)."""
         if self.num_rows != num_rows:
             raise ValueError(f"candidates: expected {num_rows} rows (one per token), got {self.num_rows} "
                              f"(offsets holds {self.offsets.numel()} entries, N + 1)")
@@ -183,33 +189,46 @@ class CSRCandidates:
         if self.nnz == 0:
             return
         ids, lp = self.ids, self.logprobs
-        row = self.row_index()
+        lengths = self.lengths
         trained = (torch.ones(num_rows, dtype=torch.bool, device=ids.device) if loss_mask is None
                    else loss_mask.to(device=ids.device, dtype=torch.bool))
-        if bool((ids < 0).any()):
-            raise ValueError(f"candidates.ids: id {int(ids.min())} is negative (a CSR record has no padding)")
-        if vocab_size is not None and bool((ids >= vocab_size).any()):
-            raise ValueError(f"candidates.ids: id {int(ids.max())} is out of range for vocabulary size {vocab_size}")
-        if bool(torch.isnan(lp).any()):
+        lo, hi = (int(x) for x in torch.aminmax(ids))  # one pass, one sync
+        if lo < 0:
+            raise ValueError(f"candidates.ids: id {lo} is negative (a CSR record has no padding)")
+        if vocab_size is not None and hi >= vocab_size:
+            raise ValueError(f"candidates.ids: id {hi} is out of range for vocabulary size {vocab_size}")
+        top = float(lp.max())  # NaN if any is NaN (max propagates it): one reduction for three checks
+        if top != top:
             raise ValueError("candidates.logprobs: NaN found")
-        if bool((lp == float("inf")).any()):
+        if top == float("inf"):
             raise ValueError("candidates.logprobs: +inf found (log-probabilities are <= 0)")
-        if bool((lp[trained[row]] > 1e-4).any()):
+        if top > 1e-4 and bool((lp[torch.repeat_interleave(trained, lengths, output_size=self.nnz)] > 1e-4).any()):
             raise ValueError("candidates.logprobs: a log-probability above 0 found (probabilities are <= 1)")
-        # One sort of (row, id) keys finds a repeated id within a row.
-        key = row * (int(ids.max()) + 1) + ids.to(torch.int64)
-        srt = torch.sort(key).values
-        dup = srt[1:] == srt[:-1]
-        if bool(dup.any()):
-            bad = int(srt[1:][dup][0])
-            raise ValueError(f"candidates.ids: duplicate id within row {bad // (int(ids.max()) + 1)}")
+        width = hi + 1 if vocab_size is None else max(vocab_size, hi + 1)
+        inside = None
+        # the offsets were checked above: per-row values are spread to the entries by one repeat (no search)
+        arange = torch.arange(num_rows, device=ids.device)
+        if num_rows * width <= DENSE_CHECK_RATIO * self.nnz:
+            dup, inside = _bitmap_check(ids, arange, lengths, width, tokens if self.kind == "support" else None)
+            if dup is not None:
+                raise ValueError(f"candidates.ids: duplicate id within row {dup}")
+        else:
+            # One sort of (row, id) keys finds a repeated id within a row.
+            key = torch.repeat_interleave(arange * width, lengths, output_size=self.nnz).add_(ids.to(torch.int64))
+            srt = torch.sort(key).values
+            dup = srt[1:] == srt[:-1]
+            if bool(dup.any()):
+                bad = int(srt[1:][dup][0])
+                raise ValueError(f"candidates.ids: duplicate id within row {bad // width}")
+        offsets = self.offsets.to(torch.int64)
         lp64 = lp.double()
-        mass = torch.zeros(num_rows, dtype=torch.float64, device=ids.device).index_add_(0, row, torch.exp(lp64))
-        nonempty = (self.lengths > 0) & trained
+        # exp in fp32 for 16/32-bit log-probabilities (1 ulp, 1e-7, against a tolerance of 1e-3), summed in float64
+        p = torch.exp(lp64) if lp.dtype == torch.float64 else torch.exp(lp.float()).double()
+        mass = torch.segment_reduce(p, "sum", offsets=offsets)
+        nonempty = (lengths > 0) & trained
         # support_sum_tolerance's bound, its entropy term summed per row (for head rows too: a bf16 head that holds
-        # nearly all the mass rounds above 1 honestly).
-        ent = torch.where(torch.isfinite(lp64), -torch.exp(lp64) * lp64, torch.zeros_like(lp64))
-        spread = torch.zeros_like(mass).index_add_(0, row, ent)
+        # nearly all the mass rounds above 1 honestly). p lp is NaN only at lp = -inf (p = 0): a zero term.
+        spread = torch.segment_reduce(torch.nan_to_num_(p.mul_(lp64).neg_(), nan=0.0), "sum", offsets=offsets)
         tol = SUPPORT_SUM_TOL + torch.finfo(lp.dtype).eps * spread
         if self.kind == "support":
             off = nonempty & ((mass - 1.0).abs() > tol)
@@ -220,8 +239,11 @@ class CSRCandidates:
                     f"sums to {float(mass[r]):.6f}. Were the sampler log-probabilities renormalised over the support?"
                 )
             if tokens is not None:
-                hit = (ids.to(torch.int64) == tokens.to(device=ids.device, dtype=torch.int64)[row]).to(torch.int64)
-                inside = torch.zeros(num_rows, dtype=torch.int64, device=ids.device).index_add_(0, row, hit) > 0
+                if inside is None:
+                    tok = torch.repeat_interleave(tokens.to(device=ids.device, dtype=torch.int64), lengths,
+                                                  output_size=self.nnz)
+                    hit = ids.to(torch.int64) == tok
+                    inside = torch.segment_reduce(hit.to(torch.float32), "sum", offsets=offsets) > 0
                 outside = nonempty & ~inside
                 if bool(outside.any()):
                     r = int(outside.nonzero()[0])
@@ -235,3 +257,39 @@ class CSRCandidates:
                     f"candidates: kind='head' row {r} has sampler mass {float(mass[r]):.6f} > 1. Head records hold "
                     "full-vocabulary probabilities; a renormalised top-p/top-k record is kind='support'."
                 )
+
+
+#: The duplicate check of :meth:`CSRCandidates.validate` uses a membership bitmap where ``N V <= DENSE_CHECK_RATIO
+#: nnz`` (each bitmap byte then costs far less than the sort's ``log nnz`` work per entry), else a sort.
+DENSE_CHECK_RATIO = 64
+#: The bitmap is built for a chunk of rows of at most this many bytes at a time.
+CHECK_CHUNK_BYTES = 16 << 20
+
+
+def _bitmap_check(ids: Tensor, arange: Tensor, lengths: Tensor, width: int,
+                  tokens: Tensor | None) -> tuple[int | None, Tensor | None]:
+    """``(first row holding an id twice or None, [N] bool whether each row holds its token or None)`` by a bool
+    bitmap ``[rows, width]`` per chunk of rows: the entries' cells set (one scatter), then counted: fewer set cells
+    than entries means a repeated id. ``ids`` are in ``[0, width)`` and the offsets valid (checked by the caller);
+    ``arange`` is ``[N]`` ``0 .. N - 1``."""
+    n = lengths.numel()
+    step = max(1, CHECK_CHUNK_BYTES // max(1, width))
+    ends = [0, *torch.cumsum(lengths, 0).tolist()]
+    seen = torch.empty(min(n, step) * width, dtype=torch.bool, device=ids.device)
+    inside = None if tokens is None else torch.empty(n, dtype=torch.bool, device=ids.device)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        e0, e1 = ends[lo], ends[hi]
+        cells = seen[:(hi - lo) * width]
+        cells.zero_()
+        base = torch.repeat_interleave(arange[:hi - lo] * width, lengths[lo:hi], output_size=e1 - e0)
+        cells.index_fill_(0, base.add_(ids[e0:e1].to(torch.int64)), True)
+        if int(cells.count_nonzero()) != e1 - e0:
+            per_row = cells.view(hi - lo, width).sum(dim=1)
+            r = int(((per_row != lengths[lo:hi]).nonzero())[0])
+            return lo + r, None
+        if inside is not None:
+            tok = tokens[lo:hi].to(device=ids.device, dtype=torch.int64)
+            ok = (tok >= 0) & (tok < width)
+            inside[lo:hi] = ok & cells.view(hi - lo, width)[arange[:hi - lo], tok.clamp(0, width - 1)]
+    return None, inside

@@ -166,16 +166,40 @@ def full_grad(
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 #: The support loops' ctypes declarations, checked against the library's ``offpolicy_support_abi()`` before use
 #: (the loader :mod:`offpolicy.ops.cpu_native` checks the vocabulary passes' ABI; these are declared here).
-SUPPORT_ABI = ("1;int64_t support_stats(const void *z, int64_t z_stride, int64_t v, const int64_t *rows, "
+SUPPORT_ABI = ("2;int64_t support_stats(const void *z, int64_t z_stride, int64_t v, const int64_t *rows, "
                "int64_t n_rows, const int64_t *offsets, const int64_t *ids, const uint8_t *skip, const float *it, "
-               "float *xe, float *m_out, float *s_out, float *t_out, uint8_t *bad);"
+               "float *xe, float *m_out, float *s_out, float *t_out, float *ls_out, uint8_t *bad, uint8_t *mask, "
+               "int64_t *slot);"
                "int64_t support_grad(void *out, int64_t out_stride, int64_t v, const int64_t *rows, int64_t n_rows, "
                "const int64_t *offsets, const int64_t *ids, const int64_t *tokens, const float *lp, const float *gc, "
-               "const float *gt, const float *it)")
-_SUPPORT_SIGS = {"support_stats": (_I, [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
-                 "support_grad": (_I, [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P])}
+               "const float *gt, const float *it, const void *z, int64_t z_stride, const uint8_t *mask, "
+               "const int64_t *slot, const float *m, const float *ls)")
+_SUPPORT_SIGS = {"support_stats": (_I, [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+                 "support_grad": (_I, [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P])}
 _SUPPORT_LOCK = threading.Lock()
 _SUPPORT_READY: dict[int, bool] = {}
+#: A row whose support holds at least ``V / WIDE_DIVISOR`` ids is *wide*: its forward also writes a ``V``-byte
+#: membership mask (in the gather's loop), and its backward is one streaming write of the gradient row from the
+#: logits and that mask instead of a scatter of its entries (see :class:`WideRows`). The masks take ``V`` bytes
+#: per wide row, at most ``WIDE_DIVISOR / 8`` of the bytes of the row's int64 ids.
+WIDE_DIVISOR = 2
+
+
+class WideRows:
+    """What the forward of the ``cpu`` support pass keeps for the streaming backward of its wide rows.
+
+    Attributes:
+        slot: ``[N]`` int64, the row's index into ``mask`` or ``-1`` (a narrow row, a skipped one, a row whose ids
+            repeat: the entry path).
+        mask: ``[n_wide, V]`` uint8, ``mask[slot[r], v] = [v in S_r]``.
+        m: ``[N]`` fp32 the max of the support's logits; ls: ``[N]`` fp32 the log of the row's sum (the C loop's own
+            values, so that the backward's ``p^S`` is the forward's ``exp(lp)`` to the last bit).
+    """
+
+    __slots__ = ("slot", "mask", "m", "ls")
+
+    def __init__(self, slot: Tensor, mask: Tensor, m: Tensor, ls: Tensor):
+        self.slot, self.mask, self.m, self.ls = slot, mask, m, ls
 
 
 def _canonical(text: str) -> str:
@@ -217,37 +241,53 @@ def _check_support_offsets(offsets: Tensor, nnz: int, n: int) -> None:
                          "(were they changed in place after the record was built?)")
 
 
-def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor,
-                  skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | None, *,
+                  keep_wide: bool = False):
     """The contract of :func:`torch_backend.support_stats` in C: per row, one gather of its support's logits into
-    the ``[nnz]`` output (its max in the same loop), then two vector passes over that contiguous copy while it is
-    in cache (the sums; the log-probabilities, in place). Rows holding NaN or ``+inf`` in their support are
-    recomputed by the PyTorch backend."""
+    the ``[nnz]`` output, then two vector passes over that contiguous copy while it is in cache (the max and the
+    sums; the log-probabilities, in place). Rows holding NaN or ``+inf`` in their support are recomputed by the
+    PyTorch backend.
+
+    With ``keep_wide``, returns ``(lp, lse, entropy, wide)``: ``wide`` is a :class:`WideRows` for the rows of at
+    least ``V / WIDE_DIVISOR`` ids (their byte masks written in the gather's loop), or None where there are none
+    (or the dtype takes the PyTorch backend); :func:`support_grad` takes it with the same logits."""
     kernels = _support_kernels(logits)
     if kernels is None:
-        return torch_backend.support_stats(logits, offsets, ids, inv_temp, skip)
+        out = torch_backend.support_stats(logits, offsets, ids, inv_temp, skip)
+        return (*out, None) if keep_wide else out
     lib, suffix = kernels
     logits = _unit_stride(logits)
     n, v = logits.shape
     nnz = ids.numel()
     if n == 0 or v == 0 or nnz == 0:
-        return (torch.full((nnz,), -float("inf"), dtype=torch.float32),
-                torch.full((n,), float("inf"), dtype=torch.float32), torch.zeros(n, dtype=torch.float32))
+        out = (torch.full((nnz,), -float("inf"), dtype=torch.float32),
+               torch.full((n,), float("inf"), dtype=torch.float32), torch.zeros(n, dtype=torch.float32))
+        return (*out, None) if keep_wide else out
     offsets, ids = offsets.to(torch.int64).contiguous(), ids.to(torch.int64).contiguous()
     _check_support_offsets(offsets, nnz, n)
     it = inv_temp.float().contiguous()
     sk = None if skip is None else skip.to(torch.uint8).contiguous()
-    mz, s, t2 = (torch.empty(n, dtype=torch.float32) for _ in range(3))
+    mz, s, t2, ls = (torch.empty(n, dtype=torch.float32) for _ in range(4))
     bad = torch.empty(n, dtype=torch.uint8)
     lp = torch.empty(nnz, dtype=torch.float32)
     rows = torch.arange(n, dtype=torch.int64)
+    slot = mask = None
+    if keep_wide:
+        wide = (offsets[1:] - offsets[:-1]) * WIDE_DIVISOR >= v
+        if sk is not None:
+            wide &= ~sk.bool()
+        n_wide = int(wide.sum())
+        if n_wide:
+            slot = torch.where(wide, torch.cumsum(wide, 0) - 1, torch.full_like(offsets[1:], -1))
+            mask = torch.empty(n_wide, v, dtype=torch.uint8)
     call = getattr(lib, f"support_stats_{suffix}")
     stride = logits.stride(0) * logits.element_size()
 
     def body(lo: int, hi: int) -> None:
         if call(logits.data_ptr(), stride, v, rows[lo:].data_ptr(), hi - lo, offsets.data_ptr(), ids.data_ptr(),
                 None if sk is None else sk.data_ptr(), it.data_ptr(), lp.data_ptr(), mz.data_ptr(), s.data_ptr(),
-                t2.data_ptr(), bad.data_ptr()) != 0:
+                t2.data_ptr(), ls.data_ptr(), bad.data_ptr(), None if mask is None else mask.data_ptr(),
+                None if slot is None else slot.data_ptr()) != 0:
             raise RuntimeError(f"backend 'cpu': support_stats_{suffix}: an id outside [0, {v}) in the record (not read; the outputs are discarded)")
 
     row_threads.for_chunks(n, ROWS_PER_CALL, body)
@@ -264,13 +304,20 @@ def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor
         r_lp, r_lse, r_ent = torch_backend.support_stats(logits, offsets, ids, it, ~redo)
         lp = torch.where(torch.repeat_interleave(redo, lengths, output_size=nnz), r_lp, lp)
         lse, entropy = torch.where(redo, r_lse, lse), torch.where(redo, r_ent, entropy)
-    return lp, lse, entropy
+        if slot is not None:
+            slot.masked_fill_(redo, -1)
+    if not keep_wide:
+        return lp, lse, entropy
+    return lp, lse, entropy, None if slot is None else WideRows(slot, mask, mz, ls)
 
 
 def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_temp: Tensor, grad_lp: Tensor | None,
-                 grad_target: Tensor, live: Tensor, out: Tensor) -> Tensor:
+                 grad_target: Tensor, live: Tensor, out: Tensor, *, wide: WideRows | None = None,
+                 logits: Tensor | None = None) -> Tensor:
     """The contract of :func:`torch_backend.support_grad` in C: per live row, the gradient row zeroed and each
-    support entry written once (the token's term folded in); rows not live are zeroed."""
+    support entry written once (the token's term folded in); rows not live are zeroed. With ``wide`` (from
+    :func:`support_stats` on ``logits``, unchanged since) and no ``grad_lp``, a wide row's gradient is one streaming
+    write of the row, from its logits and byte mask (the same values)."""
     kernels = _support_kernels(out)
     if kernels is None:
         return torch_backend.support_grad(lp, offsets, ids, tokens, inv_temp, grad_lp, grad_target, live, out)
@@ -293,13 +340,25 @@ def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_t
     lp = lp.float().contiguous()
     gt = grad_target.float().contiguous()
     gc = None if grad_lp is None else grad_lp.float().contiguous()
+    stream = wide is not None and gc is None
+    if stream:
+        if logits is None or logits.shape != out.shape or logits.dtype != out.dtype or \
+                wide.mask.shape[1:] != (v,) or wide.slot.shape != (n,):
+            raise ValueError("support_grad: wide rows need the forward's logits [N, V] (the gradient's dtype) and "
+                             "its WideRows")
+        z = _unit_stride(logits)
+        z_ptr, z_stride = z.data_ptr(), z.stride(0) * z.element_size()
+        mask_ptr, slot_ptr, m_ptr, ls_ptr = (wide.mask.data_ptr(), wide.slot.data_ptr(), wide.m.data_ptr(),
+                                             wide.ls.data_ptr())
+    else:
+        z_ptr, z_stride, mask_ptr, slot_ptr, m_ptr, ls_ptr = None, 0, None, None, None, None
     call = getattr(lib, f"support_grad_{suffix}")
     stride = out.stride(0) * out.element_size()
 
     def body(lo: int, hi: int) -> None:
         if call(out.data_ptr(), stride, v, rows[lo:].data_ptr(), hi - lo, offsets.data_ptr(), ids.data_ptr(),
                 tok.data_ptr(), lp.data_ptr(), None if gc is None else gc.data_ptr(), gt.data_ptr(),
-                it.data_ptr()) != 0:
+                it.data_ptr(), z_ptr, z_stride, mask_ptr, slot_ptr, m_ptr, ls_ptr) != 0:
             raise RuntimeError(f"backend 'cpu': support_grad_{suffix}: an id or token outside [0, {v}) (not written; the gradient is discarded)")
 
     row_threads.for_chunks(rows.numel(), ROWS_PER_CALL, body)
