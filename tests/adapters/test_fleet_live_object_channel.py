@@ -131,7 +131,8 @@ def test_bad_arguments_are_named(tmp_path, kwargs, match):
 
 
 def test_the_ray_store_pickles_its_name_not_its_actor():
-    """What can be checked without Ray (tests/adapters/test_fleet_live_ray_store_cases.py runs it on a real Ray)."""
+    """What can be checked without Ray (the ``test_ray_store_*`` tests of tests/adapters/test_fleet_live_cases.py
+    run it on a real Ray)."""
     import pickle
 
     store = RayObjectStore(name="idx", namespace="ns")
