@@ -7,6 +7,7 @@ weights after every step, and prints the per-group mismatch table as it goes. Ne
     PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --steps 30 --groups cpu-bf16:bf16,cpu-nvfp4:nvfp4
     PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --sync-every 3 --max-staleness 1
     RAY_AUTH_MODE=token PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --address auto   # a cluster
+    PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --object-store   # weights through Ray, no folder
     PYTHONPATH=src .venv/bin/python examples/live_fleet.py --replot docs/fleet_results/live/history.json
 
 Writes the trainer's state to ``trainer.pt`` every ``--checkpoint-every`` steps; a rerun with the same ``--out``
