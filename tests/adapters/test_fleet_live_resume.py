@@ -94,3 +94,29 @@ def test_a_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert [h.step for h in again] == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="checkpoint_every must be an integer >= 1"):
         train(second, fresh, cfg, checkpoint=ckpt, checkpoint_every=0)
+
+
+def test_versions_grow_across_a_resume_onto_an_empty_channel(tmp_path):
+    """A channel that did not outlive the killed trainer (Ray's object store dies with it): the rerun publishes
+    from 0 again, and the restored weights go out past the checkpoint's version, so versions still grow."""
+    cfg = RunConfig(steps=3, prompts=1, samples=2, turns=1, turn_tokens=2)
+    ckpt = tmp_path / "trainer.pt"
+    first = fleet_on(MemoryChannel(), tmp_path)
+    model = build_tiny_qwen3(None, seed=0)
+    first.publish(model.state_dict(), first.next_version())
+
+    def kill_after_step_0(log, batch, metrics):
+        if log.step == 0:
+            raise KeyboardInterrupt("trainer killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(first, model, cfg, kill_after_step_0, checkpoint=ckpt)
+    first.close()
+    killed_at = first.version  # 1: the version published after step 0
+    channel = MemoryChannel()
+    second = fleet_on(channel, tmp_path)
+    second.publish(build_tiny_qwen3(None, seed=1).state_dict(), second.next_version())
+    assert second.version == 0
+    history, _ = train(second, build_tiny_qwen3(None, seed=1), cfg, checkpoint=ckpt)
+    assert [h.version for h in history] == [0, killed_at + 1, killed_at + 2]
+    assert sorted(channel.versions) == [0, killed_at + 1, killed_at + 2, killed_at + 3]

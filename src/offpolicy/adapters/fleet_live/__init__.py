@@ -17,7 +17,12 @@ package does not import either.
 from offpolicy.adapters.fleet_live.engine_group import EngineGroup, EngineSettings, ServedTurn
 from offpolicy.adapters.fleet_live.calls import BelowStalenessFloor, EngineProcessDied, WeightLoadError
 from offpolicy.adapters.fleet_live.fleet_runner import EVENT_KINDS, FleetEvent, GroupRequestError, LiveBatch, LiveFleet
-from offpolicy.adapters.fleet_live.object_channel import LocalObjectStore, ObjectStore, ObjectStoreWeightChannel
+from offpolicy.adapters.fleet_live.object_channel import (
+    LocalObjectStore,
+    ObjectStore,
+    ObjectStoreWeightChannel,
+    RayObjectStore,
+)
 from offpolicy.adapters.fleet_live.weight_sync import DiskWeightChannel, WeightChannel, group_checkpoint
 
 __all__ = [
@@ -34,6 +39,7 @@ __all__ = [
     "LocalObjectStore",
     "ObjectStore",
     "ObjectStoreWeightChannel",
+    "RayObjectStore",
     "ServedTurn",
     "WeightChannel",
     "WeightLoadError",

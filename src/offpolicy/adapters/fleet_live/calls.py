@@ -33,11 +33,14 @@ class GroupCallFailed(RuntimeError):
         kind: ``"died"``, ``"load"``, ``"stale"``, ``"error"`` or ``"hung"`` (see the module docstring).
         detail: plain text (no terminal colour codes): ``"<exception type>: <message>"`` of the cause (for
             ``"load"`` and ``"stale"`` the message alone, which names its own cause first).
+        version: the weight version the group serves after the failed call, as the group reported it with the
+            error (:func:`mark_served`); ``None`` when it did not (a process that died or hung, an error raised
+            before anything was loaded).
     """
 
-    def __init__(self, kind: str, detail: str):
+    def __init__(self, kind: str, detail: str, version: int | None = None):
         super().__init__(f"{kind}: {detail}")
-        self.kind, self.detail = kind, detail
+        self.kind, self.detail, self.version = kind, detail, version
 
 
 class EngineProcessDied(RuntimeError):
@@ -52,6 +55,22 @@ class BelowStalenessFloor(RuntimeError):
 class WeightLoadError(RuntimeError):
     """A group could not load a published weight version (a corrupt or mismatched checkpoint); it keeps serving
     the version it had loaded."""
+
+
+def mark_served(exc: BaseException, version: int | None) -> BaseException:
+    """Attach to ``exc`` (raised by a group's ``sync`` or ``generate``) the version the group serves after it, so
+    the fleet counts that version as served (and keeps it) even though the call failed. Returns ``exc``."""
+    try:
+        exc.served_version = version
+    except AttributeError:  # an exception type without attributes: the fleet treats the version as unknown
+        pass
+    return exc
+
+
+def served_version(exc: BaseException | None) -> int | None:
+    """The version :func:`mark_served` attached to ``exc`` (``None`` when none was)."""
+    v = getattr(exc, "served_version", None)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def plain(text: str, limit: int = DETAIL_CHARS) -> str:
@@ -90,7 +109,8 @@ class RayCalls:
                 raise GroupCallFailed("error", plain(str(exc).strip().splitlines()[-1])) from exc
             kind = ("load" if isinstance(cause, WeightLoadError) else "stale" if isinstance(cause, BelowStalenessFloor)
                     else "error")
-            raise GroupCallFailed(kind, describe(cause) if kind == "error" else plain(str(cause))) from exc
+            raise GroupCallFailed(kind, describe(cause) if kind == "error" else plain(str(cause)),
+                                  served_version(cause)) from exc
         except RayActorError as exc:
             raise GroupCallFailed("died", describe(exc)) from exc
         except RayError as exc:  # object lost, node died, out of memory: the process cannot be trusted
@@ -131,12 +151,12 @@ class ThreadCalls:
             raise GroupCallFailed("hung", f"no answer within {timeout:g} s") from exc
         except EngineProcessDied as exc:
             raise GroupCallFailed("died", describe(exc)) from exc
-        except WeightLoadError as exc:
-            raise GroupCallFailed("load", plain(str(exc))) from exc  # its message starts with the cause
+        except WeightLoadError as exc:  # its message starts with the cause
+            raise GroupCallFailed("load", plain(str(exc)), served_version(exc)) from exc
         except BelowStalenessFloor as exc:
-            raise GroupCallFailed("stale", plain(str(exc))) from exc
+            raise GroupCallFailed("stale", plain(str(exc)), served_version(exc)) from exc
         except Exception as exc:
-            raise GroupCallFailed("error", describe(exc)) from exc
+            raise GroupCallFailed("error", describe(exc), served_version(exc)) from exc
 
     def kill(self, actor: object) -> None:
         """Nothing to stop: the fleet reads no answer of a killed group."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from offpolicy.adapters import vllm as vllm_adapter
 from offpolicy.adapters.common import TurnRecord
-from offpolicy.adapters.fleet_live.calls import BelowStalenessFloor, WeightLoadError, describe
+from offpolicy.adapters.fleet_live.calls import BelowStalenessFloor, WeightLoadError, describe, mark_served
 from offpolicy.adapters.fleet_live.weight_sync import (
     WEIGHTS_FILE,
     WeightChannel,
@@ -203,8 +203,9 @@ class EngineGroup:
             previous = self.model_dir if self.version is None else str(self._checkpoint_dir(self.version, shared))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": previous})
             self.llm.reset_prefix_cache()
-            raise WeightLoadError(f"{describe(exc)} (loading version {newest} in group {self.group.name!r}; it "
-                                  f"keeps serving version {self.version})") from exc
+            raise mark_served(WeightLoadError(f"{describe(exc)} (loading version {newest} in group "
+                                              f"{self.group.name!r}; it keeps serving version {self.version})"),
+                              self.version) from exc
         self.llm.reset_prefix_cache()
         if self.version is not None and not shared:
             shutil.rmtree(self.work_dir / f"v{self.version:06d}", ignore_errors=True)
@@ -225,22 +226,29 @@ class EngineGroup:
         """Sync (when ``sync``, or when nothing is loaded yet), then sample one turn per ``(session_id, context
         token ids)`` with ``sampling_params`` (:func:`offpolicy.adapters.vllm.build_sampling_params`). With
         ``min_version`` (the fleet's staleness floor), raise :class:`~.calls.BelowStalenessFloor` before sampling
-        if the version served would be older."""
-        from vllm import SamplingParams
-
+        if the version served would be older. An error raised after the sync carries the version the group serves
+        (:func:`~.calls.mark_served`), as a failed sync's :class:`~.calls.WeightLoadError` does: the fleet keeps
+        counting that version as served, so the channel does not collect it."""
         version = self.sync() if sync or self.version is None else self.version
-        if min_version is not None and version < min_version:
-            raise BelowStalenessFloor(f"group {self.group.name!r} serves version {version}, below the staleness "
-                                      f"floor {min_version} (newer versions failed to load or are not published)")
-        sp = dict(sampling_params)
-        outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in ctx]} for _, ctx in requests],
-                                 SamplingParams(**sp), use_tqdm=False)
-        turns = []
-        for (sid, _), out in zip(requests, outs, strict=True):
-            rec = vllm_adapter.parse_request_output(out, sp, logprobs_mode="processed_logprobs",
-                                                    vocab_size=self.vocab_size)
-            rec = dataclasses.replace(rec, versions=(str(version),) * len(rec))
-            turns.append(ServedTurn(sid, self.group.name, version, rec))
+        try:  # whatever fails from here on, the group serves `version`: the fleet is told so with the error
+            from vllm import SamplingParams
+
+            if min_version is not None and version < min_version:
+                raise BelowStalenessFloor(f"group {self.group.name!r} serves version {version}, below the "
+                                          f"staleness floor {min_version} (newer versions failed to load or are not "
+                                          "published)")
+            sp = dict(sampling_params)
+            outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in ctx]} for _, ctx in requests],
+                                     SamplingParams(**sp), use_tqdm=False)
+            turns = []
+            for (sid, _), out in zip(requests, outs, strict=True):
+                rec = vllm_adapter.parse_request_output(out, sp, logprobs_mode="processed_logprobs",
+                                                        vocab_size=self.vocab_size)
+                rec = dataclasses.replace(rec, versions=(str(version),) * len(rec))
+                turns.append(ServedTurn(sid, self.group.name, version, rec))
+        except Exception as exc:
+            mark_served(exc, version)
+            raise
         return turns
 
     def info(self) -> dict[str, object]:

@@ -256,6 +256,9 @@ class LiveFleet:
         self.alive = dict.fromkeys(names, False)
         self.served_turns = dict.fromkeys(names, 0)
         self.loaded: dict[str, int | None] = dict.fromkeys(names)
+        #: per group with a syncing call in flight, the newest version published when it was sent (the call may
+        #: load that version or any later one before it answers)
+        self._syncing: dict[str, int] = {}
         self.stale_reloads = dict.fromkeys(names, 0)
         self.refused_turns = dict.fromkeys(names, 0)
         self.restarts = dict.fromkeys(names, 0)
@@ -353,15 +356,27 @@ class LiveFleet:
 
     # ------------------------------------------------------------------ weights
     def publish(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Publish the trainer's weights as ``version``; every group loads it when next due."""
-        in_use = {v for v in self.loaded.values() if v is not None}
+        """Publish the trainer's weights as ``version``; every group loads it when next due.
+
+        The channel's retention keeps :meth:`in_use`: what each group serves (as its last answer, or its last
+        failed call, reported) and whatever a syncing call in flight may have loaded."""
         if isinstance(self.channel, (DiskWeightChannel, ObjectStoreWeightChannel)):
-            self.channel.publish(state_dict, version, in_use=in_use)  # the versions groups serve are kept
+            self.channel.publish(state_dict, version, in_use=self.in_use())
         else:
             self.channel.publish(state_dict, version)
         with self._published:
             self.version = version
             self._published.notify_all()
+
+    def in_use(self) -> set[int]:
+        """The versions a group may be serving: each live group's loaded version, and for a group with a syncing
+        call in flight every version from the newest published when the call was sent (the engine loads the
+        channel's newest when the call runs, which may be later)."""
+        in_use = {v for v in list(self.loaded.values()) if v is not None}
+        low = [v for v in list(self._syncing.values()) if v is not None]
+        if low and hasattr(self.channel, "versions"):
+            in_use |= {v for v in self.channel.versions() if v >= min(low)}
+        return in_use
 
     @property
     def sessions_opened(self) -> int:
@@ -510,6 +525,8 @@ class LiveFleet:
             args = [[(sid, list(ctx)) for sid, ctx in requests], r.sampling_params, sync]
             if r.floor is not None:
                 args.append(r.floor)
+            if sync:  # before the call is sent: it may load a version while the trainer publishes
+                self._syncing[name] = self.version
             ref = self._calls.call(self._actors[name], "generate", *args)
             deadline = time.monotonic() + self.call_timeout(name, len(ss) * r.max_tokens)
             r.in_flight[ref] = _Call(name, ss, deadline, requests, sync)
@@ -535,6 +552,7 @@ class LiveFleet:
         for h, call in list(r.in_flight.items()):
             if now > call.deadline:
                 del r.in_flight[h]
+                self._syncing.pop(call.name, None)
                 r.pending += call.sessions
                 limit = self.call_timeout(call.name, len(call.sessions) * r.max_tokens)
                 self._down(call.name, "hung", f"no answer within {limit:g} s ({len(call.sessions)} requests x "
@@ -551,6 +569,9 @@ class LiveFleet:
             served = self._calls.get(handle)
         except GroupCallFailed as exc:
             r.pending += ss
+            if exc.version is not None:  # the call failed after the group loaded a version: it serves that one
+                self.loaded[name] = exc.version
+            self._syncing.pop(name, None)
             if exc.kind == "load":
                 self._event("load_failed", name, exc.detail, ss)
                 r.load_failures[name] = r.load_failures.get(name, 0) + 1
@@ -574,6 +595,7 @@ class LiveFleet:
             self._down(name, "invalid", plain(str(exc)), ss)
             return
         self.loaded[name] = max(t.version for t in served)
+        self._syncing.pop(name, None)
         low = min(t.version for t in served)
         if r.floor is not None and low < r.floor:  # generated below the floor (the group ignored min_version)
             r.pending += ss
@@ -605,13 +627,22 @@ class LiveFleet:
         for h, call in list(in_flight.items()):
             left = max(0.0, call.deadline - time.monotonic())
             try:
-                self._calls.get(h, timeout=left)
+                served = self._calls.get(h, timeout=left)
+                # the answer is dropped, but the group serves what it loaded for it (kept by the channel)
+                versions = [getattr(t, "version", None) for t in served] if isinstance(served, list) else []
+                versions = [v for v in versions if isinstance(v, int) and not isinstance(v, bool)]
+                if versions:
+                    self.loaded[call.name] = max(versions)
             except GroupCallFailed as exc:
+                if exc.version is not None:
+                    self.loaded[call.name] = exc.version
                 if exc.kind in ("died", "hung") and self.alive[call.name]:
                     try:
                         self._down(call.name, exc.kind, exc.detail, [])
                     except RuntimeError:
                         pass
+            finally:
+                self._syncing.pop(call.name, None)
 
     def _sync_due(self, name: str, floor: int | None) -> bool:
         """Whether ``name`` loads the newest version at its next call: ``sync_every`` behind, or below the floor."""
@@ -646,6 +677,7 @@ class LiveFleet:
         self._calls.kill(self._actors[name])
         self._drain(name)
         self.loaded[name] = None
+        self._syncing.pop(name, None)
         if self._spawn is not None and self.restarts[name] < self.max_restarts:
             delay = self.restart_backoff_s * 2 ** self.restarts[name]
             self.restarts[name] += 1

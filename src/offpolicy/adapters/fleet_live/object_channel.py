@@ -2,8 +2,9 @@
 
 :class:`ObjectStoreWeightChannel` keeps versions as objects under a key prefix of any store with four calls
 (:class:`ObjectStore`: ``put``, ``get``, ``list``, ``delete``, the subset of fsspec's file-system calls a channel
-needs; an S3 / GCS bucket through fsspec, or Ray's object store behind a named actor, fit it).
-:class:`LocalObjectStore` is that interface on a local directory (tests, and a single machine). Layout under
+needs; an S3 / GCS bucket through fsspec fits it). :class:`RayObjectStore` is that interface on Ray's object store
+(a named actor holding each object's reference: no shared disk, Ray moves the bytes between nodes);
+:class:`LocalObjectStore` on a local directory (tests, and a single machine). Layout under
 ``prefix``: ``v000007/model.safetensors`` (the trainer's weights), ``v000007/<format>/model.safetensors`` (each
 format's copy, quantised once at ``publish``), and ``LATEST``, put after every object of the version, so a reader
 that sees ``LATEST = 7`` finds all of version 7. Old versions are collected as the disk channel's are.
@@ -12,6 +13,7 @@ that sees ``LATEST = 7`` finds all of version 7. Old versions are collected as t
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -45,6 +47,15 @@ class ObjectStore(Protocol):
         """Remove ``key`` (no error when it is missing)."""
 
 
+def _check_key(key: str) -> str:
+    """``key`` if it is a relative ``/``-separated name without empty, ``.`` or ``..`` parts or a ``.tmp`` end."""
+    if not isinstance(key, str) or not key or any(p in ("", ".", "..") for p in key.split("/")) \
+            or key.endswith(".tmp"):
+        raise ValueError(f"key must be a relative '/'-separated name without '.', '..' or a '.tmp' end, got "
+                         f"{key!r}")
+    return key
+
+
 class LocalObjectStore:
     """:class:`ObjectStore` on a private local directory: one file per key, written to a temporary name and
     renamed into place.
@@ -59,11 +70,7 @@ class LocalObjectStore:
         private_folder(self.root)
 
     def _path(self, key: str) -> Path:
-        parts = key.split("/")
-        if not key or any(p in ("", ".", "..") for p in parts) or key.endswith(".tmp"):
-            raise ValueError(f"key must be a relative '/'-separated name without '.', '..' or a '.tmp' end, got "
-                             f"{key!r}")
-        return self.root.joinpath(*parts)
+        return self.root.joinpath(*_check_key(key).split("/"))
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -89,6 +96,106 @@ class LocalObjectStore:
             if parent == self.root or any(parent.iterdir()):
                 break
             parent.rmdir()
+
+
+class _RefIndex:
+    """The body of :class:`RayObjectStore`'s named actor: each key's object reference (inside a one-item list, so
+    Ray passes the reference, not the object) and its size. It holds references only: the bytes stay in Ray's
+    object store, and an object is freed once its key is deleted here and its writer dropped it."""
+
+    def __init__(self):
+        self.refs: dict[str, tuple[object, int]] = {}
+
+    def put(self, key: str, box: list, size: int) -> None:
+        self.refs[key] = (box[0], int(size))
+
+    def get(self, key: str) -> list | None:
+        entry = self.refs.get(key)
+        return None if entry is None else [entry[0]]
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(k for k in self.refs if k.startswith(prefix))
+
+    def delete(self, key: str) -> None:
+        self.refs.pop(key, None)
+
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.refs.values())
+
+
+class RayObjectStore:
+    """:class:`ObjectStore` on Ray's object store, for a fleet with no shared disk: the writer puts each object with
+    ``ray.put`` and a named actor (the index, ``name`` in ``namespace``, no CPU reserved) keeps its reference by
+    key; a reader on any node of the cluster asks the index for the reference and ``ray.get`` s it (Ray moves the
+    bytes between nodes). Deleting a key drops the index's reference, and Ray frees the object.
+
+    The index is created at first use (``ray.init`` must have run: :meth:`~.fleet_runner.LiveFleet.start` does),
+    and lives as long as the process that created it (the trainer; so do the objects it put: a new trainer starts
+    with an empty store). A pickled copy (what each engine actor gets) carries the name only and finds the index by
+    it.
+
+    Args:
+        name: the index actor's name (one per channel in a cluster; default a fresh unique name).
+        namespace: its Ray namespace.
+    """
+
+    def __init__(self, name: str | None = None, namespace: str = "offpolicy"):
+        if name is None:
+            name = f"offpolicy-weights-{uuid.uuid4().hex[:12]}"
+        for what, v in (("name", name), ("namespace", namespace)):
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{what} must be a non-empty string, got {v!r}")
+        self.name, self.namespace = name, namespace
+        self._index: object | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"name": self.name, "namespace": self.namespace, "_index": None}
+
+    def index(self) -> object:
+        """The index actor's handle (created, or found by name, at first use)."""
+        if self._index is None:
+            import ray
+
+            if not ray.is_initialized():
+                raise RuntimeError("RayObjectStore: Ray is not initialised (call ray.init() or LiveFleet.start() "
+                                   "before the first publish)")
+            self._index = ray.remote(_RefIndex).options(
+                name=self.name, namespace=self.namespace, get_if_exists=True, num_cpus=0).remote()
+        return self._index
+
+    def put(self, key: str, data: bytes) -> None:
+        import ray
+
+        _check_key(key)
+        if not isinstance(data, (bytes, bytearray)):
+            raise ValueError(f"data must be bytes, got {type(data).__name__}")
+        ray.get(self.index().put.remote(key, [ray.put(bytes(data))], len(data)))
+
+    def get(self, key: str) -> bytes:
+        import ray
+
+        _check_key(key)
+        box = ray.get(self.index().get.remote(key))
+        if box is None:
+            raise FileNotFoundError(f"no object {key!r} in the Ray object store {self.namespace}/{self.name}")
+        return ray.get(box[0])
+
+    def list(self, prefix: str) -> list[str]:
+        import ray
+
+        return ray.get(self.index().list.remote(prefix))
+
+    def delete(self, key: str) -> None:
+        import ray
+
+        _check_key(key)
+        ray.get(self.index().delete.remote(key))
+
+    def nbytes(self) -> int:
+        """Bytes of the objects the index holds (what the channel's retention keeps in Ray's object store)."""
+        import ray
+
+        return ray.get(self.index().nbytes.remote())
 
 
 class ObjectStoreWeightChannel:

@@ -151,7 +151,8 @@ def train(
     Resume: with ``checkpoint`` (a file path), the trainer's state (model, optimizer, prompt generator, step, the
     fleet's session count and the history so far) is written there after every ``checkpoint_every``-th step and
     the last. If the file exists when ``train`` starts, the run resumes from it: the state is restored, the
-    restored weights are published as the fleet's next version (the engines load them at their next call), and
+    restored weights are published as the fleet's next version, past the checkpoint's (the engines load them at
+    their next call), and
     training goes on at the step after the checkpoint. Lost in a kill: the batch in flight and the steps after the
     last checkpoint (with ``checkpoint_every=1``, only the batch in flight); session ids are never reused.
 
@@ -181,7 +182,9 @@ def train(
         history = [StepLog(**h) for h in state["history"]]
         first = int(state["step"]) + 1
         fleet.continue_sessions_from(int(state["sessions_opened"]))
-        fleet.publish(model.state_dict(), fleet.next_version())
+        # past the checkpoint's version too: a channel that did not outlive the killed trainer (Ray's object
+        # store) starts again at 0, and versions must still grow across the resume
+        fleet.publish(model.state_dict(), max(fleet.next_version(), int(state["version"]) + 1))
     sp = build_sampling_params(max_tokens=cfg.turn_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                top_k=cfg.top_k, record="support", max_logprobs=fleet.settings_max_logprobs)
     corr = op.Correction(weights="mis", score_centering=True)
