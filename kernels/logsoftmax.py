@@ -17,10 +17,13 @@ Three kernels, each a 1-D grid with one program per row (no 65,535 grid-dimensio
 
   Repeated ids are summed outside the kernel, in ``O(M log M)`` per row (:func:`unique_ids`).
 * :func:`row_loss_grad` does both in one program when the upstream gradient of each row is a closed form of the
-  row's log-probability at one id (``g = coef * f(lp - shift)``, ``f`` from a small family given by numbers): the
-  statistics (one read), then ``dz`` from a second read that finds the row in L2, one write.
+  row's log-probability at one id (``g = coef * f(lp - shift)``, ``f`` from a small family given by numbers), and
+  optionally of ``K`` head entries whose coefficients are closed forms of their own log-probabilities and of the
+  head's masses (``O(K)`` work after the statistics): the statistics (one read), then ``dz`` from a second read
+  that finds the row in L2, one write.
 
-All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), and each output element is rounded once. FMA
+All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), but for the head masses of :func:`row_loss_grad`
+(float64, ``O(K)`` per row), and each output element is rounded once. FMA
 contraction is on (set explicitly: Triton 3.10 changes the default), except in ``x = z * inv_temp``, which is
 rounded once as torch rounds it, so that the backward's ``exp(x - lse)`` reproduces the forward's statistics.
 Launches go to the tensors' device.
