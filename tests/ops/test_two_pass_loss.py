@@ -312,6 +312,25 @@ def test_score_centering_matches_reference_and_three_pass(weights, agg, k, dtype
     _assert_grad(g2, g3.double().cpu(), dtype, "two-pass vs three-pass")
 
 
+@pytest.mark.parametrize("weights,k", [("none", 300), ("mis", 600)], ids=["none-k300", "mis-whole_vocabulary"])
+def test_score_centering_head_wider_than_one_sweep_step(weights, k, monkeypatch):
+    """Heads of more than the kernel's 256 entries per step (``_HEAD_CHUNK``): the three sweeps loop. (With
+    ``none``, ``alpha = rho`` reads every entry's mass; MIS's ``alpha`` is 1 wherever ``1 / rho`` is in its band.)"""
+    assert kernels._HEAD_CHUNK < k
+    z, y, lq, adv, mask, seq, temp, cands = _batch(5, 600, torch.float32, seed=k, k=k)
+    cands, lq = _at_most_one(cands, lq)
+    corr = op.Correction(weights=weights, score_centering=True)
+    calls = _spy(monkeypatch)
+    two, g2 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, "token_mean", two_pass=True, monkeypatch=monkeypatch)
+    assert calls
+    three, g3 = _run(z, y, lq, adv, mask, seq, temp, cands, corr, "token_mean", two_pass=False,
+                     monkeypatch=monkeypatch)
+    loss, dz, _ = _reference(z, y, lq, adv, mask, seq, temp, cands, corr, "token_mean")
+    torch.testing.assert_close(two.loss.detach().cpu().double(), loss, rtol=1e-5, atol=1e-7)
+    _assert_grad(g2, dz, torch.float32, "two-pass vs float64")
+    _assert_grad(g2, g3.double().cpu(), torch.float32, "two-pass vs three-pass")
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=dname)
 def test_score_centering_hostile_rows(dtype, monkeypatch):
     """Hostile logits under MIS + centering: -inf scattered (head entries with p = 0 contribute 0), a trained row of
