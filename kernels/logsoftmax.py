@@ -17,10 +17,13 @@ Three kernels, each a 1-D grid with one program per row (no 65,535 grid-dimensio
 
   Repeated ids are summed outside the kernel, in ``O(M log M)`` per row (:func:`unique_ids`).
 * :func:`row_loss_grad` does both in one program when the upstream gradient of each row is a closed form of the
-  row's log-probability at one id (``g = coef * f(lp - shift)``, ``f`` from a small family given by numbers): the
-  statistics (one read), then ``dz`` from a second read that finds the row in L2, one write.
+  row's log-probability at one id (``g = coef * f(lp - shift)``, ``f`` from a small family given by numbers), and
+  optionally of ``K`` head entries whose coefficients are closed forms of their own log-probabilities and of the
+  head's masses (``O(K)`` work after the statistics): the statistics (one read), then ``dz`` from a second read
+  that finds the row in L2, one write.
 
-All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), and each output element is rounded once. FMA
+All arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32), but for the head masses of :func:`row_loss_grad`
+(float64, ``O(K)`` per row), and each output element is rounded once. FMA
 contraction is on (set explicitly: Triton 3.10 changes the default), except in ``x = z * inv_temp``, which is
 rounded once as torch rounds it, so that the backward's ``exp(x - lse)`` reproduces the forward's statistics.
 Launches go to the tensors' device.
@@ -206,6 +209,47 @@ def _row_grad_kernel(
 
 
 @triton.jit
+def _rule(lr, lo, hi, clamp, clip_lo, clip_hi, BAND: tl.constexpr, EXP: tl.constexpr):
+    """``f(lr)`` of :func:`row_loss_grad`'s rule, elementwise, in ``lr``'s dtype (fp32, or fp64 for the head term's
+    ``alpha``): ``1[lo <= lr <= hi]`` (``BAND``) times ``exp(clip(clip(lr, -clamp, clamp), clip_lo, clip_hi))``
+    (``EXP``), 1 without either."""
+    f = tl.where(lr == lr, 1.0, 1.0).to(lr.dtype)
+    if EXP:
+        f = tl.exp(tl.minimum(tl.maximum(tl.minimum(tl.maximum(lr, -clamp), clamp), clip_lo), clip_hi))
+    if BAND:
+        f = tl.where((lr >= lo) & (lr <= hi), f, 0.0)
+    return f
+
+
+@triton.jit
+def _head_chunk(l_row, ids_row, lq_row, c0, K, v_end, V, it, lse, K_CHUNK: tl.constexpr):
+    """One chunk of a row's head entries: ``(ids, valid, lp, lq, p, q)`` with ``lp = x[id] - lse``,
+    ``p = exp(lp)`` and ``q = exp(lq)`` (0 at padding), as the loss forms them from the gathered log-probabilities."""
+    kc = c0 + tl.arange(0, K_CHUNK)
+    in_k = kc < K
+    idc = tl.load(ids_row + kc, mask=in_k, other=-1)
+    valid = (idc >= 0) & (idc < V)
+    xk = _scaled(tl.load(l_row + idc, mask=valid & (idc < v_end), other=float("-inf")), it)
+    lpk = xk - lse
+    lqk = tl.load(lq_row + kc, mask=in_k & valid, other=0.0)  # padding: q = 0 below, no -inf - -inf
+    pk = tl.where(valid, tl.exp(lpk), 0.0)
+    qk = tl.where(valid, tl.exp(lqk), 0.0)
+    return idc, valid, lpk, lqk, pk, qk
+
+
+@triton.jit
+def _head_grad(lpk, lqk, pk, qk, valid, alpha, neg_coef, band_lo, band_hi, clamp, clip_lo, clip_hi,
+               BAND: tl.constexpr, EXP: tl.constexpr):
+    """The upstream gradient of each head entry's log-probability, ``-coef c`` with ``c = m - alpha p``,
+    ``m = q f(lp - lq)`` (0 where ``q = 0``), and 0 where ``c = 0`` or ``lp = -inf``. ``alpha p`` is one rounded
+    product (``fma(alpha, p, 0)``, not contracted into the subtraction), as torch forms it."""
+    f = _rule(lpk - lqk, band_lo, band_hi, clamp, clip_lo, clip_hi, BAND, EXP)
+    mk = tl.where(qk > 0.0, qk * f, 0.0)
+    ck = tl.where(valid, mk - tl.fma(pk, alpha, 0.0), 0.0)
+    return tl.where((ck != 0.0) & (lpk > float("-inf")), neg_coef * ck, 0.0)
+
+
+@triton.jit
 def _row_loss_grad_kernel(
     logits_ptr,
     stride_lrow,
@@ -216,6 +260,9 @@ def _row_loss_grad_kernel(
     skip_ptr,
     coef_ptr,
     shift_ptr,
+    head_ids_ptr,
+    head_lq_ptr,
+    rule64_ptr,
     m_ptr,
     s_ptr,
     t_ptr,
@@ -227,15 +274,41 @@ def _row_loss_grad_kernel(
     clip_lo,
     clip_hi,
     V,
+    K,
     BAND: tl.constexpr,
     EXP: tl.constexpr,
+    HEAD: tl.constexpr,
     HAS_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
+    K_CHUNK: tl.constexpr,
     INT64: tl.constexpr,
 ):
-    """Statistics, then the gradient of the row's first-id log-probability under a closed-form coefficient, in one
-    program per row: the second read of the row, right after the first, finds it in L2 while the rows in flight
-    (the programs resident at once) fit there (see :data:`_TWO_PASS_WARPS`)."""
+    """Statistics, then the gradient of the row's first-id log-probability under a closed-form coefficient (and,
+    with ``HEAD``, of its head entries' log-probabilities), in one program per row: the second read of the row,
+    right after the first, finds it in L2 while the rows in flight (the programs resident at once) fit there (see
+    :data:`_TWO_PASS_WARPS`).
+
+    The head term (``HEAD``), and why it fits in this program. The loss of a row is
+
+        L = coef (w lp_y - sum_k c_k lp_k),   w = f(lp_y - shift),   c_k = m_k - alpha p_k   (w, c held constant)
+        m_k = q_k f(lp_k - lq_k),   alpha = rho f(-log rho),   rho = max(1 - Q, eps) / max(1 - P, eps)
+        P = sum_k p_k,   Q = sum_k q_k,   p_k = exp(lp_k),   q_k = exp(lq_k),   lp_v = x_v - lse
+
+    over the row's K head entries (ids, lq). With ``d lp_u / d x_v = 1[u = v] - p_v`` and ``dx / dz = it``:
+
+        dz_v = it (sum_j g_j 1[v = id_j] - G p_v),   g_y = coef w,   g_k = -coef c_k,   G = g_y + sum_k g_k
+
+    Every quantity on the right is a function of ``lse`` (known when the statistics loop ends) and of the row's
+    ``1 + K`` gathered logits, so: (a) one sweep over the K entries (gathered; in L2 after the statistics read)
+    gives ``P`` and ``Q`` (in float64: ``1 - P`` and ``1 - Q`` cancel near 1), hence ``rho`` and ``alpha``
+    (float64, then fp32, as the loss forms them); (b) a second sweep gives every ``g_k`` and ``G``; the dense part
+    ``-it G p_v`` is then written in the one streaming pass over V; (c) after it, a third sweep over the K entries
+    recomputes ``g_k`` (the same arithmetic, so the same values) and overwrites each id column with its complete
+    value ``it (g_k [+ g_y if id_k = y] - G p_k)``, rounded once; the target's column is written the same way when
+    ``y`` is no head id. ``O(K)`` work and ``3 K`` gathered logits per row beside the ``2 V`` of the row: no extra
+    pass over V and no scratch. Head ids are unique within a row (the record contract, which ``Candidates.validate``
+    checks): with a repeated id one of its entries' values is written. A row takes gradient when ``coef != 0`` and
+    its ``lse`` is finite, even when ``w = 0`` (``lp_y = -inf`` or outside the band: the head term stays)."""
     neg_inf = float("-inf")
     dt = out_ptr.dtype.element_ty
     cols0 = tl.arange(0, BLOCK)
@@ -257,13 +330,10 @@ def _row_loss_grad_kernel(
     x_y = _scaled(tl.load(l_row + y, mask=y_ok, other=neg_inf), it)
     lp = x_y - lse
     lr = lp - tl.load(shift_ptr + row)
-    f = tl.full([], 1.0, tl.float32)
-    if EXP:
-        f = tl.exp(tl.minimum(tl.maximum(tl.minimum(tl.maximum(lr, -clamp), clamp), clip_lo), clip_hi))
-    if BAND:
-        f = tl.where((lr >= band_lo) & (lr <= band_hi), f, 0.0)
+    f = _rule(lr, band_lo, band_hi, clamp, clip_lo, clip_hi, BAND, EXP)
     coef = tl.load(coef_ptr + row)
-    live = (coef != 0.0) & (lp > neg_inf) & (lse < float("inf"))  # also False on a NaN lse or lp
+    mass = (lse < float("inf"))  # also False on a NaN lse
+    live = (coef != 0.0) & (lp > neg_inf) & mass  # also False on a NaN lp
     g = tl.where(live, coef * f, 0.0)
     g = tl.where(g == g, g, 0.0)
     tl.store(m_ptr + row, m)
@@ -271,18 +341,56 @@ def _row_loss_grad_kernel(
     tl.store(t_ptr + row, t)
     tl.store(lse_ptr + row, lse)
     tl.store(g_ptr + row, g)
-    # 3. dz = it (g 1[v = y] - g p_v): the dense part from the second read (L2), one write; a row with g = 0
-    #    is not read again and gets zeros.
-    v_read = tl.where(g != 0.0, V, 0)
-    lse_r = tl.where(g != 0.0, lse, 0.0)
-    dense = -(g * it)
+    big_g = g
+    if HEAD:
+        # 2b. The head term (docstring): P, Q -> rho, alpha; then every g_k and G. Rows without gradient run no
+        #     iteration (k_end = 0).
+        row_live = (coef != 0.0) & mass
+        k_end = tl.where(row_live, K, 0)
+        ids_row = head_ids_ptr + row * K
+        lq_row = head_lq_ptr + row * K
+        lse_h = tl.where(row_live, lse, 0.0)
+        p_head = tl.zeros([], tl.float64)
+        q_head = tl.zeros([], tl.float64)
+        for c0 in range(0, k_end, K_CHUNK):
+            _i, _v, _lp, _lq, pk, qk = _head_chunk(l_row, ids_row, lq_row, c0, K, v_end, V, it, lse_h, K_CHUNK)
+            p_head += tl.sum(pk.to(tl.float64), 0)
+            q_head += tl.sum(qk.to(tl.float64), 0)
+        eps = tl.load(rule64_ptr + 5)
+        rho = tl.maximum(1.0 - q_head, eps) / tl.maximum(1.0 - p_head, eps)
+        f64 = _rule(-tl.log(rho), tl.load(rule64_ptr + 0), tl.load(rule64_ptr + 1), tl.load(rule64_ptr + 2),
+                    tl.load(rule64_ptr + 3), tl.load(rule64_ptr + 4), BAND, EXP)
+        alpha = (rho * f64).to(tl.float32)
+        neg_coef = -coef
+        y_in = tl.zeros([], tl.int32)
+        for c0 in range(0, k_end, K_CHUNK):
+            idc, valid, lpk, lqk, pk, qk = _head_chunk(l_row, ids_row, lq_row, c0, K, v_end, V, it, lse_h, K_CHUNK)
+            gk = _head_grad(lpk, lqk, pk, qk, valid, alpha, neg_coef, band_lo, band_hi, clamp, clip_lo, clip_hi,
+                            BAND, EXP)
+            big_g += tl.sum(gk, 0)
+            y_in = tl.maximum(y_in, tl.max((valid & (idc == y)).to(tl.int32), 0))
+    # 3. dz = it (scatter(g at ids) - G p_v): the dense part from the second read (L2), one write; a row with G = 0
+    #    is not read again and gets zeros there.
+    v_read = tl.where(big_g != 0.0, V, 0)
+    lse_r = tl.where(big_g != 0.0, lse, 0.0)
+    dense = -(big_g * it)
     for start in range(0, V, BLOCK):
         cols = start + cols0
         x = _scaled(tl.load(l_row + cols, mask=cols < v_read, other=neg_inf), it)
         tl.store(o_row + cols, (dense * tl.exp(x - lse_r)).to(dt), mask=cols < V)
-    tl.debug_barrier()  # the target's store below lands after the dense store of its column
-    val = tl.where(g != 0.0, it * (g - g * tl.exp(x_y - lse_r)), 0.0)
-    tl.store(o_row + y, val.to(dt), mask=(y >= 0) & (y < V) & (g != 0.0))
+    tl.debug_barrier()  # the id columns' stores below land after the dense stores of their columns
+    if HEAD:
+        for c0 in range(0, k_end, K_CHUNK):
+            idc, valid, lpk, lqk, pk, qk = _head_chunk(l_row, ids_row, lq_row, c0, K, v_end, V, it, lse_h, K_CHUNK)
+            gk = _head_grad(lpk, lqk, pk, qk, valid, alpha, neg_coef, band_lo, band_hi, clamp, clip_lo, clip_hi,
+                            BAND, EXP)
+            gk = tl.where(idc == y, gk + g, gk)
+            tl.store(o_row + idc, (it * (gk - big_g * pk)).to(dt), mask=valid)
+        y_alone = y_in == 0
+    else:
+        y_alone = True
+    val = tl.where(g != 0.0, it * (g - big_g * tl.exp(x_y - tl.where(g != 0.0, lse, 0.0))), 0.0)
+    tl.store(o_row + y, val.to(dt), mask=(y >= 0) & (y < V) & (g != 0.0) & y_alone)
 
 
 def is_interpreted() -> bool:
@@ -463,6 +571,8 @@ def row_grad(
 #: explicitly, but its row loop carries the cross-warp reductions' predicated shared loads from one row to the
 #: next, and ptxas spills them.)
 _TWO_PASS_BLOCK, _TWO_PASS_WARPS = 8192, 32
+#: Head entries per step of the two-pass kernel's head sweeps (one vector over the program's 1024 threads).
+_HEAD_CHUNK = 256
 
 
 def row_loss_grad(
@@ -476,12 +586,13 @@ def row_loss_grad(
     *,
     band: tuple[float, float] | None = None,
     exp_clip: tuple[float, float, float] | None = None,
+    head: tuple[Tensor, Tensor] | None = None,
+    tail_eps: float = 1e-6,
     block: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The statistics of each row and the gradient of a closed-form function of its log-probability at
-    ``target``, in one program: the row is read once from memory for the statistics, re-read (from L2) and the
-    gradient written once.
+    """The statistics of each row and the gradient of a closed-form function of its log-probabilities, in one
+    program: the row is read once from memory for the statistics, re-read (from L2) and the gradient written once.
 
     With ``x = logits * inv_temp``, ``lse = m + log s`` and ``lp = x[target] - lse``, each row's coefficient is
 
@@ -492,6 +603,15 @@ def row_loss_grad(
     held constant. ``g = 0`` (and a zero row, not read again) where ``coef = 0``, ``lp = -inf``, the row has no
     mass (skipped, all ``-inf``) or its ``lse`` is NaN.
 
+    With ``head = (ids, lq)`` each row also has ``K`` head entries, and the gradient is that of
+    ``sum_rows coef (f(lp - shift) lp - sum_k c_k lp_k)`` with every coefficient held constant:
+    ``lp_k = x[ids_k] - lse``, ``p_k = exp(lp_k)``, ``q_k = exp(lq_k)``, ``c_k = q_k f(lp_k - lq_k) - alpha p_k``
+    (``q_k f = 0`` where ``q_k = 0``; a term with ``c_k = 0`` or ``lp_k = -inf`` is 0),
+    ``alpha = rho f(-log rho)``, ``rho = max(1 - sum q, eps) / max(1 - sum p, eps)`` (``P``, ``Q``, ``rho`` and
+    ``alpha`` in float64, ``alpha`` then rounded to fp32): the same program, ``O(K)`` more work per row (the
+    derivation is in the kernel's docstring). A row with ``coef != 0`` and mass takes this gradient even where
+    ``lp = -inf``.
+
     Args:
         logits: ``[N, V]`` fp32/fp16/bf16, any row stride, unit column stride.
         target: ``[N]`` int64 column ids (``-1`` or any id outside ``[0, V)``: ``lp = -inf``).
@@ -501,10 +621,14 @@ def row_loss_grad(
         out: ``[N, V]`` of the logits' dtype, unit column stride, not overlapping ``logits``.
         band: ``(lo, hi)`` inclusive bounds on ``l`` (``-inf`` / ``inf`` allowed), or None.
         exp_clip: ``(c, a, b)``: ``f`` includes ``exp`` of ``l`` clipped to ``[-c, c]`` then to ``[a, b]``.
+        head: ``(ids [N, K] int64, lq [N, K] fp32)``: ids in ``[0, V)`` and unique within a row, or ``-1``
+            (padding, whose ``lq`` is not read); or None.
+        tail_eps: the ``eps`` of ``rho`` (``> 0``).
         block, num_warps: tile width (a power of two) and warps per program; defaults suit a GPU.
 
     Returns:
-        ``(m, s, t, lse, g)``, each ``[N]`` fp32 (``m, s, t`` as :func:`row_stats`); ``out`` holds the gradient.
+        ``(m, s, t, lse, g)``, each ``[N]`` fp32 (``m, s, t`` as :func:`row_stats`; ``g`` the target's
+        coefficient); ``out`` holds the gradient.
     """
     _check_rows("logits", logits)
     _check_rows("out", out)
@@ -521,6 +645,18 @@ def row_loss_grad(
         raise ValueError(f"band must be (lo, hi) with lo <= hi, got {band!r}")
     if exp_clip is not None and (len(exp_clip) != 3 or not exp_clip[0] >= 0 or not exp_clip[1] <= exp_clip[2]):
         raise ValueError(f"exp_clip must be (c, a, b) with c >= 0 and a <= b, got {exp_clip!r}")
+    if not tail_eps > 0:
+        raise ValueError(f"tail_eps must be > 0, got {tail_eps!r}")
+    head_ids = head_lq = None
+    if head is not None:
+        head_ids, head_lq = head
+        if head_ids.dim() != 2 or head_ids.shape[0] != n or head_ids.dtype != torch.int64 or head_ids.device != dev:
+            raise ValueError(f"head ids must be [{n}, K] int64 on {dev}, got {tuple(head_ids.shape)} "
+                             f"{head_ids.dtype} on {head_ids.device}")
+        if head_lq.shape != head_ids.shape or head_lq.dtype != torch.float32 or head_lq.device != dev:
+            raise ValueError(f"head lq must be [{n}, {head_ids.shape[1]}] float32 on {dev}, got "
+                             f"{tuple(head_lq.shape)} {head_lq.dtype} on {head_lq.device}")
+        head_ids, head_lq = head_ids.contiguous(), head_lq.contiguous()
     m, s, t, lse, g = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(5))
     if n == 0:
         return m, s, t, lse, g
@@ -531,14 +667,20 @@ def row_loss_grad(
         skip = _vector("skip", skip, n, torch.bool, dev).view(torch.uint8)
     lo, hi = band if band is not None else (0.0, 0.0)
     c, a, b = exp_clip if exp_clip is not None else (0.0, 0.0, 0.0)
+    k = head_ids.shape[1] if head_ids is not None else 0
+    rule64 = (torch.tensor([lo, hi, c, a, b, tail_eps], dtype=torch.float64, device=dev) if head is not None
+              else inv_temp)
     default = _INTERPRETER_BLOCK if is_interpreted() else _TWO_PASS_BLOCK
     block, num_warps = _tile(v, block or min(default, triton.next_power_of_2(max(v, 16))),
                              num_warps or _TWO_PASS_WARPS)
     with launch_device(dev):
         _row_loss_grad_kernel[(n,)](
             logits, logits.stride(0), out, out.stride(0), target, inv_temp, skip if skip is not None else inv_temp,
-            coef, shift, m, s, t, lse, g, float(lo), float(hi), float(c), float(a), float(b), v,
-            BAND=band is not None, EXP=exp_clip is not None, HAS_SKIP=skip is not None, BLOCK=block,
-            INT64=_needs_int64(n, logits, out), num_warps=num_warps, enable_fp_fusion=_FP_FUSION,
+            coef, shift, head_ids if head_ids is not None else target, head_lq if head_lq is not None else shift,
+            rule64, m, s, t, lse, g, float(lo), float(hi), float(c), float(a), float(b), v, k,
+            BAND=band is not None, EXP=exp_clip is not None, HEAD=head is not None, HAS_SKIP=skip is not None,
+            BLOCK=block, K_CHUNK=_HEAD_CHUNK, INT64=_needs_int64(n, logits, out), num_warps=num_warps,
+            enable_fp_fusion=_FP_FUSION,
         )  # fmt: skip
     return m, s, t, lse, g
+

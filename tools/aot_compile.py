@@ -159,6 +159,14 @@ def cases() -> list[Case]:
                 exp_clip=(20.0, float("-inf"), float("inf")))))
             out.append(Case(f"row_loss_grad[{tag}]", name,
                             lambda z=z, v=vec, y=y: S.row_loss_grad(z, y, v, None, v, v, torch.empty_like(z))))
+            # score centering over a head record (MIS + SC, the study's configuration; and with f = 1)
+            head = (t(n, K, dtype=torch.int64), t(n, K))
+            out.append(Case(f"row_loss_grad[{tag},skip,band,exp,head]", name,
+                            lambda z=z, v=vec, y=y, n=n, h=head: S.row_loss_grad(
+                                z, y, v, t(n, dtype=torch.bool), v, v, torch.empty_like(z), band=(-0.7, 1.6),
+                                exp_clip=(20.0, float("-inf"), float("inf")), head=h)))
+            out.append(Case(f"row_loss_grad[{tag},head]", name, lambda z=z, v=vec, y=y, h=head: S.row_loss_grad(
+                z, y, v, None, v, v, torch.empty_like(z), head=h)))
         h, w, b = t(N, D, dtype=dt), t(V, D, dtype=dt), t(V, dtype=dt)
         vec, rows = t(N), t(N, dtype=torch.int64)
         acc_h, acc_w, acc_b = t(N, D), t(V, D), t(V)

@@ -7,7 +7,8 @@ Needs torch and triton only (no install of offpolicy, no network): the checkout'
 found in place. Records the device, driver, torch, CUDA and Triton versions, then, in a time budget (default 480 s):
 
 (a) correctness: ``sparse_log_softmax`` (head and support modes, forward and gradient), ``policy_loss`` through the
-    two-pass kernel (each token-level weight mode, loss and gradient against the float64 reference), and
+    two-pass kernel (each token-level weight mode, without and with score centering over a head record, loss and
+    gradient against the float64 reference; MIS + SC + top-p replay through the support pass), and
     ``linear_sparse_log_softmax`` (forward, ``dh`` and ``dW``) on the Triton backend against float64 torch, in bf16
     and fp32; the 64-bit offset path (``N V > 2**31``, rows at both ends against float64); the FP8 / NVFP4 / MXFP4
     quantisers bit-exact against the torch reference (codes, scales and the decoded weights);
@@ -17,7 +18,8 @@ found in place. Records the device, driver, torch, CUDA and Triton versions, the
     copy bandwidth and bf16 matmul rate of the device, offpolicy's forward + backward as a fraction of them (the
     spec's ``3 V b`` bytes per token; ``8 N V D`` FLOPs), and the baselines a user would pick: dense torch,
     ``torch.compile`` of it, Liger-Kernel where it imports; the token-level loss's three passes against the
-    two-pass kernel (``2 V b`` bytes per token) at one, two and four programs per SM.
+    two-pass kernel (``2 V b`` bytes per token) at one, two and four programs per SM, and with MIS + score
+    centering over a head record of K = 256 ids.
 
 Writes ``gpu_check_<device>_<date>.json`` (``--out``, default benchmarks/results/) and exits 1 when any check
 failed (2 on bad usage). ``--dry-run`` sets ``TRITON_INTERPRET=1`` and runs every path on the CPU at tiny shapes
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import statistics
@@ -126,7 +129,10 @@ def check_logits(dev, dtype, n, v, k, support, tol):
 
 def check_two_pass(dev, dtype, n, v, tol):
     """``policy_loss`` through the two-pass kernel (triton backend, token-level weights: the statistics and the
-    gradient in one program per row) against the float64 reference loss and gradient, for each weight mode."""
+    gradient in one program per row) against the float64 reference loss and gradient, for each weight mode, without
+    and with score centering over a head record of 32 ids (the study's MIS + SC among them: the head term in the
+    same program); and MIS + SC + top-p replay (a support record), which takes the support pass (no vocabulary
+    read, no two-pass launch), against the same reference."""
     import torch
 
     import offpolicy as op
@@ -137,32 +143,50 @@ def check_two_pass(dev, dtype, n, v, tol):
     z = (torch.randn(n, v, generator=gen) * 3).to(dtype)
     y = torch.randint(0, v, (n,), generator=gen)
     x = z.double() / 0.9
-    lp = x.gather(1, y[:, None])[:, 0] - torch.logsumexp(x, 1)
+    logp = torch.log_softmax(x, 1)
+    lp = logp.gather(1, y[:, None])[:, 0]
     lq = (lp - torch.empty(n, dtype=torch.float64).uniform_(-1.5, 2.0, generator=gen)).clamp_max(0).float()
     adv = torch.randn(n, generator=gen)
     mask = torch.rand(n, generator=gen) > 0.2
+    k = min(32, v)
+    # a head record: the sampler's top-k (the trainer's, perturbed), its mass at most 1, the target's entry its lq
+    ids = torch.topk(x + torch.randn(n, v, generator=gen, dtype=torch.float64), k, 1).indices
+    lq_h = logp.gather(1, ids) + 0.3 * torch.randn(n, k, generator=gen, dtype=torch.float64)
+    lq_h = torch.where(ids == y[:, None], lq.double()[:, None], lq_h)
+    lq_h = lq_h - (torch.logsumexp(lq_h, 1) + 0.01).clamp_min(0)[:, None]
+    lq_y = torch.where((ids == y[:, None]).any(1), lq_h.gather(1, (ids == y[:, None]).int().argmax(1)[:, None])[:, 0],
+                       lq.double()).float()
+    head = op.Candidates(ids, lq_h.float(), "head")
+    # a top-p support: the target and the k - 1 largest others, q renormalised over it
+    sup = torch.cat([y[:, None], torch.topk(x.scatter(1, y[:, None], -float("inf")), k - 1, 1).indices], 1)
+    lq_s = torch.log_softmax(x.gather(1, sup) + 0.3 * torch.randn(n, k, generator=gen, dtype=torch.float64), 1)
+    support = op.Candidates(sup, lq_s.float(), "support")
+    cases = [(w, None, lq, op.Correction(weights=w)) for w in ("none", "tis", "mis", "reject")]
+    cases += [(f"{w}_sc", head, lq_y, op.Correction(weights=w, score_centering=True))
+              for w in ("none", "tis", "mis", "reject")]
+    cases.append(("mis_sc_top_p", support, lq_s[:, 0].float(), op.Correction(weights="mis", score_centering=True)))
     res = {"ok": True}
     real, calls = K.row_loss_grad, []
     K.row_loss_grad = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
-        for weights in ("none", "tis", "mis", "reject"):
-            corr = op.Correction(weights=weights)
+        for name, cands, lq_t, corr in cases:
             zz = z.detach().clone().to(dev).requires_grad_()
-            out = op.policy_loss(zz, y.to(dev), lq.to(dev), adv.to(dev), loss_mask=mask.to(dev), temperature=0.9,
-                                 correction=corr, backend="triton")
+            rec = None if cands is None else op.Candidates(cands.ids.to(dev), cands.logprobs.to(dev), cands.kind)
+            out = op.policy_loss(zz, y.to(dev), lq_t.to(dev), adv.to(dev), candidates=rec, loss_mask=mask.to(dev),
+                                 temperature=0.9, correction=corr, backend="triton")
             out.loss.backward()
             z64 = z.detach().double().requires_grad_()
-            loss64, _, _ = reference_policy_loss(z64, y, lq.double(), adv.double(), loss_mask=mask, temperature=0.9,
-                                                 correction=corr)
+            loss64, _, _ = reference_policy_loss(z64, y, lq_t.double(), adv.double(), candidates=cands,
+                                                 loss_mask=mask, temperature=0.9, correction=corr)
             loss64.backward()
             e_loss = abs(float(out.loss.detach()) - float(loss64))
             e_g, scale = _err(zz.grad.cpu(), z64.grad)
-            res[f"{weights}_loss_err"], res[f"{weights}_grad_err"] = e_loss, e_g
+            res[f"{name}_loss_err"], res[f"{name}_grad_err"] = e_loss, e_g
             res["ok"] &= e_loss <= tol * max(1.0, abs(float(loss64))) and e_g <= tol * scale + 1e-6
     finally:
         K.row_loss_grad = real
     res["two_pass_launches"] = len(calls)
-    res["ok"] &= len(calls) == 4
+    res["ok"] &= len(calls) == 8  # the four modes, with and without centering; not the support record
     return res
 
 
@@ -404,18 +428,35 @@ def two_pass_speed(dev, z, y, time_it, copy_gbps: float) -> dict:
         m, s, _ = K.row_stats(zd, inv)
         K.row_grad(zd, ids, inv, m + s.log(), g, g[:, 0].contiguous(), out)
 
+    # MIS + score centering over a head record of K = 256 ids (the study's configuration): the head term's O(K)
+    # sweeps in the same program, against the same three passes (whose row_grad then scatters 1 + K ids)
+    # (in the interpreter, on 4 rows: its head sweeps cost seconds per program there)
+    k, nh = (256, n) if dev.type == "cuda" else (8, min(n, 4))
+    hids = torch.randint(0, v, (nh, k), device=dev)
+    hlq = torch.full((nh, k), -8.0, device=dev)
+    mis = {"band": (math.log(0.5), math.log(5.0)), "exp_clip": (20.0, -math.inf, math.inf)}
+    ids_k, g_k = torch.cat([ids[:nh], hids], 1), torch.full((nh, 1 + k), -1.0 / n, device=dev)
+
+    def three_head():
+        m, s, _ = K.row_stats(zd[:nh], inv[:nh])
+        K.row_grad(zd[:nh], ids_k, inv[:nh], m + s.log(), g_k, g_k.sum(1), out[:nh])
+
+    def two_head():
+        K.row_loss_grad(zd[:nh], y[:nh], inv[:nh], None, coef[:nh], shift[:nh], out[:nh], head=(hids, hlq), **mis)
+
     rows = {}
-    for name, fn, nbytes in [("three_pass", three, 3 * v * b)] + [
+    for name, fn, nbytes, rows_n in [("three_pass", three, 3 * v * b, n),
+                                     ("three_pass[head K]", three_head, 3 * v * b, nh)] + [
             (f"two_pass[warps={w}]", lambda w=w: K.row_loss_grad(zd, y, inv, None, coef, shift, out, num_warps=w,
                                                                  block=None if dev.type == "cpu" else 256 * w),
-             2 * v * b) for w in (32, 16, 8)]:
+             2 * v * b, n) for w in (32, 16, 8)] + [("two_pass[mis+sc, head K]", two_head, 2 * v * b, nh)]:
         try:
             t = time_it(fn)
-            rows[name] = {**t, "bytes_per_token": nbytes, "gbps": n * nbytes / t["median_s"] / 1e9,
-                          "copy_fraction": n * nbytes / t["median_s"] / 1e9 / copy_gbps}
+            rows[name] = {**t, "rows": rows_n, "bytes_per_token": nbytes, "gbps": rows_n * nbytes / t["median_s"] / 1e9,
+                          "copy_fraction": rows_n * nbytes / t["median_s"] / 1e9 / copy_gbps}
         except Exception as exc:  # noqa: BLE001 - recorded, not fatal
             rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    return {"N": n, "V": v, "dtype": str(zd.dtype), "rows": rows}
+    return {"N": n, "V": v, "K": k, "dtype": str(zd.dtype), "rows": rows}
 
 
 def versions(dev) -> dict:

@@ -172,13 +172,15 @@ def _two_pass_rule(model: ModelInputs, candidates: Candidates | CSRCandidates | 
     """The closed-form row gradient (:func:`offpolicy.loss.token_rule.row_rule`) when this call can take the
     two-pass kernel: logits that need a gradient, a backend with ``two_pass`` (triton), eagerly, no vocabulary
     split, no in-place gradient, no record or a padded head record, and a correction whose gradient is a closed
-    form of each row's own log-probability. Else None: the three-pass path."""
+    form of each row's own log-probabilities (score centering over a head record included). Else None: the
+    three-pass path (or the support pass)."""
     logits = model.logits
     if (logits is None or not backend.two_pass or not eager or shard is not None or inplace_grad
             or not (torch.is_grad_enabled() and logits.requires_grad)
             or isinstance(candidates, CSRCandidates) or (candidates is not None and candidates.kind != "head")):
         return None
-    return row_rule(correction, data, agg, n=logits.shape[0], device=logits.device, cp_group=cp_group)
+    return row_rule(correction, data, agg, n=logits.shape[0], device=logits.device, cp_group=cp_group,
+                    candidates=candidates)
 
 
 def _log_probs(model: ModelInputs, tokens: Tensor, candidates: Candidates | CSRCandidates | None,

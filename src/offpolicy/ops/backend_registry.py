@@ -58,8 +58,10 @@ class TwoPassLogitsBackend(LogitsBackend, Protocol):
 
     def full_stats_grad(self, logits: Tensor, target: Tensor, inv_temp: Tensor, skip: Tensor | None, coef: Tensor,
                         shift: Tensor, out: Tensor, *, band: tuple[float, float] | None,
-                        exp_clip: tuple[float, float, float] | None) -> tuple[Tensor, ...]:
-        """``(m, s, t, lse, g) [N]``, the gradient of ``sum_rows g log p(target)`` written into ``out``."""
+                        exp_clip: tuple[float, float, float] | None, head: tuple[Tensor, Tensor] | None = None,
+                        tail_eps: float = 1e-6) -> tuple[Tensor, ...]:
+        """``(m, s, t, lse, g) [N]``, the gradient of ``sum_rows g log p(target)`` (plus the head term of
+        ``head = (ids, lq)``) written into ``out``."""
 
 
 class CachingLogitsBackend(LogitsBackend, Protocol):

@@ -33,13 +33,16 @@ def test_gpu_check_dry_run(tmp_path):
     rows = {r["check"]: r for r in data["checks"]}
     assert all(rows[f"quantisers[{d}]"][f"{f}_bit_exact"] for d in ("fp16", "fp32") for f in ("fp8", "nvfp4", "mxfp4"))
     assert rows["logits[fp32,head]"]["grad_err"] < 1e-5
-    assert rows["two_pass_loss[fp32]"]["two_pass_launches"] == 4 and rows["two_pass_loss[fp32]"]["mis_grad_err"] < 1e-5
+    two_pass = rows["two_pass_loss[fp32]"]
+    assert two_pass["two_pass_launches"] == 8 and two_pass["mis_grad_err"] < 1e-5
+    assert two_pass["mis_sc_grad_err"] < 1e-5 and two_pass["mis_sc_top_p_grad_err"] < 1e-5  # the study's configurations
     perf = data["perf"]
     assert perf["copy_gbps"] > 0 and perf["matmul_tflops"] > 0
     assert {"offpolicy", "torch_dense", "torch_compile"} <= set(perf["logits"]["rows"])
     assert {"offpolicy", "torch_dense"} <= set(perf["linear"]["rows"])
     two = perf["two_pass"]["rows"]
-    assert "three_pass" in two and any(k.startswith("two_pass[") for k in two)
+    assert {"three_pass", "three_pass[head K]", "two_pass[mis+sc, head K]"} <= set(two)
+    assert any(k.startswith("two_pass[warps=") for k in two)
     assert all("median_s" in r for r in two.values()), two
     assert all("median_s" in r for r in perf["logits"]["rows"].values() if "error" not in r)
 

@@ -203,3 +203,10 @@ def test_bad_inputs_raise():
         kernels.row_loss_grad(z, y, one, None, one, one, out, exp_clip=(-1.0, 0.0, 1.0))
     with pytest.raises(ValueError, match="block"):
         kernels.row_loss_grad(z, y, one, None, one, one, out, block=48)
+    ids = torch.zeros(4, 3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="head ids"):
+        kernels.row_loss_grad(z, y, one, None, one, one, out, head=(ids.int(), ids.float()))
+    with pytest.raises(ValueError, match="head lq"):
+        kernels.row_loss_grad(z, y, one, None, one, one, out, head=(ids, ids[:, :2].float()))
+    with pytest.raises(ValueError, match="tail_eps"):
+        kernels.row_loss_grad(z, y, one, None, one, one, out, head=(ids, ids.float()), tail_eps=0.0)

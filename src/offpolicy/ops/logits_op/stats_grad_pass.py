@@ -3,8 +3,10 @@
 The three-pass path reads ``[N, V]`` logits once in the forward (the statistics) and once more in the backward,
 writing the gradient once: ``3 V b`` bytes per row. When the upstream gradient of each row is a closed-form
 function of that row's own log-probability at its first id, ``g = coef f(lp - shift)`` with per-row numbers
-``coef``, ``shift`` and a rule ``f`` of a small family (:class:`RowRule`), the gradient can be written by the
-program that has just computed the row's statistics: one read from memory, one re-read that finds the row in L2,
+``coef``, ``shift`` and a rule ``f`` of a small family (:class:`RowRule`), optionally with a head term over the
+row's ``K`` candidates whose coefficients depend on the row's normaliser only through the candidates' own
+log-probabilities and their sums (``RowRule.head``), the gradient can be written by the program that has just
+computed the row's statistics: one read from memory, one re-read that finds the row in L2,
 one write (``2 V b``). The caller must know that rule (this module knows nothing of what the rows mean).
 
 :func:`stats_and_grad` returns the same detached outputs as :func:`~offpolicy.ops.sparse_log_softmax` (full
@@ -38,17 +40,26 @@ class RowRule:
 
     (each factor is 1 when its field is None), and ``g = 0`` where ``lp = -inf`` or the row has no mass.
 
+    With ``head = (ids, lq)`` the row's ``K`` head entries (log-probabilities ``lp_k``) take the upstream gradient
+    ``-coef c_k``, ``c_k = q_k f(lp_k - lq_k) - alpha p_k``, ``alpha = rho f(-log rho)``,
+    ``rho = max(1 - sum_k q_k, eps) / max(1 - sum_k p_k, eps)`` (:func:`offpolicy.kernels.logsoftmax.row_loss_grad`),
+    on every row with ``coef != 0`` and mass.
+
     Attributes:
         coef: ``[N]`` fp32 (0: the row takes no gradient and is read once).
         shift: ``[N]`` fp32.
         band: inclusive bounds ``(lo, hi)``, ``+-inf`` allowed, or None.
         exp_clip: ``(c, a, b)`` with ``c >= 0``, ``a <= b`` (``+-inf`` allowed), or None.
+        head: ``(ids [N, K] int64, lq [N, K] fp32)``, ids unique within a row or ``-1``, or None.
+        tail_eps: ``eps`` of ``rho`` (``> 0``).
     """
 
     coef: Tensor
     shift: Tensor
     band: tuple[float, float] | None = None
     exp_clip: tuple[float, float, float] | None = None
+    head: tuple[Tensor, Tensor] | None = None
+    tail_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         for name in ("coef", "shift"):
@@ -64,12 +75,22 @@ class RowRule:
                                               and not math.isnan(self.exp_clip[0])
                                               and self.exp_clip[1] <= self.exp_clip[2]):
             raise ValueError(f"RowRule.exp_clip must be (c, a, b) with c >= 0 and a <= b, got {self.exp_clip!r}")
+        if self.head is not None:
+            ids, lq = self.head
+            n = self.coef.shape[0]
+            if ids.dim() != 2 or ids.shape[0] != n or ids.dtype != torch.int64:
+                raise ValueError(f"RowRule.head ids must be [{n}, K] int64, got {tuple(ids.shape)} {ids.dtype}")
+            if lq.shape != ids.shape or lq.dtype != torch.float32:
+                raise ValueError(f"RowRule.head lq must be {tuple(ids.shape)} float32, got {tuple(lq.shape)} {lq.dtype}")
+        if not self.tail_eps > 0:
+            raise ValueError(f"RowRule.tail_eps must be > 0, got {self.tail_eps!r}")
 
 
 def stats_and_grad(logits: Tensor, targets: Tensor, candidate_ids: Tensor | None, temperature: float | Tensor, *,
                    backend: Backend, skip: Tensor | None, rule: RowRule) -> tuple[SparseLogSoftmax, Tensor]:
     """The full-vocabulary log-softmax outputs at ``targets`` and ``candidate_ids`` (detached) and the gradient of
-    ``sum_rows g log p(target)`` with ``g`` from ``rule``, written in the same program as each row's statistics.
+    ``sum_rows g log p(target)`` (plus ``rule``'s head term) with ``g`` from ``rule``, written in the same program
+    as each row's statistics.
 
     Args:
         logits: ``[N, V]`` bf16/fp16/fp32, unit stride in ``V`` (checked by the caller: this is an unchecked entry,
@@ -93,7 +114,7 @@ def stats_and_grad(logits: Tensor, targets: Tensor, candidate_ids: Tensor | None
     dz = workspace.gradient_buffer(logits)
     m, s, t, lse, _g = backend.logits.full_stats_grad(
         logits.detach(), ids[:, 0].contiguous(), inv_temp, skip, rule.coef, rule.shift, dz, band=rule.band,
-        exp_clip=rule.exp_clip)
+        exp_clip=rule.exp_clip, head=rule.head, tail_eps=rule.tail_eps)
     _lse, entropy = online_softmax.finish(m, s, t)
     x = gather_local(logits.detach(), ids, inv_temp).masked_fill(ids < 0, -INF)
     logp = x - lse[:, None]

@@ -67,6 +67,8 @@ def full_stats_grad(
     *,
     band: tuple[float, float] | None,
     exp_clip: tuple[float, float, float] | None,
+    head: tuple[Tensor, Tensor] | None = None,
+    tail_eps: float = 1e-6,
 ) -> tuple[Tensor, ...]:
     """The row statistics and the gradient of ``sum_rows g log p(target)``, ``g = coef f(log p(target) - shift)``,
     in one program per row (:func:`offpolicy.kernels.logsoftmax.row_loss_grad`: one read of the logits from
@@ -80,8 +82,10 @@ def full_stats_grad(
         coef, shift: ``[N]`` fp32.
         out: ``[N, V]`` in the logits' dtype.
         band, exp_clip: the rule ``f`` (see the kernel's wrapper).
+        head, tail_eps: the head term (``(ids [N, K] int64, lq [N, K] fp32)``) and its ``eps``, or None.
 
     Returns:
         ``(m, s, t, lse, g)``, each ``[N]`` fp32.
     """
-    return kernels.row_loss_grad(logits, target, inv_temp, skip, coef, shift, out, band=band, exp_clip=exp_clip)
+    return kernels.row_loss_grad(logits, target, inv_temp, skip, coef, shift, out, band=band, exp_clip=exp_clip,
+                                 head=head, tail_eps=tail_eps)
