@@ -266,42 +266,100 @@ def _segment(x: Tensor, offsets: Tensor, how: str) -> Tensor:
     return torch.segment_reduce(x, how, offsets=offsets)
 
 
-def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor,
-                  skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The support pass's forward over CSR rows: ``(lp [nnz], lse [N], entropy [N])``.
 
-    Row ``r``'s support is ``ids[offsets[r]:offsets[r + 1]]`` (any width, empty included); with ``x = logits *
-    inv_temp``, ``lse[r] = log sum_{v in S_r} exp(x[r, v])``, ``lp[e] = x[r, ids[e]] - lse[r]`` and the entropy
-    of ``p^S = exp(lp)``. A row without mass (skipped, empty, or all ``-inf``) has ``lse = +inf``, ``lp = -inf``
-    and entropy 0; a NaN or ``+inf`` logit in the support (or ``z / tau`` overflowing) makes the row's values NaN
-    (the caller refuses them).
+#: A row whose support holds at least ``V / WIDE_DIVISOR`` ids is *wide*: it takes the row-chunked dense path
+#: (a membership mask by scatter, a masked log-sum-exp over ``V``, the gradient as one dense expression) instead
+#: of the entry path (gather, ``O(K)`` segment passes, scatter); as the ``cpu`` backend's wide rows.
+WIDE_DIVISOR = 2
+#: Bytes of the ``[rows, V]`` temporaries of one chunk of wide rows (two in ``inv_temp``'s dtype and one bool mask,
+#: at most); no ``[N, V]`` temporary is allocated.
+WIDE_BYTES = 16 << 20
 
-    Args:
-        logits: ``[N, V]`` float, unit stride along ``V``.
-        offsets: ``[N + 1]`` int64; ids: ``[nnz]`` int64 in ``[0, V)`` (unchecked).
-        inv_temp: ``[N]`` fp32 (float64 for float64 logits).
-        skip: ``[N]`` bool rows not to read, or None.
 
-    One gather of the ``nnz`` entries, then about fifteen ``O(nnz)`` element-wise and segment passes (no
-    ``[N, K_max]`` tensor, no per-row Python); the vocabulary size enters only through the gather's addresses.
-    Results in ``inv_temp``'s dtype.
+class WideSupport:
+    """What the forward of the support pass keeps for the dense backward of its wide rows (``keep_wide``).
+
+    Attributes:
+        rows: ``[n_w]`` int64, the wide rows (ascending; not skipped, no repeated id).
+        offsets: ``[n_w + 1]`` int64 and ids: ``[nnz_w]`` int64, their supports as a CSR of their own.
+        entries: ``[nnz_w]`` int64 positions of those ids in the record's ``ids``, or None when every row is wide.
+        m: ``[n_w]`` the row's support max of the raw logits (0 where not finite); ls: ``[n_w]`` the log of its
+            sum, so that ``lse = m inv_temp + ls`` (in ``inv_temp``'s dtype); the backward's ``p^S`` is formed by
+            the forward's own operations.
     """
-    nnz = ids.numel()
-    acc = inv_temp.dtype
-    row = csr_rows(offsets, nnz)
-    if nnz and logits.shape[1]:
-        z = flat_view(logits).index_select(0, (row * logits.stride(0)).add_(ids)).to(acc)
-    else:
-        z = torch.zeros(nnz, dtype=acc, device=logits.device)
-    if skip is not None and bool(skip.any()):
-        z = z.masked_fill(_spread(skip, row), -INF_)
-    # the max on the raw logits (tau > 0), then x - m = (z - max z) / tau: one rounding, as full_stats
-    mz = _segment(z, offsets, "max")
-    mz = torch.where(torch.isfinite(mz), mz, torch.zeros_like(mz))
-    d = (z - _spread(mz, row)).mul_(_spread(inv_temp, row))
-    e = torch.exp(d)
-    s = _segment(e, offsets, "sum")
-    t = _segment((e * d).nan_to_num_(nan=0.0, posinf=INF_, neginf=-INF_), offsets, "sum")
+
+    __slots__ = ("rows", "offsets", "ids", "entries", "m", "ls")
+
+    def __init__(self, rows: Tensor, offsets: Tensor, ids: Tensor, entries: Tensor | None, m: Tensor, ls: Tensor):
+        self.rows, self.offsets, self.ids, self.entries, self.m, self.ls = rows, offsets, ids, entries, m, ls
+
+
+def _compact(offsets: Tensor, ids: Tensor, row: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(rows, offsets, ids, entries)`` of the CSR restricted to the rows ``keep`` ([N] bool): ``O(N + nnz)``,
+    ``entries`` None when every row is kept (the record's own ``ids``)."""
+    rows = keep.nonzero().view(-1)
+    lengths = (offsets[1:] - offsets[:-1]).index_select(0, rows)
+    off = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=offsets.device)
+    torch.cumsum(lengths, 0, out=off[1:])
+    if rows.numel() == keep.numel():
+        return rows, off, ids, None
+    entries = keep.index_select(0, row).nonzero().view(-1)
+    return rows, off, ids.index_select(0, entries), entries
+
+
+def _wide_step(v: int, dtype: torch.dtype) -> int:
+    return max(1, WIDE_BYTES // max(1, v * (2 * (torch.finfo(dtype).bits // 8) + 1)))
+
+
+def _outside(c: int, v: int, loc: Tensor, device) -> Tensor:
+    """``[c, V]`` bool, True outside the supports: all True, then False at the chunk's ``loc = row * V + id``."""
+    out = torch.ones(c, v, dtype=torch.bool, device=device)
+    out.view(-1).index_fill_(0, loc, False)
+    return out
+
+
+def _wide_rows(offsets: Tensor, v: int, skip: Tensor | None) -> Tensor:
+    wide = (offsets[1:] - offsets[:-1]) * WIDE_DIVISOR >= v
+    return wide if skip is None else wide & ~skip
+
+
+def _wide_stats(logits: Tensor, inv_temp: Tensor, rows: Tensor, off: Tensor, ids: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(d [nnz_w], m [n_w], s [n_w], t [n_w], repeats [n_w] bool)`` of the wide rows, chunk by chunk of rows:
+    ``d = (z - m) inv_temp`` at the entries, ``m`` the support max of the raw logits (0 where not finite), ``s =
+    sum_S exp(d)``, ``t = sum_S exp(d) d`` over the support only (logits outside it are never combined with it:
+    NaN or ``inf`` there does not leak), and the rows whose ids repeat (fewer distinct ids than entries)."""
+    n_w, v = rows.numel(), logits.shape[1]
+    acc, dev = inv_temp.dtype, logits.device
+    row = csr_rows(off, ids.numel())
+    d_e = torch.empty(ids.numel(), dtype=acc, device=dev)
+    m, s, t = (torch.empty(n_w, dtype=acc, device=dev) for _ in range(3))
+    distinct = torch.empty(n_w, dtype=torch.int64, device=dev)
+    step = _wide_step(v, acc)
+    bounds = off.tolist()
+    all_rows = n_w == logits.shape[0]
+    for a in range(0, n_w, step):
+        b = min(n_w, a + step)
+        e0, e1 = bounds[a], bounds[b]
+        loc = (row[e0:e1] - a).mul_(v).add_(ids[e0:e1])
+        outside = _outside(b - a, v, loc, dev)
+        distinct[a:b] = v - outside.sum(dim=1)
+        x = (logits[a:b] if all_rows else logits.index_select(0, rows[a:b])).to(acc, copy=True)
+        x.masked_fill_(outside, -INF_)
+        mz = x.amax(dim=1)
+        mz = torch.where(torch.isfinite(mz), mz, torch.zeros_like(mz))
+        x.sub_(mz[:, None]).mul_(inv_temp.index_select(0, rows[a:b])[:, None])
+        d_e[e0:e1] = x.view(-1).index_select(0, loc)
+        e = torch.exp(x)  # 0 outside the support (x = -inf there)
+        s[a:b] = e.sum(dim=1)
+        t[a:b] = e.mul_(x).nan_to_num_(nan=0.0, posinf=INF_, neginf=-INF_).sum(dim=1)  # 0 * -inf: no term
+        m[a:b] = mz
+    return d_e, m, s, t, distinct != (off[1:] - off[:-1])
+
+
+def _finish(d: Tensor, mz: Tensor, s: Tensor, t: Tensor, inv_temp: Tensor, row: Tensor
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(lp, lse, entropy, log_s)`` from the per-row sums (see :func:`support_stats`); ``d`` is consumed."""
     # An empty (or all -inf) row has s = 0: no mass. A NaN in the row makes s NaN, which stays NaN below.
     empty = s == 0
     safe_s = torch.where(empty, torch.ones_like(s), s)
@@ -314,19 +372,99 @@ def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor
     if bool(overflow.any()):
         lse, entropy = (torch.where(overflow, torch.full_like(x, float("nan")), x) for x in (lse, entropy))
         lp = lp.masked_fill(_spread(overflow, row), float("nan"))
-    return lp, lse, entropy
+    return lp, lse, entropy, log_s
 
 
-def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_temp: Tensor, grad_lp: Tensor | None,
-                 grad_target: Tensor, live: Tensor, out: Tensor) -> Tensor:
-    """The support pass's backward, written into ``out [N, V]`` and returned.
+def _gather_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | None,
+                  rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The entry path of :func:`support_stats`; ``rows`` ([n] int64, or None for ``arange(N)``) maps each CSR row
+    to its logits row (``inv_temp`` and ``skip`` are per CSR row)."""
+    nnz = ids.numel()
+    acc = inv_temp.dtype
+    row = csr_rows(offsets, nnz)
+    if nnz and logits.shape[1]:
+        at = row if rows is None else rows.index_select(0, row)
+        z = flat_view(logits).index_select(0, (at * logits.stride(0)).add_(ids)).to(acc)
+    else:
+        z = torch.zeros(nnz, dtype=acc, device=logits.device)
+    if skip is not None and bool(skip.any()):
+        z = z.masked_fill(_spread(skip, row), -INF_)
+    # the max on the raw logits (tau > 0), then x - m = (z - max z) / tau: one rounding, as full_stats
+    mz = _segment(z, offsets, "max")
+    mz = torch.where(torch.isfinite(mz), mz, torch.zeros_like(mz))
+    d = (z - _spread(mz, row)).mul_(_spread(inv_temp, row))
+    e = torch.exp(d)
+    s = _segment(e, offsets, "sum")
+    t = _segment((e * d).nan_to_num_(nan=0.0, posinf=INF_, neginf=-INF_), offsets, "sum")
+    return _finish(d, mz, s, t, inv_temp, row)[:3]
 
-    With ``G[r] = grad_target[r] + sum_{e in row r} grad_lp[e]`` and ``p^S = exp(lp)``: ``out[r, ids[e]] =
-    inv_temp[r] (grad_lp[e] - G[r] p^S[e])`` on the support, ``+ inv_temp[r] grad_target[r]`` at the token
-    (``target = x[r, y] - lse``), exactly 0 elsewhere and on rows not ``live`` ([N] bool). ``G = 0`` drops the
-    probability term (a row without gradient never reads ``lp``). The token's term is folded into its (first) entry
-    when the token is in the support, so each element is rounded once to ``out``'s dtype.
+
+def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | None, *,
+                  keep_wide: bool = False):
+    """The support pass's forward over CSR rows: ``(lp [nnz], lse [N], entropy [N])``.
+
+    Row ``r``'s support is ``ids[offsets[r]:offsets[r + 1]]`` (any width, empty included); with ``x = logits *
+    inv_temp``, ``lse[r] = log sum_{v in S_r} exp(x[r, v])``, ``lp[e] = x[r, ids[e]] - lse[r]`` and the entropy
+    of ``p^S = exp(lp)``. A row without mass (skipped, empty, or all ``-inf``) has ``lse = +inf``, ``lp = -inf``
+    and entropy 0; a NaN or ``+inf`` logit in the support (or ``z / tau`` overflowing) makes the row's values NaN
+    (the caller refuses them). Logits outside a row's support are never combined with it.
+
+    Args:
+        logits: ``[N, V]`` float, unit stride along ``V``.
+        offsets: ``[N + 1]`` int64; ids: ``[nnz]`` int64 in ``[0, V)`` (unchecked).
+        inv_temp: ``[N]`` fp32 (float64 for float64 logits).
+        skip: ``[N]`` bool rows not to read, or None.
+        keep_wide: also return a :class:`WideSupport` (or None where no row is wide) for :func:`support_grad`.
+
+    Narrow rows (the entry path): one gather of their entries, then about fifteen ``O(nnz)`` element-wise and
+    segment passes (no ``[N, K_max]`` tensor, no per-row Python). Wide rows (``K >= V / WIDE_DIVISOR``, not
+    skipped; eager calls only, not while ``torch.compile`` traces), chunk by chunk of rows with the ``[rows, V]``
+    temporaries within :data:`WIDE_BYTES`: a bool mask by one scatter of the ids, the masked max and sums over
+    ``V`` (the dense pass's sweeps), one gather of the ``K`` log-probabilities from the chunk; a row whose ids
+    repeat (an unvalidated record) takes the entry path. Results in ``inv_temp``'s dtype.
     """
+    n, v = logits.shape
+    nnz = ids.numel()
+    wide = None
+    if nnz and v and not torch.compiler.is_compiling():
+        is_wide = _wide_rows(offsets, v, skip)
+        if bool(is_wide.any()):
+            row = csr_rows(offsets, nnz)
+            w_rows, w_off, w_ids, w_ent = _compact(offsets, ids, row, is_wide)
+            d, mz, s, t, repeats = _wide_stats(logits, inv_temp, w_rows, w_off, w_ids)
+            it_w = inv_temp.index_select(0, w_rows)
+            w_lp, w_lse, w_ent_h, log_s = _finish(d, mz, s, t, it_w, csr_rows(w_off, w_ids.numel()))
+            acc = inv_temp.dtype
+            lp = w_lp if w_ent is None else torch.empty(nnz, dtype=acc, device=logits.device).index_copy_(
+                0, w_ent, w_lp)
+            lse = torch.empty(n, dtype=acc, device=logits.device).index_copy_(0, w_rows, w_lse)
+            entropy = torch.empty(n, dtype=acc, device=logits.device).index_copy_(0, w_rows, w_ent_h)
+            if bool(repeats.any()):  # those rows go to the entry path, which adds the repeats
+                is_wide = is_wide.index_fill(0, w_rows[repeats], False)
+                keep = ~repeats
+                mz, log_s = mz[keep], log_s[keep]
+                w_rows, w_off, w_ids, w_ent = _compact(offsets, ids, row, is_wide)
+            if bool(is_wide.any()):
+                wide = WideSupport(w_rows, w_off, w_ids, w_ent, mz, log_s)
+            if wide is None or wide.rows.numel() < n:
+                n_rows, n_off, n_ids, n_ent = _compact(offsets, ids, row, ~is_wide)
+                n_lp, n_lse, n_ent_h = _gather_stats(logits, n_off, n_ids, inv_temp.index_select(0, n_rows),
+                                                     None if skip is None else skip.index_select(0, n_rows), n_rows)
+                if n_ent is None:  # every wide row repeats an id: the entry path's values throughout
+                    lp, lse, entropy = n_lp, n_lse, n_ent_h
+                else:
+                    lp.index_copy_(0, n_ent, n_lp)
+                    lse.index_copy_(0, n_rows, n_lse)
+                    entropy.index_copy_(0, n_rows, n_ent_h)
+            return (lp, lse, entropy, wide) if keep_wide else (lp, lse, entropy)
+    out = _gather_stats(logits, offsets, ids, inv_temp, skip)
+    return (*out, None) if keep_wide else out
+
+
+def _entry_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_temp: Tensor, grad_lp: Tensor | None,
+                grad_target: Tensor, live: Tensor, out: Tensor, rows: Tensor | None = None) -> Tensor:
+    """The entry path of :func:`support_grad`; ``rows`` ([n] int64, or None for ``arange(N)``) maps each CSR row
+    to its row of ``out`` (only those rows are written; the other arguments are per CSR row)."""
     nnz = ids.numel()
     acc = inv_temp.dtype
     row = csr_rows(offsets, nnz)
@@ -350,16 +488,101 @@ def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_t
     val.mul_(_spread(inv_temp, row))
     outside = gt != 0
     outside[hit_rows] = False
-    out.zero_()
+    if rows is None:
+        out.zero_()
+    else:
+        out.index_fill_(0, rows, 0)
     if out.shape[1] == 0:
         return out
     flat = flat_view(out)
-    where = (row * out.stride(0)).add_(ids)
+    where = ((row if rows is None else rows.index_select(0, row)) * out.stride(0)).add_(ids)
     if flat.device.type == "cpu":  # CPU scatter_add_ is a plain loop, index_put_'s accumulate path 2-3x slower
         flat.scatter_add_(0, where, val.to(out.dtype))
     else:  # elsewhere the accumulating index_put_ (deterministic on CUDA where repeats are summed)
         flat.index_put_((where,), val.to(out.dtype), accumulate=True)
     if bool(outside.any()):
         r = outside.nonzero().view(-1)
-        flat.index_put_((r * out.stride(0) + tokens[r],), (gt[r] * inv_temp[r]).to(out.dtype), accumulate=True)
+        r_out = r if rows is None else rows.index_select(0, r)
+        flat.index_put_((r_out * out.stride(0) + tokens[r],), (gt[r] * inv_temp[r]).to(out.dtype), accumulate=True)
+    return out
+
+
+def _wide_grad(logits: Tensor, wide: WideSupport, tokens: Tensor, inv_temp: Tensor, gc: Tensor | None, gt: Tensor,
+               live: Tensor, out: Tensor) -> None:
+    """Rows ``wide.rows`` of ``out``, chunk by chunk of rows: ``p^S = exp((z - m) inv_temp - ls)`` on the support
+    (the forward's operations; 0 outside it, whatever the logits hold there), ``dz = inv_temp (-G p^S + g_t e_y
+    + scatter(g_lp))`` in ``inv_temp``'s dtype, rounded once to ``out``'s. ``gc`` is the wide entries' ``g_lp``
+    (or None), ``gt`` and ``live`` per wide row."""
+    rows, off, ids = wide.rows, wide.offsets, wide.ids
+    n_w, v = rows.numel(), out.shape[1]
+    acc, dev = inv_temp.dtype, out.device
+    it = inv_temp.index_select(0, rows)
+    gt = torch.where(live, gt, torch.zeros_like(gt))
+    row = csr_rows(off, ids.numel())
+    g_sum = gt
+    if gc is not None:
+        gc = torch.where(_spread(live, row), gc, torch.zeros_like(gc))
+        g_sum = gt + _segment(gc, off, "sum")
+        gc = gc.mul_(_spread(it, row))
+    coef = (-g_sum * it).masked_fill_(~live, 0)
+    tok = tokens.index_select(0, rows)[:, None]
+    g_tok = (gt * it)[:, None]
+    shift = wide.ls
+    all_live = bool(live.all())
+    all_rows = n_w == out.shape[0]
+    step = _wide_step(v, acc)
+    bounds = off.tolist()
+    for a in range(0, n_w, step):
+        b = min(n_w, a + step)
+        e0, e1 = bounds[a], bounds[b]
+        loc = (row[e0:e1] - a).mul_(v).add_(ids[e0:e1])
+        outside = _outside(b - a, v, loc, dev)
+        x = (logits[a:b] if all_rows else logits.index_select(0, rows[a:b])).to(acc, copy=True)
+        x.sub_(wide.m[a:b, None]).mul_(it[a:b, None]).sub_(shift[a:b, None]).exp_()  # p^S on the support
+        x.masked_fill_(outside, 0.0)
+        if not all_live:
+            x.masked_fill_(~live[a:b, None], 0.0)  # a NaN row's support holds NaN: take nothing from it
+        x.mul_(coef[a:b, None])
+        x.scatter_add_(1, tok[a:b], g_tok[a:b])
+        if gc is not None:  # no id repeats in a wide row: one add per element
+            x.view(-1).index_add_(0, loc, gc[e0:e1])
+        if all_rows:
+            out[a:b].copy_(x)
+        else:
+            out.index_copy_(0, rows[a:b], x.to(out.dtype))
+
+
+def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_temp: Tensor, grad_lp: Tensor | None,
+                 grad_target: Tensor, live: Tensor, out: Tensor, *, wide: WideSupport | None = None,
+                 logits: Tensor | None = None) -> Tensor:
+    """The support pass's backward, written into ``out [N, V]`` and returned.
+
+    With ``G[r] = grad_target[r] + sum_{e in row r} grad_lp[e]`` and ``p^S = exp(lp)``: ``out[r, ids[e]] =
+    inv_temp[r] (grad_lp[e] - G[r] p^S[e])`` on the support, ``+ inv_temp[r] grad_target[r]`` at the token
+    (``target = x[r, y] - lse``), exactly 0 elsewhere and on rows not ``live`` ([N] bool). ``G = 0`` drops the
+    probability term (a row without gradient never reads ``lp``). The token's term is folded into its (first) entry
+    when the token is in the support, so each element is rounded once to ``out``'s dtype.
+
+    With ``wide`` (from :func:`support_stats` with ``keep_wide`` on ``logits``, unchanged since), the wide rows'
+    gradient is formed densely, chunk by chunk of rows (:data:`WIDE_BYTES`), from the logits and a bool mask built
+    by one scatter of the ids (no accumulating scatter of ``K`` entries); the other rows take the entry path.
+    """
+    if wide is None:
+        return _entry_grad(lp, offsets, ids, tokens, inv_temp, grad_lp, grad_target, live, out)
+    if logits is None or logits.shape != out.shape:
+        raise ValueError("support_grad: wide rows need the forward's logits [N, V]")
+    n = out.shape[0]
+    acc = inv_temp.dtype
+    if wide.rows.numel() < n:
+        narrow = torch.ones(n, dtype=torch.bool, device=out.device).index_fill_(0, wide.rows, False)
+        row = csr_rows(offsets, ids.numel())
+        n_rows, n_off, n_ids, n_ent = _compact(offsets, ids, row, narrow)
+        _entry_grad(lp.index_select(0, n_ent), n_off, n_ids, tokens.index_select(0, n_rows),
+                    inv_temp.index_select(0, n_rows), None if grad_lp is None else grad_lp.index_select(0, n_ent),
+                    grad_target.index_select(0, n_rows), live.index_select(0, n_rows), out, n_rows)
+    gc = None
+    if grad_lp is not None:
+        gc = grad_lp.to(acc) if wide.entries is None else grad_lp.to(acc).index_select(0, wide.entries)
+    _wide_grad(logits, wide, tokens, inv_temp, gc, grad_target.to(acc).index_select(0, wide.rows),
+               live.index_select(0, wide.rows), out)
     return out
