@@ -280,30 +280,34 @@ class WideSupport:
     """What the forward of the support pass keeps for the dense backward of its wide rows (``keep_wide``).
 
     Attributes:
-        rows: ``[n_w]`` int64, the wide rows (ascending; not skipped, no repeated id).
+        rows: ``[n_w]`` int64, the wide rows (ascending; not skipped, no repeated id, no NaN or ``+inf`` logit).
         offsets: ``[n_w + 1]`` int64 and ids: ``[nnz_w]`` int64, their supports as a CSR of their own.
         entries: ``[nnz_w]`` int64 positions of those ids in the record's ``ids``, or None when every row is wide.
         m: ``[n_w]`` the row's support max of the raw logits (0 where not finite); ls: ``[n_w]`` the log of its
-            sum, so that ``lse = m inv_temp + ls`` (in ``inv_temp``'s dtype); the backward's ``p^S`` is formed by
-            the forward's own operations.
+            sum, so that ``lse = m inv_temp + ls`` (in ``inv_temp``'s dtype); the backward forms ``p^S`` by the
+            forward's own operations.
+        loc: ``[nnz_w]`` int64 each entry's position ``row * V + id`` in its chunk of ``step`` rows (8 bytes per
+            entry, as the ids; it saves the backward a pass over the offsets), or None (then recomputed).
     """
 
-    __slots__ = ("rows", "offsets", "ids", "entries", "m", "ls")
+    __slots__ = ("rows", "offsets", "ids", "entries", "m", "ls", "loc", "step")
 
-    def __init__(self, rows: Tensor, offsets: Tensor, ids: Tensor, entries: Tensor | None, m: Tensor, ls: Tensor):
+    def __init__(self, rows: Tensor, offsets: Tensor, ids: Tensor, entries: Tensor | None, m: Tensor, ls: Tensor,
+                 loc: Tensor | None, step: int):
         self.rows, self.offsets, self.ids, self.entries, self.m, self.ls = rows, offsets, ids, entries, m, ls
+        self.loc, self.step = loc, step
 
 
-def _compact(offsets: Tensor, ids: Tensor, row: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def _compact(offsets: Tensor, ids: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(rows, offsets, ids, entries)`` of the CSR restricted to the rows ``keep`` ([N] bool): ``O(N + nnz)``,
     ``entries`` None when every row is kept (the record's own ``ids``)."""
     rows = keep.nonzero().view(-1)
-    lengths = (offsets[1:] - offsets[:-1]).index_select(0, rows)
+    lengths = offsets[1:] - offsets[:-1]
     off = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=offsets.device)
-    torch.cumsum(lengths, 0, out=off[1:])
+    torch.cumsum(lengths.index_select(0, rows), 0, out=off[1:])
     if rows.numel() == keep.numel():
         return rows, off, ids, None
-    entries = keep.index_select(0, row).nonzero().view(-1)
+    entries = torch.repeat_interleave(keep, lengths, output_size=ids.numel()).nonzero().view(-1)
     return rows, off, ids.index_select(0, entries), entries
 
 
@@ -311,11 +315,37 @@ def _wide_step(v: int, dtype: torch.dtype) -> int:
     return max(1, WIDE_BYTES // max(1, v * (2 * (torch.finfo(dtype).bits // 8) + 1)))
 
 
-def _outside(c: int, v: int, loc: Tensor, device) -> Tensor:
-    """``[c, V]`` bool, True outside the supports: all True, then False at the chunk's ``loc = row * V + id``."""
-    out = torch.ones(c, v, dtype=torch.bool, device=device)
-    out.view(-1).index_fill_(0, loc, False)
-    return out
+def _spans(n: int, step: int):
+    return ((a, min(n, a + step)) for a in range(0, n, step))
+
+
+def _chunk_locs(off: Tensor, ids: Tensor, v: int, step: int, bounds: list[int]) -> Tensor:
+    """``[nnz_w]`` int64 ``(row - chunk start) * V + id`` of each entry: its position in its chunk's ``[rows, V]``
+    block (one pass over the offsets, then one in-place shift per chunk after the first)."""
+    loc = csr_rows(off, ids.numel()).mul_(v).add_(ids)
+    for a, _ in _spans(off.numel() - 1, step):
+        if a:
+            loc[bounds[a]:bounds[min(off.numel() - 1, a + step)]].sub_(a * v)
+    return loc
+
+
+def _membership(buf: Tensor, loc: Tensor, two: Tensor) -> Tensor:
+    """``buf [c, V]`` (``inv_temp``'s dtype) as ``-2`` outside the supports and ``0`` on them (``2`` more per
+    repeat of an id): all ``-2``, then one ``scatter_add_`` of ``two`` at the chunk's ``loc``.
+
+    ``x + finfo.max * buf`` is then ``x`` on the support (exactly), ``-inf`` outside it (the product overflows),
+    ``+inf`` at a repeated id, and NaN outside where ``x`` is NaN or ``+inf``: one vectorised add, where a bool
+    ``where`` / ``masked_fill`` over a scattered mask takes 10-40 times as long on CPU."""
+    buf.fill_(-2.0)
+    return buf.view(-1).scatter_add_(0, loc, two).view(buf.shape)
+
+
+def _masked(logits: Tensor, rows: Tensor, a: int, b: int, all_rows: bool, member: Tensor, big: float,
+            out: Tensor) -> Tensor:
+    """``out = z + big * member`` for the chunk's rows ``rows[a:b]`` (``out`` may be ``member``): the logits on
+    the support, ``-inf`` outside (see :func:`_membership`), upcast in the same pass."""
+    z = logits[a:b] if all_rows else logits.index_select(0, rows[a:b])
+    return torch.add(z, member, alpha=big, out=out)
 
 
 def _wide_rows(offsets: Tensor, v: int, skip: Tensor | None) -> Tensor:
@@ -324,55 +354,54 @@ def _wide_rows(offsets: Tensor, v: int, skip: Tensor | None) -> Tensor:
 
 
 def _wide_stats(logits: Tensor, inv_temp: Tensor, rows: Tensor, off: Tensor, ids: Tensor
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(d [nnz_w], m [n_w], s [n_w], t [n_w], repeats [n_w] bool)`` of the wide rows, chunk by chunk of rows:
-    ``d = (z - m) inv_temp`` at the entries, ``m`` the support max of the raw logits (0 where not finite), ``s =
-    sum_S exp(d)``, ``t = sum_S exp(d) d`` over the support only (logits outside it are never combined with it:
-    NaN or ``inf`` there does not leak), and the rows whose ids repeat (fewer distinct ids than entries)."""
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """``(lp [nnz_w], lse [n_w], entropy [n_w], m [n_w], log_s [n_w], redo [n_w] bool, loc [nnz_w], step)`` of
+    the wide rows, chunk by chunk of ``step`` rows, over their supports only (see :func:`_membership`; the
+    exponentials base 2, as :func:`full_stats`): ``m`` the support max of the raw logits (0 where not finite),
+    ``log_s`` the log of ``sum_S exp((z - m) inv_temp)``. ``redo`` marks the rows for the entry path, whose values
+    here are meaningless: a repeated id, or NaN / ``+inf`` anywhere in the row (the masked max is NaN or ``+inf``).
+    """
     n_w, v = rows.numel(), logits.shape[1]
     acc, dev = inv_temp.dtype, logits.device
-    row = csr_rows(off, ids.numel())
-    d_e = torch.empty(ids.numel(), dtype=acc, device=dev)
-    m, s, t = (torch.empty(n_w, dtype=acc, device=dev) for _ in range(3))
-    distinct = torch.empty(n_w, dtype=torch.int64, device=dev)
-    step = _wide_step(v, acc)
+    nnz_w = ids.numel()
+    lp = torch.empty(nnz_w, dtype=acc, device=dev)
+    m, log_s, s, t = (torch.empty(n_w, dtype=acc, device=dev) for _ in range(4))
+    redo = torch.empty(n_w, dtype=torch.bool, device=dev)
+    step = min(n_w, _wide_step(v, acc))
     bounds = off.tolist()
+    loc = _chunk_locs(off, ids, v, step, bounds)
     all_rows = n_w == logits.shape[0]
-    for a in range(0, n_w, step):
-        b = min(n_w, a + step)
+    big = torch.finfo(acc).max
+    scale = inv_temp.index_select(0, rows) * LOG2E
+    two = torch.full((1,), 2.0, dtype=acc, device=dev).expand(max(bounds[b] - bounds[a] for a, b in
+                                                                   _spans(n_w, step)))
+    buf, x_buf = (torch.empty(step, v, dtype=acc, device=dev) for _ in range(2))
+    for a, b in _spans(n_w, step):
         e0, e1 = bounds[a], bounds[b]
-        loc = (row[e0:e1] - a).mul_(v).add_(ids[e0:e1])
-        outside = _outside(b - a, v, loc, dev)
-        distinct[a:b] = v - outside.sum(dim=1)
-        x = (logits[a:b] if all_rows else logits.index_select(0, rows[a:b])).to(acc, copy=True)
-        x.masked_fill_(outside, -INF_)
+        member = _membership(buf[:b - a], loc[e0:e1], two[:e1 - e0])
+        x = _masked(logits, rows, a, b, all_rows, member, big, x_buf[:b - a])
         mz = x.amax(dim=1)
+        redo[a:b] = torch.isnan(mz) | (mz == INF_)
         mz = torch.where(torch.isfinite(mz), mz, torch.zeros_like(mz))
-        x.sub_(mz[:, None]).mul_(inv_temp.index_select(0, rows[a:b])[:, None])
-        d_e[e0:e1] = x.view(-1).index_select(0, loc)
-        e = torch.exp(x)  # 0 outside the support (x = -inf there)
-        s[a:b] = e.sum(dim=1)
-        t[a:b] = e.mul_(x).nan_to_num_(nan=0.0, posinf=INF_, neginf=-INF_).sum(dim=1)  # 0 * -inf: no term
-        m[a:b] = mz
-    return d_e, m, s, t, distinct != (off[1:] - off[:-1])
-
-
-def _finish(d: Tensor, mz: Tensor, s: Tensor, t: Tensor, inv_temp: Tensor, row: Tensor
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(lp, lse, entropy, log_s)`` from the per-row sums (see :func:`support_stats`); ``d`` is consumed."""
-    # An empty (or all -inf) row has s = 0: no mass. A NaN in the row makes s NaN, which stays NaN below.
+        x.sub_(mz[:, None]).mul_(scale[a:b, None])  # y = (z - m) inv_temp log2(e)
+        e = torch.exp2(x, out=buf[:b - a])
+        s_c = e.sum(dim=1)
+        t[a:b] = e.mul_(x).nansum(dim=1).mul_(LN2)  # 0 * -inf (a -inf logit, or outside): no term
+        ls = torch.log(torch.where(s_c == 0, torch.ones_like(s_c), s_c))
+        x.sub_((ls * LOG2E)[:, None])  # log2 p^S
+        torch.index_select(x.view(-1), 0, loc[e0:e1], out=lp[e0:e1]).mul_(LN2)
+        m[a:b], s[a:b], log_s[a:b] = mz, s_c, ls
+    # An empty (or all -inf) support has s = 0: no mass (its lp are -inf already).
     empty = s == 0
-    safe_s = torch.where(empty, torch.ones_like(s), s)
-    log_s = torch.log(safe_s)
-    lse = torch.where(empty, torch.full_like(s, INF_), mz * inv_temp + log_s)
-    entropy = torch.where(empty, torch.zeros_like(s), log_s - t / safe_s)
-    lp = d.sub_(_spread(log_s, row))
+    it = inv_temp.index_select(0, rows)
+    lse = torch.where(empty, torch.full_like(s, INF_), m * it + log_s)
+    entropy = torch.where(empty, torch.zeros_like(s), log_s - t / torch.where(empty, torch.ones_like(s), s))
     # z / tau overflowing (finite logits, lse = +inf) is not "no mass": the row's values become NaN
     overflow = ~empty & torch.isinf(lse)
     if bool(overflow.any()):
         lse, entropy = (torch.where(overflow, torch.full_like(x, float("nan")), x) for x in (lse, entropy))
-        lp = lp.masked_fill(_spread(overflow, row), float("nan"))
-    return lp, lse, entropy, log_s
+        lp = lp.masked_fill(torch.repeat_interleave(overflow, off[1:] - off[:-1], output_size=nnz_w), float("nan"))
+    return lp, lse, entropy, m, log_s, redo, loc, step
 
 
 def _gather_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | None,
@@ -396,7 +425,19 @@ def _gather_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor
     e = torch.exp(d)
     s = _segment(e, offsets, "sum")
     t = _segment((e * d).nan_to_num_(nan=0.0, posinf=INF_, neginf=-INF_), offsets, "sum")
-    return _finish(d, mz, s, t, inv_temp, row)[:3]
+    # An empty (or all -inf) row has s = 0: no mass. A NaN in the row makes s NaN, which stays NaN below.
+    empty = s == 0
+    safe_s = torch.where(empty, torch.ones_like(s), s)
+    log_s = torch.log(safe_s)
+    lse = torch.where(empty, torch.full_like(s, INF_), mz * inv_temp + log_s)
+    entropy = torch.where(empty, torch.zeros_like(s), log_s - t / safe_s)
+    lp = d.sub_(_spread(log_s, row))
+    # z / tau overflowing (finite logits, lse = +inf) is not "no mass": the row's values become NaN
+    overflow = ~empty & torch.isinf(lse)
+    if bool(overflow.any()):
+        lse, entropy = (torch.where(overflow, torch.full_like(x, float("nan")), x) for x in (lse, entropy))
+        lp = lp.masked_fill(_spread(overflow, row), float("nan"))
+    return lp, lse, entropy
 
 
 def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | None, *,
@@ -429,28 +470,25 @@ def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor
     if nnz and v and not torch.compiler.is_compiling():
         is_wide = _wide_rows(offsets, v, skip)
         if bool(is_wide.any()):
-            row = csr_rows(offsets, nnz)
-            w_rows, w_off, w_ids, w_ent = _compact(offsets, ids, row, is_wide)
-            d, mz, s, t, repeats = _wide_stats(logits, inv_temp, w_rows, w_off, w_ids)
-            it_w = inv_temp.index_select(0, w_rows)
-            w_lp, w_lse, w_ent_h, log_s = _finish(d, mz, s, t, it_w, csr_rows(w_off, w_ids.numel()))
+            w_rows, w_off, w_ids, w_ent = _compact(offsets, ids, is_wide)
+            w_lp, w_lse, w_ent_h, mz, log_s, redo, loc, step = _wide_stats(logits, inv_temp, w_rows, w_off, w_ids)
             acc = inv_temp.dtype
             lp = w_lp if w_ent is None else torch.empty(nnz, dtype=acc, device=logits.device).index_copy_(
                 0, w_ent, w_lp)
             lse = torch.empty(n, dtype=acc, device=logits.device).index_copy_(0, w_rows, w_lse)
             entropy = torch.empty(n, dtype=acc, device=logits.device).index_copy_(0, w_rows, w_ent_h)
-            if bool(repeats.any()):  # those rows go to the entry path, which adds the repeats
-                is_wide = is_wide.index_fill(0, w_rows[repeats], False)
-                keep = ~repeats
-                mz, log_s = mz[keep], log_s[keep]
-                w_rows, w_off, w_ids, w_ent = _compact(offsets, ids, row, is_wide)
+            if bool(redo.any()):  # repeated ids (added up) or NaN / +inf in the row: the entry path
+                is_wide = is_wide.index_fill(0, w_rows[redo], False)
+                keep = ~redo
+                mz, log_s, loc = mz[keep], log_s[keep], None  # the chunks change: the backward recomputes loc
+                w_rows, w_off, w_ids, w_ent = _compact(offsets, ids, is_wide)
             if bool(is_wide.any()):
-                wide = WideSupport(w_rows, w_off, w_ids, w_ent, mz, log_s)
+                wide = WideSupport(w_rows, w_off, w_ids, w_ent, mz, log_s, loc, step)
             if wide is None or wide.rows.numel() < n:
-                n_rows, n_off, n_ids, n_ent = _compact(offsets, ids, row, ~is_wide)
+                n_rows, n_off, n_ids, n_ent = _compact(offsets, ids, ~is_wide)
                 n_lp, n_lse, n_ent_h = _gather_stats(logits, n_off, n_ids, inv_temp.index_select(0, n_rows),
                                                      None if skip is None else skip.index_select(0, n_rows), n_rows)
-                if n_ent is None:  # every wide row repeats an id: the entry path's values throughout
+                if n_ent is None:  # every wide row was redone: the entry path's values throughout
                     lp, lse, entropy = n_lp, n_lse, n_ent_h
                 else:
                     lp.index_copy_(0, n_ent, n_lp)
@@ -510,42 +548,44 @@ def _entry_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_te
 def _wide_grad(logits: Tensor, wide: WideSupport, tokens: Tensor, inv_temp: Tensor, gc: Tensor | None, gt: Tensor,
                live: Tensor, out: Tensor) -> None:
     """Rows ``wide.rows`` of ``out``, chunk by chunk of rows: ``p^S = exp((z - m) inv_temp - ls)`` on the support
-    (the forward's operations; 0 outside it, whatever the logits hold there), ``dz = inv_temp (-G p^S + g_t e_y
-    + scatter(g_lp))`` in ``inv_temp``'s dtype, rounded once to ``out``'s. ``gc`` is the wide entries' ``g_lp``
-    (or None), ``gt`` and ``live`` per wide row."""
+    (base 2; exactly 0 outside it, see :func:`_membership`), ``dz = inv_temp (-G p^S + g_t e_y + scatter(g_lp))``
+    in ``inv_temp``'s dtype, rounded once to ``out``'s. ``gc`` is the wide entries' ``g_lp`` (or None), ``gt`` and
+    ``live`` per wide row. The forward sent every row holding NaN or ``+inf`` to the entry path: these logits are
+    finite or ``-inf``."""
     rows, off, ids = wide.rows, wide.offsets, wide.ids
     n_w, v = rows.numel(), out.shape[1]
     acc, dev = inv_temp.dtype, out.device
     it = inv_temp.index_select(0, rows)
     gt = torch.where(live, gt, torch.zeros_like(gt))
-    row = csr_rows(off, ids.numel())
-    g_sum = gt
-    if gc is not None:
-        gc = torch.where(_spread(live, row), gc, torch.zeros_like(gc))
-        g_sum = gt + _segment(gc, off, "sum")
-        gc = gc.mul_(_spread(it, row))
-    coef = (-g_sum * it).masked_fill_(~live, 0)
-    tok = tokens.index_select(0, rows)[:, None]
-    g_tok = (gt * it)[:, None]
-    shift = wide.ls
+    g_sum = gt if gc is None else gt + torch.where(live, _segment(gc, off, "sum"), torch.zeros_like(gt))
+    coef = torch.where(live, -g_sum, torch.zeros_like(g_sum))
     all_live = bool(live.all())
+    scale = it * LOG2E
+    shift = wide.ls * LOG2E  # log2 p^S = (z - m) inv_temp log2(e) - ls log2(e), as the forward
+    tok = tokens.index_select(0, rows)[:, None]
     all_rows = n_w == out.shape[0]
-    step = _wide_step(v, acc)
+    direct = all_rows and out.dtype == acc
+    step = wide.step
     bounds = off.tolist()
-    for a in range(0, n_w, step):
-        b = min(n_w, a + step)
+    loc = _chunk_locs(off, ids, v, step, bounds) if wide.loc is None else wide.loc
+    big = torch.finfo(acc).max
+    two = torch.full((1,), 2.0, dtype=acc, device=dev).expand(max(bounds[b] - bounds[a] for a, b in
+                                                                   _spans(n_w, step)))
+    x_buf = None if direct else torch.empty(step, v, dtype=acc, device=dev)
+    for a, b in _spans(n_w, step):
         e0, e1 = bounds[a], bounds[b]
-        loc = (row[e0:e1] - a).mul_(v).add_(ids[e0:e1])
-        outside = _outside(b - a, v, loc, dev)
-        x = (logits[a:b] if all_rows else logits.index_select(0, rows[a:b])).to(acc, copy=True)
-        x.sub_(wide.m[a:b, None]).mul_(it[a:b, None]).sub_(shift[a:b, None]).exp_()  # p^S on the support
-        x.masked_fill_(outside, 0.0)
-        if not all_live:
-            x.masked_fill_(~live[a:b, None], 0.0)  # a NaN row's support holds NaN: take nothing from it
+        member = _membership(out[a:b] if direct else x_buf[:b - a], loc[e0:e1], two[:e1 - e0])
+        x = _masked(logits, rows, a, b, all_rows, member, big, member)
+        x.sub_(wide.m[a:b, None]).mul_(scale[a:b, None]).sub_(shift[a:b, None]).exp2_()  # p^S, 0 outside
         x.mul_(coef[a:b, None])
-        x.scatter_add_(1, tok[a:b], g_tok[a:b])
+        x.scatter_add_(1, tok[a:b], gt[a:b, None])
         if gc is not None:  # no id repeats in a wide row: one add per element
-            x.view(-1).index_add_(0, loc, gc[e0:e1])
+            x.view(-1).index_add_(0, loc[e0:e1], gc[e0:e1])
+        x.mul_(it[a:b, None])
+        if not all_live:  # rows without mass take nothing (whatever g_lp their -inf entries got)
+            x.index_fill_(0, (~live[a:b]).nonzero().view(-1), 0.0)
+        if direct:
+            continue
         if all_rows:
             out[a:b].copy_(x)
         else:
@@ -575,8 +615,7 @@ def support_grad(lp: Tensor, offsets: Tensor, ids: Tensor, tokens: Tensor, inv_t
     acc = inv_temp.dtype
     if wide.rows.numel() < n:
         narrow = torch.ones(n, dtype=torch.bool, device=out.device).index_fill_(0, wide.rows, False)
-        row = csr_rows(offsets, ids.numel())
-        n_rows, n_off, n_ids, n_ent = _compact(offsets, ids, row, narrow)
+        n_rows, n_off, n_ids, n_ent = _compact(offsets, ids, narrow)
         _entry_grad(lp.index_select(0, n_ent), n_off, n_ids, tokens.index_select(0, n_rows),
                     inv_temp.index_select(0, n_rows), None if grad_lp is None else grad_lp.index_select(0, n_ent),
                     grad_target.index_select(0, n_rows), live.index_select(0, n_rows), out, n_rows)
