@@ -286,16 +286,16 @@ class WideSupport:
         m: ``[n_w]`` the row's support max of the raw logits (0 where not finite); ls: ``[n_w]`` the log of its
             sum, so that ``lse = m inv_temp + ls`` (in ``inv_temp``'s dtype); the backward forms ``p^S`` by the
             forward's own operations.
-        loc: ``[nnz_w]`` int64 each entry's position ``row * V + id`` in its chunk of ``step`` rows (8 bytes per
-            entry, as the ids; it saves the backward a pass over the offsets), or None (then recomputed).
+        mask: ``[n_w, V]`` int8, ``0`` on the row's support and ``-2`` outside it (:func:`_membership`'s values:
+            ``V`` bytes per wide row, at most 2 per recorded id), so that the backward needs no scatter.
     """
 
-    __slots__ = ("rows", "offsets", "ids", "entries", "m", "ls", "loc", "step")
+    __slots__ = ("rows", "offsets", "ids", "entries", "m", "ls", "mask")
 
     def __init__(self, rows: Tensor, offsets: Tensor, ids: Tensor, entries: Tensor | None, m: Tensor, ls: Tensor,
-                 loc: Tensor | None, step: int):
+                 mask: Tensor):
         self.rows, self.offsets, self.ids, self.entries, self.m, self.ls = rows, offsets, ids, entries, m, ls
-        self.loc, self.step = loc, step
+        self.mask = mask
 
 
 def _compact(offsets: Tensor, ids: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -335,16 +335,20 @@ def _membership(buf: Tensor, loc: Tensor, two: Tensor) -> Tensor:
 
     ``x + finfo.max * buf`` is then ``x`` on the support (exactly), ``-inf`` outside it (the product overflows),
     ``+inf`` at a repeated id, and NaN outside where ``x`` is NaN or ``+inf``: one vectorised add, where a bool
-    ``where`` / ``masked_fill`` over a scattered mask takes 10-40 times as long on CPU."""
+    ``where`` / ``masked_fill`` over a scattered mask takes 10-40 times as long on CPU. ``two``: ``[K]`` of 2
+    (contiguous: a stride-0 source makes the scatter about twice as slow)."""
     buf.fill_(-2.0)
     return buf.view(-1).scatter_add_(0, loc, two).view(buf.shape)
 
 
 def _masked(logits: Tensor, rows: Tensor, a: int, b: int, all_rows: bool, member: Tensor, big: float,
             out: Tensor) -> Tensor:
-    """``out = z + big * member`` for the chunk's rows ``rows[a:b]`` (``out`` may be ``member``): the logits on
-    the support, ``-inf`` outside (see :func:`_membership`), upcast in the same pass."""
+    """``out = z + big * member`` for the chunk's rows ``rows[a:b]``, in ``out``'s dtype: the logits on the
+    support, ``-inf`` outside (see :func:`_membership`), upcast in the same pass (``member`` in ``out``'s dtype, or
+    the saved int8 mask)."""
     z = logits[a:b] if all_rows else logits.index_select(0, rows[a:b])
+    if z.dtype != out.dtype and not member.dtype.is_floating_point:  # 16-bit + int8 would compute in 16 bits
+        return out.copy_(z).add_(member, alpha=big)
     return torch.add(z, member, alpha=big, out=out)
 
 
@@ -353,13 +357,14 @@ def _wide_rows(offsets: Tensor, v: int, skip: Tensor | None) -> Tensor:
     return wide if skip is None else wide & ~skip
 
 
-def _wide_stats(logits: Tensor, inv_temp: Tensor, rows: Tensor, off: Tensor, ids: Tensor
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-    """``(lp [nnz_w], lse [n_w], entropy [n_w], m [n_w], log_s [n_w], redo [n_w] bool, loc [nnz_w], step)`` of
+def _wide_stats(logits: Tensor, inv_temp: Tensor, rows: Tensor, off: Tensor, ids: Tensor, keep_mask: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """``(lp [nnz_w], lse [n_w], entropy [n_w], m [n_w], log_s [n_w], redo [n_w] bool, mask)`` of
     the wide rows, chunk by chunk of ``step`` rows, over their supports only (see :func:`_membership`; the
     exponentials base 2, as :func:`full_stats`): ``m`` the support max of the raw logits (0 where not finite),
     ``log_s`` the log of ``sum_S exp((z - m) inv_temp)``. ``redo`` marks the rows for the entry path, whose values
     here are meaningless: a repeated id, or NaN / ``+inf`` anywhere in the row (the masked max is NaN or ``+inf``).
+    With ``keep_mask``, ``mask`` is the ``[n_w, V]`` int8 membership of :class:`WideSupport` (else None).
     """
     n_w, v = rows.numel(), logits.shape[1]
     acc, dev = inv_temp.dtype, logits.device
@@ -373,12 +378,13 @@ def _wide_stats(logits: Tensor, inv_temp: Tensor, rows: Tensor, off: Tensor, ids
     all_rows = n_w == logits.shape[0]
     big = torch.finfo(acc).max
     scale = inv_temp.index_select(0, rows) * LOG2E
-    two = torch.full((1,), 2.0, dtype=acc, device=dev).expand(max(bounds[b] - bounds[a] for a, b in
-                                                                   _spans(n_w, step)))
+    mask = torch.empty(n_w, v, dtype=torch.int8, device=dev) if keep_mask else None
     buf, x_buf = (torch.empty(step, v, dtype=acc, device=dev) for _ in range(2))
     for a, b in _spans(n_w, step):
         e0, e1 = bounds[a], bounds[b]
-        member = _membership(buf[:b - a], loc[e0:e1], two[:e1 - e0])
+        member = _membership(buf[:b - a], loc[e0:e1], lp[e0:e1].fill_(2.0))  # lp's chunk: written below
+        if mask is not None:
+            mask[a:b] = member
         x = _masked(logits, rows, a, b, all_rows, member, big, x_buf[:b - a])
         mz = x.amax(dim=1)
         redo[a:b] = torch.isnan(mz) | (mz == INF_)
@@ -401,7 +407,7 @@ def _wide_stats(logits: Tensor, inv_temp: Tensor, rows: Tensor, off: Tensor, ids
     if bool(overflow.any()):
         lse, entropy = (torch.where(overflow, torch.full_like(x, float("nan")), x) for x in (lse, entropy))
         lp = lp.masked_fill(torch.repeat_interleave(overflow, off[1:] - off[:-1], output_size=nnz_w), float("nan"))
-    return lp, lse, entropy, m, log_s, redo, loc, step
+    return lp, lse, entropy, m, log_s, redo, mask
 
 
 def _gather_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | None,
@@ -471,7 +477,8 @@ def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor
         is_wide = _wide_rows(offsets, v, skip)
         if bool(is_wide.any()):
             w_rows, w_off, w_ids, w_ent = _compact(offsets, ids, is_wide)
-            w_lp, w_lse, w_ent_h, mz, log_s, redo, loc, step = _wide_stats(logits, inv_temp, w_rows, w_off, w_ids)
+            w_lp, w_lse, w_ent_h, mz, log_s, redo, mask = _wide_stats(logits, inv_temp, w_rows, w_off, w_ids,
+                                                                       keep_wide)
             acc = inv_temp.dtype
             lp = w_lp if w_ent is None else torch.empty(nnz, dtype=acc, device=logits.device).index_copy_(
                 0, w_ent, w_lp)
@@ -480,11 +487,12 @@ def support_stats(logits: Tensor, offsets: Tensor, ids: Tensor, inv_temp: Tensor
             if bool(redo.any()):  # repeated ids (added up) or NaN / +inf in the row: the entry path
                 is_wide = is_wide.index_fill(0, w_rows[redo], False)
                 keep = ~redo
-                mz, log_s, loc = mz[keep], log_s[keep], None  # the chunks change: the backward recomputes loc
+                mz, log_s = mz[keep], log_s[keep]
+                mask = None if mask is None else mask[keep]
                 w_rows, w_off, w_ids, w_ent = _compact(offsets, ids, is_wide)
-            if bool(is_wide.any()):
-                wide = WideSupport(w_rows, w_off, w_ids, w_ent, mz, log_s, loc, step)
-            if wide is None or wide.rows.numel() < n:
+            if keep_wide and bool(is_wide.any()):
+                wide = WideSupport(w_rows, w_off, w_ids, w_ent, mz, log_s, mask)
+            if not bool(is_wide.all()):
                 n_rows, n_off, n_ids, n_ent = _compact(offsets, ids, ~is_wide)
                 n_lp, n_lse, n_ent_h = _gather_stats(logits, n_off, n_ids, inv_temp.index_select(0, n_rows),
                                                      None if skip is None else skip.index_select(0, n_rows), n_rows)
@@ -565,17 +573,14 @@ def _wide_grad(logits: Tensor, wide: WideSupport, tokens: Tensor, inv_temp: Tens
     tok = tokens.index_select(0, rows)[:, None]
     all_rows = n_w == out.shape[0]
     direct = all_rows and out.dtype == acc
-    step = wide.step
+    step = min(n_w, _wide_step(v, acc))
     bounds = off.tolist()
-    loc = _chunk_locs(off, ids, v, step, bounds) if wide.loc is None else wide.loc
+    loc = None if gc is None else _chunk_locs(off, ids, v, step, bounds)
     big = torch.finfo(acc).max
-    two = torch.full((1,), 2.0, dtype=acc, device=dev).expand(max(bounds[b] - bounds[a] for a, b in
-                                                                   _spans(n_w, step)))
     x_buf = None if direct else torch.empty(step, v, dtype=acc, device=dev)
     for a, b in _spans(n_w, step):
         e0, e1 = bounds[a], bounds[b]
-        member = _membership(out[a:b] if direct else x_buf[:b - a], loc[e0:e1], two[:e1 - e0])
-        x = _masked(logits, rows, a, b, all_rows, member, big, member)
+        x = _masked(logits, rows, a, b, all_rows, wide.mask[a:b], big, out[a:b] if direct else x_buf[:b - a])
         x.sub_(wide.m[a:b, None]).mul_(scale[a:b, None]).sub_(shift[a:b, None]).exp2_()  # p^S, 0 outside
         x.mul_(coef[a:b, None])
         x.scatter_add_(1, tok[a:b], gt[a:b, None])
