@@ -424,8 +424,8 @@ def test_wide_rows_ignore_non_finite_logits_outside_their_support(backend, bad):
 
 
 def _hostile_outside(z: torch.Tensor, tokens, offsets, ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """``z`` with ``-inf`` at every id outside each odd row's support, and NaN, ``+inf`` and ``-inf`` in turn at
-    every id outside each even row's (the token's own logit excepted), and the ``[N, V]`` bool membership mask."""
+    """``z`` with NaN at every id outside the support of rows ``3 mod 4``, ``+inf`` outside the other rows ``5 mod
+    6`` and ``-inf`` outside the rest (the token's own logit excepted), and the ``[N, V]`` bool membership mask."""
     n = z.shape[0]
     row = torch.repeat_interleave(torch.arange(n), offsets[1:] - offsets[:-1])
     member = torch.zeros(n, V, dtype=torch.bool)
@@ -433,8 +433,8 @@ def _hostile_outside(z: torch.Tensor, tokens, offsets, ids) -> tuple[torch.Tenso
     outside = ~member
     outside[torch.arange(n), tokens] = False
     where = outside.nonzero()
-    bad = torch.tensor([float("nan"), INF, -INF], dtype=z.dtype)[torch.arange(where.shape[0]) % 3]
-    bad[where[:, 0] % 2 == 1] = -INF
+    r = where[:, 0]
+    bad = torch.where(r % 4 == 3, float("nan"), torch.where(r % 6 == 5, INF, -INF)).to(z.dtype)
     z = z.clone()
     z[where[:, 0], where[:, 1]] = bad
     return z, member
