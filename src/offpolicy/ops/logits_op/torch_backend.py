@@ -307,7 +307,8 @@ def _compact(offsets: Tensor, ids: Tensor, keep: Tensor) -> tuple[Tensor, Tensor
     torch.cumsum(lengths.index_select(0, rows), 0, out=off[1:])
     if rows.numel() == keep.numel():
         return rows, off, ids, None
-    entries = torch.repeat_interleave(keep, lengths, output_size=ids.numel()).nonzero().view(-1)
+    # no output_size: with offsets changed in place after their check (validate=False) it would write past the end
+    entries = torch.repeat_interleave(keep, lengths).nonzero().view(-1)
     return rows, off, ids.index_select(0, entries), entries
 
 
