@@ -421,3 +421,113 @@ def test_wide_rows_ignore_non_finite_logits_outside_their_support(backend, bad):
     want_grad, _ = _reference_grad(want, x, tokens, offsets, ids, inv_temp, live.double(),
                                    torch.zeros(ids.numel(), dtype=torch.float64))
     torch.testing.assert_close(leaf.grad.double(), want_grad, rtol=1e-5, atol=1e-6)
+
+
+def _hostile_outside(z: torch.Tensor, tokens, offsets, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z`` with NaN at every id outside the support of rows ``3 mod 4``, ``+inf`` outside the other rows ``5 mod
+    6`` and ``-inf`` outside the rest (the token's own logit excepted), and the ``[N, V]`` bool membership mask."""
+    n = z.shape[0]
+    row = torch.repeat_interleave(torch.arange(n), offsets[1:] - offsets[:-1])
+    member = torch.zeros(n, V, dtype=torch.bool)
+    member[row, ids] = True
+    outside = ~member
+    outside[torch.arange(n), tokens] = False
+    where = outside.nonzero()
+    r = where[:, 0]
+    bad = torch.where(r % 4 == 3, float("nan"), torch.where(r % 6 == 5, INF, -INF)).to(z.dtype)
+    z = z.clone()
+    z[where[:, 0], where[:, 1]] = bad
+    return z, member
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torch_wide_rows_chunked_match_the_float64_reference(shape, dtype, monkeypatch):
+    """The ``torch`` backend's wide rows (``K >= V / WIDE_DIVISOR``: a bool mask by scatter, masked log-sum-exp over
+    ``V``, the dense gradient expression), with :data:`torch_backend.WIDE_BYTES` cut to 3 rows per chunk so that
+    chunks split the batch (and, in the mixed batch, hold non-adjacent wide rows, the narrow ones taking the entry
+    path): values against the float64 reference (``lp`` also against :func:`offpolicy.reference.log_probs`), the
+    gradient of ``target`` and ``lp`` together against the float64 closed form, with ``-inf`` (kept on the wide
+    path) or NaN / ``+inf`` (such a row is sent to the entry path) at every id outside the supports, which must not
+    leak (zero gradient there, finite everywhere)."""
+    from offpolicy import reference
+
+    monkeypatch.setattr(torch_backend, "WIDE_BYTES", 3 * V * 9)
+    assert torch_backend._wide_step(V, torch.float32) == 3
+    widths = SHAPES[shape]
+    z, tokens, offsets, ids, skip, inv_temp = _batch(widths, dtype, seed=5 * len(widths) + 3)
+    z, member = _hostile_outside(z, tokens, offsets, ids)
+    *_, wide = torch_backend.support_stats(z, offsets, ids, inv_temp, skip, keep_wide=True)
+    lengths = offsets[1:] - offsets[:-1]
+    nan_or_inf = (torch.isnan(z) | (z == INF)).any(dim=1)
+    assert wide.rows.tolist() == [r for r, k in enumerate(widths) if 2 * k >= V and not skip[r] and not nan_or_inf[r]]
+    assert wide.rows.numel() >= 2
+    leaf = z.clone().requires_grad_()
+    got = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
+                                           backend=backend_registry.get("torch"), eager=True)
+    *want, x = _reference(z, tokens, offsets, ids, skip, inv_temp)
+    _check([g.detach() for g in got], [*want, lengths], x, dtype, f"torch wide {shape}")
+    # the library's own float64 reference of log p^S, on the rows with mass
+    row = torch.repeat_interleave(torch.arange(len(widths)), lengths)
+    live = torch.isfinite(want[2])
+    ref_lp = reference.log_probs(torch.where(member, z.double(), 0.0), 1 / inv_temp.double(), member)[row, ids]
+    on = live[row]
+    torch.testing.assert_close(got[1].detach().double()[on], ref_lp[on], rtol=0, atol=float(arg_tol(x).max()))
+    w_t, w_c = _weights(len(widths), ids.numel(), 3)
+    _objective(got[0], got[1], w_t, w_c).backward()
+    assert leaf.grad.dtype == dtype and bool(torch.isfinite(leaf.grad).all())
+    off_support = ~member
+    off_support[torch.arange(len(widths)), tokens] = False
+    assert bool((leaf.grad[off_support] == 0).all())
+    want_grad, bound = _reference_grad(want, x, tokens, offsets, ids, inv_temp, w_t, w_c)
+    tol = STORE_RTOL[dtype] * want_grad.abs() + (arg_tol(x) * bound)[:, None] + STORE_FLOOR[dtype]
+    err = (leaf.grad.double() - want_grad).abs()
+    assert bool((err <= tol).all()), f"gradient error {float((err - tol).max()):.3g} over the tolerance"
+
+
+def test_torch_wide_row_with_a_repeated_id_takes_the_entry_path():
+    """An unvalidated record repeating an id within a wide row: that row leaves the wide set and its values and
+    gradient are the entry path's (the repeats added), the other wide rows unchanged."""
+    z, tokens, offsets, ids, _, inv_temp = _batch([V, V - 1, V // 2, 3], torch.float32, seed=51)
+    z = torch.where(torch.isfinite(z), z, torch.full_like(z, -20.0))
+    ids[offsets[1] + 1] = ids[offsets[1]]  # row 1 repeats an id
+    lp, lse, ent, wide = torch_backend.support_stats(z, offsets, ids, inv_temp, None, keep_wide=True)
+    assert wide.rows.tolist() == [0, 2]
+    e_lp, e_lse, e_ent = torch_backend._gather_stats(z, offsets, ids, inv_temp, None)
+    torch.testing.assert_close(lp, e_lp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, e_lse)
+    torch.testing.assert_close(ent, e_ent, rtol=1e-6, atol=1e-6)
+    args = (tokens, inv_temp, torch.randn(ids.numel()), torch.randn(4), torch.isfinite(lse))
+    got = torch_backend.support_grad(lp, offsets, ids, *args, torch.empty_like(z), wide=wide, logits=z)
+    ref = torch_backend.support_grad(e_lp, offsets, ids, *args, torch.empty_like(z))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[1], ref[1])
+
+
+def test_torch_wide_rows_cost_shape(monkeypatch):
+    """Without timing: with every row wide, the ``torch`` backend's forward runs no segment reduction over the
+    entries (the entry path's), the backward neither an accumulating scatter nor an ``exp`` of the entries, and
+    every ``[rows, V]`` temporary holds at most one chunk's rows (:data:`torch_backend.WIDE_BYTES`), whatever N:
+    no ``[N, V]`` fp32 temporary besides the gradient itself."""
+    monkeypatch.setattr(torch_backend, "WIDE_BYTES", 4 * V * 9)
+    n = 16
+    z, tokens, offsets, ids, _, inv_temp = _batch([V, V - 1, V // 2 + 5, V - 3] * 4, torch.bfloat16, seed=61)
+    leaf = z.clone().requires_grad_()
+    with _Recorder() as fwd:
+        target, *_ = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, None,
+                                                      backend=backend_registry.get("torch"), eager=True)
+    t = torch.where(torch.isfinite(target.detach()), target, torch.zeros_like(target))
+    with _Recorder() as bwd:
+        t.sum().backward()
+    assert not [o for o in fwd.ops if "segment_reduce" in o]
+    nnz = ids.numel()
+    for name, shape in bwd.shapes:
+        op_name = name.split(".")[1]
+        big = torch.Size(shape).numel() >= nnz // 2
+        assert not (op_name in ("index_put_", "index_put", "scatter_add_", "scatter_add") and big), (name, shape)
+        assert not (op_name.startswith("exp") and len(shape) == 1 and big), (name, shape)
+    for name, shape in fwd.shapes + bwd.shapes:
+        if len(shape) == 2 and shape[1] == V and shape != (n, V):
+            assert shape[0] <= 4, (name, shape)
+        if shape == (n, V):  # only the gradient (and views): no [N, V] copy, exponential or mask
+            assert name.split(".")[1] in VIEWS | {"empty", "zeros", "zero_", "copy_"}, name

@@ -22,7 +22,9 @@ and a reference to the logits). Cost, per row of width ``K``:
   gradient to ``lp`` (``g_lp`` None: the token-level losses) its backward is one streaming write of the gradient
   row from the logits and the mask (the dense pass's own bytes: 4 or 2 per id read, one write) instead of reading
   ``12`` bytes per entry (id and ``lp``) and scattering; the logits are then held for the backward, as the dense
-  pass holds them.
+  pass holds them. The ``torch`` backend's wide rows (eager) go chunk by chunk of rows over ``V`` instead: a
+  membership mask by scatter (kept as ``V`` int8 per wide row), the masked log-sum-exp, and a backward formed
+  densely from the held logits and that mask (any ``g_lp``).
 * hidden states (:func:`linear_support_log_softmax`): the logits of a chunk of rows, ``h W^T (+ b)``, by one
   matmul (the dense pass's own), then the logits pass above on that chunk; backward, the chunk's ``dz`` by
   ``support_grad`` and ``dh = dz W``, ``dW += dz^T h``: the dense pass's three matmuls and ``O(rows V)`` element-wise
