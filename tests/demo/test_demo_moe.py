@@ -163,3 +163,17 @@ def test_nucleus_success_is_the_renormalised_nucleus_probability():
     assert torch.allclose(expected_success(model, TASK, numbers, top_p=1.0), expected_success(model, TASK, numbers))
     with pytest.raises(ValueError, match="top_p"):
         expected_success(model, TASK, numbers, top_p=0.0)
+
+
+def test_fleet_copies_shared_between_groups_of_one_format_equal_fresh_copies():
+    from offpolicy.demo.simulated_fleet import SimulatedFleet
+
+    torch.manual_seed(5)
+    model = TinyLM(MOE)
+    groups = build_fleet("mixed", 0.0, "seed")
+    fleet = SimulatedFleet(groups, model, torch.Generator().manual_seed(0))
+    for g, copy in zip(groups, fleet.models):
+        fresh = sampler_copy(model, g)
+        assert copy.attn_impl == g.attn_impl and copy.kv_quant is fresh.kv_quant
+        assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), fresh.state_dict().values()))
+    assert fleet.models[0] is not fleet.models[1]

@@ -34,6 +34,7 @@ numerics tell them apart:
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 
@@ -141,11 +142,21 @@ def kv_fp8(x: Tensor) -> Tensor:
     return round_to_e4m3(x.float()).to(x.dtype)
 
 
-def sampler_copy(trainer: TinyLM, sim: GroupSim) -> TinyLM:
-    """The copy of ``trainer`` that group ``sim`` serves: quantised weights, compute dtype, KV path, kernel."""
-    model = fake_quantize_module(trainer, sim.group.weight_format)
-    model = model.to(COMPUTE_DTYPES[sim.compute]).eval()
-    model.requires_grad_(False)
+def sampler_copy(trainer: TinyLM, sim: GroupSim, memo: dict | None = None) -> TinyLM:
+    """The copy of ``trainer`` that group ``sim`` serves: quantised weights, compute dtype, KV path, kernel.
+
+    ``memo``: a dict shared by the copies of *one* trainer version; groups with the same weight format and compute
+    dtype then quantise once and get deep copies of that model (the same tensors bit for bit: the fake quantiser
+    is deterministic)."""
+    key = (sim.group.weight_format, sim.compute)
+    if memo is not None and key in memo:
+        model = copy.deepcopy(memo[key])
+    else:
+        model = fake_quantize_module(trainer, sim.group.weight_format)
+        model = model.to(COMPUTE_DTYPES[sim.compute]).eval()
+        model.requires_grad_(False)
+        if memo is not None:
+            memo[key] = copy.deepcopy(model)
     model.attn_impl = sim.attn_impl
     # A bf16 KV path in bf16 compute is the compute dtype itself; only FP8 rounds further.
     model.kv_quant = kv_fp8 if sim.group.kv_format == "fp8" else None
@@ -171,7 +182,8 @@ class SimulatedFleet:
         self.max_staleness = max_staleness
         self.router = Router([g.group for g in groups], seed=int(torch.randint(0, 2**31 - 1, (1,),
                                                                                 generator=generator)))
-        self.models = [sampler_copy(trainer, g) for g in groups]
+        memo: dict = {}
+        self.models = [sampler_copy(trainer, g, memo) for g in groups]
         self.versions = [0] * len(groups)
 
     def route(self, session_ids: list[int]) -> Tensor:
@@ -181,12 +193,13 @@ class SimulatedFleet:
 
     def after_step(self, trainer: TinyLM, version: int) -> None:
         """The trainer reached ``version``: each group receives it with probability ``1 / (1 + lag)``."""
+        memo: dict = {}
         for i, g in enumerate(self.groups):
             sync = float(torch.rand((), generator=self.gen)) < 1.0 / (1.0 + g.lag)
             if self.max_staleness is not None and version - self.versions[i] > self.max_staleness:
                 sync = True
             if sync:
-                self.models[i] = sampler_copy(trainer, g)
+                self.models[i] = sampler_copy(trainer, g, memo)
                 self.versions[i] = version
 
 

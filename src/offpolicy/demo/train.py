@@ -187,9 +187,11 @@ def probe_drift(trainer: TinyLM, groups: list, task: SortTask, cfg: RunConfig, p
         z = probe_logits(trainer, task, probes) / cfg.temperature
     total = sum(g.group.capacity for g in groups)
     out: dict[str, float] = {}
+    memo: dict = {}
     for g in groups:
         with torch.no_grad():
-            logq = torch.log_softmax(probe_logits(sampler_copy(trainer, g), task, probes) / cfg.temperature, -1)
+            logq = torch.log_softmax(probe_logits(sampler_copy(trainer, g, memo), task, probes) / cfg.temperature,
+                                     -1)
         for sign, suffix in ((1.0, "_pos"), (-1.0, "_neg")):
             rows = probes.advantage == sign
             u = expected_update(z[rows], logq[rows], arm, cfg.top_p, cfg.head_k, advantage=sign)
