@@ -177,3 +177,25 @@ def test_fleet_copies_shared_between_groups_of_one_format_equal_fresh_copies():
         assert copy.attn_impl == g.attn_impl and copy.kv_quant is fresh.kv_quant
         assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), fresh.state_dict().values()))
     assert fleet.models[0] is not fleet.models[1]
+
+
+def test_kv_fp8_is_round_to_e4m3_bit_for_bit():
+    from offpolicy.demo.simulated_fleet import kv_fp8
+    from offpolicy.fleet.quant.formats import round_to_e4m3
+
+    # Every finite bf16 value (the samplers' compute dtype), both zeros, subnormals, ties, and beyond +-448.
+    b = torch.arange(0, 65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    b = b[torch.isfinite(b)]
+    got = kv_fp8(b)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.float().view(torch.int32), round_to_e4m3(b.float()).view(torch.int32))
+    # fp32: random magnitudes over 16 decades, exact E4M3 midpoints (ties to even) and saturation.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20000, generator=g) * torch.logspace(-12, 4, 20000)
+    grid = round_to_e4m3(torch.linspace(-448, 448, 4001))
+    ties = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([x, ties, torch.tensor([464.0, -464.0, 480.0, 1e30, -0.0, 2.0 ** -10, 3 * 2.0 ** -11])])
+    assert torch.equal(kv_fp8(x).view(torch.int32), round_to_e4m3(x).view(torch.int32))
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="kv_fp8"):
+            kv_fp8(torch.tensor([1.0, bad]))
