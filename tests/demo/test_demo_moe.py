@@ -199,3 +199,23 @@ def test_kv_fp8_is_round_to_e4m3_bit_for_bit():
     for bad in (math.nan, math.inf):
         with pytest.raises(ValueError, match="kv_fp8"):
             kv_fp8(torch.tensor([1.0, bad]))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_the_samplers_last_forward_is_the_rescoring_forward(top_p):
+    from offpolicy.demo.rollout import rollout
+    from offpolicy.demo.train import _rescore
+
+    torch.manual_seed(6)
+    model = TinyLM(MOE)
+    prompts = TASK.prompts(TASK.sample_numbers(12, torch.Generator().manual_seed(1)))
+    for g in build_fleet("mixed", 0.0, "nvfp4")[:2]:
+        copy = sampler_copy(model, g)
+        out = rollout(copy, prompts, TASK.answer_len, temperature=1.0, top_p=top_p, head_k=4,
+                      generator=torch.Generator().manual_seed(2))
+        routes = copy.last_routes.clone()
+        p = prompts.shape[1]
+        assert out.last_logits is not None and out.last_logits.shape[:2] == (12, p + TASK.answer_len - 1)
+        q = torch.softmax(out.last_logits[:, p - 1:].float(), -1)
+        assert torch.equal(q, _rescore(copy, prompts, out.tokens, 1.0))
+        assert torch.equal(routes, copy.last_routes)

@@ -12,8 +12,9 @@ Per optimizer step (version ``v`` of the trainer):
    Adam step with gradient clipping;
 5. each group receives version ``v + 1`` or not (see :mod:`offpolicy.demo.simulated_fleet`).
 
-Mismatch is measured the same way for every arm, on full distributions: each group re-scores its sessions with its
-copy (teacher forcing, the same numerics), giving the sampler's whole distribution ``q`` at every trained position
+Mismatch is measured the same way for every arm, on full distributions: each group's sessions re-scored by its
+copy (teacher forcing, the same numerics; that forward is the sampler's own last one, over the prompt and every
+answer token but the last, so it is kept rather than recomputed: :attr:`Rollout.last_logits`), giving the sampler's whole distribution ``q`` at every trained position
 (before any top-p filter). The exact ``KL(q || p)`` (``kl_full``), ``tv = 1/2 sum_v |q - p|`` and the share of
 sampled tokens whose full-distribution ratio ``p(y) / q(y)`` lies outside the study's band [0.2, 5]
 (``extreme_full``) follow. The loss's own figures (``kl_k3``, ``extreme_ratio_frac``) are on the record it was
@@ -260,7 +261,11 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
                           head_k=cfg.head_k, generator=gen)
             tokens[idx], lq[idx] = out.tokens, out.logprobs
             records.append((idx, out.cand_ids, out.cand_logprobs))
-            q_full[idx] = _rescore(fleet.models[g], prompts[idx], out.tokens, cfg.temperature)
+            if out.last_logits is not None:
+                # The sampler's last forward is the re-scoring forward (same input, same copy): no second pass.
+                q_full[idx] = torch.softmax(out.last_logits[:, task.prompt_len - 1:].float() / cfg.temperature, -1)
+            else:
+                q_full[idx] = _rescore(fleet.models[g], prompts[idx], out.tokens, cfg.temperature)
             if routes is not None:
                 routes[idx] = fleet.models[g].last_routes
         width = max(r[1].shape[-1] for r in records)
