@@ -177,6 +177,17 @@ def test_fleet_copies_shared_between_groups_of_one_format_equal_fresh_copies():
         assert copy.attn_impl == g.attn_impl and copy.kv_quant is fresh.kv_quant
         assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), fresh.state_dict().values()))
     assert fleet.models[0] is not fleet.models[1]
+    # A sync updates each copy in place: equal to a fresh copy of the new weights, no storage shared between groups.
+    with torch.no_grad():
+        for t in model.parameters():
+            t.add_(0.01 * torch.randn_like(t))
+    fleet.after_step(model, 1)
+    assert fleet.versions == [1] * len(groups)
+    for g, copy in zip(groups, fleet.models):
+        fresh = sampler_copy(model, g)
+        assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), fresh.state_dict().values()))
+    ptrs = [t.data_ptr() for m in fleet.models for t in m.state_dict().values()]
+    assert len(set(ptrs)) == len(ptrs)
 
 
 def test_kv_fp8_is_round_to_e4m3_bit_for_bit():

@@ -202,14 +202,23 @@ class SimulatedFleet:
         return torch.tensor([names.index(self.router.route(s)) for s in session_ids], dtype=torch.int64)
 
     def after_step(self, trainer: TinyLM, version: int) -> None:
-        """The trainer reached ``version``: each group receives it with probability ``1 / (1 + lag)``."""
-        memo: dict = {}
+        """The trainer reached ``version``: each group receives it with probability ``1 / (1 + lag)``.
+
+        A syncing group's copy is updated in place: the first group of a (weight format, compute dtype) quantises
+        ``trainer`` (:func:`sampler_copy`), every syncing group then copies those tensors into its own module (the
+        same values bit for bit as a fresh copy, without deep-copying a module per group and version)."""
+        fresh: dict = {}
         for i, g in enumerate(self.groups):
             sync = float(torch.rand((), generator=self.gen)) < 1.0 / (1.0 + g.lag)
             if self.max_staleness is not None and version - self.versions[i] > self.max_staleness:
                 sync = True
             if sync:
-                self.models[i] = sampler_copy(trainer, g, memo)
+                key = (g.group.weight_format, g.compute)
+                if key not in fresh:
+                    fresh[key] = sampler_copy(trainer, g).state_dict()
+                with torch.no_grad():
+                    for name, t in self.models[i].state_dict().items():
+                        t.copy_(fresh[key][name])
                 self.versions[i] = version
 
 
