@@ -128,12 +128,20 @@ class MoE(nn.Module):
         natural = torch.topk(z.float(), self.top_k, dim=-1, sorted=True).indices
         ids = natural if routes is None else routes
         w = replayed_weights(z, ids, norm_topk_prob=True)
+        # Dispatch by one stable sort of the (token, slot) pairs by expert: each expert's rows are a contiguous
+        # segment in token order, and one index_add adds every token's contributions in increasing expert id.
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        rows = order // ids.shape[1]
+        xs, ws = x[rows], w.reshape(-1)[order].unsqueeze(1)
+        outs, start = [], 0
+        for n, expert in zip(counts, self.experts):
+            if n:
+                outs.append(ws[start:start + n] * expert(xs[start:start + n]))
+            start += n
         y = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            if rows.numel():
-                y = y.index_add(0, rows, w[rows, slot].unsqueeze(1) * expert(x[rows]))
-        return y, ids, natural
+        return (y.index_add(0, rows, torch.cat(outs)) if outs else y), ids, natural
 
 
 class Block(nn.Module):
