@@ -134,7 +134,8 @@ def test_expected_success_is_the_probability_of_the_answer():
 
 
 def test_parse_arms():
-    assert [a.key for a in parse_arms("all")] == list(ARMS)
+    assert [a.key for a in parse_arms("all")] == [k for k in ARMS if not ARMS[k].route_replay]
+    assert {k for k in ARMS if ARMS[k].route_replay} == {"sc_mis_topp_rr", "rr_tis"}
     assert [a.key for a in parse_arms("sc_mis_topp, grpo")] == ["sc_mis_topp", "grpo"]
     with pytest.raises(ValueError, match="unknown"):
         parse_arms("grpo,ppo")

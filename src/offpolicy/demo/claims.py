@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from offpolicy.demo.report import (ConfigSummary, PairedDifference, RunSummary, _fmt, _interval_sign, _pair_text,
-                                   aggregate, group_table, mean_ci, paired, summarize)
+                                   aggregate, group_table, mean_ci, paired, summarize, t_cdf, t_quantile)
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,44 @@ class Finding:
     measured: str
     ok: bool | None
     ci: float = 0.0
+    #: The two-sided p-value that matches the interval rule (< 0.05 exactly when an interval claim hits), for
+    #: Holm's correction; None for a claim judged by a rule without an interval, or with fewer than 2 seeds.
+    p: float | None = None
+
+
+def direction_p(d: PairedDifference | None, want: int) -> float | None:
+    """``2 P(T > |t|)`` when the mean difference has the wanted sign (``want`` +-1), else 1; None without an
+    interval. It is < 0.05 exactly when the 95 % interval excludes 0 on the wanted side."""
+    if d is None or d.seeds < 2 or not d.ci > 0 or want == 0:
+        return None
+    df = d.seeds - 1
+    t = d.diff / (d.ci / t_quantile(0.975, df))
+    return min(1.0, 2 * (1 - t_cdf(abs(t), df))) if t * want > 0 else 1.0
+
+
+def equivalence_p(d: PairedDifference | None, margin: float) -> float | None:
+    """Two one-sided tests at 2.5 % each: ``2 max(p_low, p_high)``, < 0.05 exactly when the 95 % interval lies
+    inside ``±margin``; None without an interval."""
+    if d is None or d.seeds < 2 or not d.ci > 0:
+        return None
+    df = d.seeds - 1
+    se = d.ci / t_quantile(0.975, df)
+    p_low = 1 - t_cdf((d.diff + margin) / se, df)
+    p_high = 1 - t_cdf((margin - d.diff) / se, df)
+    return min(1.0, 2 * max(p_low, p_high))
+
+
+def holm(ps: list[float], alpha: float = 0.05) -> list[bool]:
+    """Holm's step-down procedure: which of the hypotheses with p-values ``ps`` are rejected at family-wise
+    ``alpha`` (sorted ascending, the i-th smallest (0-based) is compared with ``alpha / (m - i)``, stopping at the
+    first that fails)."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    keep = [False] * len(ps)
+    for rank, i in enumerate(order):
+        if ps[i] > alpha / (len(ps) - rank):
+            break
+        keep[i] = True
+    return keep
 
 
 class Claim(Protocol):
@@ -68,24 +106,26 @@ class Direction:
     def find(self, ev: Evidence) -> Finding:
         d = ev.pair(self.a, self.b, self.key)
         ok = None if d is None else (_interval_sign(d) == self.want if not math.isnan(d.ci) else False)
-        return Finding(self.label, f"{self.key} {self.a} - {self.b}: {_pair_text(d)}", ok)
+        return Finding(self.label, f"{self.key} {self.a} - {self.b}: {_pair_text(d)}", ok,
+                       p=direction_p(d, self.want))
 
 
 @dataclass(frozen=True)
 class Equivalent:
-    """``a - b`` of the primary outcome lies within ``±margin`` ("holds")."""
+    """``a - b`` of ``key`` (the primary outcome by default) lies within ``±margin`` ("holds")."""
 
     label: str
     a: str
     margin: float
     b: str = "grpo@onpolicy"
+    key: str = "success_mean"
 
     def find(self, ev: Evidence) -> Finding:
-        d = ev.pair(self.a, self.b, "success_mean")
+        d = ev.pair(self.a, self.b, self.key)
         within = d is not None and not math.isnan(d.ci) and -self.margin <= d.diff - d.ci and \
             d.diff + d.ci <= self.margin
-        return Finding(self.label, f"success_mean {self.a} - {self.b}: {_pair_text(d)}; margin ±{self.margin}",
-                       None if d is None else within)
+        return Finding(self.label, f"{self.key} {self.a} - {self.b}: {_pair_text(d)}; margin ±{self.margin}",
+                       None if d is None else within, p=equivalence_p(d, self.margin))
 
 
 @dataclass(frozen=True)
@@ -125,13 +165,16 @@ class DriftSigns:
 
 @dataclass(frozen=True)
 class LowestKL:
-    """``config`` has the lowest mean full-distribution KL of the mixed-fleet arms (seed formats)."""
+    """``config`` has the lowest mean full-distribution KL of the mixed-fleet arms at weight format ``fmt`` (the
+    study's per-group formats by default), untagged runs only."""
 
     label: str
     config: str
+    fmt: str = "seed"
 
     def find(self, ev: Evidence) -> Finding:
-        mixed = [a for a in ev.configs.values() if a.fleet == "mixed" and a.weight_format == "seed"]
+        mixed = [a for a in ev.configs.values()
+                 if a.fleet == "mixed" and a.weight_format == self.fmt and "~" not in a.config]
         if not mixed:
             return Finding(self.label, "not run", None)
         best = min(mixed, key=lambda a: a.mean("kl_full"))
@@ -158,6 +201,23 @@ class KLRatio:
         text = (f"{_fmt(a.mean('kl_full'))} / {_fmt(b.mean('kl_full'))} = {ratio:.1f}x" if self.show_means
                 else f"{ratio:.2f}x")
         return Finding(self.label, text, ratio >= self.at_least)
+
+
+@dataclass(frozen=True)
+class Rises:
+    """The mean of ``key`` over seeds rises strictly through ``configs`` (in the given order)."""
+
+    label: str
+    configs: tuple[str, ...]
+    key: str
+
+    def find(self, ev: Evidence) -> Finding:
+        rows = [ev.configs.get(c) for c in self.configs]
+        if any(r is None for r in rows):
+            return Finding(self.label, "not run", None)
+        vals = [r.mean(self.key) for r in rows]
+        return Finding(self.label, f"{self.key}: " + " < ".join(f"{c} {_fmt(v)}" for c, v in zip(self.configs, vals)),
+                       all(a < b for a, b in zip(vals, vals[1:])))
 
 
 @dataclass(frozen=True)
@@ -281,6 +341,8 @@ class Registration:
     claims: tuple[Claim, ...]
     void_rule: bool
     control: str = "grpo@onpolicy"
+    #: Holm's step-down correction (family-wise 0.05) over the claims with a p-value: a last column "after Holm".
+    holm: bool = False
 
 
 def judge(results: list[dict], registration: Registration) -> str:
@@ -297,9 +359,19 @@ def judge(results: list[dict], registration: Registration) -> str:
     skipped = sum(any(h.get("skipped") for h in r["history"]) for r in results)
     void = bool(control) and n >= 2 and (not rise - rise_ci > 0 or skipped > 0)
     lines = [f"Void rule: on-policy control Y - start {rise:+.4f} ± {rise_ci:.4f}; {skipped} run(s) skipped a "
-             f"step -> {'VOID' if void else 'not void'}", "", *header]
-    lines += [f"| {f.label} | {f.measured} | {'void' if void and f.ok is not None else _seeds_verdict(f.ok, n)} |"
-              for f in findings]
+             f"step -> {'VOID' if void else 'not void'}", ""]
+    verdicts = ['void' if void and f.ok is not None else _seeds_verdict(f.ok, n) for f in findings]
+    if not registration.holm:
+        lines += header + [f"| {f.label} | {f.measured} | {v} |" for f, v in zip(findings, verdicts)]
+        return "\n".join(lines) + "\n"
+    tested = [i for i, f in enumerate(findings) if f.p is not None]
+    kept = dict(zip(tested, holm([findings[i].p for i in tested])))
+    lines += ["| prediction | measured | verdict | p | after Holm |", "|---|---|---|---|---|"]
+    for i, (f, v) in enumerate(zip(findings, verdicts)):
+        after = "-" if i not in kept else ("void" if void else "hit" if kept[i] else "miss")
+        lines.append(f"| {f.label} | {f.measured} | {v} | {'-' if f.p is None else f'{f.p:.2g}'} | {after} |")
+    lines += ["", f"Holm's correction (family-wise 0.05) over the {len(tested)} claims with an interval; the other "
+                  f"claims are judged by their rule alone."]
     return "\n".join(lines) + "\n"
 
 

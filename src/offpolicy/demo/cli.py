@@ -3,6 +3,9 @@
     offpolicy demo                      # --quick: on-policy GRPO, GRPO and SC+MIS+top-p on the mixed fleet, 1 seed
     offpolicy demo --full               # the pre-registered grid: control, 7 arms x (mixed, homogeneous), 30 seeds
     offpolicy demo --calibrate          # numerics KL of every fleet and step KL per learning rate, no RL
+    offpolicy demo --grid C --seed 0 --seeds 30 --out docs/demo_results/gridC
+                                        # grid C (MoE policy, numerics alone), resumable seed by seed
+    offpolicy demo --grid C --calibrate --calibrate-seeds 1 --steps 150 --out calib   # its calibration
     offpolicy demo --arms grpo,sc_mis --fleets mixed --formats nvfp4 --seeds 2 --out my_run
 
 Every configuration of one invocation shares the learning rate, seeds, steps, batch and staleness: only the
@@ -51,6 +54,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     mode.add_argument("--calibrate", dest="mode", action="store_const", const="calibrate",
                       help="no RL: numerics KL of every fleet at equal weights, step KL per --calibrate-lrs")
     p.set_defaults(mode="quick")
+    p.add_argument("--grid", choices=("C",), default=None,
+                   help="grid C (docs/demo_gridC_registration.md): the registered mixture-of-experts grid, its task, "
+                        "model and settings fixed in offpolicy.demo.gridc; one file per seed in --out, seeds "
+                        "already there are skipped (resume). With --calibrate: its calibration")
     p.add_argument("--arms", help=f"'all' or a comma-separated subset of {','.join(ARMS)}")
     p.add_argument("--fleets", help=f"comma-separated subset of {','.join(FLEETS)} (onpolicy runs GRPO only)")
     p.add_argument("--formats", default="seed",
@@ -233,6 +240,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     from offpolicy.demo.task import SortTask
     from offpolicy.demo.warmup import WarmupConfig, default_cache_dir, warmup
 
+    if getattr(args, "grid", None) == "C":
+        return _grid_c(args)
     args = _resolve(args)
     if args.report_only:
         return _report_only([Path(p) for p in args.report_only], Path(args.out), plots=not args.no_plots)
@@ -329,6 +338,82 @@ def run_demo(args: argparse.Namespace) -> dict:
         print(f"How to read this: {note}")
     print(f"wrote {', '.join(sorted(files))} to {out}/ in {meta['seconds']:.0f} s")
     return {"results": results, "files": files, "meta": meta, "calibration": calibration}
+
+
+def _grid_c(args: argparse.Namespace) -> dict:
+    """``--grid C``: the registered grid seed by seed (resumable), or with ``--calibrate`` its calibration: the
+    numerics of every grid-C fleet at the warm-up weights and, with ``--calibrate-seeds``, GRPO on the on-policy
+    fleet and on the mixed fleet at ``--formats`` for ``--steps`` steps (``--grad-clip``) per seed."""
+    import torch
+
+    from offpolicy.demo import gridc
+    from offpolicy.demo.mismatch import CONFIGS_C, numerics_table
+    from offpolicy.demo.predictions import predictions_text
+    from offpolicy.demo.report import write_outputs
+    from offpolicy.demo.warmup import WarmupConfig, default_cache_dir, warmup
+
+    if args.report_only:
+        return _report_only([Path(p) for p in args.report_only], Path(args.out), plots=not args.no_plots)
+    torch.set_num_threads(1)
+    task = gridc.task()
+    model_cfg = gridc.model_config(task)
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    wcfg = WarmupConfig(target_success=args.warmup_target, max_steps=args.warmup_max_steps)
+    state, winfo = warmup(task, model_cfg, wcfg, cache)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workers = args.workers or 1
+    meta = {"command": "offpolicy demo " + " ".join(getattr(args, "argv", [])), "grid": "C",
+            "task": asdict(task), "model": model_cfg.to_dict(), "warmup": dict(asdict(wcfg), **winfo),
+            "machine": platform.node(), "platform": platform.platform(), "torch": torch.__version__,
+            "cpu": _cpu_model(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if args.mode == "calibrate":
+        numerics = numerics_table(task, model_cfg, state, prompts=args.eval_prompts, configs=CONFIGS_C,
+                                  bands=gridc.CANDIDATE_BANDS)
+        runs = []
+        if args.calibrate_seeds > 0:
+            base = gridc.base_config(steps=args.steps or gridc.SETTINGS["steps"],
+                                     eval_every=args.eval_every or gridc.SETTINGS["eval_every"],
+                                     grad_clip=args.grad_clip)
+            formats = _split(args.formats, "--formats", WEIGHT_FORMATS)
+            cfgs = [replace(base, arm="grpo", fleet=fl, weight_format=f, seed=args.seed + s)
+                    for s in range(args.calibrate_seeds)
+                    for fl, f in [("onpolicy", "seed")] + [("mixed", f) for f in formats]]
+            runs = _execute(cfgs, task, model_cfg, state, workers,
+                            _Progress(len(cfgs) * base.steps, len(cfgs)), lambda done: None)
+            with gzip.open(out / "calibration_runs.json.gz", "wt") as f:
+                json.dump({"meta": meta, "runs": runs}, f)
+        text = gridc.calibration_text(numerics, runs)
+        print(text)
+        (out / "calibration.json").write_text(json.dumps({"meta": meta, "numerics": numerics}, indent=1))
+        (out / "calibration.md").write_text(f"Command: `{meta['command']}`\n\n" + text)
+        return {"results": runs, "files": {}, "meta": meta, "calibration": {"numerics": numerics}}
+    seeds = args.seeds if args.seeds is not None else 30
+    base = gridc.base_config()
+    for seed in range(args.seed, args.seed + seeds):
+        path = out / f"seed{seed}.runs.json.gz"
+        if path.exists():
+            print(f"grid C: seed {seed} already in {path}, skipped", flush=True)
+            continue
+        cfgs = gridc.configs_for_seed(base, seed)
+        print(f"grid C: seed {seed}: {len(cfgs)} runs of {base.steps} steps, {workers} worker(s)", flush=True)
+        runs = _execute(cfgs, task, model_cfg, state, workers, _Progress(len(cfgs) * base.steps, len(cfgs)),
+                        lambda done: None)
+        for r in runs:
+            r["grid"] = "C"
+        tmp = path.with_suffix(".tmp")
+        with gzip.open(tmp, "wt") as f:
+            json.dump({"meta": dict(meta, seed=seed), "runs": runs}, f)
+        tmp.rename(path)
+    files = sorted(out.glob("seed*.runs.json.gz"))
+    results = []
+    for path in files:
+        with gzip.open(path, "rt") as f:
+            results += json.load(f)["runs"]
+    written = write_outputs(results, out, meta, None, plots=not args.no_plots, predictions=predictions_text)
+    print(f"grid C: {len(files)} seed file(s) in {out}/; wrote {', '.join(sorted(written))}")
+    return {"results": results, "files": written, "meta": meta}
 
 
 def _base_config(args: argparse.Namespace) -> RunConfig:

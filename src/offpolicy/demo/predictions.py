@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from offpolicy.demo.claims import (ControlRises, Direction, DoseResponse, DriftRemoved, DriftSigns, EarlierDrift,
                                    Equivalent, FinalDirection, GroupShares, KLRatio, LowestKL, NoCollapse,
-                                   Registration)
+                                   Registration, Rises)
 from offpolicy.demo.claims import judge
 from offpolicy.demo.report import DELTA, is_earlier_regime
 
@@ -70,7 +70,49 @@ EARLIER = Registration(void_rule=False, claims=(
 ))
 
 
+#: Grid C's registration (docs/demo_gridC_registration.md), committed before any grid-C history: a mixture-of-experts
+#: policy, numerics alone (staleness 0) at the primary format NVFP4, the format sweep, a staleness-4 contrast.
+#: Top-p arms are scored under the trainer's nucleus (``success_topp_mean``) against the on-policy top-p control.
+_N, _ST4 = "@mixed:nvfp4", "~st4"
+GRID_C = Registration(void_rule=True, holm=True, claims=(
+    # Headline (C1 is the primary comparison).
+    Direction("C1 GRPO (NVFP4) below the on-policy control", "grpo" + _N, "grpo@onpolicy", BELOW),
+    Equivalent("C2 SC+MIS+top-p (NVFP4) holds against the on-policy top-p control, both under their nucleus",
+               "sc_mis_topp" + _N, MARGIN, "grpo_topp@onpolicy", "success_topp_mean"),
+    Direction("C3 SC+MIS (NVFP4) above GRPO (NVFP4)", "sc_mis" + _N, "grpo" + _N, ABOVE),
+    # Routing.
+    Rises("R1 route-flip share rises BF16 < FP8 < NVFP4 < MXFP4 (GRPO)",
+          tuple(f"grpo@mixed:{f}" for f in ("bf16", "fp8", "nvfp4", "mxfp4")), "route_flip"),
+    Direction("R2 routing replay + TIS: mean KL(q||p) below GRPO's (NVFP4)", "rr_tis" + _N, "grpo" + _N, BELOW,
+              "kl_full"),
+    Direction("R3 routing replay + TIS (NVFP4) above GRPO (NVFP4)", "rr_tis" + _N, "grpo" + _N, ABOVE),
+    Equivalent("R4 routing replay adds nothing to SC+MIS+top-p (nucleus success, NVFP4)", "sc_mis_topp_rr" + _N,
+               MARGIN, "sc_mis_topp" + _N, "success_topp_mean"),
+    # The study's per-method observations ("Insights"), at NVFP4.
+    Direction("S1 GRPO: pre-clip gradient norm grows more than SC+MIS+top-p's", "grpo" + _N, "sc_mis_topp" + _N,
+              ABOVE, "grad_growth"),
+    Direction("S2a GRPO+MIS: gradient norm grows less than GRPO's", "grpo_mis" + _N, "grpo" + _N, BELOW,
+              "grad_growth"),
+    Direction("S2b GRPO+MIS: KL grows more than SC+MIS's", "grpo_mis" + _N, "sc_mis" + _N, ABOVE, "kl_growth"),
+    Direction("S3 SC: KL grows more than SC+MIS's", "sc" + _N, "sc_mis" + _N, ABOVE, "kl_growth"),
+    Equivalent("S5a SC+MIS holds (equivalent to on-policy)", "sc_mis" + _N, MARGIN),
+    Direction("S5b SC+MIS: KL grows less than GRPO's", "sc_mis" + _N, "grpo" + _N, BELOW, "kl_growth"),
+    LowestKL("S6 SC+MIS+top-p has the lowest mean KL of the NVFP4 arms", "sc_mis_topp" + _N, "nvfp4"),
+    Equivalent("S7 GRPO on the homogeneous fleet holds (equivalent to on-policy)", "grpo@homogeneous", MARGIN),
+    KLRatio("S8 NVFP4 / homogeneous KL (GRPO) >= 2", "grpo" + _N, "grpo@homogeneous", 2),
+    # Dose-response and the staleness contrast.
+    Direction("F1 GRPO: MXFP4 below BF16", "grpo@mixed:mxfp4", "grpo@mixed:bf16", BELOW),
+    Rises("F2 GRPO: mean KL(q||p) rises BF16 < FP8 < NVFP4 < MXFP4",
+          tuple(f"grpo@mixed:{f}" for f in ("bf16", "fp8", "nvfp4", "mxfp4")), "kl_full"),
+    Direction("T1 staleness 4 lowers GRPO (NVFP4) further", "grpo" + _N + _ST4, "grpo" + _N, BELOW),
+    Direction("T2 staleness 4 alone: GRPO homogeneous below on-policy", "grpo@homogeneous" + _ST4, "grpo@onpolicy",
+              BELOW),
+))
+
+
 def predictions_text(results: list[dict]) -> str:
-    """The pre-registered predictions of docs/demo.md judged from the histories: the current registration's, or
-    the earlier regime's for its histories."""
+    """The pre-registered predictions judged from the histories: grid C's for its histories (``grid`` "C"), the
+    earlier regime's for its histories, else the current registration's (grids A and B)."""
+    if any(r.get("grid") == "C" for r in results):
+        return judge(results, GRID_C)
     return judge(results, EARLIER if is_earlier_regime(results) else CURRENT)

@@ -24,7 +24,7 @@ import json
 import math
 import functools
 import statistics
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -42,10 +42,12 @@ ARM_COLORS = {"onpolicy": "#000000", "grpo": "#d62728", "grpo_mis": "#ff7f0e", "
 
 
 def config_key(cfg: dict) -> str:
-    """``arm@fleet`` (``arm@fleet:format`` when the mixed fleet's weight format is swept)."""
+    """``arm@fleet`` (``arm@fleet:format`` when the mixed fleet's weight format is swept; ``~tag`` after it when the
+    run has a tag, as grid C's staleness-4 contrast)."""
     fmt = cfg.get("weight_format", "seed")
     suffix = f":{fmt}" if cfg["fleet"] == "mixed" and fmt != "seed" else ""
-    return f"{cfg['arm']}@{cfg['fleet']}{suffix}"
+    tag = f"~{cfg['tag']}" if cfg.get("tag") else ""
+    return f"{cfg['arm']}@{cfg['fleet']}{suffix}{tag}"
 
 
 def color_key(cfg: dict) -> str:
@@ -173,10 +175,17 @@ class RunSummary:
     grad_growth: float
     entropy_start: float
     final_entropy: float
+    #: Outcomes only newer histories hold (absent from grids A and B, so their tables keep their columns):
+    #: ``success_topp_mean`` (mean exact success under the trainer's nucleus after the start), ``route_flip`` (mean
+    #: share of (token, layer) routes the trainer's router would flip, MoE only), ``abs_log_ratio`` (mean |log r|
+    #: of the sampled tokens, full distributions).
+    extra: dict[str, float] = field(default_factory=dict)
 
     def value(self, key: str) -> float:
-        """The scalar named ``key`` (a field, or a ``drift_*`` read-out)."""
-        return self.drift[key] if key.startswith("drift_") else getattr(self, key)
+        """The scalar named ``key`` (a field, a ``drift_*`` read-out, or one of :attr:`extra`)."""
+        if key.startswith("drift_"):
+            return self.drift[key]
+        return self.extra[key] if key in self.extra else getattr(self, key)
 
     def columns(self) -> dict:
         return _columns(self)
@@ -206,7 +215,19 @@ def summarize(result: dict) -> RunSummary:
         drift={k: _mean([e[k] for e in ev]) for k in ev[0] if k.startswith("drift_")},
         peak_grad_norm=max(gn), grad_growth=max(gn) / gn_first if gn_first > 0 else float("nan"),
         entropy_start=_mean(_tenth(col["entropy"], False)), final_entropy=_mean(_tenth(col["entropy"], True)),
+        extra=_extra(h, ev),
     )
+
+
+def _extra(h: list[dict], ev: list[dict]) -> dict[str, float]:
+    out = {}
+    if "success_exact_topp" in ev[0]:
+        out["success_topp_mean"] = _mean([e["success_exact_topp"] for e in ev if e["step"] > 0])
+    if "route_flip" in h[0] and not math.isnan(h[0]["route_flip"]):
+        out["route_flip"] = _mean([r["route_flip"] for r in h])
+    if "abs_log_ratio" in h[0]:
+        out["abs_log_ratio"] = _mean([r["abs_log_ratio"] for r in h])
+    return out
 
 
 AGG_KEYS = ("success_start", "success_end", "success_change", "success_mean", "pass1_end", "train_reward_end",
@@ -258,7 +279,8 @@ def aggregate(summary: list[RunSummary]) -> list[ConfigSummary]:
         out.append(ConfigSummary(
             config=key, arm=first.arm, label=first.label, fleet=first.fleet, weight_format=first.weight_format,
             seeds=len(rows), collapsed=sum(r.collapsed for r in rows), kl_blowup=sum(r.kl_blowup for r in rows),
-            estimates={k: Estimate(*mean_ci([r.value(k) for r in rows])) for k in AGG_KEYS + _drift_keys(rows)}))
+            estimates={k: Estimate(*mean_ci([r.value(k) for r in rows])) for k in AGG_KEYS + _drift_keys(rows)
+                       + tuple(k for k in first.extra if all(k in r.extra for r in rows))}))
     return out
 
 

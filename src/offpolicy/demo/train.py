@@ -12,16 +12,27 @@ Per optimizer step (version ``v`` of the trainer):
    Adam step with gradient clipping;
 5. each group receives version ``v + 1`` or not (see :mod:`offpolicy.demo.simulated_fleet`).
 
-Mismatch is measured the same way for every arm, on full distributions: each group re-scores its sessions with its
-copy (teacher forcing, the same numerics), giving the sampler's whole distribution ``q`` at every trained position
+Mismatch is measured the same way for every arm, on full distributions: each group's sessions re-scored by its
+copy (teacher forcing, the same numerics; that forward is the sampler's own last one, over the prompt and every
+answer token but the last, so it is kept rather than recomputed: :attr:`Rollout.last_logits`), giving the sampler's whole distribution ``q`` at every trained position
 (before any top-p filter). The exact ``KL(q || p)`` (``kl_full``), ``tv = 1/2 sum_v |q - p|`` and the share of
 sampled tokens whose full-distribution ratio ``p(y) / q(y)`` lies outside the study's band [0.2, 5]
 (``extreme_full``) follow. The loss's own figures (``kl_k3``, ``extreme_ratio_frac``) are on the record it was
 given: support-renormalised for the top-p arms, so they are reported separately (``*_loss`` columns).
 ``step_kl`` is the exact ``KL(p_v || p_{v+1})`` on the step's positions, the size of one update.
 
+With a mixture-of-experts policy the same re-scoring pass records each group's routes (the sampler's forward over
+the sampled sequence, in its numerics; the reference sampler re-runs the whole sequence at every step, so this is
+the computation that chose each token) and ``route_flip`` is the share of (token, layer) pairs of the trained
+positions whose expert set differs between the sampler and the trainer's own router (``route_flip_by_group`` per
+group). A routing-replay arm gives those routes to the trainer's forward (:attr:`TinyLM.replay`), so its ``p`` and
+gradient use the sampler's experts; ``route_flip`` is then what replay removed.
+
 Held-out success is measured exactly (``success_exact = mean prod_t p(y*_t)`` by teacher forcing) and by sampling
-(pass@1, pass@k), from the trainer's weights with full-vocabulary sampling, identical for every arm. At each
+(pass@1, pass@k), from the trainer's weights with full-vocabulary sampling, identical for every arm; and
+``success_exact_topp``, the exact success under the trainer's own nucleus (top-p of ``RunConfig.top_p``,
+renormalised: the probability that top-p sampling from the trainer answers correctly), the outcome that matches
+arms trained with top-p. At each
 evaluation the drift probe (:mod:`offpolicy.demo.probe`) measures the arm's expected update against every group's
 numerics at the trainer's current weights.
 """
@@ -31,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor
@@ -40,7 +51,7 @@ import offpolicy as op
 from offpolicy.demo.arms import ARMS
 from offpolicy.demo.probe import EXTREME_BAND, drift_readouts, expected_update, make_probe_set, probe_logits
 from offpolicy.demo.simulated_fleet import FLEETS, SimulatedFleet, build_fleet, describe, sampler_copy
-from offpolicy.demo.model import ModelConfig, TinyLM
+from offpolicy.demo.model import ModelConfig, TinyLM, route_flips
 from offpolicy.demo.rollout import rollout
 from offpolicy.demo.task import SortTask
 from offpolicy.demo.warmup import expected_success
@@ -68,6 +79,10 @@ class RunConfig:
             vocabulary sampling at temperature 1 (at the first and last evaluation); the exact teacher-forced
             success on the same prompts at every evaluation.
         probe_prefixes: size of the drift probe's fixed prefix set.
+        mis_bounds: None (the arm's own MIS band) or ``(lower, upper)`` replacing it in the MIS arms (a grid's
+            registered band).
+        tag: appended to the run id (``arm@fleet~tag/s<seed>``) to tell apart runs of one arm and fleet that
+            differ in another setting (grid C: ``st4`` for its staleness-4 contrast); empty for none.
     """
 
     arm: str
@@ -91,8 +106,16 @@ class RunConfig:
     eval_samples: int = 8
     pass_k: int = 4
     probe_prefixes: int = 32
+    mis_bounds: tuple[float, float] | None = None
+    tag: str = ""
 
     def __post_init__(self) -> None:
+        if self.mis_bounds is not None:
+            lo, hi = self.mis_bounds
+            if not (0 <= lo < 1 < hi and math.isfinite(hi)):
+                raise ValueError(f"mis_bounds must be (lower, upper) with 0 <= lower < 1 < upper, got {self.mis_bounds}")
+        if any(c in self.tag for c in "/@:~ "):
+            raise ValueError(f"tag must not contain '/', '@', ':', '~' or spaces, got {self.tag!r}")
         if self.arm not in ARMS:
             raise ValueError(f"arm must be one of {list(ARMS)}, got {self.arm!r}")
         if self.fleet not in FLEETS:
@@ -116,7 +139,15 @@ class RunConfig:
     @property
     def run_id(self) -> str:
         fmt = f":{self.weight_format}" if self.fleet == "mixed" and self.weight_format != "seed" else ""
-        return f"{self.arm}@{self.fleet}{fmt}/s{self.seed}"
+        tag = f"~{self.tag}" if self.tag else ""
+        return f"{self.arm}@{self.fleet}{fmt}{tag}/s{self.seed}"
+
+    def correction(self) -> op.Correction:
+        """The arm's correction, with ``mis_bounds`` as its MIS band when set."""
+        c = ARMS[self.arm].correction
+        if self.mis_bounds is not None and c.weights == "mis":
+            c = replace(c, bounds=tuple(self.mis_bounds))
+        return c
 
 
 def pass_at_k(n: int, c: Tensor, k: int) -> Tensor:
@@ -136,12 +167,15 @@ def evaluate(model: TinyLM, task: SortTask, cfg: RunConfig, numbers: Tensor, gen
     pass@1 / pass@k by full-vocabulary sampling at temperature 1 (nan without)."""
     # The scratchpad (if any) is drawn from a fixed generator: every arm and step sees the same random numbers.
     exact = float(expected_success(model, task, numbers, torch.Generator().manual_seed(EVAL_PROMPT_SEED + 1)).mean())
+    nucleus = float(expected_success(model, task, numbers, torch.Generator().manual_seed(EVAL_PROMPT_SEED + 1),
+                                     top_p=cfg.top_p).mean())
     if not sampled:
-        return {"success_exact": exact, "pass@1": math.nan, f"pass@{cfg.pass_k}": math.nan}
+        return {"success_exact": exact, "success_exact_topp": nucleus, "pass@1": math.nan,
+                f"pass@{cfg.pass_k}": math.nan}
     prompts = task.prompts(numbers).repeat_interleave(cfg.eval_samples, dim=0)
     out = rollout(model, prompts, task.answer_len, temperature=1.0, top_p=1.0, head_k=1, generator=gen)
     correct = task.reward(prompts, out.tokens).view(-1, cfg.eval_samples).sum(1)
-    return {"success_exact": exact, "pass@1": float(pass_at_k(cfg.eval_samples, correct, 1).mean()),
+    return {"success_exact": exact, "success_exact_topp": nucleus, "pass@1": float(pass_at_k(cfg.eval_samples, correct, 1).mean()),
             f"pass@{cfg.pass_k}": float(pass_at_k(cfg.eval_samples, correct, cfg.pass_k).mean())}
 
 
@@ -149,14 +183,16 @@ def probe_drift(trainer: TinyLM, groups: list, task: SortTask, cfg: RunConfig, p
     """The drift probe's read-outs for this run's arm at both advantage signs (``<name>_pos`` at correct prefixes
     with a = +1, ``<name>_neg`` at wrong ones with a = -1), averaged over the groups by capacity; each group's
     ``q`` is its numerics applied to the trainer's current weights (staleness aside)."""
-    arm = ARMS[cfg.arm]
+    arm = replace(ARMS[cfg.arm], correction=cfg.correction())
     with torch.no_grad():
         z = probe_logits(trainer, task, probes) / cfg.temperature
     total = sum(g.group.capacity for g in groups)
     out: dict[str, float] = {}
+    memo: dict = {}
     for g in groups:
         with torch.no_grad():
-            logq = torch.log_softmax(probe_logits(sampler_copy(trainer, g), task, probes) / cfg.temperature, -1)
+            logq = torch.log_softmax(probe_logits(sampler_copy(trainer, g, memo), task, probes) / cfg.temperature,
+                                     -1)
         for sign, suffix in ((1.0, "_pos"), (-1.0, "_neg")):
             rows = probes.advantage == sign
             u = expected_update(z[rows], logq[rows], arm, cfg.top_p, cfg.head_k, advantage=sign)
@@ -174,6 +210,9 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
     arm = ARMS[cfg.arm]
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
+    if arm.route_replay and not model_cfg.is_moe:
+        raise ValueError(f"arm {cfg.arm!r} replays MoE routes: the policy needs experts (ModelConfig.n_experts > 0)")
+    correction = cfg.correction()
     trainer = TinyLM(model_cfg)
     trainer.load_state_dict(init_state)
     opt = torch.optim.Adam(trainer.parameters(), lr=cfg.lr)
@@ -186,7 +225,7 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
     top_p = cfg.top_p if arm.top_p else 1.0
     fleet_metrics = FleetMetrics([g.group for g in groups])
     totals = {k: torch.zeros(n_groups, dtype=torch.float64)
-              for k in ("tokens", "tv", "kl_full", "extreme_full", "staleness")}
+              for k in ("tokens", "tv", "kl_full", "extreme_full", "staleness", "route_flip")}
     probes = make_probe_set(task, cfg.probe_prefixes, PROBE_SEED)
     history: list[dict] = []
 
@@ -210,6 +249,9 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
         tokens = torch.empty(b, L, dtype=torch.int64)
         lq = torch.empty(b, L)
         q_full = torch.empty(b, L, task.vocab_size)
+        seq_len = task.prompt_len + L - 1
+        routes = (torch.empty(b, seq_len, model_cfg.n_layers, model_cfg.top_k, dtype=torch.int64)
+                  if model_cfg.is_moe else None)
         records = []
         for g in range(n_groups):
             idx = (group_of == g).nonzero().squeeze(1)
@@ -219,7 +261,13 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
                           head_k=cfg.head_k, generator=gen)
             tokens[idx], lq[idx] = out.tokens, out.logprobs
             records.append((idx, out.cand_ids, out.cand_logprobs))
-            q_full[idx] = _rescore(fleet.models[g], prompts[idx], out.tokens, cfg.temperature)
+            if out.last_logits is not None:
+                # The sampler's last forward is the re-scoring forward (same input, same copy): no second pass.
+                q_full[idx] = torch.softmax(out.last_logits[:, task.prompt_len - 1:].float() / cfg.temperature, -1)
+            else:
+                q_full[idx] = _rescore(fleet.models[g], prompts[idx], out.tokens, cfg.temperature)
+            if routes is not None:
+                routes[idx] = fleet.models[g].last_routes
         width = max(r[1].shape[-1] for r in records)
         cand_ids = torch.full((b, L, width), -1, dtype=torch.int64)
         cand_lp = torch.full((b, L, width), -math.inf)
@@ -231,14 +279,19 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
         adv = op.advantages.grpo(rewards, prompt_ids)
 
         seq = torch.cat([prompts, tokens], dim=1)
+        trainer.replay = routes if arm.route_replay else None
         logits = trainer(seq[:, :-1])[:, task.prompt_len - 1:].reshape(b * L, -1)
+        if routes is not None:
+            # (token, layer) pairs at the trained positions whose expert set the trainer's own router would change.
+            flips = route_flips(trainer.last_natural_routes, routes)[:, task.prompt_len - 1:].float().mean(-1)
+            flips = flips.reshape(-1)
         seq_ids = torch.arange(b).repeat_interleave(L)
         tok_group = group_of.repeat_interleave(L)
         res = op.policy_loss(
             logits, tokens.reshape(-1), lq.reshape(-1), adv[seq_ids],
             candidates=op.Candidates(cand_ids.reshape(b * L, -1), cand_lp.reshape(b * L, -1),
                                      kind=arm.record_kind),
-            temperature=cfg.temperature, correction=arm.correction, seq_ids=seq_ids, groups=tok_group,
+            temperature=cfg.temperature, correction=correction, seq_ids=seq_ids, groups=tok_group,
             versions=versions_g[tok_group], current_version=step,
         )
         opt.zero_grad(set_to_none=True)
@@ -252,6 +305,7 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
         with torch.no_grad():
             logp_new = torch.log_softmax(trainer(seq[:, :-1])[:, task.prompt_len - 1:].reshape(b * L, -1).float()
                                          / cfg.temperature, dim=-1)
+        trainer.replay = None
 
         with torch.no_grad():
             logp = torch.log_softmax(logits.detach().float() / cfg.temperature, dim=-1)
@@ -268,7 +322,10 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
             fleet_metrics.update(tok_group, lq.reshape(-1), res.logprobs, seq_ids=seq_ids)
             stale = (step - versions_g[tok_group]).to(torch.float64)
             totals["tokens"] += torch.bincount(tok_group, minlength=n_groups)
-            for key, val in (("tv", tv), ("kl_full", kl_full), ("extreme_full", extreme), ("staleness", stale)):
+            per_token = [("tv", tv), ("kl_full", kl_full), ("extreme_full", extreme), ("staleness", stale)]
+            if routes is not None:
+                per_token.append(("route_flip", flips))
+            for key, val in per_token:
                 totals[key] += torch.bincount(tok_group, weights=val.to(torch.float64), minlength=n_groups)
         m = res.metrics
         row = {
@@ -278,6 +335,9 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
             "extreme_full": float(extreme.mean()),
             "extreme_by_group": _per_group_mean(extreme, tok_group, n_groups),
             "tv": float(tv.mean()),
+            "abs_log_ratio": float(log_ratio.abs().mean()),
+            "route_flip": float(flips.mean()) if routes is not None else math.nan,
+            "route_flip_by_group": _per_group_mean(flips, tok_group, n_groups) if routes is not None else [],
             "step_kl": float(step_kl.mean()),
             "kl_k3_loss": float(m["kl_k3"]),
             "extreme_loss": float(m["extreme_ratio_frac"]),
@@ -286,7 +346,7 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
             "entropy": float(entropy.mean()),
             "weight_mean": float(m["weight_mean"]),
             "masked_frac": float(m["ratio_below_lower_frac"] + m["ratio_above_upper_frac"])
-            if arm.correction.weights == "mis" else 0.0,
+            if correction.weights == "mis" else 0.0,
             "support_size": float(m["support_size"]) if "support_size" in m else float("nan"),
             "staleness": float((step - versions_g[tok_group]).float().mean()),
             "loss": float(res.loss.detach()),
@@ -312,6 +372,7 @@ def run(cfg: RunConfig, task: SortTask, model_cfg: ModelConfig, init_state: dict
             kl_full=float(totals["kl_full"][i] / tok[i]),
             tv=float(totals["tv"][i] / tok[i]),
             staleness=float(totals["staleness"][i] / tok[i]),
+            route_flip=float(totals["route_flip"][i] / tok[i]) if model_cfg.is_moe else math.nan,
             share_extreme_loss=row.share_extreme,
             kl_k3_loss=row.kl_k3,
         ))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import warnings
 from dataclasses import asdict, dataclass
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from offpolicy.demo.model import ModelConfig, TinyLM
 from offpolicy.demo.task import SortTask
+from offpolicy.fleet.sampler import support_mask
 
 CACHE_FORMAT = 1
 #: The library's cache root (the CPU kernels build under it too); the demo's warm-ups go to its ``demo/`` folder.
@@ -82,11 +84,15 @@ class WarmupConfig:
 
 
 def expected_success(model: TinyLM, task: SortTask, numbers: torch.Tensor,
-                     generator: torch.Generator | None = None) -> torch.Tensor:
+                     generator: torch.Generator | None = None, top_p: float = 1.0) -> torch.Tensor:
     """``[B]`` fp32 probability that temperature-1 full-vocabulary sampling answers each prompt of
     ``numbers [B, n]`` correctly: exact for the plain task; with a scratchpad (``task.scratch > 0``) the scratchpad
     is sampled from ``model`` with ``generator`` (required) and the scored answer's probability after it is exact,
-    an unbiased one-draw estimate."""
+    an unbiased one-draw estimate. With ``top_p < 1`` the answer's tokens are scored under the model's nucleus
+    (:func:`offpolicy.fleet.sampler.support_mask`, renormalised; 0 when a target token falls outside it): the
+    success of top-p sampling (the scratchpad is still drawn from the full distribution)."""
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"expected_success: top_p must lie in (0, 1], got {top_p}")
     prefix = task.prompts(numbers)
     if task.scratch:
         if generator is None:
@@ -100,6 +106,10 @@ def expected_success(model: TinyLM, task: SortTask, numbers: torch.Tensor,
         logits = model(seq[:, :-1]).float()
     start = task.prompt_len + task.scratch
     logp = torch.log_softmax(logits[:, start - 1:], dim=-1)
+    if top_p < 1.0:
+        flat = logp.reshape(-1, logp.shape[-1])
+        keep = support_mask(flat, top_p=top_p).view_as(logp)
+        logp = torch.log_softmax(logp.masked_fill(~keep, -math.inf), dim=-1)
     tgt = seq[:, start:]
     return logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).sum(1).exp()
 

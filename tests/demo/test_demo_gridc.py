@@ -1,0 +1,91 @@
+"""Grid C's definition and registration: the registered claims name runs the grid makes, Holm's correction and the
+p-values that match the interval rule, and every registration committed before the first history of its grid."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from offpolicy.demo.claims import direction_p, equivalence_p, holm
+from offpolicy.demo.report import PairedDifference, config_key, t_quantile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_grid_c_claims_name_runs_of_the_grid():
+    from dataclasses import asdict, fields
+
+    from offpolicy.demo import gridc
+    from offpolicy.demo.predictions import GRID_C
+
+    cfgs = gridc.configs_for_seed(gridc.base_config(), 3)
+    keys = [config_key(asdict(c)) for c in cfgs]
+    assert len(set(keys)) == len(keys) == 18 and len({c.run_id for c in cfgs}) == 18
+    assert all(c.seed == 3 for c in cfgs)
+    assert {c.staleness for c in cfgs if c.tag == "st4"} == {4.0} and {c.staleness for c in cfgs if not c.tag} == {0}
+    labels = [c.label for c in GRID_C.claims]
+    assert len(set(labels)) == len(labels)
+    for claim in GRID_C.claims:
+        for f in fields(claim):
+            value = getattr(claim, f.name)
+            named = [value] if f.name in ("a", "b", "config", "base") else list(value) if f.name == "configs" else []
+            for key in named:
+                assert key in keys, (claim.label, key)
+
+
+def _pair(diff, sd, n):
+    return PairedDifference("a", "b", "success_mean", n, diff, t_quantile(0.975, n - 1) * sd / math.sqrt(n))
+
+
+@pytest.mark.parametrize("diff", [-0.03, -0.011, -0.004, 0.0, 0.004, 0.011, 0.03])
+def test_p_values_agree_with_the_interval_rule(diff):
+    d = _pair(diff, 0.02, 20)
+    for want in (-1, 1):
+        hit = (d.diff + d.ci < 0) if want < 0 else (d.diff - d.ci > 0)
+        assert (direction_p(d, want) < 0.05) == hit
+    inside = -0.01 <= d.diff - d.ci and d.diff + d.ci <= 0.01
+    assert (equivalence_p(d, 0.01) < 0.05) == inside
+    assert direction_p(PairedDifference("a", "b", "success_mean", 1, diff, math.nan), 1) is None
+
+
+def test_holm_step_down():
+    # sorted: 0.005 <= 0.05/4, 0.01 <= 0.05/3, 0.03 > 0.05/2 stops (0.04 is not rejected though <= 0.05/1)
+    assert holm([0.01, 0.04, 0.03, 0.005]) == [True, False, False, True]
+    assert holm([0.2, 0.3]) == [False, False] and holm([0.01, 0.02]) == [True, True] and holm([]) == []
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+#: (grid, how its registration's commits are found, the folder of its histories). Grids A and B: the commit that
+#: added the registration's section to docs/demo.md (which later took the results); grid C: every commit of its own
+#: registration file, which is never edited once a history exists.
+REGISTRATIONS = [
+    ("A", ("-S## Pre-registration of the current regime", "docs/demo.md"), "docs/demo_results/full_gridA"),
+    ("B", ("-S## Pre-registration of the current regime", "docs/demo.md"), "docs/demo_results/full_gridB"),
+    ("C", ("--follow", "docs/demo_gridC_registration.md"), "docs/demo_results/gridC"),
+]
+
+
+@pytest.mark.parametrize("grid, how, data", REGISTRATIONS, ids=[r[0] for r in REGISTRATIONS])
+def test_registration_is_committed_before_the_first_history(grid, how, data):
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs the git history of a checkout")
+    option, path = how
+    reg = _git("log", option, "--reverse", "--format=%H", "--", path).splitlines()
+    assert reg, f"grid {grid}: no commit adds its registration ({path})"
+    first_data = _git("log", "--diff-filter=A", "--reverse", "--format=%H", "--", f"{data}/*.runs.json.gz",
+                      f"{data}/runs.json.gz").splitlines()
+    if grid != "C":
+        assert first_data, f"grid {grid}: no committed history under {data}"
+    if first_data:
+        # strictly earlier: each registration commit is an ancestor of, and not, the first history's commit
+        for commit in reg if grid == "C" else reg[:1]:
+            assert commit != first_data[0], f"grid {grid}: registration and first history in one commit"
+            ok = subprocess.run(["git", "merge-base", "--is-ancestor", commit, first_data[0]], cwd=ROOT).returncode
+            assert ok == 0, f"grid {grid}: registration commit {commit[:8]} is not before the first history"
