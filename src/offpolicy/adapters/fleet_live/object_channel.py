@@ -24,11 +24,11 @@ from torch import Tensor
 from offpolicy.adapters.fleet_live.weight_sync import (
     WEIGHTS_FILE,
     _check_version,
+    check_channel_settings,
     check_publish,
     group_checkpoint,
     private_folder,
 )
-from offpolicy.fleet.quant import FAKE_FORMATS
 
 
 class ObjectStore(Protocol):
@@ -215,18 +215,9 @@ class ObjectStoreWeightChannel:
 
     def __init__(self, store: ObjectStore, prefix: str = "weights", keep: int | None = 4,
                  formats: Iterable[str] = (), dtype: torch.dtype = torch.float32):
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"keep must be None or an integer >= 1, got {keep!r}")
         if not isinstance(prefix, str) or not prefix or prefix.startswith("/") or prefix.endswith("/"):
             raise ValueError(f"prefix must be a non-empty key without a leading or trailing '/', got {prefix!r}")
-        if isinstance(formats, str):
-            raise ValueError(f"formats must be a collection of format names, got the string {formats!r}")
-        formats = tuple(dict.fromkeys(formats))
-        bad = [f for f in formats if f not in FAKE_FORMATS]
-        if bad:
-            raise ValueError(f"formats must be among {FAKE_FORMATS}, got {bad}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        formats = check_channel_settings(keep, formats, dtype)
         self.store, self.prefix, self.keep, self.formats, self.dtype = store, prefix, keep, formats, dtype
         self.quantised = 0
         self.bytes_written = 0

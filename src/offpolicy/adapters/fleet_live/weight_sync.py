@@ -77,16 +77,7 @@ class DiskWeightChannel:
 
     def __init__(self, root: str | os.PathLike, keep: int | None = 4, formats: Iterable[str] = (),
                  dtype: torch.dtype = torch.float32):
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"keep must be None or an integer >= 1, got {keep!r}")
-        if isinstance(formats, str):
-            raise ValueError(f"formats must be a collection of format names, got the string {formats!r}")
-        formats = tuple(dict.fromkeys(formats))
-        bad = [f for f in formats if f not in FAKE_FORMATS]
-        if bad:
-            raise ValueError(f"formats must be among {FAKE_FORMATS}, got {bad}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        formats = check_channel_settings(keep, formats, dtype)
         self.root, self.keep, self.formats, self.dtype = Path(root), keep, formats, dtype
         self.quantised = 0
         self.bytes_written = 0
@@ -180,6 +171,23 @@ def _check_version(version: int) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version must be an integer >= 0, got {version!r}")
     return version
+
+
+def check_channel_settings(keep: object, formats: Iterable[str], dtype: object) -> tuple[str, ...]:
+    """A weight channel's settings checked at its construction (the disk and object-store channels share them):
+    ``keep`` ``None`` or an integer >= 1, ``formats`` a collection of fake-quantiser format names, ``dtype`` a floating
+    torch dtype. Returns the formats de-duplicated in order."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be None or an integer >= 1, got {keep!r}")
+    if isinstance(formats, str):
+        raise ValueError(f"formats must be a collection of format names, got the string {formats!r}")
+    formats = tuple(dict.fromkeys(formats))
+    bad = [f for f in formats if f not in FAKE_FORMATS]
+    if bad:
+        raise ValueError(f"formats must be among {FAKE_FORMATS}, got {bad}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    return formats
 
 
 def check_publish(state_dict: Mapping[str, Tensor], version: int, newest: int | None) -> int:
