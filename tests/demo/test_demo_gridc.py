@@ -89,3 +89,47 @@ def test_registration_is_committed_before_the_first_history(grid, how, data):
             assert commit != first_data[0], f"grid {grid}: registration and first history in one commit"
             ok = subprocess.run(["git", "merge-base", "--is-ancestor", commit, first_data[0]], cwd=ROOT).returncode
             assert ok == 0, f"grid {grid}: registration commit {commit[:8]} is not before the first history"
+
+
+def test_a_grid_c_seed_cut_short_resumes_at_its_first_missing_run(tmp_path):
+    """A seed interrupted after its second run keeps both in its partial file; the rerun makes only the rest, and
+    the seed's file holds every run once, in the grid's order, the partial file gone."""
+    import gzip
+    import json
+
+    from offpolicy.demo import gridc
+    from offpolicy.demo.cli import PARTIAL_SUFFIX, run_grid_c_seed
+
+    cfgs = gridc.configs_for_seed(gridc.base_config(), 3)
+    made = []
+
+    def execute(todo, on_done, stop_after=None):
+        finished = []
+        for c in todo:
+            if stop_after is not None and len(finished) == stop_after:
+                raise KeyboardInterrupt
+            made.append(c.run_id)
+            finished.append({"run_id": c.run_id, "history": [c.seed]})
+            on_done(finished)
+        return finished
+
+    with pytest.raises(KeyboardInterrupt):
+        run_grid_c_seed(3, cfgs, tmp_path, {"seed": 3}, lambda t, d: execute(t, d, stop_after=2))
+    partial = tmp_path / f"seed3{PARTIAL_SUFFIX}"
+    with gzip.open(partial, "rt") as f:
+        assert [r["run_id"] for r in json.load(f)["runs"]] == [c.run_id for c in cfgs[:2]]
+    assert not (tmp_path / "seed3.runs.json.gz").exists()
+    made.clear()
+    path = run_grid_c_seed(3, cfgs, tmp_path, {"seed": 3}, execute)
+    assert made == [c.run_id for c in cfgs[2:]]
+    with gzip.open(path, "rt") as f:
+        runs = json.load(f)["runs"]
+    assert [r["run_id"] for r in runs] == [c.run_id for c in cfgs] and all(r["grid"] == "C" for r in runs)
+    assert not partial.exists()
+    made.clear()
+    assert run_grid_c_seed(3, cfgs, tmp_path, {"seed": 3}, execute) == path and made == []
+    # a partial file of another seed's runs is refused, not mixed in
+    with gzip.open(tmp_path / f"seed4{PARTIAL_SUFFIX}", "wt") as f:
+        json.dump({"runs": runs[:1]}, f)
+    with pytest.raises(ValueError, match="belongs to another grid"):
+        run_grid_c_seed(4, gridc.configs_for_seed(gridc.base_config(), 4), tmp_path, {}, execute)

@@ -392,21 +392,14 @@ def _grid_c(args: argparse.Namespace) -> dict:
     seeds = args.seeds if args.seeds is not None else 30
     base = gridc.base_config()
     for seed in range(args.seed, args.seed + seeds):
-        path = out / f"seed{seed}.runs.json.gz"
-        if path.exists():
-            print(f"grid C: seed {seed} already in {path}, skipped", flush=True)
-            continue
         cfgs = gridc.configs_for_seed(base, seed)
-        print(f"grid C: seed {seed}: {len(cfgs)} runs of {base.steps} steps, {workers} worker(s)", flush=True)
-        runs = _execute(cfgs, task, model_cfg, state, workers, _Progress(len(cfgs) * base.steps, len(cfgs)),
-                        lambda done: None)
-        for r in runs:
-            r["grid"] = "C"
-        tmp = path.with_suffix(".tmp")
-        with gzip.open(tmp, "wt") as f:
-            json.dump({"meta": dict(meta, seed=seed), "runs": runs}, f)
-        tmp.rename(path)
-    files = sorted(out.glob("seed*.runs.json.gz"))
+        run_grid_c_seed(seed, cfgs, out, dict(meta, seed=seed),
+                        lambda todo, on_done: _execute(todo, task, model_cfg, state, workers,
+                                                       _Progress(len(todo) * base.steps, len(todo)), on_done))
+    files = sorted(p for p in out.glob("seed*.runs.json.gz") if not p.name.endswith(PARTIAL_SUFFIX))
+    if not files:
+        print(f"grid C: no complete seed in {out}/ yet: nothing to report")
+        return {"results": [], "files": {}, "meta": meta}
     results = []
     for path in files:
         with gzip.open(path, "rt") as f:
@@ -414,6 +407,58 @@ def _grid_c(args: argparse.Namespace) -> dict:
     written = write_outputs(results, out, meta, None, plots=not args.no_plots, predictions=predictions_text)
     print(f"grid C: {len(files)} seed file(s) in {out}/; wrote {', '.join(sorted(written))}")
     return {"results": results, "files": written, "meta": meta}
+
+
+#: Suffix of a grid-C seed's file of finished runs while the seed is incomplete (``seedK.partial.runs.json.gz``).
+PARTIAL_SUFFIX = ".partial.runs.json.gz"
+
+
+def run_grid_c_seed(seed: int, cfgs: list, out: Path, meta: dict, execute) -> Path:
+    """Run the grid-C configurations ``cfgs`` of one seed, resumable run by run; return the seed's file.
+
+    Every finished run is written at once to ``seedK.partial.runs.json.gz`` (a seed cut short by the end of a
+    session keeps its finished runs); a rerun skips the runs that file holds (by ``run_id``: each run is a pure
+    function of its configuration, so a resumed seed equals an uninterrupted one). When every run is there, the
+    seed's ``seedK.runs.json.gz`` is written and the partial file removed. ``execute(todo, on_done)`` runs the
+    configurations ``todo`` and calls ``on_done(finished_so_far)`` after each.
+    """
+    path = out / f"seed{seed}.runs.json.gz"
+    partial = out / f"seed{seed}{PARTIAL_SUFFIX}"
+    if path.exists():
+        print(f"grid C: seed {seed} already in {path}, skipped", flush=True)
+        return path
+    done: list[dict] = []
+    if partial.exists():
+        with gzip.open(partial, "rt") as f:
+            done = json.load(f)["runs"]
+    wanted = [c.run_id for c in cfgs]
+    stray = sorted({r["run_id"] for r in done} - set(wanted))
+    if stray:
+        raise ValueError(f"{partial}: holds runs that seed {seed} does not make ({', '.join(stray)}); "
+                         "it belongs to another grid: move it away")
+    have = {r["run_id"] for r in done}
+    todo = [c for c in cfgs if c.run_id not in have]
+    print(f"grid C: seed {seed}: {len(todo)} of {len(cfgs)} runs to go"
+          + (f" ({len(have)} finished in {partial.name})" if have else ""), flush=True)
+
+    def write(target: Path, runs: list[dict]) -> None:
+        tmp = target.with_name(target.name + ".tmp")
+        with gzip.open(tmp, "wt") as f:
+            json.dump({"meta": meta, "runs": runs}, f)
+        tmp.replace(target)
+
+    def on_done(finished: list[dict]) -> None:
+        for r in finished:
+            r["grid"] = "C"
+        write(partial, done + finished)
+
+    finished = execute(todo, on_done) if todo else []
+    for r in finished:
+        r["grid"] = "C"
+    by_id = {r["run_id"]: r for r in done + finished}
+    write(path, [by_id[i] for i in wanted])
+    partial.unlink(missing_ok=True)
+    return path
 
 
 def _base_config(args: argparse.Namespace) -> RunConfig:
