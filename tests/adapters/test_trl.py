@@ -261,12 +261,12 @@ def _support_reference(scores: torch.Tensor, tokens: torch.Tensor):
     return rows, [logq[i, r] for i, r in enumerate(rows)], logq.gather(1, tokens[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("path", ["topk", "sort"])
+@pytest.mark.parametrize("path", ["topk", "mask"])
 def test_records_from_scores_support_matches_the_float64_reference(path, monkeypatch):
-    """The topk extraction and the sort fallback give the same ids (exactly) and log q (fp32: 1e-6 absolute + 1e-6
-    relative, a few ulps) as a float64 recomputation, on supports of varied size per row (top_p, top_k, min_p
+    """The topk extraction and the finite-mask path give the same ids (exactly) and log q (fp32: 1e-6 absolute +
+    1e-6 relative, a few ulps) as a float64 recomputation, on supports of varied size per row (top_p, top_k, min_p
     shapes, a row with one id)."""
-    if path == "sort":
+    if path == "mask":
         monkeypatch.setattr(trl_adapter, "TOPK_SUPPORT_MAX", 0)
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 400, generator=g) * 3  # widest support 300 < V: the topk path applies
@@ -295,6 +295,54 @@ def test_records_from_scores_topk_path_falls_back_when_a_non_finite_score_displa
     scores[0, 20], scores[1, 30] = float("inf"), float("nan")
     _, c = records_from_scores(scores, torch.tensor([3, 7]), "support", 4)
     assert c.ids.tolist() == [[3, 9, -1], [4, 7, 8]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_support_record_at_any_width_matches_the_float64_reference(dtype):
+    """Generation's CSR support record (:func:`support_record`) on one batch whose rows range from 1 id to the whole
+    vocabulary (K = V, K = V - 1, past and below TOPK_SUPPORT_MAX) and on the narrow batch the ``topk`` path takes:
+    ids exact and ascending, log q and the sampled tokens' lq within the dtype's tolerance of float64 (the scores
+    as given, upcast), a token outside its support -inf, and exactly 12 |S_t| + 8 bytes per token."""
+    from offpolicy.adapters.trl import support_record
+
+    v = 1500
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(7, v, generator=g) * 2).to(dtype)
+    scores = logits.clone()
+    order = logits.float().argsort(-1, descending=True)
+    for i, k in enumerate([v, v - 1, 1, 1100, 3, 1024, 600]):
+        scores[i].scatter_(0, order[i, k:], float("-inf"))
+    tokens = torch.stack([torch.multinomial(torch.softmax(r.float(), -1), 1, generator=g)[0] for r in scores])
+    tokens[6] = order[6, 700]  # outside its support (the sampler would never; the record says -inf)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-5, rtol=1e-5)
+    for batch in (slice(None), slice(2, 4)):  # every width (finite-mask path) / narrow rows only (topk path)
+        s, t = scores[batch], tokens[batch]
+        lq, rec = support_record(s, t)
+        ids_ref, lq_ref_rows, lq_ref = _support_reference(s.float(), t)
+        assert rec.kind == "support" and rec.ids.dtype == torch.int64 and rec.logprobs.dtype == torch.float32
+        for i in range(s.shape[0]):
+            a, b = int(rec.offsets[i]), int(rec.offsets[i + 1])
+            assert torch.equal(rec.ids[a:b], ids_ref[i])
+            assert torch.allclose(rec.logprobs[a:b].double(), lq_ref_rows[i], **tol)
+        assert torch.allclose(lq.double(), lq_ref, **tol)  # -inf where the token is outside its support
+        nbytes = sum(x.element_size() * x.numel() for x in (rec.ids, rec.offsets, rec.logprobs))
+        assert nbytes == 12 * rec.nnz + 8 * (s.shape[0] + 1)
+    assert bool(torch.isneginf(support_record(scores, tokens)[0][6]))
+
+
+def test_support_record_ignores_non_finite_scores_outside_the_support_at_wide_rows():
+    """``+inf`` / ``nan`` scores are not support entries and do not reach the normaliser on the finite-mask path
+    (wide rows) either."""
+    from offpolicy.adapters.trl import support_record
+
+    scores = torch.randn(2, 3000)
+    scores[0, 5], scores[1, 9] = float("inf"), float("nan")
+    scores[1, 100:200] = float("-inf")
+    lq, rec = support_record(scores, torch.tensor([0, 1]))
+    ref = torch.where(torch.isfinite(scores), scores, float("-inf")).double().log_softmax(-1)
+    assert rec.lengths.tolist() == [2999, 2899] and 5 not in rec.ids[:2999].tolist()
+    assert torch.allclose(lq.double(), ref[[0, 1], [0, 1]], atol=1e-6)
+    assert torch.allclose(rec.logprobs.double(), ref[torch.isfinite(scores)], atol=1e-6)
 
 
 def test_rejects_unsupported_options():
@@ -686,3 +734,76 @@ def test_generation_config_suppress_tokens_are_replayed_by_the_support_record():
     got = sum(float(s["loss"]) for s in window)
     ref = float(_reference(window, corr, "support", "token_mean", temperature=0.9))
     assert math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-6), (got, ref)
+
+
+def _vllm_records_per_token(completion, logprobs, token_ids, record, head_k):
+    """The per-token parsing the colocate path used before (a dict per token), kept as the reference."""
+    lq_row, cand_ids, cand_lq = [], [], []
+    for tok, lp, tid in zip(completion, logprobs, token_ids):
+        entries = {int(i): (float("-inf") if v is None else float(v)) for i, v in zip(tid, lp)}
+        lq_row.append(entries[tok])
+        finite = {i: v for i, v in entries.items() if v > float("-inf")}
+        keep = sorted(finite) if record == "support" else sorted(entries, key=lambda i: -entries[i])[:head_k]
+        cand_ids.append(keep)
+        cand_lq.append([entries[i] for i in keep])
+    return lq_row, cand_ids, cand_lq
+
+
+def _trl_vllm_output(g, v, t, n, filtered):
+    """One completion as TRL's ``VLLMGeneration.generate`` returns it with ``logprobs=n``: per token the top ``n``
+    entries by rank plus the sampled token when it is outside them, masked tokens ``-inf`` when ``filtered``."""
+    completion, lps, tids = [], [], []
+    for _ in range(t):
+        logits = torch.randn(v, generator=g) * 2
+        logq = torch.log_softmax(logits, -1)
+        if filtered:
+            cut = int(torch.randint(1, v, (1,), generator=g))
+            order = logits.argsort(descending=True)
+            logq = torch.full_like(logq, float("-inf")).scatter(0, order[:cut], torch.log_softmax(logits[order[:cut]], -1))
+        tok = int(torch.multinomial(logq.exp(), 1, generator=g))
+        top = logq.argsort(descending=True, stable=True)[:n].tolist()
+        if tok not in top:
+            top.append(tok)
+        completion.append(tok)
+        tids.append(top)
+        lps.append([float(logq[i]) for i in top])
+    return completion, lps, tids
+
+
+@pytest.mark.parametrize("record", ["support", "head", "logprobs"])
+def test_vllm_row_records_match_the_per_token_parsing(record):
+    """The vectorised parsing of vLLM's returned log-probs (colocate) gives the per-token dict parsing's records
+    exactly: the sampled tokens' lq, and per token the support's ids ascending or the head's top ``head_k``."""
+    from offpolicy.adapters.trl import vllm_row_records
+
+    g = torch.Generator().manual_seed(11)
+    v = 40
+    filtered = record == "support"
+    completion, lps, tids = _trl_vllm_output(g, v, 9, v if filtered else 6, filtered)
+    lps[3][1] = None if record != "support" else lps[3][1]  # vLLM's NaN, read as -inf
+    if record == "head":
+        lps[3][1] = lps[3][0]  # a tie: the order vLLM returned wins
+    lq, rec = vllm_row_records(completion, lps, tids, record, 4, v)
+    ref_lq, ref_ids, ref_lq_rows = _vllm_records_per_token(completion, lps, tids, record, 4)
+    assert lq.tolist() == [torch.tensor(x, dtype=torch.float32).item() for x in ref_lq]
+    if record == "logprobs":
+        assert rec is None
+        return
+    assert rec.kind == record and rec.lengths.tolist() == [len(r) for r in ref_ids]
+    assert rec.ids.tolist() == [i for r in ref_ids for i in r]
+    assert rec.logprobs.tolist() == [torch.tensor(x, dtype=torch.float32).item() for r in ref_lq_rows for x in r]
+
+
+def test_vllm_row_records_refuse_what_the_per_token_parsing_refused():
+    from offpolicy.adapters.trl import vllm_row_records
+
+    ids, lps = [[3, 1], [2, 0]], [[-0.1, -2.5], [-0.3, -1.4]]
+    with pytest.raises(RuntimeError, match=r"did not return the sampled token's log-prob \(row 2, step 1\)"):
+        vllm_row_records([3, 1], lps, ids, "support", 4, 10, row=2)
+    with pytest.raises(ValueError, match=r"all inside the support \(row 0, step 0\)"):
+        vllm_row_records([3, 2], lps, ids, "support", 4, 10)
+    vllm_row_records([3, 2], lps, ids, "support", 4, 2)  # every id returned: the support is the vocabulary
+    with pytest.raises(ValueError, match="record='head' needs unfiltered sampling"):
+        vllm_row_records([3, 2], [[-0.1, float("-inf")], [-0.3, -1.4]], ids, "head", 4, 10)
+    with pytest.raises(RuntimeError, match="1 log-prob lists and 2 id lists"):
+        vllm_row_records([3, 2], lps[:1], ids, "support", 4, 10)

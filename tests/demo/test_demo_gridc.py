@@ -93,7 +93,7 @@ def test_registration_is_committed_before_the_first_history(grid, how, data):
 
 def test_a_grid_c_seed_cut_short_resumes_at_its_first_missing_run(tmp_path):
     """A seed interrupted after its second run keeps both in its partial file; the rerun makes only the rest, and
-    the seed's file holds every run once, in the grid's order, the partial file gone."""
+    its seed file holds every run once, in the grid's order, the partial file gone."""
     import gzip
     import json
 

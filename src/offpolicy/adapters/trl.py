@@ -20,8 +20,9 @@ What is recorded where (transformers generation, ``use_vllm=False``; for vLLM co
   the ``"logprobs"`` record is exact: the trainer then records no support (with score centering that is an error
   naming ``"head"``). Memory: ``12`` bytes per recorded id (int64 id, fp32 log-prob) plus ``8`` per token (the
   offsets), i.e. ``12 |S_t| + 8`` per token, each token's own support (docs/spec.md#record-memory), plus
-  ``[B, V]`` transients per generated position: a bool mask and ``topk``'s work (a stable sort's int64 order past
-  :data:`TOPK_SUPPORT_MAX` ids), and that step's ``[B, K_t]`` record before it goes to CSR.
+  ``[B, V]`` transients per generated position: a bool mask and, up to :data:`TOPK_SUPPORT_MAX` ids, ``topk``'s
+  work and that step's ``[B, K_t]`` record before it goes to CSR (wider supports go from the mask to CSR directly,
+  :func:`support_record`).
 
 transformers runs a user ``logits_processor`` *before* its temperature/top-k/top-p warpers, so a processor cannot
 see the support; the record is taken from ``generate(..., output_scores=True)``, whose scores are post-warper
@@ -89,7 +90,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without TRL
     raise ImportError("offpolicy.adapters.trl needs TRL: pip install trl==1.16.0") from exc
 
-from offpolicy.adapters.common import csr_record
+from offpolicy.adapters.common import csr_record, entry_at
 from offpolicy.adapters.guard import Guard, Suspect
 from offpolicy.adapters.trl_compat import VLLM_DEFAULT_MAX_LOGPROBS, check_trl_api, engine_dtype, vllm_engine_options
 from offpolicy.corrections.correction import Correction
@@ -131,17 +132,12 @@ _FILTERS = frozenset({"top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", 
                       "bad_words", "allowed_token_ids"})
 
 
-#: Widest support taken with one ``topk`` of the row; a wider one (an unpeaked sampler) takes a stable sort.
+#: Widest support taken with one ``topk`` of the row; a wider one (an unpeaked sampler) is read off its finite mask.
 TOPK_SUPPORT_MAX = 1024
 
 
 def records_from_scores(scores: Tensor, tokens: Tensor, record: str, head_k: int) -> tuple[Tensor, Candidates | None]:
-    """The sampler's records of one generation step from its post-warper scores.
-
-    The support's ids come from one ``topk`` of width ``K`` (its largest size in the batch; the finite scores are
-    the largest) sorted back to ascending id, not from a sort of the whole row, unless ``K`` exceeds
-    :data:`TOPK_SUPPORT_MAX` or a non-finite score would displace a support entry. Its log-probabilities are
-    normalised over the gathered ``[B, K]`` scores (the entries outside the support contribute ``exp(-inf) = 0``).
+    """The sampler's records of one generation step from its post-warper scores, as a padded record.
 
     Args:
         scores: ``[B, V]`` float post-warper scores (``-inf`` outside the realised support).
@@ -152,43 +148,137 @@ def records_from_scores(scores: Tensor, tokens: Tensor, record: str, head_k: int
     Returns:
         ``(lq [B] fp32, candidates)``: ``candidates`` is ``None`` for ``"logprobs"``, else a ``[B, K]`` record
         (``K = head_k`` for ``"head"``, the largest support size for ``"support"``; ``-1`` / ``-inf`` padding,
-        support ids ascending).
+        support ids ascending). Generation keeps the CSR record of :func:`support_record` instead (no padding).
     """
     tokens = tokens.long()[:, None]
-    if record != "support":
-        lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
-        lq = (scores.float().gather(1, tokens) - lse)[:, 0]
-        if record == "logprobs":
-            return lq, None
-        if not bool(torch.isfinite(scores).all()):
-            raise ValueError("record='head' needs unfiltered sampling (top_p=1, top_k=0, min_p=None): the sampler "
-                             "masked tokens; use record='support' to replay its support")
-        vals, ids = scores.topk(min(head_k, scores.shape[1]), dim=-1)
-        return lq, Candidates(ids, vals.float() - lse, kind="head")
-    ids, valid = _support_ids(scores)
-    gathered = torch.where(valid, scores.gather(1, ids.clamp(min=0)).float(), float("-inf"))
-    vals = torch.log_softmax(gathered, dim=-1)
-    lq = torch.where(ids == tokens, vals, float("-inf")).amax(dim=1)
-    return lq, Candidates(ids, vals, kind="support")
+    if record == "support":
+        lq, csr = support_record(scores, tokens[:, 0])
+        return lq, csr.to_padded()
+    lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
+    lq = (scores.float().gather(1, tokens) - lse)[:, 0]
+    if record == "logprobs":
+        return lq, None
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError("record='head' needs unfiltered sampling (top_p=1, top_k=0, min_p=None): the sampler "
+                         "masked tokens; use record='support' to replay its support")
+    vals, ids = scores.topk(min(head_k, scores.shape[1]), dim=-1)
+    return lq, Candidates(ids, vals.float() - lse, kind="head")
 
 
-def _support_ids(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """``(ids [B, K] int64, valid [B, K] bool)``: each row's finite-score ids ascending, then ``-1`` padding;
-    ``K`` the largest support of the batch."""
+def support_record(scores: Tensor, tokens: Tensor) -> tuple[Tensor, CSRCandidates]:
+    """One generation step's support record in CSR: each row's finite-score ids ascending and ``log q`` renormalised
+    over them (mask replay, docs/spec.md#mask-replay), and the sampled tokens' ``lq``.
+
+    Two ways, both vectorised over the batch (no Python per row or per token), chosen by the widest support ``K``:
+
+    * ``K <= TOPK_SUPPORT_MAX`` (a peaked sampler): one ``topk`` of width ``K`` (the finite scores are the largest),
+      its ids sorted back to ascending order, ``log_softmax`` over the gathered ``[B, K]`` scores (the padding is
+      ``-inf``, weight 0); ``O(B V)`` for the ``topk``, then ``O(B K)``.
+    * wider, or when a ``+inf`` / ``nan`` score would displace a support entry from the ``topk``: straight from the
+      finite mask: its row-major ``nonzero`` lists each row's ids ascending, which *is* the CSR layout, and the
+      row normaliser is a segmented log-sum-exp over the ``nnz`` gathered scores (``m_r = max``, ``lse_r = m_r +
+      log sum exp(z - m_r)``, so non-finite scores outside the support never enter it); a few ``O(B V)`` passes
+      and no sort, no ``[B, K]`` padding.
+
+    Args:
+        scores: ``[B, V]`` float post-warper scores (``-inf`` outside the realised support).
+        tokens: ``[B]`` int sampled ids.
+
+    Returns:
+        ``(lq [B] fp32, record)``: ``record`` a ``"support"`` :class:`~offpolicy.CSRCandidates` of ``B`` rows, int64
+        ids and offsets, fp32 log-probabilities (``12 |S_t| + 8`` bytes per token); ``lq`` is ``-inf`` for a token
+        outside its row's support.
+    """
+    tokens = tokens.long()[:, None]
     finite = torch.isfinite(scores)
     sizes = finite.sum(dim=1)
-    width, v = int(sizes.max()), scores.shape[1]
+    b, v = scores.shape
+    width = int(sizes.max()) if b else 0
     if width <= TOPK_SUPPORT_MAX and width < v:
         vals, ids = scores.topk(width, dim=1)
         valid = torch.isfinite(vals)
         if bool((valid.sum(dim=1) == sizes).all()):  # no +inf / nan displaced a support entry
             key = torch.where(valid, ids, v).sort(dim=1).values
             valid = key < v
-            return torch.where(valid, key, -1), valid
-    # Finite entries first (stable), so each row's support fills its first |S_t| columns in ascending id.
-    order = torch.argsort((~finite).to(torch.int8), dim=1, stable=True)[:, :width]
-    valid = finite.gather(1, order)
-    return torch.where(valid, order, -1), valid
+            ids = torch.where(valid, key, -1)
+            gathered = torch.where(valid, scores.gather(1, ids.clamp(min=0)).float(), float("-inf"))
+            logq = torch.log_softmax(gathered, dim=-1)
+            lq = torch.where(ids == tokens, logq, float("-inf")).amax(dim=1)
+            return lq, CSRCandidates.from_padded(Candidates(ids, logq, kind="support"))
+    ids = finite.nonzero()[:, 1]
+    offsets = torch.zeros(b + 1, dtype=torch.int64, device=scores.device)
+    torch.cumsum(sizes, 0, out=offsets[1:])
+    z = scores[finite].float()
+    nnz = z.numel()
+    top = torch.segment_reduce(z, "max", lengths=sizes, unsafe=True)
+    lse = top + torch.segment_reduce((z - top.repeat_interleave(sizes, output_size=nnz)).exp(), "sum",
+                                     lengths=sizes, unsafe=True).log()
+    logq = z - lse.repeat_interleave(sizes, output_size=nnz)
+    picked = scores.gather(1, tokens)[:, 0]
+    lq = torch.where(torch.isfinite(picked), picked.float() - lse, float("-inf"))
+    return lq, CSRCandidates(ids, offsets, logq, "support")
+
+
+def vllm_row_records(completion: list[int], logprobs: list[list[float | None]], token_ids: list[list[int]],
+                     record: str, head_k: int, vocab: int, row: int = 0) -> tuple[Tensor, CSRCandidates | None]:
+    """One completion's records from vLLM's processed top log-probabilities, as TRL returns them, vectorised over
+    the completion's tokens (no Python per token beyond flattening TRL's lists).
+
+    Args:
+        completion: ``T`` sampled ids.
+        logprobs, token_ids: per token, its returned entries (``N`` or ``N + 1`` of them: vLLM adds the sampled
+            token when it is outside the top ``N``); a ``None`` log-prob (vLLM's NaN) reads as ``-inf``.
+        record: one of :data:`RECORD_MODES`; ``head_k``: ``K`` of a ``"head"`` record.
+        vocab: the vocabulary size (a token whose every returned entry is finite, with fewer than ``vocab``
+            returned, may hold a truncated support: an error for ``"support"``).
+        row: the completion's index, named in errors.
+
+    Returns:
+        ``(lq [T] fp32, record)``: the sampled tokens' log-probabilities and a CSR record of ``T`` rows (``None``
+        for ``"logprobs"``): ``"support"`` keeps each token's finite entries in ascending id, ``"head"`` its
+        ``head_k`` largest (ties in the order vLLM returned them).
+    """
+    t = len(token_ids)
+    if len(completion) != t or len(logprobs) != t:
+        raise RuntimeError(f"vLLM returned {len(logprobs)} log-prob lists and {t} id lists for {len(completion)} "
+                           f"tokens (row {row})")
+    counts = torch.tensor([len(x) for x in token_ids], dtype=torch.int64)
+    ent = torch.tensor([i for x in token_ids for i in x], dtype=torch.int64)
+    val = torch.tensor([float("-inf") if v is None else v for x in logprobs for v in x], dtype=torch.float32)
+    if val.shape != ent.shape:
+        raise RuntimeError(f"vLLM returned {val.numel()} log-probs for {ent.numel()} ids (row {row})")
+    offsets = torch.zeros(t + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    returned = CSRCandidates(ent, offsets, val, "head")
+    found, lq = entry_at(returned, torch.tensor(completion, dtype=torch.int64))
+    if not bool(found.all()):
+        step = int((~found).nonzero()[0, 0])
+        raise RuntimeError(f"vLLM did not return the sampled token's log-prob (row {row}, step {step})")
+    lq = torch.where(found, lq, float("-inf"))
+    if record == "logprobs":
+        return lq, None
+    tok = returned.row_index()
+    finite = val > float("-inf")
+    n_finite = torch.zeros(t, dtype=torch.int64).index_add_(0, tok, finite.to(torch.int64))
+    if record == "support":
+        truncated = (n_finite == counts) & (counts < vocab)
+        if bool(truncated.any()):
+            step = int(truncated.nonzero()[0, 0])
+            raise ValueError(f"vLLM returned {int(counts[step])} log-probs, all inside the support (row {row}, step "
+                             f"{step}): the support may be larger; raise vllm_logprobs and max_logprobs")
+        sel = finite.nonzero()[:, 0]
+        width = int(ent.max()) + 1 if ent.numel() else 1
+        order = sel[torch.argsort(tok[sel] * width + ent[sel])]  # by token, then ascending id
+    else:
+        if bool((n_finite < counts).any()):
+            raise ValueError("record='head' needs unfiltered sampling: vLLM masked tokens")
+        by_value = torch.argsort(-val, stable=True)
+        by_token = by_value[torch.argsort(tok[by_value], stable=True)]  # by token, then descending log-prob
+        rank = torch.arange(ent.numel()) - offsets[tok[by_token]]
+        order = by_token[rank < head_k]
+    kept = torch.zeros(t + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(tok[order], minlength=t), 0, out=kept[1:])
+    return lq, CSRCandidates(ent[order], kept, val[order], record)
 
 
 def _rows_to(record: CSRCandidates, t: int) -> CSRCandidates:
@@ -537,7 +627,10 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         if len(out.scores) != generated.shape[1]:
             raise RuntimeError(f"generate returned {len(out.scores)} score steps for {generated.shape[1]} tokens")
         steps = []
-        for t, s in enumerate(out.scores):  # each step's [B, K_t] record goes to CSR at once (K_t: its widest row)
+        for t, s in enumerate(out.scores):  # each step's record in CSR at once
+            if self.offpolicy_record == "support":
+                steps.append(support_record(s, generated[:, t]))
+                continue
             lq, c = records_from_scores(s, generated[:, t], self.offpolicy_record, self.offpolicy_head_k)
             steps.append((lq, None if c is None else CSRCandidates.from_padded(c)))
         eos = torch.isin(generated, torch.tensor(self.eos_token_ids, device=device))
@@ -577,27 +670,11 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         vocab = self.model.config.get_text_config().vocab_size
         lqs, records = [], []
         for row, (ids, lps, tids) in enumerate(zip(completion_ids, logprobs, token_ids)):
-            row_lq, cand_ids, cand_lq = [], [], []
-            for t, (tok, lp, tid) in enumerate(zip(ids, lps, tids)):
-                entries = {int(i): (float("-inf") if v is None else float(v)) for i, v in zip(tid, lp)}
-                if tok not in entries:
-                    raise RuntimeError(f"vLLM did not return the sampled token's log-prob (row {row}, step {t})")
-                row_lq.append(entries[tok])
-                finite = {i: v for i, v in entries.items() if v > float("-inf")}
-                if self.offpolicy_record == "support":
-                    if len(finite) == len(entries) and len(entries) < vocab:
-                        raise ValueError(f"vLLM returned {len(entries)} log-probs, all inside the support (row {row}, "
-                                         f"step {t}): the support may be larger; raise vllm_logprobs and max_logprobs")
-                    keep = sorted(finite)
-                else:
-                    if self.offpolicy_record == "head" and len(finite) < len(entries):
-                        raise ValueError("record='head' needs unfiltered sampling: vLLM masked tokens")
-                    keep = sorted(entries, key=lambda i: -entries[i])[: self.offpolicy_head_k]
-                cand_ids.append(keep)
-                cand_lq.append([entries[i] for i in keep])
-            lqs.append(row_lq)
-            if self.offpolicy_record != "logprobs":
-                records.append(csr_record(cand_ids, cand_lq, self.offpolicy_record, self.accelerator.device))
+            lq, rec = vllm_row_records(ids, lps, tids, self.offpolicy_record, self.offpolicy_head_k, vocab, row)
+            lqs.append(lq.tolist())
+            if rec is not None:
+                d = self.accelerator.device
+                records.append(CSRCandidates(rec.ids.to(d), rec.offsets.to(d), rec.logprobs.to(d), rec.kind))
         self._offpolicy_pending = records if self.offpolicy_record != "logprobs" else None
         return completion_ids, lqs
 
@@ -769,4 +846,4 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
 
 
 __all__ = ["CANDIDATES_KEY", "OffPolicyGRPOTrainer", "RECORD_MODES", "records_from_scores", "resolve_correction",
-           "trl_surrogate"]
+           "support_record", "trl_surrogate", "vllm_row_records"]

@@ -409,12 +409,12 @@ def _grid_c(args: argparse.Namespace) -> dict:
     return {"results": results, "files": written, "meta": meta}
 
 
-#: Suffix of a grid-C seed's file of finished runs while the seed is incomplete (``seedK.partial.runs.json.gz``).
+#: Suffix of a grid-C seed's file of finished runs while that seed is incomplete (``seedK.partial.runs.json.gz``).
 PARTIAL_SUFFIX = ".partial.runs.json.gz"
 
 
 def run_grid_c_seed(seed: int, cfgs: list, out: Path, meta: dict, execute) -> Path:
-    """Run the grid-C configurations ``cfgs`` of one seed, resumable run by run; return the seed's file.
+    """Run the grid-C configurations ``cfgs`` of one seed, resumable run by run; return that seed's file.
 
     Every finished run is written at once to ``seedK.partial.runs.json.gz`` (a seed cut short by the end of a
     session keeps its finished runs); a rerun skips the runs that file holds (by ``run_id``: each run is a pure
