@@ -82,6 +82,29 @@ def test_the_fleet_keeps_the_versions_its_groups_serve(tmp_path):
     assert fleet.channel.versions() == [0, 2, 4]
 
 
+def test_a_call_sent_while_a_version_is_published_keeps_what_it_may_load(tmp_path):
+    """keep=1: a syncing call registered after the trainer began publishing version 1 but before the channel
+    collected version 0 may have resolved version 0 as the newest: the fleet reads what is in use only once version 1
+    is the newest, so version 0 stays (it was deleted when the set was taken before publishing)."""
+    groups = [SamplerGroup("a", "CPU", "bf16", "fp32", 1.0)]
+
+    class Channel(DiskWeightChannel):
+        def collect(self, in_use=()):
+            if self.latest() == 1:  # the call is sent inside publish's window, after version 1 went up
+                fleet._syncing["a"] = fleet.version
+            return super().collect(in_use)
+
+    fleet = LiveFleet(groups, "m", tmp_path, channel=Channel(tmp_path / "w", keep=1))
+    fleet.publish(W, 0)
+    fleet.publish(W, 1)
+    assert fleet.channel.versions() == [0, 1]
+    seen = []
+    ch = DiskWeightChannel(tmp_path / "plain", keep=1)
+    ch.publish(W, 0)
+    ch.publish(W, 1, in_use=lambda: seen.append(ch.latest()) or ())
+    assert seen == [1] and ch.versions() == [1]
+
+
 def test_engine_settings_per_device_kind():
     cpu = EngineSettings().llm_kwargs()
     assert cpu["kv_cache_memory_bytes"] == 64 << 20 and cpu["enforce_eager"] is True

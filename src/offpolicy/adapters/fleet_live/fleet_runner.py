@@ -359,9 +359,10 @@ class LiveFleet:
         """Publish the trainer's weights as ``version``; every group loads it when next due.
 
         The channel's retention keeps :meth:`in_use`: what each group serves (as its last answer, or its last
-        failed call, reported) and whatever a syncing call in flight may have loaded."""
+        failed call, reported) and whatever a syncing call in flight may have loaded, read once ``version`` is the
+        channel's newest (a call sent later loads ``version`` itself)."""
         if isinstance(self.channel, (DiskWeightChannel, ObjectStoreWeightChannel)):
-            self.channel.publish(state_dict, version, in_use=self.in_use())
+            self.channel.publish(state_dict, version, in_use=self.in_use)
         else:
             self.channel.publish(state_dict, version)
         with self._published:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -231,8 +231,10 @@ class ObjectStoreWeightChannel:
             raise ValueError(f"weight_format {weight_format!r} is not one this channel quantises {self.formats}")
         return f"{base}/{weight_format}/{WEIGHTS_FILE}"
 
-    def publish(self, state_dict: Mapping[str, Tensor], version: int, in_use: Iterable[int] = ()) -> None:
-        """Put ``version`` and its per-format copies, then ``LATEST``, then :meth:`collect` (``in_use`` kept)."""
+    def publish(self, state_dict: Mapping[str, Tensor], version: int,
+                in_use: Iterable[int] | Callable[[], Iterable[int]] = ()) -> None:
+        """Put ``version`` and its per-format copies, then ``LATEST``, then :meth:`collect` (``in_use`` kept; a
+        callable is read after ``LATEST`` names ``version``, as :meth:`DiskWeightChannel.publish` says)."""
         from safetensors.torch import save
 
         version = check_publish(state_dict, version, self.latest())
@@ -255,12 +257,12 @@ class ObjectStoreWeightChannel:
                 found.add(int(name[1:]))
         return sorted(found)
 
-    def collect(self, in_use: Iterable[int] = ()) -> list[int]:
+    def collect(self, in_use: Iterable[int] | Callable[[], Iterable[int]] = ()) -> list[int]:
         """Delete every version but the newest ``keep`` and those ``in_use``; returns the versions deleted."""
         if self.keep is None:
             return []
         have = self.versions()
-        kept = set(have[-self.keep:]) | {int(v) for v in in_use}
+        kept = set(have[-self.keep:]) | {int(v) for v in (in_use() if callable(in_use) else in_use)}
         gone = [v for v in have if v not in kept]
         for v in gone:
             for key in self.store.list(f"{self.prefix}/v{v:06d}/"):

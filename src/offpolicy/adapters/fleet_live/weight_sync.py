@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -94,8 +94,13 @@ class DiskWeightChannel:
             raise ValueError(f"weight_format {weight_format!r} is not one this channel quantises {self.formats}")
         return self.path(version) / weight_format
 
-    def publish(self, state_dict: Mapping[str, Tensor], version: int, in_use: Iterable[int] = ()) -> None:
-        """Write ``version``, make it the newest, then :meth:`collect` old versions (``in_use`` kept)."""
+    def publish(self, state_dict: Mapping[str, Tensor], version: int,
+                in_use: Iterable[int] | Callable[[], Iterable[int]] = ()) -> None:
+        """Write ``version``, make it the newest, then :meth:`collect` old versions (``in_use`` kept).
+
+        ``in_use`` may be a callable: it is then read after ``version`` is the newest, so a reader that resolves
+        the newest version after that moment loads ``version``, and one that resolved it before is seen by
+        ``in_use`` (the fleet registers a syncing call before sending it); no window in between."""
         from safetensors.torch import save_file
 
         version = check_publish(state_dict, version, self.latest())
@@ -120,13 +125,13 @@ class DiskWeightChannel:
         """The versions on disk, oldest first."""
         return sorted(int(p.name[1:]) for p in self.root.glob("v[0-9]*") if p.name[1:].isdigit())
 
-    def collect(self, in_use: Iterable[int] = ()) -> list[int]:
+    def collect(self, in_use: Iterable[int] | Callable[[], Iterable[int]] = ()) -> list[int]:
         """Delete every version but the newest ``keep`` and those ``in_use`` (e.g. still served); returns the
         versions deleted."""
         if self.keep is None:
             return []
         have = self.versions()
-        kept = set(have[-self.keep:]) | {int(v) for v in in_use}
+        kept = set(have[-self.keep:]) | {int(v) for v in (in_use() if callable(in_use) else in_use)}
         gone = [v for v in have if v not in kept]
         for v in gone:
             shutil.rmtree(self.path(v), ignore_errors=True)
