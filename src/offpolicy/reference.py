@@ -823,8 +823,10 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
     r_p = torch.where(mask, torch.exp(logp_y.detach() - lq), torch.ones_like(lq))
     seqs = _sequences(seq_ids, mask) if seq_ids is not None else []
     tr_per_sequence = cfg.trust_region is not None and _trust_region_per_sequence(cfg.trust_region.level)
-    if (cfg.level == "segment" or bool(cfg.segment_rules)) != (segment_ids is not None):
-        raise ValueError("reference: level='segment' (or a segment-level ratio rejection) and segment_ids go together")
+    tr_per_turn = cfg.trust_region is not None and cfg.trust_region.level == "segment"
+    if (cfg.level == "segment" or bool(cfg.segment_rules) or tr_per_turn) != (segment_ids is not None):
+        raise ValueError("reference: level='segment' (or a segment-level ratio rejection or trust region) and "
+                         "segment_ids go together")
     if seq_ids is None and ((cfg.per_sequence and cfg.level != "segment") or _sequence_rules(cfg) or cfg.batch_normalize == "sequences"
                             or any(level == "sequence" for _, _, level in cfg.staleness + cfg.route_flips)
                             or _surrogate_name(cfg) in ("gspo_token", "vespo", "gmpo") or tr_per_sequence
@@ -903,7 +905,8 @@ def _state(logits, tokens, sampler_logprobs, advantages, candidates, loss_mask, 
                 break
     w = w * (mask & keep)
     # The trust region's mask (docs/spec.md#trust-region) zeroes the weight before the normalisation.
-    tr_masked, tr_ref = _trust_region_state(logp_y.detach(), lq, proximal_logprobs, adv, mask, seqs, cfg)
+    tr_masked, tr_ref = _trust_region_state(logp_y.detach(), lq, proximal_logprobs, adv, mask,
+                                            _turns(seq_ids, segment_ids, mask) if tr_per_turn else seqs, cfg)
     w = w * ~tr_masked
     scale = 1.0
     mean_w = _normalisation_mean(w, mask & keep, seqs, cfg)
@@ -1198,7 +1201,7 @@ def _trust_region_divergence(lp: float, lr: float, d: float, divergence: str) ->
 
 
 def _trust_region_per_sequence(level: str) -> bool:
-    if level == "token":
+    if level in ("token", "segment"):  # "segment": per turn, seq_ids optional
         return False
     if level in ("sequence", "geometric", "sequence_max"):
         return True
@@ -1208,7 +1211,8 @@ def _trust_region_per_sequence(level: str) -> bool:
 def _trust_region_state(logp_y: Tensor, lq: Tensor, proximal: Tensor | None, adv: Tensor, mask: Tensor,
                         seqs: list, cfg: _Config) -> tuple[Tensor, Tensor | None]:
     """``([N] bool masked, [N] float64 log p_ref of the update)``: the tokens the trust region masks, token by
-    token (or sequence by sequence), and the log-probabilities the update's ratio and penalty divide by."""
+    token (or sequence by sequence, ``seqs``; turn by turn at ``level="segment"``, ``seqs`` then the turns), and the
+    log-probabilities the update's ratio and penalty divide by."""
     n = logp_y.shape[0]
     tr = cfg.trust_region
     masked = torch.zeros(n, dtype=torch.bool)
@@ -1230,7 +1234,7 @@ def _trust_region_state(logp_y: Tensor, lq: Tensor, proximal: Tensor | None, adv
     def rises_or_falls(t: int) -> tuple[bool, bool]:
         return d[t] > 0 and div[t] > upper, d[t] < 0 and div[t] > lower
 
-    if _trust_region_per_sequence(tr.level):
+    if _trust_region_per_sequence(tr.level) or tr.level == "segment":
         if tr.sign != "none":
             raise ValueError(f"reference: a sequence-level trust region needs sign='none', got {tr.sign!r}")
         for idx in seqs:
@@ -1241,7 +1245,7 @@ def _trust_region_state(logp_y: Tensor, lq: Tensor, proximal: Tensor | None, adv
                     masked[idx] = True
                 continue
             if tr.divergence == "difference":
-                # The sum ("sequence") or the mean ("geometric") of the sequence's d, in [-lower, upper].
+                # The sum ("sequence") or the mean ("geometric"; "segment": over the turn) of d, in [-lower, upper].
                 total = sum(d[t] for t in toks)
                 stat = total if tr.level == "sequence" else total / len(toks)
                 if stat > upper or stat < -lower:

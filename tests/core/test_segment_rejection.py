@@ -113,10 +113,37 @@ def test_segment_rejection_matches_the_reference(corr, aggregation, seed):
     assert 0 < ref["rejected_frac/rule0"] < 1  # some turns dropped, not all
 
 
+@pytest.mark.parametrize("tr", [op.TrustRegion(0.01, 0.02, sign="none", level="segment", on="weights"),
+                                op.TrustRegion(0.003, 0.003, "binary_kl", sign="none", level="segment"),
+                                op.TrustRegion(0.02, 0.025, sign="none", level="segment", penalty=0.1)],
+                         ids=["difference-weights", "binary-kl-update", "difference-update-penalty"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_segment_trust_region_matches_the_reference(tr, seed):
+    """``TrustRegion(level="segment")``: each turn's mean difference (or divergence) banded, on the weights' ratio or
+    on the update (with the proximal policy), against the float64 reference (its own turn-by-turn loop)."""
+    z, y, lq, prox, adv, mask, seq, segment = _logits_batch(seed)
+    corr = op.Correction(ppo_clip=(0.2, 0.2) if tr.on == "weights" else None, trust_region=tr,
+                         rejected_in_normalizer=False)
+    kw = dict(loss_mask=mask, correction=corr, seq_ids=seq, segment_ids=segment, aggregation="token_mean",
+              proximal_logprobs=prox)
+    out = assert_matches_reference(z, y, lq, adv, **kw)
+    frac = float(out.metrics["trust_region_masked_frac"])
+    assert 0 < frac < 1  # some turns masked, not all
+    # without seq_ids the turns are the segment ids alone: turn k of every sequence merges, another mask
+    alone = assert_matches_reference(z, y, lq, adv, **dict(kw, seq_ids=None))
+    assert float(alone.metrics["trust_region_masked_frac"]) != frac
+
+
 def test_it_needs_segment_ids():
     z, y, lq, _, adv, mask, seq, _ = _logits_batch(0)
-    with pytest.raises(ValueError, match=r"RatioRejection\(level='segment'\) and segment_ids"):
+    with pytest.raises(ValueError, match=r"RatioRejection\(level='segment'\) or TrustRegion"):
         op.policy_loss(z, y, lq, adv, loss_mask=mask, seq_ids=seq,
                        correction=op.Correction(rejections=(op.RatioRejection(0.9, 1.1, "segment"),)))
     assert not op.RatioRejection(0.9, 1.1, "segment").per_sequence  # it drops turns, needs no seq_ids
     assert op.Correction(rejections=(op.RatioRejection(0.9, 1.1, "segment"),)).tree.needs_segments
+    tr = op.TrustRegion(0.1, 0.1, sign="none", level="segment")
+    assert not tr.per_sequence and op.Correction(trust_region=tr).tree.needs_segments
+    with pytest.raises(ValueError, match=r"TrustRegion\(level='segment'\) and segment_ids"):
+        op.policy_loss(z, y, lq, adv, loss_mask=mask, correction=op.Correction(trust_region=tr))
+    with pytest.raises(ValueError, match="needs sign='none'"):
+        op.TrustRegion(0.1, 0.1, level="segment")

@@ -137,6 +137,35 @@ def test_roll_difference_filter(agg, diff_low, diff_high, seed):
                                            rel_tol=1e-12), ROLL
 
 
+@pytest.mark.parametrize("diff_low, diff_high", [(-0.03, 0.05), (-0.1, 0.02)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_roll_difference_filter_at_segment_level(diff_low, diff_high, seed):
+    """``diff_enabled`` with ``agg_type="segment"``: ROLL bands ``compute_segment_masked_mean(exp(old) - exp(infer),
+    response_mask)``, each turn's mean difference (a turn: a run of response tokens; observation tokens split
+    them): ``TrustRegion(-diff_low, diff_high, sign="none", level="segment", on="weights")`` with ``segment_ids`` =
+    each token's run index in its row. The masks equal ROLL's exactly; the geometric (whole-sequence) band masks
+    other tokens on the same batch."""
+    from test_segment_rejection import _roll_compute_segment_masked_mean, _turns
+
+    x = _batch(60 + seed, t=12)
+    x["mask"] = x["mask"].clone()
+    x["mask"][:, [3, 7]] = False  # observation tokens: up to three turns per row
+    m = x["mask"]
+    diff = _roll_compute_segment_masked_mean(x["old"].exp() - x["infer"].exp(), m.long())
+    keep_t = (diff >= diff_low) & (diff <= diff_high)
+    tr = op.TrustRegion(-diff_low, diff_high, sign="none", level="segment", on="weights")
+    corr = op.Correction(ppo_clip=(0.2, 0.2), rejected_in_normalizer=False, trust_region=tr)
+    _, _, out = _ours(x, corr, "infer", proximal="old", segment_ids=_turns(m).reshape(-1))
+    keep_o = out.token_weight.reshape(m.shape) != 0
+    assert torch.equal(keep_o[m], keep_t[m]), ROLL
+    assert 0 < int((m & ~keep_t).sum()) < int(m.sum())  # some turns filtered, not all
+    geo = op.Correction(ppo_clip=(0.2, 0.2), rejected_in_normalizer=False,
+                        trust_region=op.TrustRegion(-diff_low, diff_high, sign="none", level="geometric",
+                                                    on="weights"))
+    _, _, out_geo = _ours(x, geo, "infer", proximal="old")
+    assert not torch.equal((out_geo.token_weight.reshape(m.shape) != 0)[m], keep_t[m])
+
+
 # ---- AReaL: compute_binary_kl_divergence and apply_rejection_sampling(metric="binary_kl", level="token") ----
 
 def _areal_binary_kl(log_p, log_q, eps=1e-8):

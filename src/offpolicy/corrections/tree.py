@@ -174,9 +174,9 @@ class CorrectionTree:
 
     @property
     def needs_segments(self) -> bool:
-        """Whether ``segment_ids`` are required (and read: per-turn weights or a per-turn rejection)."""
-        return self.weighting.level.needs_segments or any(getattr(r, "needs_segments", False)
-                                                          for r in self.rejections)
+        """Whether ``segment_ids`` are required (and read: per-turn weights, a per-turn rejection or trust region)."""
+        return (self.weighting.level.needs_segments or any(getattr(r, "needs_segments", False) for r in self.rejections)
+                or (self.trust_region is not None and self.trust_region.needs_segments))
 
     def nodes(self) -> Iterator[object]:
         """Every node of the tree (weight mode, level, rules, surrogate, and the optional ones that are set)."""

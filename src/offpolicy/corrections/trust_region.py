@@ -16,6 +16,8 @@ sequences: ``"sequence" | "geometric"`` band the sum / mean over the sequence's 
 ``"difference"``: in ``[-lower, upper]``, ROLL) or of ``D`` (the divergences: ``<= upper``, one band, so
 ``lower == upper``); ``"sequence_max"`` masks a sequence in which the token level masks any trained token, which
 for a divergence with ``lower == upper = phi`` is ``max_t D_t > phi`` (AReaL's sequence-level KPop, ``agg="max"``).
+``"segment"`` bands the mean over each *turn* instead (one ``(seq_ids, segment_ids)`` pair, the ``segment_ids`` input;
+ROLL's difference filter with ``agg_type="segment"``, ``compute_segment_masked_mean`` of ``d``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from offpolicy.corrections.node import Keyword, Jump
 
 DIVERGENCES = ("difference", "binary_kl", "binary_kl_max")
 SIGNS = ("advantage", "none")
-LEVELS = ("token", "sequence", "geometric", "sequence_max")
+LEVELS = ("token", "sequence", "geometric", "sequence_max", "segment")
 TARGETS = ("update", "weights")
 
 
@@ -52,7 +54,9 @@ class TrustRegion:
         sign: ``"advantage"`` (check the side the advantage's sign pushes towards) or ``"none"`` (both sides).
         level: ``"token"``, or a sequence level (needs ``sign="none"`` and ``seq_ids``): ``"sequence"`` /
             ``"geometric"`` band the sum / mean per sequence of ``d`` (``"difference"``) or of ``D`` (a divergence,
-            with ``lower == upper``); ``"sequence_max"`` masks a sequence with any token the token level masks.
+            with ``lower == upper``); ``"sequence_max"`` masks a sequence with any token the token level masks;
+            ``"segment"`` bands the mean per turn as ``"geometric"`` does per sequence (needs ``sign="none"`` and
+            the ``segment_ids`` input; ``seq_ids`` where given keep turn ``k`` of two sequences apart).
         on: ``"update"``: ``p`` is the current policy, ``p_ref`` the proximal policy (the sampler without
             ``proximal_logprobs``); the mask replaces PPO's clip and, without ``ppo_clip`` / ``cispo``, the
             surrogate is the masked ratio ``u A``, ``u = p / p_ref`` (DPPO). ``"weights"``: ``p`` is the
@@ -65,7 +69,7 @@ class TrustRegion:
     keywords: ClassVar[tuple[Keyword, ...]] = ()
     table_form: ClassVar[str] = '`trust_region=`'
     inputs: ClassVar[tuple[str, ...]] = ()
-    table_traits: ClassVar[str] = '`per_sequence` at the sequence levels'
+    table_traits: ClassVar[str] = '`per_sequence` at the sequence levels, `needs_segments` at `level="segment"`'
 
     lower: float
     upper: float
@@ -89,7 +93,8 @@ class TrustRegion:
         if self.level != "token" and self.sign != "none":
             raise ValueError(f"TrustRegion(level={self.level!r}) needs sign='none' (a sequence's mask cannot follow "
                              f"each token's advantage sign), got sign={self.sign!r}")
-        if self.level in ("sequence", "geometric") and self.divergence != "difference" and self.lower != self.upper:
+        if self.level in ("sequence", "geometric", "segment") and self.divergence != "difference" \
+                and self.lower != self.upper:
             raise ValueError(f"TrustRegion(level={self.level!r}, divergence={self.divergence!r}) bands the sequence's "
                              f"summed or mean divergence, which has no sign to pick lower or upper: pass lower == "
                              f"upper, got lower={self.lower!r}, upper={self.upper!r}")
@@ -97,12 +102,17 @@ class TrustRegion:
     @property
     def per_sequence(self) -> bool:
         """Whether the mask is one per sequence (needs ``seq_ids``)."""
-        return self.level != "token"
+        return self.level not in ("token", "segment")
+
+    @property
+    def needs_segments(self) -> bool:
+        """Whether the mask is one per turn (needs ``segment_ids``)."""
+        return self.level == "segment"
 
     def jumps(self) -> tuple[Jump, ...]:
         """Where the mask jumps: ``"tr_diff"`` is ``d = p - p_ref``, ``"tr_div"`` the divergence ``D`` (``detail``:
         its name), both from the pair of policies ``on`` names, per token or reduced as the level says."""
-        if self.level in ("sequence", "geometric"):
+        if self.level in ("sequence", "geometric", "segment"):
             quantity = "tr_diff" if self.divergence == "difference" else "tr_div"
             at = (-self.lower, self.upper) if quantity == "tr_diff" else (self.upper,)
             return (Jump(quantity, at, self.level, self.divergence),)
@@ -112,8 +122,8 @@ class TrustRegion:
         """``[N]`` bool, the tokens the trust region masks.
 
         ``log_p``, ``log_ref``: ``[N]`` detached log-probabilities (``-inf`` allowed: probability 0); ``adv``:
-        ``[N]``; ``seg``: the :class:`~offpolicy.loss.segments.Segments` at the sequence levels (inactive tokens
-        take no part).
+        ``[N]``; ``seg``: the :class:`~offpolicy.loss.segments.Segments` of the sequences at the sequence levels, of
+        the turns at ``"segment"`` (inactive tokens take no part).
         """
         d = torch.exp(log_p) - torch.exp(log_ref)
         div = d.abs() if self.divergence == "difference" else binary_kl(log_ref, log_p)

@@ -222,7 +222,8 @@ def _trust_region(p: _Pass) -> None:
     """docs/spec.md#trust-region: a mask on probability differences zeroes the weight."""
     tr = p.tree.trust_region
     if tr is not None:
-        p.tr_masked = _trust_region_masked(tr, p.logp_y.detach(), p.lq, p.prox, p.adv, p.seg)
+        p.tr_masked = _trust_region_masked(tr, p.logp_y.detach(), p.lq, p.prox, p.adv,
+                                           p.turns if tr.needs_segments else p.seg)
         p.w = torch.where(p.tr_masked, p.zero, p.w)
 
 

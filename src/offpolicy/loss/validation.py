@@ -91,7 +91,8 @@ def check_batch(n: int, device, data: TokenData, agg: Aggregation, corr: Correct
     tree = corr.tree
     if tree.needs_segments != (data.segment_ids is not None):
         raise ValueError("Correction(level='segment') and segment_ids go together (so do a "
-                         "RatioRejection(level='segment') and segment_ids): per-turn weights and rejections need each "
+                         "RatioRejection(level='segment') or TrustRegion(level='segment') and segment_ids): per-turn "
+                         "weights, rejections and trust regions need each "
                          "token's [N] turn id, and segment_ids is read by nothing else (got level="
                          f"{corr.level!r}, segment_ids={'None' if data.segment_ids is None else 'a tensor'})")
     if tree.needs_sequences and seq_ids is None:
