@@ -114,9 +114,10 @@ def main() -> None:
         start_s = fleet.start()
         record["start_s"] = start_s
         print(f"{len(groups)} engine groups started in {start_s:.1f} s", flush=True)
-        fleet.publish(model.state_dict(), fleet.next_version())  # 0, or past an earlier run's versions
-        if done:
+        if done:  # train() publishes the checkpoint's weights, past every version the channel holds
             print(f"resuming after step {done[-1].step} from {ckpt}", flush=True)
+        else:
+            fleet.publish(model.state_dict(), fleet.next_version())  # 0, or past an earlier run's versions
         memory: dict[str, float] = {}
 
         def on_step(log, batch, metrics):

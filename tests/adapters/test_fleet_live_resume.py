@@ -179,3 +179,29 @@ def test_check_history_passes_a_live_resumed_run_and_names_each_fault():
         check_history(steps, 0)
     with pytest.raises(ValueError, match=r"resumed_at must be an integer in \[0, 6\]"):
         check_history(steps, 2, resumed_at=7)
+
+
+def test_a_rerun_resumes_without_publishing_first(tmp_path):
+    """The rerun publishes only the restored weights: the first resumed step trains at the version after the
+    killed run's newest; without a checkpoint, training unpublished weights is still refused."""
+    cfg = RunConfig(steps=3, prompts=1, samples=2, turns=1, turn_tokens=2)
+    channel, ckpt = MemoryChannel(), tmp_path / "trainer.pt"
+    first = fleet_on(channel, tmp_path)
+    model = build_tiny_qwen3(None, seed=0)
+    first.publish(model.state_dict(), first.next_version())
+
+    def kill_after_step_0(log, batch, metrics):
+        if log.step == 0:
+            raise KeyboardInterrupt("trainer killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(first, model, cfg, kill_after_step_0, checkpoint=ckpt)
+    first.close()
+    assert channel.latest() == 1
+    second = fleet_on(channel, tmp_path)
+    with pytest.raises(RuntimeError, match="publish the model's weights first"):
+        train(second, build_tiny_qwen3(None, seed=1), cfg)
+    history, _ = train(second, build_tiny_qwen3(None, seed=1), cfg, checkpoint=ckpt)
+    assert [h.version for h in history] == [0, 2, 3]
+    assert sorted(channel.versions) == [0, 1, 2, 3, 4]
+    assert check_history([vars(h) for h in history], cfg.turns, resumed_at=1) == []

@@ -200,7 +200,8 @@ def train(
     checkpoint_every: int = 1,
     attribute_every: int | None = None,
 ) -> tuple[list[StepLog], FleetMetrics]:
-    """Train ``model`` for ``cfg.steps`` steps on batches from ``fleet`` (started, version 0 published).
+    """Train ``model`` for ``cfg.steps`` steps on batches from ``fleet`` (started, version 0 published; a run that
+    resumes from ``checkpoint`` needs no publish first).
 
     Rollouts run one step ahead of the trainer (the batch of step ``k + 1`` is sampled while step ``k`` trains),
     so each group serves whatever version it last loaded: staleness from the real clock. After each optimizer step
@@ -212,9 +213,9 @@ def train(
     Resume: with ``checkpoint`` (a file path), the trainer's state (model, optimizer, prompt generator, step, the
     fleet's session count and the history so far) is written there after every ``checkpoint_every``-th step and
     the last. If the file exists when ``train`` starts, the run resumes from it: the state is restored, the
-    restored weights are published as the fleet's next version, past the checkpoint's (the engines load them at
-    their next call), and
-    training goes on at the step after the checkpoint. Lost in a kill: the batch in flight and the steps after the
+    restored weights are published as the fleet's next version, past the checkpoint's and past any the channel
+    holds (the engines load them at their next call; nothing needs publishing before, so a rerun publishes no
+    weights but the restored ones), and training goes on at the step after the checkpoint. Lost in a kill: the batch in flight and the steps after the
     last checkpoint (with ``checkpoint_every=1``, only the batch in flight); session ids are never reused.
 
     Attribution: with ``attribute_every=k``, every ``k``-th step's batch is attributed before the step trains on it
@@ -223,7 +224,8 @@ def train(
     ``StepLog.attribution`` holds ``{group: {"tokens", "mean_abs_log_r", part: share}}`` (NaN shares as ``None``).
     A batch holding a version no longer kept (one published before a resume) gets no attribution.
     """
-    if fleet.version is None:
+    resuming = checkpoint is not None and Path(checkpoint).exists()
+    if fleet.version is None and not resuming:
         raise RuntimeError("train: publish the model's weights first (fleet.publish(model.state_dict(), 0))")
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
@@ -235,7 +237,7 @@ def train(
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     history: list[StepLog] = []
     first = 0
-    if checkpoint is not None and Path(checkpoint).exists():
+    if resuming:
         state = torch.load(checkpoint, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
