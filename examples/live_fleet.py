@@ -16,7 +16,9 @@ after every step (so a stopped run leaves its history so far): per step the
 reward, loss, the trainer's version, turns per group, trained tokens per staleness, per-group and per-staleness KL,
 extreme-ratio share and ESS, and every session (id, and per turn its group, served version and tokens); then the
 final table, each process's memory, the run's time, the fleet's events and ``audit`` (sessions sent / trained /
-duplicated / incomplete / lost). At the end ``history.png`` (reward, per-group KL, per-staleness KL and step time
+duplicated / incomplete / lost) and ``checks`` (what :func:`~offpolicy.adapters.fleet_live.toy_run.check_history` finds
+wrong: a step repeated or skipped, a session trained twice, a served version that disagrees with the tokens'
+stamps; empty when nothing). At the end ``history.png`` (reward, per-group KL, per-staleness KL and step time
 per step). ``--attribute-every k``: every ``k``-th step's per-group attribution of the mismatch (staleness /
 format / residual shares of mean ``|log r|``) goes into that step's ``attribution`` and is printed with the table.
 ``--replot`` only redraws ``history.png`` beside an existing ``history.json``.
@@ -35,7 +37,14 @@ from pathlib import Path
 from offpolicy.adapters.fleet_live import EngineSettings, LiveFleet, ObjectStoreWeightChannel, RayObjectStore
 from offpolicy.adapters.fleet_live.group_attribution import attribution_table
 from offpolicy.adapters.fleet_live.history_plot import write_history_plot
-from offpolicy.adapters.fleet_live.toy_run import RunConfig, audit, build_tiny_qwen3, resumed_history, train
+from offpolicy.adapters.fleet_live.toy_run import (
+    RunConfig,
+    audit,
+    build_tiny_qwen3,
+    check_history,
+    resumed_history,
+    train,
+)
 from offpolicy.fleet import SamplerGroup
 
 KEPT_METRICS = ("kl_k3", "extreme_ratio_frac", "num_tokens", "ess")
@@ -105,9 +114,10 @@ def main() -> None:
         start_s = fleet.start()
         record["start_s"] = start_s
         print(f"{len(groups)} engine groups started in {start_s:.1f} s", flush=True)
-        fleet.publish(model.state_dict(), fleet.next_version())  # 0, or past an earlier run's versions
-        if done:
+        if done:  # train() publishes the checkpoint's weights, past every version the channel holds
             print(f"resuming after step {done[-1].step} from {ckpt}", flush=True)
+        else:
+            fleet.publish(model.state_dict(), fleet.next_version())  # 0, or past an earlier run's versions
         memory: dict[str, float] = {}
 
         def on_step(log, batch, metrics):
@@ -134,11 +144,13 @@ def main() -> None:
         print(f"run time {wall:.1f} s (engine start {start_s:.1f} s)")
         record.update(table=metrics.table().to_dict(), memory_mib=memory, run_s=wall,
                       events=[vars(e) for e in fleet.events],
-                      audit=audit(record["steps"], fleet.sessions_opened, cfg.turns))
+                      audit=audit(record["steps"], fleet.sessions_opened, cfg.turns),
+                      checks=check_history(record["steps"], cfg.turns, record["resumed_at"]))
         write_json(out / "history.json", record)
         if args.object_store:
             print(f"Ray object store: {fleet.channel.store.nbytes()} bytes held, versions {fleet.channel.versions()}")
         print(f"sessions: {json.dumps(record['audit'])}")
+        print("history checks: " + ("; ".join(record["checks"]) or "ok"))
         print(f"history: {out / 'history.json'}")
         print(f"plot: {write_history_plot(json.loads(json.dumps(record, default=str)), out / 'history.png')}")
     finally:

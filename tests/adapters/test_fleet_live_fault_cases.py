@@ -7,11 +7,12 @@
 2. A corrupt checkpoint: one published version's ``model.safetensors`` is garbage. Each group fails one call
    naming the cause (``load_failed``, the safetensors error first), keeps serving the last good version, and
    training goes on; no token is stamped with the corrupt version.
-3. An engine process killed (SIGKILL): it is restarted and serves again; every session is trained once.
+3. An engine process killed (SIGKILL): the killed call's sessions move to the other group, each trained once with
+   every turn; the group is restarted and serves again; every session is trained once.
 4. The trainer killed and resumed: its loop is stopped by an exception out of a step (with the next batch in flight
    on the engines), and a new trainer (a fresh model) resumes from the checkpoint on the same engines: no step
    repeated or skipped, no session trained twice, only the batch in flight lost. (The trainer's process killed and
-   the engines started again is the hand run in docs/fleet_results/live_resume: engine starts alone take minutes.)
+   the engines started again: the slow opt-in tests/adapters/test_fleet_live_kill.py.)
 
 Each test prints sessions sent / trained / duplicated / lost as measured.
 """
@@ -131,17 +132,26 @@ def test_a_killed_engine_is_restarted_and_serves_again(fleet):
             os.kill(pid, signal.SIGKILL)
 
     cfg = RunConfig(steps=3, prompts=2, samples=4, turns=2, turn_tokens=5, lr=2e-4)
-    run(fleet, cfg, kill_first)
     t0 = time.monotonic()
+    _, batches = run(fleet, cfg, kill_first)
+    run_s = time.monotonic() - t0
     while not fleet.alive[victim] and time.monotonic() - t0 < 300:  # the restart started during the run
         fleet.rollout([[3, 4, 5, 6]], {"max_tokens": 2, "temperature": 1.0, "logprobs": 1})
         time.sleep(1)
+    back_s = time.monotonic() - t0
     events = fleet.events[before:]
     print("\n".join(f"{e.kind} {e.group}: {e.detail}" for e in events))
     kinds = [(e.kind, e.group) for e in events]
     assert kinds[0] == ("died", victim) and ("restarted", victim) in kinds, kinds
     assert "restart 1 of 1" in events[0].detail
     assert fleet.alive[victim] and int(fleet.engine_info()[victim]["pid"]) != pid
+    # the killed call's sessions moved: each trained once, with every turn, the turn the kill lost served elsewhere
+    moved = set(events[0].moved_sessions)
+    turns = {sid: ts for b in batches for sid, ts in zip(b.session_ids, b.turns) if sid in moved}
+    assert moved and set(turns) == moved, (moved, set(turns))
+    assert all(len(ts) == cfg.turns and ts[-1].group != victim for ts in turns.values())
+    print(f"[engine killed after step 0] {len(moved)} sessions moved off {victim!r}, all trained once; run "
+          f"{run_s:.1f} s, serving again {back_s:.1f} s after the run began")
     logs, batches = run(fleet, cfg)
     assert any(victim in b.served_counts() for b in batches)  # it serves again
     print(fleet.status())

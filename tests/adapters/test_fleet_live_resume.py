@@ -5,14 +5,24 @@ only the batch in flight at the kill lost."""
 
 from __future__ import annotations
 
+import copy
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from offpolicy.adapters.common import TurnRecord, csr_record
 from offpolicy.adapters.fleet_live import LiveFleet, ServedTurn
-from offpolicy.adapters.fleet_live.toy_run import RunConfig, audit, build_tiny_qwen3, resumed_history, train
+from offpolicy.adapters.fleet_live.toy_run import (
+    RunConfig,
+    audit,
+    build_tiny_qwen3,
+    check_history,
+    resumed_history,
+    train,
+)
 from offpolicy.fleet import SamplerGroup
 
 from test_fleet_live_staleness import MemoryChannel
@@ -90,6 +100,7 @@ def test_a_killed_run_resumes_from_its_checkpoint(tmp_path):
     in_flight = cfg.prompts * cfg.samples
     assert counts == {"sent": 6 * in_flight, "trained": 5 * in_flight, "duplicated": 0, "incomplete": 0,
                       "lost": in_flight}
+    assert check_history([vars(h) for h in history], cfg.turns, resumed_at=2) == []
     again, _ = train(second, fresh, cfg, checkpoint=ckpt)  # complete: nothing more to do
     assert [h.step for h in again] == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="checkpoint_every must be an integer >= 1"):
@@ -120,3 +131,77 @@ def test_versions_grow_across_a_resume_onto_an_empty_channel(tmp_path):
     history, _ = train(second, build_tiny_qwen3(None, seed=1), cfg, checkpoint=ckpt)
     assert [h.version for h in history] == [0, killed_at + 1, killed_at + 2]
     assert sorted(channel.versions) == [0, killed_at + 1, killed_at + 2, killed_at + 3]
+
+
+LIVE_RESUME = Path(__file__).resolve().parents[2] / "docs" / "fleet_results" / "live_resume" / "history.json"
+
+
+def test_check_history_passes_a_live_resumed_run_and_names_each_fault():
+    """``check_history`` on the committed history of a live run killed after step 2 and rerun (resumed at step 3,
+    the restored weights served as version 5), then on copies broken one way each."""
+    record = json.loads(LIVE_RESUME.read_text())
+    steps, at = record["steps"], record["resumed_at"]
+    assert at == 3 and check_history(steps, 2, at) == []
+
+    def broken(change):
+        s = copy.deepcopy(steps)
+        change(s)
+        return check_history(s, 2, at)
+
+    first = steps[3]["sessions"][0]["id"]
+    assert f"session {first} trained twice (steps 3 and 4)" in broken(
+        lambda s: s[4]["sessions"].append(copy.deepcopy(s[3]["sessions"][0])))
+    repeated = broken(lambda s: s.insert(3, copy.deepcopy(s[2])))  # a step trained again after the resume
+    assert "steps are numbered [0, 1, 2, 2, 3, 4, 5], not 0..6" in repeated
+    assert "step 2 trained at version 2, not after the previous step's 2" in repeated
+    assert any(p.startswith("session ") and "trained twice (steps 2 and 2)" in p for p in repeated)
+    short = broken(lambda s: s[1]["sessions"][0]["turns"].pop())
+    assert f"session {steps[1]['sessions'][0]['id']} of step 1 trained with 1 turns, not 2" in short
+
+    def restamp(s):  # a turn's served version that is not what its tokens were stamped with
+        s[1]["sessions"][0]["turns"][0][1] -= 1
+    off_stamp = broken(restamp)
+    assert len(off_stamp) == 1 and off_stamp[0].startswith("step 1: tokens per staleness from the served versions")
+
+    def future(s):
+        s[0]["sessions"][0]["turns"][0][1] = 1
+    assert any("served version 1, after the step's 0" in p for p in broken(future))
+
+    def old(s):  # served after the resume at version 4, before the restored weights' 5 (stamps kept in step)
+        turn = s[4]["sessions"][0]["turns"][0]
+        assert s[4]["version"] == 6 and turn[1] == 5  # staleness 1 in the committed run
+        turn[1] = 4
+        s[4]["staleness"]["1"] -= turn[2]
+        s[4]["staleness"]["2"] = turn[2]
+    assert broken(old) == ["after the resume at step 3 turns were served at versions [4], older than the restored "
+                           "weights' version 5"]
+    with pytest.raises(ValueError, match="turns must be an integer >= 1"):
+        check_history(steps, 0)
+    with pytest.raises(ValueError, match=r"resumed_at must be an integer in \[0, 6\]"):
+        check_history(steps, 2, resumed_at=7)
+
+
+def test_a_rerun_resumes_without_publishing_first(tmp_path):
+    """The rerun publishes only the restored weights: the first resumed step trains at the version after the
+    killed run's newest; without a checkpoint, training unpublished weights is still refused."""
+    cfg = RunConfig(steps=3, prompts=1, samples=2, turns=1, turn_tokens=2)
+    channel, ckpt = MemoryChannel(), tmp_path / "trainer.pt"
+    first = fleet_on(channel, tmp_path)
+    model = build_tiny_qwen3(None, seed=0)
+    first.publish(model.state_dict(), first.next_version())
+
+    def kill_after_step_0(log, batch, metrics):
+        if log.step == 0:
+            raise KeyboardInterrupt("trainer killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(first, model, cfg, kill_after_step_0, checkpoint=ckpt)
+    first.close()
+    assert channel.latest() == 1
+    second = fleet_on(channel, tmp_path)
+    with pytest.raises(RuntimeError, match="publish the model's weights first"):
+        train(second, build_tiny_qwen3(None, seed=1), cfg)
+    history, _ = train(second, build_tiny_qwen3(None, seed=1), cfg, checkpoint=ckpt)
+    assert [h.version for h in history] == [0, 2, 3]
+    assert sorted(channel.versions) == [0, 1, 2, 3, 4]
+    assert check_history([vars(h) for h in history], cfg.turns, resumed_at=1) == []

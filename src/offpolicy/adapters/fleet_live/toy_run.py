@@ -14,7 +14,7 @@ import copy
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +107,67 @@ def audit(steps: list[dict[str, object]], sent: int, turns: int) -> dict[str, in
             "lost": sent - len(set(ids))}
 
 
+def check_history(steps: Sequence[Mapping[str, object]], turns: int, resumed_at: int = 0) -> list[str]:
+    """What is wrong with a run's history, as plain sentences (empty when nothing is): the checks a killed and
+    resumed run must pass.
+
+    Args:
+        steps: the history's steps in order, each a mapping (``history.json``'s ``steps``, or ``vars(StepLog)``)
+            with ``step``, ``version`` (the trainer's version the step trained at), ``staleness`` (trained tokens
+            per ``version - stamp``; keys int or str) and ``sessions`` (``{"id", "turns": [[group, served version,
+            tokens], ...]}``, :func:`session_log`).
+        turns: the turns every session has.
+        resumed_at: the index of the first step a rerun trained (``history.json``'s ``resumed_at``; 0: none).
+
+    Checked: steps numbered ``0, 1, ...`` (none repeated or skipped); the trainer's version grows step after step;
+    no session id trained twice, and each with ``turns`` turns; no turn served at a version after its step's; each
+    step's tokens per staleness, from its sessions' served versions, equal the step's ``staleness`` (from the
+    tokens' stamps); and after a resume no turn served at a version older than the restored weights' (the version
+    the first resumed step trained at: an older one holds weights of before the checkpoint, of a step the killed
+    run trained after it, or of the rerun's freshly built model).
+    """
+    if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+        raise ValueError(f"turns must be an integer >= 1, got {turns!r}")
+    if isinstance(resumed_at, bool) or not isinstance(resumed_at, int) or not 0 <= resumed_at <= len(steps):
+        raise ValueError(f"resumed_at must be an integer in [0, {len(steps)}], got {resumed_at!r}")
+    problems: list[str] = []
+    numbers = [int(s["step"]) for s in steps]
+    if numbers != list(range(len(steps))):
+        problems.append(f"steps are numbered {numbers}, not 0..{len(steps) - 1}")
+    versions = [int(s["version"]) for s in steps]
+    for a, b, n in zip(versions, versions[1:], numbers[1:]):
+        if b <= a:
+            problems.append(f"step {n} trained at version {b}, not after the previous step's {a}")
+    seen: dict[str, int] = {}
+    for s in steps:
+        n, version = int(s["step"]), int(s["version"])
+        counted: dict[int, int] = {}
+        for session in s["sessions"]:
+            sid = str(session["id"])
+            if sid in seen:
+                problems.append(f"session {sid} trained twice (steps {seen[sid]} and {n})")
+            seen.setdefault(sid, n)
+            if len(session["turns"]) != turns:
+                problems.append(f"session {sid} of step {n} trained with {len(session['turns'])} turns, not {turns}")
+            for group, served, tokens in session["turns"]:
+                if int(served) > version:
+                    problems.append(f"session {sid} of step {n}: {group!r} served version {served}, after the "
+                                    f"step's {version}")
+                counted[version - int(served)] = counted.get(version - int(served), 0) + int(tokens)
+        stamped = {int(k): int(v) for k, v in s["staleness"].items()}
+        if counted != stamped:
+            problems.append(f"step {n}: tokens per staleness from the served versions {dict(sorted(counted.items()))}"
+                            f" differ from the stamps' {dict(sorted(stamped.items()))}")
+    if 0 < resumed_at < len(steps):
+        restored = versions[resumed_at]
+        old = sorted({int(t[1]) for s in steps[resumed_at:] for session in s["sessions"] for t in session["turns"]
+                      if int(t[1]) < restored})
+        if old:
+            problems.append(f"after the resume at step {numbers[resumed_at]} turns were served at versions {old}, "
+                            f"older than the restored weights' version {restored}")
+    return problems
+
+
 def staleness_counts(batch: LiveBatch, trained_at: int) -> dict[int, int]:
     """Trained tokens per staleness ``trained_at - served version`` (the loss's ``current_version`` minus each
     token's stamp)."""
@@ -139,7 +200,8 @@ def train(
     checkpoint_every: int = 1,
     attribute_every: int | None = None,
 ) -> tuple[list[StepLog], FleetMetrics]:
-    """Train ``model`` for ``cfg.steps`` steps on batches from ``fleet`` (started, version 0 published).
+    """Train ``model`` for ``cfg.steps`` steps on batches from ``fleet`` (started, version 0 published; a run that
+    resumes from ``checkpoint`` needs no publish first).
 
     Rollouts run one step ahead of the trainer (the batch of step ``k + 1`` is sampled while step ``k`` trains),
     so each group serves whatever version it last loaded: staleness from the real clock. After each optimizer step
@@ -151,9 +213,9 @@ def train(
     Resume: with ``checkpoint`` (a file path), the trainer's state (model, optimizer, prompt generator, step, the
     fleet's session count and the history so far) is written there after every ``checkpoint_every``-th step and
     the last. If the file exists when ``train`` starts, the run resumes from it: the state is restored, the
-    restored weights are published as the fleet's next version, past the checkpoint's (the engines load them at
-    their next call), and
-    training goes on at the step after the checkpoint. Lost in a kill: the batch in flight and the steps after the
+    restored weights are published as the fleet's next version, past the checkpoint's and past any the channel
+    holds (the engines load them at their next call; nothing needs publishing before, so a rerun publishes no
+    weights but the restored ones), and training goes on at the step after the checkpoint. Lost in a kill: the batch in flight and the steps after the
     last checkpoint (with ``checkpoint_every=1``, only the batch in flight); session ids are never reused.
 
     Attribution: with ``attribute_every=k``, every ``k``-th step's batch is attributed before the step trains on it
@@ -162,7 +224,8 @@ def train(
     ``StepLog.attribution`` holds ``{group: {"tokens", "mean_abs_log_r", part: share}}`` (NaN shares as ``None``).
     A batch holding a version no longer kept (one published before a resume) gets no attribution.
     """
-    if fleet.version is None:
+    resuming = checkpoint is not None and Path(checkpoint).exists()
+    if fleet.version is None and not resuming:
         raise RuntimeError("train: publish the model's weights first (fleet.publish(model.state_dict(), 0))")
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
@@ -174,7 +237,7 @@ def train(
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     history: list[StepLog] = []
     first = 0
-    if checkpoint is not None and Path(checkpoint).exists():
+    if resuming:
         state = torch.load(checkpoint, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
