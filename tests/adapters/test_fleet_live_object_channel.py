@@ -143,3 +143,37 @@ def test_the_ray_store_pickles_its_name_not_its_actor():
     for kwargs in ({"name": ""}, {"namespace": ""}, {"name": 3}):
         with pytest.raises(ValueError, match="must be a non-empty string"):
             RayObjectStore(**kwargs)
+
+
+@pytest.mark.parametrize("where", ["memory", "local"])
+def test_the_fsspec_store_carries_the_channel(tmp_path, where):
+    """FsspecObjectStore (fsspec's memory file system and a local path): the channel's versions round-trip and are
+    collected, a partial key prefix lists, a missing key is FileNotFoundError, an object is never read half-written
+    (the temporary names are never listed), and a pickled store (what each engine actor gets) reconnects to the
+    same objects."""
+    import pickle
+    import uuid
+
+    from offpolicy.adapters.fleet_live import FsspecObjectStore
+
+    url = f"memory://offpolicy-{uuid.uuid4().hex[:8]}" if where == "memory" else str(tmp_path / "bucket")
+    store = FsspecObjectStore(url)
+    ch = ObjectStoreWeightChannel(store, keep=2, formats=["fp8"])
+    w = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    for v in range(4):
+        ch.publish({k: t + v for k, t in w.items()}, v, in_use=lambda: {0})
+    assert ch.latest() == 3 and ch.versions() == [0, 2, 3]
+    assert torch.equal(ch.fetch(2)["w"], w["w"] + 2)
+    assert store.list("weights/v00000") == ["weights/v000000/fp8/model.safetensors", "weights/v000000/model.safetensors",
+                                            "weights/v000002/fp8/model.safetensors", "weights/v000002/model.safetensors",
+                                            "weights/v000003/fp8/model.safetensors", "weights/v000003/model.safetensors"]
+    assert not [p for p in store.fs.find(store.root) if p.endswith(".tmp")]
+    with pytest.raises(FileNotFoundError, match="no object 'weights/v000001/model.safetensors'"):
+        store.get("weights/v000001/model.safetensors")
+    store.delete("weights/nothing")  # no error
+    assert store.list("other/") == []
+    with pytest.raises(ValueError, match="key must be a relative"):
+        store.put("../escape", b"x")
+    again = ObjectStoreWeightChannel(pickle.loads(pickle.dumps(store)), keep=2, formats=["fp8"])
+    assert again.store.url == url and again.latest() == 3 and torch.equal(again.fetch(3, "fp8")["w"],
+                                                                         ch.fetch(3, "fp8")["w"])

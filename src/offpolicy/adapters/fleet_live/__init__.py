@@ -18,6 +18,7 @@ from offpolicy.adapters.fleet_live.engine_group import EngineGroup, EngineSettin
 from offpolicy.adapters.fleet_live.calls import BelowStalenessFloor, EngineProcessDied, WeightLoadError
 from offpolicy.adapters.fleet_live.fleet_runner import EVENT_KINDS, FleetEvent, GroupRequestError, LiveBatch, LiveFleet
 from offpolicy.adapters.fleet_live.object_channel import (
+    FsspecObjectStore,
     LocalObjectStore,
     ObjectStore,
     ObjectStoreWeightChannel,
@@ -36,6 +37,7 @@ __all__ = [
     "GroupRequestError",
     "LiveBatch",
     "LiveFleet",
+    "FsspecObjectStore",
     "LocalObjectStore",
     "ObjectStore",
     "ObjectStoreWeightChannel",

@@ -4,7 +4,8 @@
 (:class:`ObjectStore`: ``put``, ``get``, ``list``, ``delete``, the subset of fsspec's file-system calls a channel
 needs; an S3 / GCS bucket through fsspec fits it). :class:`RayObjectStore` is that interface on Ray's object store
 (a named actor holding each object's reference: no shared disk, Ray moves the bytes between nodes);
-:class:`LocalObjectStore` on a local directory (tests, and a single machine). Layout under
+:class:`FsspecObjectStore` on any fsspec file system (``s3://bucket/path``, ``gs://...``, ``memory://``, a local
+path); :class:`LocalObjectStore` on a local directory (tests, and a single machine). Layout under
 ``prefix``: ``v000007/model.safetensors`` (the trainer's weights), ``v000007/<format>/model.safetensors`` (each
 format's copy, quantised once at ``publish``), and ``LATEST``, put after every object of the version, so a reader
 that sees ``LATEST = 7`` finds all of version 7. Old versions are collected as the disk channel's are.
@@ -96,6 +97,69 @@ class LocalObjectStore:
             if parent == self.root or any(parent.iterdir()):
                 break
             parent.rmdir()
+
+
+class FsspecObjectStore:
+    """:class:`ObjectStore` on an fsspec file system under ``url`` (``"s3://bucket/run1"``, ``"gs://..."``,
+    ``"memory://..."``, a local path): one object per key. Each object is written under a temporary name beside
+    its key and then moved onto it, so a reader sees the old object or the whole new one (on S3 / GCS a move is a
+    server-side copy; the key appears whole). The store pickles as its URL and options and reconnects where it is
+    unpickled (each engine actor reaches the same bucket; ``memory://`` is per process, for tests).
+
+    Args:
+        url: the root, any URL fsspec resolves (its protocol's package installed, e.g. ``s3fs`` for ``s3://``).
+        storage_options: passed to fsspec (credentials, endpoint, ...).
+    """
+
+    def __init__(self, url: str, **storage_options: object):
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"url must be a non-empty string, got {url!r}")
+        from fsspec.core import url_to_fs
+
+        self.url, self.storage_options = url, storage_options
+        self.fs, root = url_to_fs(url, **storage_options)
+        self.root = root.rstrip("/")
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["url"], **state["storage_options"])
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{_check_key(key)}"
+
+    def put(self, key: str, data: bytes) -> None:
+        if not isinstance(data, (bytes, bytearray)):
+            raise ValueError(f"data must be bytes, got {type(data).__name__}")
+        path = self._path(key)
+        tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.pipe_file(tmp, bytes(data))
+        self.fs.mv(tmp, path)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.fs.cat_file(self._path(key))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no object {key!r} in {self.url}") from None
+
+    def list(self, prefix: str) -> list[str]:
+        # find() under the deepest folder the prefix names, then the keys that start with the whole prefix
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = f"{self.root}/{folder}".rstrip("/")
+        if not self.fs.exists(base):
+            return []
+        keys = (path[len(self.root) + 1:] if path.startswith(self.root + "/") else path
+                for path in self.fs.find(base))
+        return sorted(k for k in keys if k.startswith(prefix) and not k.endswith(".tmp"))
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
 
 
 class _RefIndex:
