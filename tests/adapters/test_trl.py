@@ -807,3 +807,48 @@ def test_vllm_row_records_refuse_what_the_per_token_parsing_refused():
         vllm_row_records([3, 2], [[-0.1, float("-inf")], [-0.3, -1.4]], ids, "head", 4, 10)
     with pytest.raises(RuntimeError, match="1 log-prob lists and 2 id lists"):
         vllm_row_records([3, 2], lps[:1], ids, "support", 4, 10)
+
+
+def _calls(fn) -> int:
+    """How many Python and C function calls ``fn()`` makes (``sys.setprofile``: a loop over rows or tokens, in
+    Python or through torch, shows as a count that grows with them)."""
+    import gc
+    import sys
+
+    n = 0
+
+    def count(frame, event, arg):
+        nonlocal n
+        n += event in ("call", "c_call")
+
+    fn()  # first-call work (lazy imports, caches) is not the loop we look for
+    gc.disable()  # nor a collection's finalizers
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    return n
+
+
+def test_the_records_take_no_python_loop_over_rows_or_tokens():
+    """The cost shape without timing: the support record of a generation step makes as many calls for 4 rows as for
+    64 (on both paths), and the vLLM parsing of a completion as many for 3 tokens as for 40, while the per-token
+    parsing it replaced makes more for more tokens (the count sees a loop)."""
+    from offpolicy.adapters.trl import support_record, vllm_row_records
+
+    g = torch.Generator().manual_seed(2)
+    for keep in (20, 2000):  # the topk path / the finite-mask path
+        calls = []
+        for b in (4, 64):
+            scores = torch.randn(b, 3000, generator=g)
+            scores[:, keep:] = float("-inf")
+            calls.append(_calls(lambda: support_record(scores, torch.zeros(b, dtype=torch.long))))
+        assert calls[0] == calls[1], (keep, calls)
+    calls, before = [], []
+    for t in (3, 40):
+        completion, lps, tids = _trl_vllm_output(g, 30, t, 30, True)
+        calls.append(_calls(lambda: vllm_row_records(completion, lps, tids, "support", 4, 30)))
+        before.append(_calls(lambda: _vllm_records_per_token(completion, lps, tids, "support", 4)))
+    assert calls[0] == calls[1] and before[1] > before[0], (calls, before)

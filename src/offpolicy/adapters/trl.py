@@ -242,7 +242,7 @@ def vllm_row_records(completion: list[int], logprobs: list[list[float | None]], 
     if len(completion) != t or len(logprobs) != t:
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-prob lists and {t} id lists for {len(completion)} "
                            f"tokens (row {row})")
-    counts = torch.tensor([len(x) for x in token_ids], dtype=torch.int64)
+    counts = torch.tensor(list(map(len, token_ids)), dtype=torch.int64)
     ent = torch.tensor([i for x in token_ids for i in x], dtype=torch.int64)
     val = torch.tensor([float("-inf") if v is None else v for x in logprobs for v in x], dtype=torch.float32)
     if val.shape != ent.shape:
