@@ -70,10 +70,9 @@ def sparse_log_softmax(
             ``torch.compile`` traces). Shapes, dtypes and options are always checked. Pass False only when the
             caller has checked them.
         sum_p2: also return ``sum_v p(v)^2`` per row: the shorthand for ``"sum_p2" in stats``.
-        stats: names of extra per-row statistics to return (:data:`offpolicy.ops.row_stats.STATISTICS`: ``sum_p2``,
-            ``varentropy``), a tuple, list or set; each is one more accumulator in the same vocabulary pass (a
-            backend whose kernels lack one runs the PyTorch pass for the call), detached, read as
-            ``out.stats[name]``.
+        stats: names of extra per-row statistics to return (:data:`offpolicy.ops.row_stats.STATISTICS`), a tuple,
+            list or set; each is one more accumulator in the same vocabulary pass (a backend whose kernels lack one
+            runs the PyTorch pass for the call), detached, read as ``out.stats[name]``.
 
     Returns:
         :class:`SparseLogSoftmax`; ``target`` and ``candidates`` are differentiable with respect to ``logits``.
