@@ -70,7 +70,7 @@ def test_nan_and_inf_rows_take_the_torch_statistics(dtype):
         assert torch.equal(g[[0, 2, 4]], w[[0, 2, 4]]) or torch.allclose(g[[0, 2, 4]], w[[0, 2, 4]], equal_nan=True)
     assert bool(torch.isnan(got[1][0])) and math.isinf(float(got[1][4]))
     lse_ref, _, x = logits_naive.full_stats(z[[1, 3, 5]], inv_temp[[1, 3, 5]])
-    lse, _ = logits_naive.lse_entropy(*(g[[1, 3, 5]] for g in got))
+    lse, _ = logits_naive.lse_entropy(*(g[[1, 3, 5]] for g in got[:3]))
     assert_close_inf(lse, lse_ref, arg_tol(x), "lse")
 
 
