@@ -140,7 +140,7 @@ def test_backend_counts_filtered_blocks():
     w = torch.randn(v, d, generator=gen)
     ids = torch.randint(0, v, (n, 2), generator=gen)
     inv = torch.ones(n)
-    m, s, _, _ = ltb.full_stats(h, w, None, ids, inv, 1 << 14)
+    (m, s, _, _), _ = ltb.full_stats(h, w, None, ids, inv, 1 << 14)
     lse = m + s.log()
     coef = torch.ones(n)
     dz_ids = torch.zeros(n, 2)

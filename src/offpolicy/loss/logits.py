@@ -197,11 +197,11 @@ def _log_probs(model: ModelInputs, tokens: Tensor, candidates: Candidates | CSRC
     if model.logits is not None:
         return sparse_log_softmax_unchecked(model.logits, tokens, cand_ids, temperature, backend=backend,
                                             support=support, skip=skip, shard=shard, inplace_grad=inplace_grad,
-                                            sum_p2=False, eager=eager)
+                                            stats=(), eager=eager)
     return linear_sparse_log_softmax_unchecked(model.hidden, model.weight, tokens, cand_ids, temperature,
                                                bias=model.bias, backend=backend, support=support, skip=skip,
                                                shard=shard, chunk_bytes=linear_torch_backend.CHUNK_BYTES,
-                                               grad_filter=None, sum_p2=False, eager=eager)
+                                               grad_filter=None, stats=(), eager=eager)
 
 
 def _refuse_broken_rows(model: ModelInputs, lp: SparseLogSoftmax, candidates: Candidates | CSRCandidates | None,

@@ -38,6 +38,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from offpolicy.ops.row_stats import RowStats
+
 ENV_VAR = "OFFPOLICY_BACKEND"
 
 
@@ -45,8 +47,8 @@ class LogitsBackend(Protocol):
     """The logits op's contract (documented on :mod:`offpolicy.ops.logits_op.torch_backend`)."""
 
     def full_stats(self, logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *,
-                   sum_p2: bool = False) -> tuple[Tensor, ...]:
-        """Per-row ``(m, s, t)`` of ``logits [N, V] * inv_temp [N]``, then ``q`` with ``sum_p2``."""
+                   extras: tuple[str, ...] = ()) -> RowStats:
+        """Per-row statistics (``m, s, t`` and the named ``extras``) of ``logits [N, V] * inv_temp [N]``."""
 
     def full_grad(self, logits: Tensor, ids: Tensor, inv_temp: Tensor, lse: Tensor, grad: Tensor,
                   grad_sum: Tensor, out: Tensor) -> Tensor:
@@ -80,8 +82,8 @@ class LinearBackend(Protocol):
         """``[N, M]`` logits at the ids, 0 where ``ids < 0``."""
 
     def full_stats(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
-                   chunk_bytes: int, *, sum_p2: bool = False) -> tuple[Tensor, ...]:
-        """``(m, s, t) [N]``, ``x [N, M]``, then ``q [N]`` with ``sum_p2``."""
+                   chunk_bytes: int, *, extras: tuple[str, ...] = ()) -> tuple[RowStats, Tensor]:
+        """``(stats, x)``: the per-row statistics (``m, s, t`` and the named ``extras``, ``[N]``), ``x [N, M]``."""
 
     def backward(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, dz_ids: Tensor,
                  inv_temp: Tensor, lse: Tensor, coef: Tensor | None, *, chunk_bytes: int,

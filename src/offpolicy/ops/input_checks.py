@@ -18,6 +18,7 @@ from numbers import Real
 import torch
 from torch import Tensor
 
+from offpolicy.ops import row_stats
 from offpolicy.ops.vocab_parallel import VocabShard
 from offpolicy.records.candidates import first_duplicate_row
 
@@ -152,10 +153,22 @@ def check_temperature(temperature: object, n: int, acc: torch.dtype, *, values: 
         raise ValueError(f"temperature: {float(temperature):.3g} is too small: {_too_small(acc)}")
 
 
-def check_sum_p2(sum_p2: object) -> None:
-    """``sum_p2`` must be a bool (a tensor or a number would be a different question)."""
+def check_stats(stats: object, sum_p2: object) -> tuple[str, ...]:
+    """The extra statistics a call asks for, as names in :data:`offpolicy.ops.row_stats.STATISTICS` order.
+
+    ``stats`` must be a tuple, list, set or frozenset of known names (a bare string would ask for its letters);
+    ``sum_p2`` a bool (a tensor or a number would be a different question), the shorthand for
+    ``"sum_p2" in stats``.
+    """
     if not isinstance(sum_p2, bool):
         raise ValueError(f"sum_p2: expected True or False, got {sum_p2!r}")
+    if not isinstance(stats, (tuple, list, set, frozenset)):
+        raise ValueError(f"stats: expected a tuple, list or set of statistic names, got {stats!r}")
+    unknown = [s for s in stats if not isinstance(s, str) or s not in row_stats.STATISTICS]
+    if unknown:
+        raise ValueError(f"stats: unknown statistic {unknown[0]!r}; expected names among "
+                         f"{', '.join(row_stats.STATISTICS)}")
+    return row_stats.names([*stats, "sum_p2"] if sum_p2 else stats)
 
 
 def check_layer(hidden: object, weight: object, bias: object, chunk_bytes: object, grad_filter: object) -> None:

@@ -11,8 +11,10 @@ At run time (a compiled graph executing) the logits ops enter the single-intra-o
 
 Logits op:
 
-* ``offpolicy::full_stats(logits, inv_temp, skip, backend, sum_p2) -> (m, s, t, q)``; ``q`` is ``[N]`` with
-  ``sum_p2`` and an empty tensor without (the default pass then runs unchanged)
+* ``offpolicy::full_stats(logits, inv_temp, skip, backend, extras) -> (m, s, t, acc)``: the backend's
+  :class:`~offpolicy.ops.row_stats.RowStats` as tensors; ``extras`` names the asked statistics, comma-separated
+  (a schema holds a string, not a list of them: :func:`offpolicy.ops.row_stats.pack`), and ``acc [E, N]`` holds
+  their accumulators in that order (``[0, N]`` without: the default pass then runs unchanged)
 * ``offpolicy::full_grad(logits, ids, inv_temp, lse, grad, grad_sum, backend) -> dz`` (a new ``[N, V]`` tensor)
 * ``offpolicy::full_grad_inplace_(logits, ids, inv_temp, lse, grad, grad_sum, backend)``: writes ``dz`` into
   ``logits``. Under ``torch.compile`` functionalization may replace the mutation of a graph input by a copy.
@@ -20,8 +22,8 @@ Logits op:
 Fused-linear op:
 
 * ``offpolicy::linear_gathered_logits(hidden, weight, bias, ids, chunk_bytes, backend) -> z [N, M]``
-* ``offpolicy::linear_full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes, backend, sum_p2) ->
-  (m, s, t, x, q)``, ``q`` as in ``full_stats``
+* ``offpolicy::linear_full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes, backend, extras) ->
+  (m, s, t, x, acc)``, ``extras`` and ``acc`` as in ``full_stats``
 * ``offpolicy::linear_backward(hidden, weight, bias, ids, dz_ids, inv_temp, lse, coef, chunk_bytes, grad_filter,
   need_h, need_w, need_b, backend) -> (dh, dw, db)``; a gradient that is not needed comes back as an empty tensor.
 """
@@ -33,7 +35,8 @@ import contextlib
 import torch
 from torch import Tensor
 
-from offpolicy.ops import backend_registry, row_threads
+from offpolicy.ops import backend_registry, row_stats, row_threads
+from offpolicy.ops.row_stats import RowStats
 
 
 def tracing() -> bool:
@@ -56,18 +59,31 @@ def _threads(logits: Tensor):
 
 @torch.library.custom_op("offpolicy::full_stats", mutates_args=())
 def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: str,
-               sum_p2: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(m, s, t, q)`` per row of ``logits * inv_temp`` (the logits contract's ``full_stats``); ``q`` is empty
-    unless ``sum_p2``."""
+               extras: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(m, s, t) [N]`` per row of ``logits * inv_temp`` and the accumulators ``[E, N]`` of the ``E`` statistics
+    named in ``extras`` (the logits contract's ``full_stats``; see the module docstring)."""
     with _threads(logits):
-        stats = backend_registry.get(backend).logits.full_stats(logits, inv_temp, skip, sum_p2=sum_p2)
-    return (*stats, inv_temp.new_empty(0)) if not sum_p2 else tuple(stats)
+        stats = backend_registry.get(backend).logits.full_stats(logits, inv_temp, skip,
+                                                                extras=row_stats.unpack(extras))
+    return stats.m, stats.s, stats.t, _stacked(stats, inv_temp)
 
 
 @full_stats.register_fake
-def _full_stats_fake(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: str, sum_p2: bool = False):
+def _full_stats_fake(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, backend: str, extras: str = ""):
     n = logits.shape[:1]
-    return (*(inv_temp.new_empty(n) for _ in range(3)), inv_temp.new_empty(n if sum_p2 else (0,)))
+    return (*(inv_temp.new_empty(n) for _ in range(3)), inv_temp.new_empty(len(row_stats.unpack(extras)), *n))
+
+
+def as_record(m: Tensor, s: Tensor, t: Tensor, acc: Tensor, extras: str) -> RowStats:
+    """The record from a ``full_stats`` op's tensors."""
+    return RowStats(m, s, t, dict(zip(row_stats.unpack(extras), acc.unbind(0))))
+
+
+def _stacked(stats: RowStats, like: Tensor) -> Tensor:
+    """The extras' accumulators as one ``[E, N]`` tensor (a new one: an op's outputs may not alias)."""
+    if not stats.extras:
+        return like.new_empty(0, stats.m.shape[0])
+    return torch.stack(list(stats.extras.values()))
 
 
 @torch.library.custom_op("offpolicy::full_grad", mutates_args=())
@@ -113,20 +129,20 @@ def _linear_gathered_logits_fake(hidden, weight, bias, ids, chunk_bytes, backend
 
 @torch.library.custom_op("offpolicy::linear_full_stats", mutates_args=())
 def linear_full_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
-                      chunk_bytes: int, backend: str, sum_p2: bool = False
+                      chunk_bytes: int, backend: str, extras: str = ""
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(m, s, t) [N]`` over the whole (local) vocabulary, ``x [N, M]`` at the ids and ``q [N]`` (empty unless
-    ``sum_p2``) (fused-linear contract)."""
-    stats = backend_registry.get(backend).linear.full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes,
-                                                              sum_p2=sum_p2)
-    return (*stats, inv_temp.new_empty(0)) if not sum_p2 else tuple(stats)
+    """``(m, s, t) [N]`` over the whole (local) vocabulary, ``x [N, M]`` at the ids and the extras' accumulators
+    ``[E, N]`` (fused-linear contract; ``extras`` as in ``full_stats``)."""
+    stats, x = backend_registry.get(backend).linear.full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes,
+                                                                 extras=row_stats.unpack(extras))
+    return stats.m, stats.s, stats.t, x, _stacked(stats, inv_temp)
 
 
 @linear_full_stats.register_fake
-def _linear_full_stats_fake(hidden, weight, bias, ids, inv_temp, chunk_bytes, backend, sum_p2=False):
+def _linear_full_stats_fake(hidden, weight, bias, ids, inv_temp, chunk_bytes, backend, extras=""):
     n = hidden.shape[0]
     return (inv_temp.new_empty(n), inv_temp.new_empty(n), inv_temp.new_empty(n), inv_temp.new_empty(ids.shape),
-            inv_temp.new_empty(n if sum_p2 else 0))
+            inv_temp.new_empty(len(row_stats.unpack(extras)), n))
 
 
 @torch.library.custom_op("offpolicy::linear_backward", mutates_args=())

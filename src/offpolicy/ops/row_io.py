@@ -18,17 +18,23 @@ class SparseLogSoftmax(NamedTuple):
         candidates: ``[N, K]`` log-probabilities of the candidates, ``-inf`` at padding.
         lse: ``[N]`` normaliser of ``z / tau`` (full vocabulary, or the support); ``+inf`` on skipped rows.
         entropy: ``[N]`` entropy of the (full or support) distribution; 0 on skipped rows. Not differentiable.
-        sum_p2: ``[N]`` ``sum_v p(v)^2`` of the same distribution (``p`` of ``z / tau``; under ``support`` the sum
-            over the support of the renormalised ``p^S(v)^2``), 0 on skipped rows; None unless ``sum_p2=True`` was
-            asked. A baseline statistic (the Optimal Token Baseline's,
-            :func:`offpolicy.advantages.optimal_token_baseline`): detached, no gradient flows through it.
+        stats: the extra statistics the call asked for (``stats=(...)``), by name: each ``[N]`` of the same
+            distribution (``p`` of ``z / tau``; under ``support`` the support-renormalised ``p^S``), 0 on skipped
+            rows, detached (no gradient flows through them); None when none was asked. The names and what each
+            means: :data:`offpolicy.ops.row_stats.STATISTICS`.
     """
 
     target: Tensor
     candidates: Tensor
     lse: Tensor
     entropy: Tensor
-    sum_p2: Tensor | None = None
+    stats: dict[str, Tensor] | None = None
+
+    @property
+    def sum_p2(self) -> Tensor | None:
+        """``[N]`` ``sum_v p(v)^2`` (``stats["sum_p2"]``), None unless asked (``sum_p2=True``): a baseline statistic
+        (the Optimal Token Baseline's, :func:`offpolicy.advantages.optimal_token_baseline`)."""
+        return None if self.stats is None else self.stats.get("sum_p2")
 
 
 def row_inputs(targets: Tensor, candidate_ids: Tensor | None, temperature: float | Tensor, n: int,
@@ -44,6 +50,8 @@ def row_inputs(targets: Tensor, candidate_ids: Tensor | None, temperature: float
     return ids, inv_temp
 
 
-def result(logp: Tensor, lse: Tensor, entropy: Tensor, p2: Tensor, sum_p2: bool) -> SparseLogSoftmax:
-    """The autograd function's ``(logp [N, 1 + K], lse, entropy, sum_p2)`` as a :class:`SparseLogSoftmax`."""
-    return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy, p2 if sum_p2 else None)
+def result(outputs: tuple[Tensor, ...], names: tuple[str, ...]) -> SparseLogSoftmax:
+    """An autograd function's ``(logp [N, 1 + K], lse, entropy, *values)`` as a :class:`SparseLogSoftmax`,
+    ``values`` those of the statistics ``names``, in order."""
+    logp, lse, entropy, *values = outputs
+    return SparseLogSoftmax(logp[:, 0], logp[:, 1:], lse, entropy, dict(zip(names, values)) if names else None)

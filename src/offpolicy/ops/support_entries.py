@@ -194,7 +194,7 @@ class _LogSoftmaxWithEntries(torch.autograd.Function):
         with torch.enable_grad():
             z = logits.detach().requires_grad_(logits.requires_grad)
             lp = sparse_log_softmax_unchecked(z, tokens, None, temperature, backend=backend, support=False,
-                                              skip=skip, shard=shard, inplace_grad=inplace_grad, sum_p2=False,
+                                              skip=skip, shard=shard, inplace_grad=inplace_grad, stats=(),
                                               eager=eager)
         ctx.inner = (z, lp.target)
         local, owned = _localise(cols, shard, logits.shape[1])
@@ -235,7 +235,7 @@ class _LinearLogSoftmaxWithEntries(torch.autograd.Function):
             lp = linear_sparse_log_softmax_unchecked(leaves[0], leaves[1], tokens, None, temperature, bias=leaves[2],
                                                      backend=backend, support=False, skip=skip, shard=shard,
                                                      chunk_bytes=linear_torch_backend.CHUNK_BYTES, grad_filter=None,
-                                                     sum_p2=False, eager=eager)
+                                                     stats=(), eager=eager)
         ctx.inner = (leaves, lp.target)
         local, owned = _localise(cols, shard, weight.shape[0])
         ctx.save_for_backward(rows, local, owned)

@@ -2,7 +2,8 @@
 
 The forward gathers the logits at the ids this rank owns (0 elsewhere, so a SUM over ranks assembles each row)
 and combines the per-row online-softmax statistics with one MAX and one packed SUM all-reduce of
-``O(N (3 + M))`` numbers (one more per row for ``sum p^2``); the backward needs no communication (each rank differentiates the same replicated loss).
+``O(N (3 + M))`` numbers (one more per row for each extra statistic of :mod:`offpolicy.ops.row_stats`, merged by
+the rule it declares); the backward needs no communication (each rank differentiates the same replicated loss).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from offpolicy.ops import row_stats
 from offpolicy.ops.online_softmax import INF
+from offpolicy.ops.row_stats import RowStats
 
 
 @dataclass(frozen=True)
@@ -40,31 +43,27 @@ def gather_local(logits: Tensor, local: Tensor, inv_temp: Tensor) -> Tensor:
     return torch.where(local >= 0, x, torch.zeros_like(x))
 
 
-def combine_shards(shard: VocabShard, m: Tensor, s: Tensor, t: Tensor, x: Tensor,
-                   q: Tensor | None = None) -> tuple[Tensor, ...]:
-    """All-reduce per-row statistics ``m, s, t [N]`` (and ``q [N]``) and the gathered ``x [N, M]`` over the shards.
+def combine_shards(shard: VocabShard, stats: RowStats, x: Tensor) -> tuple[RowStats, Tensor]:
+    """All-reduce the per-row statistics (:class:`~offpolicy.ops.row_stats.RowStats`, ``[N]``) and the gathered
+    ``x [N, M]`` over the shards.
 
-    With ``M = max_r m_r`` and ``a_r = exp(m_r - M)``: ``s = sum_r a_r s_r``,
-    ``t = sum_r a_r (t_r + s_r (m_r - M))`` (``t`` is taken relative to the row max) and
-    ``q = sum_r a_r^2 q_r`` (``q_r = sum exp(2 (x - m_r))``). One MAX, one SUM (``q`` is one more column of it).
-    Returns ``(M, s, t, x)``, then ``q`` when given.
+    With ``M = max_r m_r``, ``a_r = exp(m_r - M)`` and ``d_r = m_r - M``, each shard rescales its record to ``M``
+    by the rule each statistic declares (:func:`offpolicy.ops.row_stats.rescale`: ``s = sum_r a_r s_r``,
+    ``t = sum_r a_r (t_r + s_r d_r)``, ``sum p^2``'s ``q = sum_r a_r^2 q_r``, ...) and one SUM adds them: one MAX,
+    then one SUM of ``2 + E + M`` columns (``E`` extras). Returns the combined record (reference ``M``) and ``x``.
     """
     import torch.distributed as dist
 
-    m_loc = torch.where(s > 0, m, torch.full_like(m, -INF))
+    m_loc = torch.where(stats.s > 0, stats.m, torch.full_like(stats.m, -INF))
     big = m_loc.clone()
     dist.all_reduce(big, op=dist.ReduceOp.MAX, group=shard.group)
     big = torch.where(torch.isfinite(big), big, torch.zeros_like(big))
-    m_safe = torch.where(s > 0, m, big)
-    a = torch.exp(m_loc - big)
-    cols = [(a * s)[:, None], (a * (t + s * (m_safe - big)))[:, None]]
-    if q is not None:
-        cols.append((a * a * q)[:, None])
-    packed = torch.cat([*cols, x], dim=1)
+    m_safe = torch.where(stats.s > 0, stats.m, big)
+    cols = row_stats.rescale(stats, torch.exp(m_loc - big), m_safe - big)
+    packed = torch.cat([*(c[:, None] for c in cols), x], dim=1)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=shard.group)
     k = len(cols)
-    combined = (big, packed[:, 0], packed[:, 1], packed[:, k:])
-    return combined if q is None else (*combined, packed[:, 2])
+    return RowStats(big, packed[:, 0], packed[:, 1], dict(zip(stats.extras, packed[:, 2:k].unbind(1)))), packed[:, k:]
 
 
 def sum_shards(shard: VocabShard, x: Tensor) -> Tensor:

@@ -32,29 +32,31 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from offpolicy.ops import library, online_softmax
+from offpolicy.ops import library, online_softmax, row_stats
 from offpolicy.ops.backend_registry import Backend
 from offpolicy.ops.online_softmax import INF
+from offpolicy.ops.row_stats import RowStats
 from offpolicy.ops.vocab_parallel import VocabShard, combine_shards, localise, sum_shards
 
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """How one call runs: normalisation, vocabulary shard, backend, working-set budget, gradient filter, whether to
-    return ``sum p^2``, and whether the call runs eagerly (False while ``torch.compile`` traces)."""
+    """How one call runs: normalisation, vocabulary shard, backend, working-set budget, gradient filter, the extra
+    statistics to return (names of :data:`offpolicy.ops.row_stats.STATISTICS`, in its order), and whether the call
+    runs eagerly (False while ``torch.compile`` traces)."""
 
     support: bool
     shard: VocabShard | None
     backend: Backend
     chunk_bytes: int
     grad_filter: float | None
-    sum_p2: bool = False
+    stats: tuple[str, ...] = ()
     eager: bool = True
 
 
 class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
-    """``(logp [N, M], lse [N], entropy [N], sum_p2)`` of ``softmax((h W^T + b) inv_temp)`` at ``ids [N, M]``;
-    ``sum_p2`` is ``[N]`` with ``plan.sum_p2``, an empty tensor without."""
+    """``(logp [N, M], lse [N], entropy [N], *values)`` of ``softmax((h W^T + b) inv_temp)`` at ``ids [N, M]``,
+    ``values`` one ``[N]`` tensor per statistic named in ``plan.stats``, in that order."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
@@ -73,23 +75,20 @@ class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
             if skip is not None:
                 lse = lse.masked_fill(skip, INF)
                 entropy = entropy.masked_fill(skip, 0.0)
-            sum_p2 = online_softmax.support_sum_p2(x[:, 1:], lse) if plan.sum_p2 else None
+            values = row_stats.support(plan.stats, x[:, 1:], lse)
         else:
-            m, s, t, x, q = _stats_on_rows(hidden, weight, bias, local, inv_temp, skip, plan)
+            stats, x = _stats_on_rows(hidden, weight, bias, local, inv_temp, skip, plan)
             if plan.shard is not None:
-                m, s, t, x, *rest = combine_shards(plan.shard, m, s, t, x, q)
-                q = rest[0] if rest else None
+                stats, x = combine_shards(plan.shard, stats, x)
             x = x.masked_fill(ids < 0, -INF)
-            lse, entropy = online_softmax.finish(m, s, t)
-            sum_p2 = online_softmax.sum_p2(s, q) if plan.sum_p2 else None
-        sum_p2 = lse.new_empty(0) if sum_p2 is None else sum_p2
+            lse, entropy, values = row_stats.finish(stats)
         ctx.save_for_backward(hidden, weight, bias, local, ids < 0, inv_temp, lse, x if plan.support else None)
         ctx.plan = plan
-        ctx.mark_non_differentiable(lse, entropy, sum_p2)
-        return x - lse[:, None], lse, entropy, sum_p2
+        ctx.mark_non_differentiable(lse, entropy, *values.values())
+        return x - lse[:, None], lse, entropy, *values.values()
 
     @staticmethod
-    def backward(ctx, g: Tensor, _g_lse: Tensor, _g_entropy: Tensor, _g_sum_p2: Tensor):
+    def backward(ctx, g: Tensor, _g_lse: Tensor, _g_entropy: Tensor, *_g_values: Tensor):
         hidden, weight, bias, local, pad, inv_temp, lse, x = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
         # Padding and rows without (finite) mass take no gradient, whatever arrives for them.
@@ -125,36 +124,31 @@ class LinearSparseLogSoftmaxFunction(torch.autograd.Function):
 
 
 def _stats_on_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, local: Tensor, inv_temp: Tensor,
-                   skip: Tensor | None, plan: LinearPlan) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """Backend statistics ``(m, s, t, x, q)``, ``q`` None unless ``plan.sum_p2``; skipped rows are not read (eager)
-    and report ``m = s = t = q = 0`` and ``x = 0``.
+                   skip: Tensor | None, plan: LinearPlan) -> tuple[RowStats, Tensor]:
+    """The backend's ``(stats, x)`` with the extras of ``plan.stats``; skipped rows are not read (eager) and report
+    zeros throughout.
 
     Under ``torch.compile`` (no data-dependent shapes) every row is computed and the skipped ones are masked.
     """
-    want_q = plan.sum_p2
     if not plan.eager:
-        m, s, t, x, q = library.linear_full_stats(hidden, weight, bias, local, inv_temp, plan.chunk_bytes,
-                                                  plan.backend.name, want_q)
-        q = q if want_q else None
+        extras = row_stats.pack(plan.stats)
+        m, s, t, x, acc = library.linear_full_stats(hidden, weight, bias, local, inv_temp, plan.chunk_bytes,
+                                                    plan.backend.name, extras)
+        stats = library.as_record(m, s, t, acc, extras)
         if skip is None:
-            return m, s, t, x, q
+            return stats, x
         keep = ~skip
-        zero = torch.zeros_like(m)
-        return (torch.where(keep, m, zero), torch.where(keep, s, zero), torch.where(keep, t, zero),
-                torch.where(keep[:, None], x, torch.zeros_like(x)), None if q is None else torch.where(keep, q, zero))
-    stats = plan.backend.linear.full_stats
+        return (stats.map(lambda v: torch.where(keep, v, torch.zeros_like(v))),
+                torch.where(keep[:, None], x, torch.zeros_like(x)))
+    full_stats = plan.backend.linear.full_stats
     if skip is None:
-        m, s, t, x, *q = stats(hidden, weight, bias, local, inv_temp, plan.chunk_bytes, sum_p2=want_q)
-        return m, s, t, x, (q[0] if want_q else None)
+        return full_stats(hidden, weight, bias, local, inv_temp, plan.chunk_bytes, extras=plan.stats)
     n = hidden.shape[0]
     rows = (~skip).nonzero().squeeze(1)
-    parts = stats(hidden.index_select(0, rows), weight, bias, local.index_select(0, rows),
-                  inv_temp.index_select(0, rows), plan.chunk_bytes, sum_p2=want_q)
-    m = torch.zeros(n, dtype=inv_temp.dtype, device=hidden.device)
-    s, t = torch.zeros_like(m), torch.zeros_like(m)
+    part, x_part = full_stats(hidden.index_select(0, rows), weight, bias, local.index_select(0, rows),
+                              inv_temp.index_select(0, rows), plan.chunk_bytes, extras=plan.stats)
+    stats = row_stats.zeros(n, plan.stats, inv_temp.dtype, hidden.device)
     x = torch.zeros(local.shape, dtype=inv_temp.dtype, device=hidden.device)
-    q = torch.zeros_like(m) if want_q else None
-    for full, part in zip((m, s, t, x, q), parts):
-        if full is not None:
-            full.index_copy_(0, rows, part)
-    return m, s, t, x, q
+    for full, got in zip((*stats.tensors(), x), (*part.tensors(), x_part)):
+        full.index_copy_(0, rows, got)
+    return stats, x

@@ -14,6 +14,8 @@ same registry as the logits primitive's (:mod:`offpolicy.ops.backend_registry`):
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import Tensor
 
@@ -41,6 +43,7 @@ def linear_sparse_log_softmax(
     grad_filter: float | None = None,
     validate: bool = True,
     sum_p2: bool = False,
+    stats: Collection[str] = (),
 ) -> SparseLogSoftmax:
     """Log-softmax of ``(hidden @ weight.T + bias) / temperature`` at the sampled token and the candidates.
 
@@ -66,12 +69,13 @@ def linear_sparse_log_softmax(
             (Cut Cross-Entropy's gradient filtering; each dropped gradient entry is below
             ``grad_filter * |sum_j g_j| / tau``). None (default) computes the exact gradient.
         validate: check the ids' range and the temperatures' values (see :func:`offpolicy.ops.sparse_log_softmax`).
-        sum_p2: also return ``sum_v p(v)^2`` per row, folded in the same vocabulary tiles (detached; see
-            :class:`SparseLogSoftmax`).
+        sum_p2: also return ``sum_v p(v)^2`` per row: the shorthand for ``"sum_p2" in stats``.
+        stats: names of extra per-row statistics to return, folded in the same vocabulary tiles (see
+            :func:`offpolicy.ops.sparse_log_softmax` and :class:`SparseLogSoftmax`).
 
     Returns:
         :class:`SparseLogSoftmax` (fp32; float64 for float64 inputs): ``target [N]``, ``candidates [N, K]``
-        (``-inf`` at padding), ``lse [N]``, ``entropy [N]`` and ``sum_p2 [N]`` or None (not
+        (``-inf`` at padding), ``lse [N]``, ``entropy [N]`` and the asked ``stats`` or None (not
         differentiable). A NaN in a weight row or bias
         entry that a row's normaliser reads makes that row's ``lse`` and log-probabilities NaN, as NaN logits do
         on the logits primitive. Under ``shard`` the gradient of ``hidden`` is this shard's part.
@@ -81,7 +85,7 @@ def linear_sparse_log_softmax(
     """
     budget = linear_torch_backend.CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     input_checks.check_layer(hidden, weight, bias, budget, grad_filter)
-    input_checks.check_sum_p2(sum_p2)
+    names = input_checks.check_stats(stats, sum_p2)
     n, v = hidden.shape[0], weight.shape[0]
     acc = _acc(hidden)
     input_checks.check_rows(n, hidden.device, targets, candidate_ids, support, skip, shard)
@@ -93,13 +97,14 @@ def linear_sparse_log_softmax(
         hidden, weight, targets, candidate_ids, temperature, bias=bias,
         backend=backend_registry.choose(backend, hidden.device, hidden.dtype), support=support, skip=skip,
         shard=shard, chunk_bytes=budget, grad_filter=None if grad_filter is None else float(grad_filter),
-        sum_p2=sum_p2, eager=eager)
+        stats=names, eager=eager)
 
 
 def linear_sparse_log_softmax_unchecked(hidden: Tensor, weight: Tensor, targets: Tensor, candidate_ids: Tensor | None,
                                         temperature: float | Tensor, *, bias: Tensor | None, backend: Backend,
                                         support: bool, skip: Tensor | None, shard: VocabShard | None,
-                                        chunk_bytes: int, grad_filter: float | None, sum_p2: bool,
+                                        chunk_bytes: int, grad_filter: float | None,
+                                        stats: tuple[str, ...],
                                         eager: bool) -> SparseLogSoftmax:
     """:func:`linear_sparse_log_softmax` on checked arguments with the backend resolved
     (:func:`offpolicy.ops.backend_registry.choose`): the boundary of the call has done both. ``chunk_bytes`` is
@@ -107,8 +112,8 @@ def linear_sparse_log_softmax_unchecked(hidden: Tensor, weight: Tensor, targets:
     (:func:`offpolicy.ops.library.tracing`, asked once by that boundary). Arguments and result as in
     :func:`linear_sparse_log_softmax`."""
     ids, inv_temp = row_inputs(targets, candidate_ids, temperature, hidden.shape[0], _acc(hidden), hidden.device)
-    plan = LinearPlan(support, shard, backend, chunk_bytes, grad_filter, sum_p2, eager)
-    return result(*LinearSparseLogSoftmaxFunction.apply(hidden, weight, bias, ids, inv_temp, skip, plan), sum_p2)
+    plan = LinearPlan(support, shard, backend, chunk_bytes, grad_filter, stats, eager)
+    return result(LinearSparseLogSoftmaxFunction.apply(hidden, weight, bias, ids, inv_temp, skip, plan), stats)
 
 
 def _acc(hidden: Tensor) -> torch.dtype:

@@ -30,7 +30,8 @@ import warnings
 import torch
 from torch import Tensor
 
-from offpolicy.ops import online_softmax
+from offpolicy.ops import row_stats
+from offpolicy.ops.row_stats import RowStats
 
 #: Default working-set budget in bytes (blocks of logits, one weight tile, the fp32 dW tile accumulator).
 CHUNK_BYTES = 128 << 20
@@ -183,8 +184,8 @@ def full_stats(
     inv_temp: Tensor,
     chunk_bytes: int,
     *,
-    sum_p2: bool = False,
-) -> tuple[Tensor, ...]:
+    extras: tuple[str, ...] = (),
+) -> tuple[RowStats, Tensor]:
     """Online-softmax statistics of ``x = (h W^T + b) inv_temp`` over all (local) vocabulary rows.
 
     Args:
@@ -192,21 +193,19 @@ def full_stats(
         ids: ``[N, M]`` int64 local ids to gather (``-1``: none).
         inv_temp: ``[N]`` fp32.
         chunk_bytes: working-set budget.
-        sum_p2: also return ``q [N] = sum exp(2 (x - m))`` (``sum p^2 = q / s^2``), folded with the others.
+        extras: names of :data:`offpolicy.ops.row_stats.STATISTICS` to accumulate too, folded with the others.
 
     Returns:
-        ``m, s, t`` (``[N]`` fp32, as :func:`offpolicy.ops.logits_op.torch_backend.full_stats`: row max, ``sum exp(x - m)``,
-        ``sum exp(x - m)(x - m)``; ``m = s = t = 0`` on rows with no mass) and ``x`` at the ids (``[N, M]`` fp32,
-        0 where ``ids < 0``), gathered from the same blocks that feed the statistics; then ``q`` with ``sum_p2``.
+        ``(stats, x)``: the :class:`~offpolicy.ops.row_stats.RowStats` (``[N]`` fp32, as
+        :func:`offpolicy.ops.logits_op.torch_backend.full_stats`: row max, ``sum exp(x - m)``,
+        ``sum exp(x - m)(x - m)``, the extras; all 0 on rows with no mass) and ``x`` at the ids (``[N, M]`` fp32,
+        0 where ``ids < 0``), gathered from the same blocks that feed the statistics.
     """
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    m = torch.zeros(n, dtype=inv_temp.dtype, device=dev)
-    s, t = torch.zeros_like(m), torch.zeros_like(m)
+    stats = row_stats.zeros(n, extras, inv_temp.dtype, dev)
     x_ids = torch.zeros(ids.shape, dtype=inv_temp.dtype, device=dev)
-    q = torch.zeros_like(m) if sum_p2 else None
-    running_stats = (m, s, t) if q is None else (m, s, t, q)
-    result = (m, s, t, x_ids) if q is None else (m, s, t, x_ids, q)
+    result = (stats, x_ids)
     if n == 0 or v == 0:
         return result
     rows, cols = plan(n, v, hidden.shape[1], chunk_bytes, dev)
@@ -231,11 +230,10 @@ def full_stats(
             x.sub_(mx[:, None])  # x - m <= 0, or -inf
             e = torch.exp(x, out=ebuf[: hi - lo, : v1 - v0])
             x.clamp_(min=torch.finfo(x.dtype).min)  # -inf * 0 would be NaN in the entropy dot product
-            q_parts = (None, None) if q is None else (q[lo:hi], torch.linalg.vecdot(e, e))
-            folded = online_softmax.merge(m[lo:hi], s[lo:hi], t[lo:hi], mx, e.sum(dim=1), torch.linalg.vecdot(e, x),
-                                          *q_parts)
-            for running, new in zip((r[lo:hi] for r in running_stats), folded):
-                running.copy_(new)
+            running = stats.map(lambda r, lo=lo, hi=hi: r[lo:hi])
+            folded = row_stats.merge(running, row_stats.of_block(mx, e, x, torch.linalg.vecdot(e, x), extras))
+            for old, new in zip(running.tensors(), folded.tensors()):
+                old.copy_(new)
     return result
 
 

@@ -13,6 +13,11 @@ import torch
 from torch import Tensor
 
 from offpolicy.kernels import linear_logsoftmax as K
+from offpolicy.ops.linear_op import linear_torch_backend
+from offpolicy.ops.row_stats import RowStats
+
+#: The extras (:data:`offpolicy.ops.row_stats.STATISTICS`) the kernels accumulate: ``q = sum exp(2 (x - m))``.
+NATIVE_STATS = frozenset({"sum_p2"})
 
 
 def _require_16_32(*tensors: Tensor | None) -> None:
@@ -33,17 +38,20 @@ def gathered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Te
 
 
 def full_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, inv_temp: Tensor,
-               chunk_bytes: int, *, sum_p2: bool = False) -> tuple[Tensor, ...]:
-    """``m, s, t [N]`` over the whole (local) vocabulary and ``x [N, M]`` at the ids, then ``q [N]`` with ``sum_p2``
-    (see the torch backend).
+               chunk_bytes: int, *, extras: tuple[str, ...] = ()) -> tuple[RowStats, Tensor]:
+    """``(stats, x)``: the :class:`~offpolicy.ops.row_stats.RowStats` over the whole (local) vocabulary and
+    ``x [N, M]`` at the ids (see the torch backend). The extras in :data:`NATIVE_STATS` come from the same kernel
+    pass; any other sends the call to the torch backend.
 
     The ids' logits come from the gathered dot products (``O(N M D)``), not from the vocabulary tiles.
     """
+    if not NATIVE_STATS.issuperset(extras):
+        return linear_torch_backend.full_stats(hidden, weight, bias, ids, inv_temp, chunk_bytes, extras=extras)
     _require_16_32(hidden, weight, bias)
     hidden, weight = _unit(hidden), _unit(weight)
-    m, s, t, *q = K.merge_stats(*K.linear_row_stats(hidden, weight, bias, inv_temp, sum_p2=sum_p2))
+    m, s, t, *q = K.merge_stats(*K.linear_row_stats(hidden, weight, bias, inv_temp, sum_p2="sum_p2" in extras))
     x = K.gathered_dot(hidden, weight, bias, ids) * inv_temp[:, None]
-    return (m, s, t, x, *q)
+    return RowStats(m, s, t, dict(zip(extras, q))), x
 
 
 def backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, dz_ids: Tensor, inv_temp: Tensor,

@@ -8,7 +8,7 @@ routes those to it). Rows are shared out to the workers of :mod:`offpolicy.ops.r
 rows; each C call works on one row at a time:
 
 * ``full_stats``: per row, one read of the logits from memory (the max) and one from L2 (``exp2`` and the two
-  sums, three with ``sum_p2``), and nothing written but ``3 N`` floats (``4 N``). Against the PyTorch backend's
+  sums, three with the extra ``sum_p2``), and nothing written but ``3 N`` floats (``4 N``). Against the PyTorch backend's
   eight passes over a chunk.
 * ``full_grad``: per row, one read of the logits and one write of the gradient; 16-bit gradients are assembled
   in an fp32 row (in L2, one per worker, its length passed to C and checked there) and rounded once.
@@ -32,14 +32,17 @@ import warnings
 import torch
 from torch import Tensor
 
-from offpolicy.ops import cpu_native, row_threads
+from offpolicy.ops import cpu_native, row_stats, row_threads
 from offpolicy.ops.logits_op import torch_backend
 from offpolicy.ops.logits_op.torch_backend import LN2, LOG2E
+from offpolicy.ops.row_stats import RowStats
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 #: Rows per C call: a call's work is then milliseconds, against microseconds of ctypes overhead.
 ROWS_PER_CALL = 8
 _WARNED: set[str] = set()
+#: The extras (:data:`offpolicy.ops.row_stats.STATISTICS`) the C loops accumulate: ``q = sum exp(2 (x - m))``.
+NATIVE_STATS = frozenset({"sum_p2"})
 
 
 def available() -> bool:
@@ -72,22 +75,24 @@ def _unit_stride(logits: Tensor) -> Tensor:
     return logits if logits.shape[1] <= 1 or logits.stride(1) == 1 else logits.contiguous()
 
 
-def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *, sum_p2: bool = False) -> tuple[Tensor, ...]:
-    """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` (and ``q = sum exp(2 (x - m))`` with ``sum_p2``, from the
-    same pass): the contract of :func:`torch_backend.full_stats`, for CPU fp32/bf16/fp16 logits and fp32
-    ``inv_temp``; results in fp32."""
+def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *,
+               extras: tuple[str, ...] = ()) -> RowStats:
+    """Per-row statistics of ``x = logits * inv_temp`` (with the extras in :data:`NATIVE_STATS` from the same
+    pass): the contract of :func:`torch_backend.full_stats`, for CPU fp32/bf16/fp16 logits and fp32 ``inv_temp``;
+    results in fp32. Asked for another extra, the whole pass is the PyTorch backend's."""
     kernels = _kernels(logits)
-    if kernels is None:
-        return torch_backend.full_stats(logits, inv_temp, skip, sum_p2=sum_p2)
+    if kernels is None or not NATIVE_STATS.issuperset(extras):
+        return torch_backend.full_stats(logits, inv_temp, skip, extras=extras)
     lib, suffix = kernels
     logits = _unit_stride(logits)
     n, v = logits.shape
-    mz, s, t2 = (torch.zeros(n, dtype=torch.float32) for _ in range(3))
-    q = torch.zeros(n, dtype=torch.float32) if sum_p2 else None
+    zero = row_stats.zeros(n, extras, torch.float32, logits.device)
+    mz, s, t2 = zero.m, zero.s, zero.t
+    q = zero.extras.get("sum_p2")
     bad = torch.zeros(n, dtype=torch.uint8)
     rows = torch.arange(n, dtype=torch.int64) if skip is None else (~skip).nonzero().view(-1)
     if rows.numel() == 0 or v == 0:
-        return (mz, s, t2) if q is None else (mz, s, t2, q)
+        return zero
     a = (inv_temp.float() * LOG2E).contiguous()
     call = getattr(lib, f"stats_{suffix}")
     stride = logits.stride(0) * logits.element_size()
@@ -99,14 +104,13 @@ def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *, sum_p2:
 
     row_threads.for_chunks(rows.numel(), ROWS_PER_CALL, body)
     # q = sum 2^(2y) needs no unit change (e^(2 (x - m)) = (2^y)^2)
-    m, t = mz * inv_temp, t2 * LN2
+    stats = RowStats(mz * inv_temp, s, t2 * LN2, zero.extras)
     redo = bad.bool()
     if bool(redo.any()):  # NaN or +inf logits: the PyTorch backend's statistics for those rows
-        redone = torch_backend.full_stats(logits, inv_temp, ~redo, sum_p2=sum_p2)
-        m, s, t = (torch.where(redo, new, old) for new, old in zip(redone[:3], (m, s, t)))
-        if q is not None:
-            q = torch.where(redo, redone[3], q)
-    return (m, s, t) if q is None else (m, s, t, q)
+        redone = torch_backend.full_stats(logits, inv_temp, ~redo, extras=extras)
+        stats = RowStats(*(torch.where(redo, new, old) for new, old in zip(redone[:3], stats[:3])),
+                         {k: torch.where(redo, redone.extras[k], old) for k, old in stats.extras.items()})
+    return stats
 
 
 def full_grad(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from offpolicy.ops import library, online_softmax, row_threads, workspace
+from offpolicy.ops import library, online_softmax, row_stats, row_threads, workspace
 from offpolicy.ops.backend_registry import Backend
 from offpolicy.ops.online_softmax import INF
 from offpolicy.ops.vocab_parallel import VocabShard, combine_shards, gather_local, localise, sum_shards
@@ -32,21 +32,23 @@ from offpolicy.ops.vocab_parallel import VocabShard, combine_shards, gather_loca
 
 @dataclass(frozen=True)
 class LogitsPlan:
-    """How one call runs: normalisation, vocabulary shard, in-place gradient, the backend, whether to return
-    ``sum p^2``, and whether the call runs eagerly (False while ``torch.compile`` traces)."""
+    """How one call runs: normalisation, vocabulary shard, in-place gradient, the backend, the extra statistics to
+    return (names of :data:`offpolicy.ops.row_stats.STATISTICS`, in its order), and whether the call runs eagerly
+    (False while ``torch.compile`` traces)."""
 
     support: bool
     shard: VocabShard | None
     inplace_grad: bool
     backend: Backend
-    sum_p2: bool = False
+    stats: tuple[str, ...] = ()
     eager: bool = True
 
 
 class SparseLogSoftmaxFunction(torch.autograd.Function):
-    """``(logp [N, M], lse [N], entropy [N], sum_p2)`` of ``logits [N, V]`` at ``ids [N, M]`` (``-1`` padding);
-    ``sum_p2`` is ``[N]`` with ``plan.sum_p2`` and an empty tensor without. Eagerly on CPU the forward runs inside the
-    single-thread context of its boundary (:func:`offpolicy.policy_loss` or :func:`offpolicy.ops.sparse_log_softmax`)."""
+    """``(logp [N, M], lse [N], entropy [N], *values)`` of ``logits [N, V]`` at ``ids [N, M]`` (``-1`` padding),
+    ``values`` one ``[N]`` tensor per statistic named in ``plan.stats``, in that order. Eagerly on CPU the forward
+    runs inside the single-thread context of its boundary (:func:`offpolicy.policy_loss` or
+    :func:`offpolicy.ops.sparse_log_softmax`)."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, ids: Tensor, inv_temp: Tensor, skip: Tensor | None, plan: LogitsPlan):
@@ -62,7 +64,7 @@ class SparseLogSoftmaxFunction(torch.autograd.Function):
             if skip is not None:
                 lse = lse.masked_fill(skip, INF)
                 entropy = entropy.masked_fill(skip, 0.0)
-            sum_p2 = online_softmax.support_sum_p2(x[:, 1:], lse) if plan.sum_p2 else None
+            values = row_stats.support(plan.stats, x[:, 1:], lse)
         else:
             # A backend that caches exp(x - m) writes it into the buffer that becomes the gradient, and the
             # backward only rescales it (no second exp pass, no second read of the logits). Eager only: the cache
@@ -70,32 +72,29 @@ class SparseLogSoftmaxFunction(torch.autograd.Function):
             if (plan.eager and plan.backend.caches_probs and ctx.needs_input_grad[0] and not plan.inplace_grad
                     and logits.dtype == inv_temp.dtype):
                 probs = workspace.gradient_buffer(logits)
-                m, s, t, *q = plan.backend.logits.full_stats(logits, inv_temp, skip, probs, sum_p2=plan.sum_p2)
-                m_local = m
+                stats = plan.backend.logits.full_stats(logits, inv_temp, skip, probs, extras=plan.stats)
+                m_local = stats.m
             elif plan.eager:
-                m, s, t, *q = plan.backend.logits.full_stats(logits, inv_temp, skip, sum_p2=plan.sum_p2)
+                stats = plan.backend.logits.full_stats(logits, inv_temp, skip, extras=plan.stats)
             else:
-                m, s, t, *q = library.full_stats(logits, inv_temp, skip, plan.backend.name, plan.sum_p2)
-            q = q[0] if plan.sum_p2 else None
+                extras = row_stats.pack(plan.stats)
+                stats = library.as_record(*library.full_stats(logits, inv_temp, skip, plan.backend.name, extras),
+                                          extras)
             if plan.shard is not None:
-                m, s, t, x, *rest = combine_shards(plan.shard, m, s, t, x, q)
-                q = rest[0] if plan.sum_p2 else None
+                stats, x = combine_shards(plan.shard, stats, x)
             x = x.masked_fill(pad, -INF)
-            lse, entropy = online_softmax.finish(m, s, t)
-            sum_p2 = online_softmax.sum_p2(s, q) if plan.sum_p2 else None
-        if sum_p2 is None:
-            sum_p2 = lse.new_empty(0)
+            lse, entropy, values = row_stats.finish(stats)
         logp = x - lse[:, None]
         ctx.save_for_backward(logits, local, inv_temp, lse, pad, x if plan.support else None)
         # The cached exponentials become the gradient in place, so they are kept off the saved-tensor list (whose
         # version check would forbid that) and used by the first backward only; a second backward through a
         # retained graph recomputes from the logits.
         ctx.probs, ctx.m_local, ctx.plan = probs, m_local, plan
-        ctx.mark_non_differentiable(lse, entropy, sum_p2)
-        return logp, lse, entropy, sum_p2
+        ctx.mark_non_differentiable(lse, entropy, *values.values())
+        return logp, lse, entropy, *values.values()
 
     @staticmethod
-    def backward(ctx, g: Tensor, _g_lse: Tensor, _g_entropy: Tensor, _g_sum_p2: Tensor):
+    def backward(ctx, g: Tensor, _g_lse: Tensor, _g_entropy: Tensor, *_g_values: Tensor):
         """``dz [N, V]`` from ``g [N, M]``: the support form, the cached exponentials, or the backend's
         ``full_grad`` (directly, or through the custom op while tracing)."""
         eager = not library.tracing()

@@ -4,8 +4,9 @@ against. It imports nothing from the library (only torch), keeps no running stat
 * :func:`sparse_log_softmax`: the op's outputs ``(target [N], candidates [N, K], lse [N], entropy [N])`` from
   ``log_softmax`` of ``x = z / tau`` (over the vocabulary, or over each row's candidate support); differentiable
   through autograd, so its gradient is the op's reference gradient.
-* :func:`full_stats`, :func:`full_grad`, :func:`sum_p2`, :func:`lse_entropy`: the backends' contract functions
-  (:mod:`offpolicy.ops.backend_registry`) written out, for the backend tests.
+* :func:`full_stats`, :func:`full_grad`, :func:`lse_entropy`: the backends' contract functions
+  (:mod:`offpolicy.ops.backend_registry`) written out, for the backend tests; :func:`sum_p2`, :func:`varentropy`:
+  the extra statistics of :mod:`offpolicy.ops.row_stats`, each from ``p`` directly.
 
 Conventions (as the op defines them): rows without mass (all ``-inf``, an empty support) and skipped rows give
 ``-inf`` log-probabilities, ``lse = +inf``, entropy 0 and no gradient; padding ids (``-1``) give ``-inf``. In
@@ -90,3 +91,16 @@ def sum_p2(z: Tensor, inv_temp: Tensor) -> Tensor:
     dead = lse == -INF
     p = torch.exp(x - torch.where(dead, 0.0, lse)[:, None])
     return torch.where(dead, 0.0, (p**2).sum(dim=1))
+
+
+def varentropy(z: Tensor, inv_temp: Tensor) -> Tensor:
+    """float64 variance of the surprisal ``-log p`` under ``p = softmax(z * inv_temp)`` per row,
+    ``sum_v p(v) (log p(v) + H)^2`` with ``H`` the entropy (0 for rows without mass), on the CPU: from
+    ``log_softmax`` directly, two passes over the row (no running statistics, no ``E[x^2] - E[x]^2``)."""
+    x = z.cpu().double() * inv_temp.cpu().double()[:, None]
+    dead = torch.logsumexp(x, dim=1) == -INF
+    logp = torch.log_softmax(torch.where(dead[:, None], torch.zeros_like(x), x), dim=1)
+    p = torch.exp(logp)
+    logp = torch.where(p > 0, logp, torch.zeros_like(logp))
+    h = -(p * logp).sum(dim=1)
+    return torch.where(dead, 0.0, (p * (logp + h[:, None]).square()).sum(dim=1))

@@ -2,8 +2,8 @@
 
 Given logits ``z [N, V]``, per-row ids (the sampled token and ``K`` candidates), a temperature and a
 normalisation (the full vocabulary, or the row's candidate support), it returns the gathered log-probabilities
-of ``x = z / tau``, the normaliser ``lse``, the entropy and, on request, ``sum_v p(v)^2``
-(:class:`SparseLogSoftmax`). Only the full-vocabulary
+of ``x = z / tau``, the normaliser ``lse``, the entropy and, on request, the extra statistics of
+:mod:`offpolicy.ops.row_stats` (``sum_v p(v)^2``, ...) by name (:class:`SparseLogSoftmax`). Only the full-vocabulary
 statistics and the backward touch ``[N, V]`` data; they run in a backend (:mod:`offpolicy.ops.backend_registry`). This
 is the op's boundary: the arguments are checked here once (:mod:`offpolicy.ops.input_checks`), the backend is
 resolved here once, and on CPU the single-intra-op-thread context is entered here for the forward; then
@@ -15,6 +15,7 @@ those three steps (:func:`offpolicy.policy_loss`). The autograd function is
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 
 import torch
 from torch import Tensor
@@ -41,6 +42,7 @@ def sparse_log_softmax(
     backend: str | None = None,
     validate: bool = True,
     sum_p2: bool = False,
+    stats: Collection[str] = (),
 ) -> SparseLogSoftmax:
     """Log-softmax of ``logits / temperature`` at the sampled token and the candidates of each row.
 
@@ -67,7 +69,10 @@ def sparse_log_softmax(
         validate: check the ids' range and the temperatures' values (a host sync on GPUs; skipped while
             ``torch.compile`` traces). Shapes, dtypes and options are always checked. Pass False only when the
             caller has checked them.
-        sum_p2: also return ``sum_v p(v)^2`` per row (one more accumulator in the same vocabulary pass; detached).
+        sum_p2: also return ``sum_v p(v)^2`` per row: the shorthand for ``"sum_p2" in stats``.
+        stats: names of extra per-row statistics to return (:data:`offpolicy.ops.row_stats.STATISTICS`), a tuple,
+            list or set; each is one more accumulator in the same vocabulary pass (a backend whose kernels lack one
+            runs the PyTorch pass for the call), detached, read as ``out.stats[name]``.
 
     Returns:
         :class:`SparseLogSoftmax`; ``target`` and ``candidates`` are differentiable with respect to ``logits``.
@@ -82,19 +87,20 @@ def sparse_log_softmax(
     eager = not library.tracing()  # tracing: no host syncs, and the backend behind the custom ops
     input_checks.check_temperature(temperature, n, acc, values=validate and eager)
     input_checks.check_inplace_grad(logits, inplace_grad)
-    input_checks.check_sum_p2(sum_p2)
+    names = input_checks.check_stats(stats, sum_p2)
     if validate and eager:
         input_checks.check_values(v, targets, candidate_ids, shard, support)
     chosen = backend_registry.choose(backend, logits.device, logits.dtype)
     with row_threads.single_intra_op() if eager and logits.device.type == "cpu" else contextlib.nullcontext():
         return sparse_log_softmax_unchecked(logits, targets, candidate_ids, temperature, backend=chosen,
                                             support=support, skip=skip, shard=shard, inplace_grad=inplace_grad,
-                                            sum_p2=sum_p2, eager=eager)
+                                            stats=names, eager=eager)
 
 
 def sparse_log_softmax_unchecked(logits: Tensor, targets: Tensor, candidate_ids: Tensor | None,
                                  temperature: float | Tensor, *, backend: Backend, support: bool,
-                                 skip: Tensor | None, shard: VocabShard | None, inplace_grad: bool, sum_p2: bool,
+                                 skip: Tensor | None, shard: VocabShard | None, inplace_grad: bool,
+                                 stats: tuple[str, ...],
                                  eager: bool) -> SparseLogSoftmax:
     """:func:`sparse_log_softmax` on checked arguments (shapes, dtypes, options and, unless the caller opted out,
     values), with the backend resolved (:func:`offpolicy.ops.backend_registry.choose`) and, eagerly on CPU, inside
@@ -102,8 +108,8 @@ def sparse_log_softmax_unchecked(logits: Tensor, targets: Tensor, candidate_ids:
     ``torch.compile`` traces (:func:`offpolicy.ops.library.tracing`, asked once by that boundary). Arguments and
     result as in :func:`sparse_log_softmax`."""
     ids, inv_temp = row_inputs(targets, candidate_ids, temperature, logits.shape[0], _acc(logits), logits.device)
-    plan = LogitsPlan(support, shard, inplace_grad, backend, sum_p2, eager)
-    return result(*SparseLogSoftmaxFunction.apply(logits, ids, inv_temp, skip, plan), sum_p2)
+    plan = LogitsPlan(support, shard, inplace_grad, backend, stats, eager)
+    return result(SparseLogSoftmaxFunction.apply(logits, ids, inv_temp, skip, plan), stats)
 
 
 def _acc(logits: Tensor) -> torch.dtype:

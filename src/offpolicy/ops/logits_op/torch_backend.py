@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offpolicy.ops import row_threads
+from offpolicy.ops import row_stats, row_threads
+from offpolicy.ops.row_stats import RowStats
 
 #: Bytes of one chunk's working buffer (fp32, or float64 for float64 logits); two live at once in the forward.
 CHUNK_BYTES = 8 << 20
@@ -28,8 +29,9 @@ LN2 = 0.6931471805599453
 
 
 def full_stats(
-    logits: Tensor, inv_temp: Tensor, skip: Tensor | None, probs: Tensor | None = None, *, sum_p2: bool = False
-) -> tuple[Tensor, ...]:
+    logits: Tensor, inv_temp: Tensor, skip: Tensor | None, probs: Tensor | None = None, *,
+    extras: tuple[str, ...] = (),
+) -> RowStats:
     """Per-row online-softmax statistics of ``x = logits * inv_temp`` over the whole (local) vocabulary.
 
     Args:
@@ -38,21 +40,19 @@ def full_stats(
         skip: ``[N]`` bool or None; skipped rows are not read and report ``s = 0``.
         probs: optional ``[N, V]`` buffer in ``inv_temp``'s dtype that receives ``exp(x - m)`` of every row read
             (skipped rows are left as they are), for :func:`grad_from_probs`.
-        sum_p2: also return ``q [N] = sum exp(2 (x - m))`` (so that ``sum_v p(v)^2 = q / s^2``), from the same
-            exponentials (one more reduction per chunk).
+        extras: names of :data:`offpolicy.ops.row_stats.STATISTICS` to accumulate too, from the same
+            exponentials (one more reduction per chunk each).
 
-    Returns (in ``inv_temp``'s dtype):
-        ``m [N]`` (row max, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
-        ``t [N] = sum exp(x - m) * (x - m)`` (so that entropy ``= log s - t / s``), then ``q [N]`` with ``sum_p2``
-        (0 on skipped rows).
+    Returns:
+        :class:`~offpolicy.ops.row_stats.RowStats` in ``inv_temp``'s dtype: ``m [N]`` (row max, 0 where the row is
+        all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``, ``t [N] = sum exp(x - m) * (x - m)`` (so that
+        entropy ``= log s - t / s``) and each extra's accumulator (0 on skipped rows).
     """
     n, v = logits.shape
     acc = inv_temp.dtype
-    m = torch.zeros(n, dtype=acc, device=logits.device)
-    s = torch.zeros_like(m)
-    t = torch.zeros_like(m)
-    q = torch.zeros_like(m) if sum_p2 else None
-    stats = (m, s, t) if q is None else (m, s, t, q)
+    stats = row_stats.zeros(n, extras, acc, logits.device)
+    m, s, t = stats.m, stats.s, stats.t
+    blocks = [(stats.extras[k], row_stats.STATISTICS[k]) for k in extras]
     all_rows = skip is None or not bool(skip.any())
     rows = torch.arange(n) if all_rows else (~skip).nonzero().view(-1).cpu()
     if rows.numel() == 0 or v == 0:
@@ -84,8 +84,8 @@ def full_stats(
         x.mul_(it[:, None] * LOG2E)  # y = (x - m) log2(e)
         torch.exp2(x, out=e)
         s_c = e.sum(dim=1)
-        if q is not None:  # sum (e^(x - m))^2 = sum e^(2 (x - m)), before x is overwritten below
-            q[idx] = torch.linalg.vecdot(e, e)
+        for acc_k, st in blocks:  # before x is overwritten below; x - m = y ln 2
+            acc_k[idx] = st.block(e, x * LN2 if st.uses_shift else x)
         t_c = x.mul_(e).sum(dim=1).mul_(LN2)  # sum e (x - m) = ln 2 sum e y, in cache; y is not needed afterwards
         bad = torch.isnan(t_c)
         if bool(bad.any()):  # rows holding -inf logits: exp gave 0 but 0 * -inf is NaN; drop those terms

@@ -13,22 +13,32 @@ from __future__ import annotations
 from torch import Tensor
 
 from offpolicy.kernels import logsoftmax as kernels
+from offpolicy.ops.logits_op import torch_backend
+from offpolicy.ops.row_stats import RowStats
+
+#: The extras (:data:`offpolicy.ops.row_stats.STATISTICS`) the kernels accumulate: ``q = sum exp(2 (x - m))``.
+NATIVE_STATS = frozenset({"sum_p2"})
 
 
-def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *, sum_p2: bool = False) -> tuple[Tensor, ...]:
-    """Per-row ``(m, s, t)`` of ``x = logits * inv_temp`` over the whole (local) vocabulary.
+def full_stats(logits: Tensor, inv_temp: Tensor, skip: Tensor | None, *,
+               extras: tuple[str, ...] = ()) -> RowStats:
+    """Per-row statistics of ``x = logits * inv_temp`` over the whole (local) vocabulary.
 
     Args:
         logits: ``[N, V]`` bf16/fp16/fp32, unit stride along ``V``.
         inv_temp: ``[N]`` fp32, ``1 / tau``.
         skip: ``[N]`` bool or None; skipped rows are not read and report ``m = s = t = 0``.
-        sum_p2: also return ``q [N] = sum exp(2 (x - m))`` from the same pass.
+        extras: names of :data:`offpolicy.ops.row_stats.STATISTICS`; those in :data:`NATIVE_STATS` come from the
+            same kernel pass, any other sends the whole pass to the PyTorch backend.
 
     Returns:
-        ``m [N]`` (row max, 0 where the row is all ``-inf`` or skipped), ``s [N] = sum exp(x - m)``,
-        ``t [N] = sum exp(x - m) * (x - m)``, then ``q [N]`` with ``sum_p2``, all fp32.
+        :class:`~offpolicy.ops.row_stats.RowStats`, fp32: ``m [N]`` (row max, 0 where the row is all ``-inf`` or
+        skipped), ``s [N] = sum exp(x - m)``, ``t [N] = sum exp(x - m) * (x - m)`` and the extras' accumulators.
     """
-    return kernels.row_stats(logits, inv_temp, skip, sum_p2=sum_p2)
+    if not NATIVE_STATS.issuperset(extras):
+        return torch_backend.full_stats(logits, inv_temp, skip, extras=extras)
+    m, s, t, *q = kernels.row_stats(logits, inv_temp, skip, sum_p2="sum_p2" in extras)
+    return RowStats(m, s, t, dict(zip(extras, q)))
 
 
 def full_grad(
