@@ -481,14 +481,14 @@ def support_width_speed(dev, z, y, time_it, dry: bool) -> dict:
     ``offpolicy.ops.support_pass``) forward + backward against the dense ``log_softmax`` forward + backward on the
     same logits (the triton backend's own, ``vs_dense``, and torch's, ``vs_dense_torch``), at supports of about 1%,
     10%, 50%, 85% and 100% of V (issue 42's bound: at most 1.2x the dense pass on the same backend at every width), on the first 2,048 rows of the headline logits (the ``[nnz]`` ids of ``K = V`` rows take
-    2.5 GB there); in the interpreter one width on its tiny rows. Each row's support is the token and random other
+    2.5 GB there); in the interpreter one width on 4 of its tiny rows. Each row's support is the token and random other
     ids, sorted (as an engine's mask lists them)."""
     import torch
 
     import offpolicy.ops as ops
     from offpolicy.ops import backend_registry, support_pass
 
-    rows_n = min(z.shape[0], 2048)
+    rows_n = min(z.shape[0], 4 if dry else 2048)  # the interpreter: a few rows (about a second per call)
     zd = z.detach()[:rows_n].clone().requires_grad_()
     yy = y[:rows_n]
     n, v = zd.shape
