@@ -156,9 +156,15 @@ def test_logits_support_pass_matches_reference(shape, dtype, backend):
     assert bool((grad[skip] == 0).all()) and bool((grad[4] == 0).all())  # untrained, no mass: zero
 
 
-@pytest.mark.parametrize("shape", ["full", "mixed"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_support_pass_matches_reference(shape, dtype):
+LINEAR_CASES = [(BACKENDS[0], s, d) for s in ("full", "mixed") for d in (torch.float32, torch.bfloat16)] + [
+    ("triton", "mixed", torch.float32), ("triton", "mixed", torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("backend", "shape", "dtype"), LINEAR_CASES, ids=map(_case_id, LINEAR_CASES))
+def test_linear_support_pass_matches_reference(backend, shape, dtype):
+    """The fused-linear support pass (the logits of a chunk of rows by one matmul, then the backend's support pass on
+    that block: on the ``triton`` backend its kernels) against the float64 reference, values and the gradients of
+    hidden, weight and bias."""
     widths = SHAPES[shape]
     n, d = len(widths), 24
     _, tokens, offsets, ids, skip, inv_temp = _batch(widths, torch.float32, seed=7 * n)
@@ -166,9 +172,11 @@ def test_linear_support_pass_matches_reference(shape, dtype):
     h = torch.randn(n, d, generator=gen).to(dtype)
     w = (torch.randn(V, d, generator=gen) * 0.5).to(dtype)
     b = torch.randn(V, generator=gen).to(dtype)
-    hl, wl, bl = (t.clone().requires_grad_() for t in (h, w, b))
-    got = support_pass.linear_support_log_softmax(hl, wl, bl, tokens, offsets, ids, inv_temp, skip,
-                                                  backend=backend_registry.get(BACKENDS[0]), eager=True)
+    dev = _device(backend)
+    hl, wl, bl = (t.clone().to(dev).requires_grad_() for t in (h, w, b))
+    got = support_pass.linear_support_log_softmax(hl, wl, bl, *(t.to(dev) for t in (tokens, offsets, ids, inv_temp,
+                                                                                    skip)),
+                                                  backend=backend_registry.get(backend), eager=True)
     # the reference reads the logits the path multiplies: bf16 products are rounded to bf16 (materialised logits)
     z = (h.double() @ w.double().T)
     z = (z.to(dtype).double() if dtype == torch.bfloat16 else z) + b.double()
@@ -176,17 +184,17 @@ def test_linear_support_pass_matches_reference(shape, dtype):
     zr = hr @ wr.T + br
     *want, x = _reference(zr, tokens, offsets, ids, skip, inv_temp)
     *want_vals, _ = _reference(z, tokens, offsets, ids, skip, inv_temp)
-    _check([g.detach() for g in got], [v.detach() for v in want_vals] + [offsets[1:] - offsets[:-1]], x.detach(),
-           torch.float32, f"linear {shape}")
+    _check([g.detach().cpu() for g in got], [v.detach() for v in want_vals] + [offsets[1:] - offsets[:-1]],
+           x.detach(), torch.float32, f"linear {backend} {shape}")
     w_t, w_c = _weights(n, ids.numel(), 1)
-    _objective(got[0], got[1], w_t, w_c).backward()
+    _objective(got[0], got[1], w_t.to(dev), w_c.to(dev)).backward()
     _objective(want[0], want[1], w_t, w_c).backward()
     rtol = 1e-4 if dtype == torch.float32 else 0.05
     for mine, ref, name in ((hl.grad, hr.grad, "hidden"), (wl.grad, wr.grad, "weight"), (bl.grad, br.grad, "bias")):
         assert mine.dtype == dtype, name
         scale = float(ref.abs().max()) + 1e-12
-        assert float((mine.double() - ref).abs().max()) <= rtol * scale, name
-    assert bool((hl.grad[skip] == 0).all())
+        assert float((mine.double().cpu() - ref).abs().max()) <= rtol * scale, name
+    assert bool((hl.grad.cpu()[skip] == 0).all())
 
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "triton"])
