@@ -672,3 +672,18 @@ def test_triton_support_kernels_on_hostile_rows():
     wild = torch.tensor([0, 5, -4, 3, 10**6, 2, 40, 10**9])
     lp_w, lse_w, _ = kern.support_stats(z.to(dev), wild.to(dev), ids.to(dev), inv_temp.to(dev))
     assert lp_w.shape == ids.shape and bool((lse_w.cpu()[[1, 4]] == INF).all())  # 5 -> -4, and 10**6 -> 2
+
+
+def test_triton_support_kernels_with_no_entries():
+    """A record with no entries at all (nnz = 0): every row without mass, and a gradient buffer full of NaN comes back
+    all zeros (each row zeroed, no token term on a row without mass)."""
+    kern = _kernels()
+    dev = _device("triton")
+    z = torch.randn(3, 8, device=dev)
+    offsets, ids = torch.zeros(4, dtype=torch.int64, device=dev), torch.empty(0, dtype=torch.int64, device=dev)
+    lp, lse, ent = kern.support_stats(z, offsets, ids, torch.ones(3, device=dev))
+    assert lp.shape == (0,) and bool((lse == INF).all()) and bool((ent == 0).all())
+    out = torch.full((3, 8), float("nan"), device=dev)
+    g = kern.support_grad(lp, offsets, ids, torch.tensor([1, 2, 3], device=dev), torch.ones(3, device=dev), None,
+                          torch.ones(3, device=dev), torch.isfinite(lse), out)
+    assert bool((g == 0).all())
