@@ -3,7 +3,7 @@
 A stand-in Triton driver answers the JIT's questions (target, current device and stream, shared memory per block)
 and records launches instead of running them; the project's own wrappers are then called on ``device="meta"``
 tensors of the headline shapes (N = 16384 tokens, V = 151936, K = 256 ids per row, D = 4096; quantisers
-4096 x 4096), so the specialisations, tiles, ``num_warps`` and grids a GPU run would use are compiled to cubins
+4096 x 4096; CSR support rows of K ids and of V ids), so the specialisations, tiles, ``num_warps`` and grids a GPU run would use are compiled to cubins
 with Triton's bundled ptxas. Registers, spills and stack come from Triton's own ptxas log (``ptxas -v`` with its
 flags), shared memory from the kernel's metadata, tensor-core use from the PTX (``mma.sync`` on sm_80,
 ``wgmma.mma_async`` on sm_90, ``tcgen05.mma`` on sm_100).
@@ -136,6 +136,7 @@ def cases() -> list[Case]:
     from offpolicy.kernels import blockwise_quant as Q
     from offpolicy.kernels import linear_logsoftmax as L
     from offpolicy.kernels import logsoftmax as S
+    from offpolicy.kernels import support_logsoftmax as SP
     from offpolicy.ops.linear_op import linear_triton_backend as LB
 
     meta = torch.device("meta")
@@ -167,6 +168,17 @@ def cases() -> list[Case]:
                                 exp_clip=(20.0, float("-inf"), float("inf")), head=h)))
             out.append(Case(f"row_loss_grad[{tag},head]", name, lambda z=z, v=vec, y=y, h=head: S.row_loss_grad(
                 z, y, v, None, v, v, torch.empty_like(z), head=h)))
+        # CSR support rows (mask replay): K ids per row, and every row the whole vocabulary (nnz = N V >= 2**31)
+        for n, nnz, tag in ((N, N * K, "int64"), (N_INT32, N_INT32 * K, "int32"), (N, N * V, "int64,K=V")):
+            z, vec, off, ids = t(n, V, dtype=dt), t(n), t(n + 1, dtype=torch.int64), t(nnz, dtype=torch.int64)
+            skip = t(n, dtype=torch.bool) if tag == "int32" else None
+            out.append(Case(f"support_stats[{tag}{',skip' if skip is not None else ''}]", name,
+                            lambda z=z, v=vec, o=off, i=ids, sk=skip: SP.support_stats(z, o, i, v, sk)))
+            for g_ids in (True, False):
+                out.append(Case(f"support_grad[{tag}{',g_ids' if g_ids else ''}]", name,
+                                lambda z=z, v=vec, o=off, i=ids, n=n, nnz=nnz, g=g_ids: SP.support_grad(
+                                    t(nnz), o, i, t(n, dtype=torch.int64), v, t(nnz) if g else None, v,
+                                    t(n, dtype=torch.bool), z)))
         h, w, b = t(N, D, dtype=dt), t(V, D, dtype=dt), t(V, dtype=dt)
         vec, rows = t(N), t(N, dtype=torch.int64)
         acc_h, acc_w, acc_b = t(N, D), t(V, D), t(V)
@@ -234,9 +246,9 @@ def parse_ptxas(log: str) -> dict:
 def _jit_functions():
     from triton.runtime.jit import JITFunction
 
-    from offpolicy.kernels import blockwise_quant, linear_logsoftmax, logsoftmax
+    from offpolicy.kernels import blockwise_quant, linear_logsoftmax, logsoftmax, support_logsoftmax
 
-    return [f for mod in (logsoftmax, linear_logsoftmax, blockwise_quant) for f in vars(mod).values()
+    return [f for mod in (logsoftmax, linear_logsoftmax, blockwise_quant, support_logsoftmax) for f in vars(mod).values()
             if isinstance(f, JITFunction) and f.fn.__name__.endswith("_kernel")]
 
 

@@ -8,7 +8,8 @@ found in place. Records the device, driver, torch, CUDA and Triton versions, the
 
 (a) correctness: ``sparse_log_softmax`` (head and support modes, forward and gradient), ``policy_loss`` through the
     two-pass kernel (each token-level weight mode, without and with score centering over a head record, loss and
-    gradient against the float64 reference; MIS + SC + top-p replay through the support pass), and
+    gradient against the float64 reference; MIS + SC + top-p replay through the support pass, padded and as a
+    CSR record, whose support kernels must launch once each), and
     ``linear_sparse_log_softmax`` (forward, ``dh`` and ``dW``) on the Triton backend against float64 torch, in bf16
     and fp32; the 64-bit offset path (``N V > 2**31``, rows at both ends against float64); the FP8 / NVFP4 / MXFP4
     quantisers bit-exact against the torch reference (codes, scales and the decoded weights);
@@ -19,7 +20,8 @@ found in place. Records the device, driver, torch, CUDA and Triton versions, the
     spec's ``3 V b`` bytes per token; ``8 N V D`` FLOPs), and the baselines a user would pick: dense torch,
     ``torch.compile`` of it, Liger-Kernel where it imports; the token-level loss's three passes against the
     two-pass kernel (``2 V b`` bytes per token) at one, two and four programs per SM, and with MIS + score
-    centering over a head record of K = 256 ids.
+    centering over a head record of K = 256 ids; the support pass of a CSR support record (its Triton kernels)
+    against the dense pass at supports of 1% to 100% of V (2,048 rows).
 
 Writes ``gpu_check_<device>_<date>.json`` (``--out``, default benchmarks/results/) and exits 1 when any check
 failed (2 on bad usage). ``--dry-run`` sets ``TRITON_INTERPRET=1`` and runs every path on the CPU at tiny shapes
@@ -137,6 +139,7 @@ def check_two_pass(dev, dtype, n, v, tol):
 
     import offpolicy as op
     from offpolicy.kernels import logsoftmax as K
+    from offpolicy.kernels import support_logsoftmax as SK
     from offpolicy.reference import reference_policy_loss
 
     gen = torch.Generator(device="cpu").manual_seed(11)
@@ -165,13 +168,22 @@ def check_two_pass(dev, dtype, n, v, tol):
     cases += [(f"{w}_sc", head, lq_y, op.Correction(weights=w, score_centering=True))
               for w in ("none", "tis", "mis", "reject")]
     cases.append(("mis_sc_top_p", support, lq_s[:, 0].float(), op.Correction(weights="mis", score_centering=True)))
+    # the same top-p support as a CSR record: the support pass's Triton kernels (kernels/support_logsoftmax.py)
+    cases.append(("mis_sc_top_p_csr", support, lq_s[:, 0].float(),
+                  op.Correction(weights="mis", score_centering=True)))
     res = {"ok": True}
     real, calls = K.row_loss_grad, []
     K.row_loss_grad = lambda *a, **k: calls.append(1) or real(*a, **k)
+    sp_real = {f: getattr(SK, f) for f in ("support_stats", "support_grad")}
+    sp_calls: list[str] = []
+    for f, fn in sp_real.items():
+        setattr(SK, f, lambda *a, _f=fn, _n=f, **k: sp_calls.append(_n) or _f(*a, **k))
     try:
         for name, cands, lq_t, corr in cases:
             zz = z.detach().clone().to(dev).requires_grad_()
             rec = None if cands is None else op.Candidates(cands.ids.to(dev), cands.logprobs.to(dev), cands.kind)
+            if name.endswith("_csr"):
+                rec = op.CSRCandidates.from_padded(rec)
             out = op.policy_loss(zz, y.to(dev), lq_t.to(dev), adv.to(dev), candidates=rec, loss_mask=mask.to(dev),
                                  temperature=0.9, correction=corr, backend="triton")
             out.loss.backward()
@@ -185,8 +197,12 @@ def check_two_pass(dev, dtype, n, v, tol):
             res["ok"] &= e_loss <= tol * max(1.0, abs(float(loss64))) and e_g <= tol * scale + 1e-6
     finally:
         K.row_loss_grad = real
+        for f, fn in sp_real.items():
+            setattr(SK, f, fn)
     res["two_pass_launches"] = len(calls)
-    res["ok"] &= len(calls) == 8  # the four modes, with and without centering; not the support record
+    res["ok"] &= len(calls) == 8  # the four modes, with and without centering; not the support records
+    res["support_kernel_launches"] = sp_calls
+    res["ok"] &= sp_calls == ["support_stats", "support_grad"]  # the CSR record, once each
     return res
 
 
@@ -282,10 +298,10 @@ def kernel_resources() -> list[dict]:
     """Every kernel compiled in this process, as the driver loaded it."""
     from triton.runtime.jit import JITFunction
 
-    from offpolicy.kernels import blockwise_quant, linear_logsoftmax, logsoftmax
+    from offpolicy.kernels import blockwise_quant, linear_logsoftmax, logsoftmax, support_logsoftmax
 
     out = []
-    for mod in (logsoftmax, linear_logsoftmax, blockwise_quant):
+    for mod in (logsoftmax, linear_logsoftmax, blockwise_quant, support_logsoftmax):
         for fn in vars(mod).values():
             if isinstance(fn, JITFunction):
                 for cache in fn.device_caches.values():
@@ -376,6 +392,7 @@ def measure(dev, dry: bool) -> dict:
             logits[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     out["logits"] = {"N": n, "V": v, "K": k, "dtype": str(dtype), "bytes_per_token": per_token, "rows": logits}
     out["two_pass"] = two_pass_speed(dev, z, y, time_it, out["copy_gbps"])
+    out["support_width"] = support_width_speed(dev, z, y, time_it, dry)
     z = None
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -457,6 +474,69 @@ def two_pass_speed(dev, z, y, time_it, copy_gbps: float) -> dict:
         except Exception as exc:  # noqa: BLE001 - recorded, not fatal
             rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     return {"N": n, "V": v, "K": k, "dtype": str(zd.dtype), "rows": rows}
+
+
+def support_width_speed(dev, z, y, time_it, dry: bool) -> dict:
+    """The support pass (a CSR support record: kernels/support_logsoftmax.py through
+    ``offpolicy.ops.support_pass``) forward + backward against the dense ``log_softmax`` forward + backward on the
+    same logits (the triton backend's own, ``vs_dense``, and torch's, ``vs_dense_torch``), at supports of about 1%,
+    10%, 50%, 85% and 100% of V (issue 42's bound: at most 1.2x the dense pass on the same backend at every width), on the first 2,048 rows of the headline logits (the ``[nnz]`` ids of ``K = V`` rows take
+    2.5 GB there); in the interpreter one width on 4 of its tiny rows. Each row's support is the token and random other
+    ids, sorted (as an engine's mask lists them)."""
+    import torch
+
+    import offpolicy.ops as ops
+    from offpolicy.ops import backend_registry, support_pass
+
+    rows_n = min(z.shape[0], 4 if dry else 2048)  # the interpreter: a few rows (about a second per call)
+    zd = z.detach()[:rows_n].clone().requires_grad_()
+    yy = y[:rows_n]
+    n, v = zd.shape
+    inv = torch.full((n,), 1 / 0.9, device=dev)
+    backend = backend_registry.get("triton")
+
+    def dense_torch():
+        logp = torch.log_softmax(zd.float() * inv[:, None], 1)
+        torch.autograd.grad(logp.gather(1, yy[:, None]).sum(), zd)
+
+    def dense():  # the same backend's dense pass (no record): row_stats, then row_grad
+        o = ops.sparse_log_softmax(zd, yy, None, 0.9, backend="triton", validate=False)
+        torch.autograd.grad(o.target.sum(), zd)
+
+    res = {"N": n, "V": v, "dtype": str(zd.dtype), "rows": {}}
+    for name, fn in (("dense_torch", dense_torch), ("dense", dense)):
+        try:
+            res["rows"][name] = time_it(fn)
+        except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+            res["rows"][name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    if "error" in res["rows"]["dense"]:
+        return res
+    for frac in (1.0,) if dry else (0.01, 0.1, 0.5, 0.85, 1.0):
+        k = max(1, min(v, round(frac * v)))
+        try:
+            # k ids per row: the token, then the k - 1 smallest of a random key elsewhere; sorted
+            key = torch.rand(n, v, device=dev).scatter_(1, yy[:, None], -1.0)
+            ids = torch.sort(torch.topk(key, k, 1, largest=False).indices, 1).values.reshape(-1)
+            key = None
+            offsets = torch.arange(0, n * k + 1, k, device=dev)
+
+            def sup(ids=ids, offsets=offsets):
+                target, *_ = support_pass.support_log_softmax(zd, yy, offsets, ids, inv, None, backend=backend,
+                                                              eager=True)
+                torch.autograd.grad(target.sum(), zd)
+
+            t = time_it(sup)
+            res["rows"][f"support[{frac:g} V]"] = {**t, "K": k,
+                                                   "vs_dense": t["median_s"] / res["rows"]["dense"]["median_s"]}
+            if "median_s" in res["rows"]["dense_torch"]:
+                res["rows"][f"support[{frac:g} V]"]["vs_dense_torch"] = (
+                    t["median_s"] / res["rows"]["dense_torch"]["median_s"])
+            ids = offsets = None
+        except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+            res["rows"][f"support[{frac:g} V]"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return res
 
 
 def versions(dev) -> dict:

@@ -36,7 +36,9 @@ ONLY = "OFFPOLICY_AOT_ONLY"
 #: Kernels that must use tensor cores in bf16, and the PTX instruction checked (by target).
 MATMUL_KERNELS = {"_linear_row_stats_kernel", "_linear_dense_grad_kernel"}
 ROW_KERNELS = {"_row_stats_kernel", "_row_grad_kernel", "_row_loss_grad_kernel"}
-FUSED_KERNELS = ROW_KERNELS | {"_gathered_dot_kernel", "_gathered_grad_h_kernel", "_gathered_grad_w_kernel"}
+SUPPORT_KERNELS = {"_support_stats_kernel", "_support_grad_kernel"}
+FUSED_KERNELS = ROW_KERNELS | SUPPORT_KERNELS | {"_gathered_dot_kernel", "_gathered_grad_h_kernel",
+                                                 "_gathered_grad_w_kernel"}
 
 
 KERNELS = ROOT / "kernels"  # installed as offpolicy.kernels; the tool finds it in place when it is not installed
@@ -215,3 +217,17 @@ def test_the_launches_are_the_headline_grids(results):
     """The records come from the wrappers' real launches (one program per row at N = 16384, V = 151936)."""
     stats = [r for r in results["records"] if r["kernel"] == "_row_stats_kernel" and r["case"] == "row_stats[int64]"]
     assert stats and all(r["grid"] == [results["shapes"]["N"], 1, 1] for r in stats)
+
+
+def test_support_kernels_compile_at_every_width(results):
+    """The CSR support kernels (kernels/support_logsoftmax.py) through their wrappers at N = 16384, V = 151936: rows
+    of K = 256 ids and rows of the whole vocabulary (nnz = N V above 2**31: 64-bit entry offsets), with and without
+    the entries' upstream gradient, one program per row, on every target."""
+    sup = [r for r in results["records"] if r["kernel"] in SUPPORT_KERNELS]
+    for target in ("sm_80", "sm_90", "sm_100"):
+        cases = {r["case"] for r in sup if r["target"] == target}
+        assert {"support_stats[int64]", "support_stats[int64,K=V]", "support_grad[int64,K=V,g_ids]"} <= cases, target
+    n = results["shapes"]["N"]
+    wrong = [_label(r) for r in sup if r["case"].startswith(("support_stats[int64", "support_grad[int64"))
+             and r["grid"] != [n, 1, 1]]  # fmt: skip
+    assert not wrong, f"not one program per row: {wrong}"

@@ -22,6 +22,32 @@ INF = float("inf")
 MIXED = [1, V, 0, V - 1, 2, V // 2, 7, V, 3, V - 1]
 SHAPES = {"full": [V] * 6, "full-1": [V - 1] * 6, "mixed": MIXED}
 BACKENDS = ["cpu", "torch"] if cpu_backend.available() else ["torch"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+#: The ``triton`` backend's support kernels (kernels/support_logsoftmax.py) run on a GPU where there is one, else in
+#: Triton's interpreter (tests/conftest.py), at a few seconds per case: the mixed batch (widths 0, 1, V - 1, V, an
+#: all ``-inf`` row, untrained rows) in every dtype, ``K = V`` and ``K = V - 1`` in fp32.
+CUDA = torch.cuda.is_available()
+TRITON_CASES = [("triton", "mixed", d) for d in DTYPES] + [("triton", s, torch.float32) for s in ("full", "full-1")]
+LOGITS_CASES = [(b, s, d) for b in BACKENDS for s in SHAPES for d in DTYPES] + TRITON_CASES
+#: the token-level gradient (no ``g_lp``: the kernel variant without it) on the mixed batch, fp32 and fp16
+TOKEN_CASES = [(b, s, d) for b in BACKENDS for s in SHAPES for d in DTYPES] + [
+    ("triton", "mixed", torch.float32), ("triton", "mixed", torch.float16)]
+
+
+def _case_id(case) -> str:
+    return "-".join(str(c).removeprefix("torch.") for c in case)
+
+
+def _device(backend: str) -> torch.device:
+    return torch.device("cuda" if backend == "triton" and CUDA else "cpu")
+
+
+def _store_rtol(backend: str, dtype: torch.dtype) -> float:
+    """One rounding of the gradient to ``dtype``; Triton's interpreter truncates fp32 -> bf16 stores instead of
+    rounding them (seen with Triton 3.9.0: the rounding tolerance fails there), one bf16 ulp (``2^-7``) there."""
+    if backend == "triton" and dtype == torch.bfloat16 and not CUDA:
+        return 2.0**-7
+    return STORE_RTOL[dtype]
 
 
 def _batch(widths: list[int], dtype: torch.dtype, seed: int):
@@ -108,31 +134,37 @@ def _check(got, want, x, dtype, what):
     assert_close_inf(entropy, want[3], tol, f"{what}: entropy")
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "shape", "dtype"), LOGITS_CASES, ids=map(_case_id, LOGITS_CASES))
 def test_logits_support_pass_matches_reference(shape, dtype, backend):
     widths = SHAPES[shape]
     z, tokens, offsets, ids, skip, inv_temp = _batch(widths, dtype, seed=len(widths) + V)
-    leaf = z.clone().requires_grad_()
-    got = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
+    dev = _device(backend)
+    leaf = z.to(dev).requires_grad_()
+    got = support_pass.support_log_softmax(leaf, *(t.to(dev) for t in (tokens, offsets, ids, inv_temp, skip)),
                                            backend=backend_registry.get(backend), eager=True)
     *want, x = _reference(z, tokens, offsets, ids, skip, inv_temp)
-    _check([g.detach() for g in got], [*want, offsets[1:] - offsets[:-1]], x, dtype, f"{backend} {shape}")
+    _check([g.detach().cpu() for g in got], [*want, offsets[1:] - offsets[:-1]], x, dtype, f"{backend} {shape}")
     w_t, w_c = _weights(len(widths), ids.numel(), 0)
-    _objective(got[0], got[1], w_t, w_c).backward()
+    _objective(got[0], got[1], w_t.to(dev), w_c.to(dev)).backward()
     assert leaf.grad.dtype == dtype
     want_grad, bound = _reference_grad(want, x, tokens, offsets, ids, inv_temp, w_t, w_c)
     # the fp32 math's error is arg_tol times the row's bound on every term; the stored value is rounded once
-    tol = STORE_RTOL[dtype] * want_grad.abs() + (arg_tol(x) * bound)[:, None] + STORE_FLOOR[dtype]
-    err = (leaf.grad.double() - want_grad).abs()
+    tol = _store_rtol(backend, dtype) * want_grad.abs() + (arg_tol(x) * bound)[:, None] + STORE_FLOOR[dtype]
+    err = (leaf.grad.double().cpu() - want_grad).abs()
     assert bool((err <= tol).all()), f"gradient error {float((err - tol).max()):.3g} over the tolerance"
-    assert bool((leaf.grad[skip] == 0).all()) and bool((leaf.grad[4] == 0).all())  # untrained, no mass: zero
+    grad = leaf.grad.cpu()
+    assert bool((grad[skip] == 0).all()) and bool((grad[4] == 0).all())  # untrained, no mass: zero
 
 
-@pytest.mark.parametrize("shape", ["full", "mixed"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_support_pass_matches_reference(shape, dtype):
+LINEAR_CASES = [(BACKENDS[0], s, d) for s in ("full", "mixed") for d in (torch.float32, torch.bfloat16)] + [
+    ("triton", "mixed", torch.float32), ("triton", "mixed", torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("backend", "shape", "dtype"), LINEAR_CASES, ids=map(_case_id, LINEAR_CASES))
+def test_linear_support_pass_matches_reference(backend, shape, dtype):
+    """The fused-linear support pass (the logits of a chunk of rows by one matmul, then the backend's support pass on
+    that block: on the ``triton`` backend its kernels) against the float64 reference, values and the gradients of
+    hidden, weight and bias."""
     widths = SHAPES[shape]
     n, d = len(widths), 24
     _, tokens, offsets, ids, skip, inv_temp = _batch(widths, torch.float32, seed=7 * n)
@@ -140,9 +172,11 @@ def test_linear_support_pass_matches_reference(shape, dtype):
     h = torch.randn(n, d, generator=gen).to(dtype)
     w = (torch.randn(V, d, generator=gen) * 0.5).to(dtype)
     b = torch.randn(V, generator=gen).to(dtype)
-    hl, wl, bl = (t.clone().requires_grad_() for t in (h, w, b))
-    got = support_pass.linear_support_log_softmax(hl, wl, bl, tokens, offsets, ids, inv_temp, skip,
-                                                  backend=backend_registry.get(BACKENDS[0]), eager=True)
+    dev = _device(backend)
+    hl, wl, bl = (t.clone().to(dev).requires_grad_() for t in (h, w, b))
+    got = support_pass.linear_support_log_softmax(hl, wl, bl, *(t.to(dev) for t in (tokens, offsets, ids, inv_temp,
+                                                                                    skip)),
+                                                  backend=backend_registry.get(backend), eager=True)
     # the reference reads the logits the path multiplies: bf16 products are rounded to bf16 (materialised logits)
     z = (h.double() @ w.double().T)
     z = (z.to(dtype).double() if dtype == torch.bfloat16 else z) + b.double()
@@ -150,23 +184,24 @@ def test_linear_support_pass_matches_reference(shape, dtype):
     zr = hr @ wr.T + br
     *want, x = _reference(zr, tokens, offsets, ids, skip, inv_temp)
     *want_vals, _ = _reference(z, tokens, offsets, ids, skip, inv_temp)
-    _check([g.detach() for g in got], [v.detach() for v in want_vals] + [offsets[1:] - offsets[:-1]], x.detach(),
-           torch.float32, f"linear {shape}")
+    _check([g.detach().cpu() for g in got], [v.detach() for v in want_vals] + [offsets[1:] - offsets[:-1]],
+           x.detach(), torch.float32, f"linear {backend} {shape}")
     w_t, w_c = _weights(n, ids.numel(), 1)
-    _objective(got[0], got[1], w_t, w_c).backward()
+    _objective(got[0], got[1], w_t.to(dev), w_c.to(dev)).backward()
     _objective(want[0], want[1], w_t, w_c).backward()
     rtol = 1e-4 if dtype == torch.float32 else 0.05
     for mine, ref, name in ((hl.grad, hr.grad, "hidden"), (wl.grad, wr.grad, "weight"), (bl.grad, br.grad, "bias")):
         assert mine.dtype == dtype, name
         scale = float(ref.abs().max()) + 1e-12
-        assert float((mine.double() - ref).abs().max()) <= rtol * scale, name
-    assert bool((hl.grad[skip] == 0).all())
+        assert float((mine.double().cpu() - ref).abs().max()) <= rtol * scale, name
+    assert bool((hl.grad.cpu()[skip] == 0).all())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "triton"])
 def test_policy_loss_routes_wide_supports_through_the_pass(backend, monkeypatch):
     """``op.policy_loss`` with a CSR support record of rows 0 .. V wide equals the padded record's loss and
-    gradient (the padded path is independent code), through the fused pass (counted)."""
+    gradient (the padded path is independent code), through the fused pass (counted; on the ``triton`` backend,
+    through its support kernels, one launch of each)."""
     z, tokens, offsets, ids, _, _ = _batch(MIXED, torch.float32, seed=11)
     z = torch.where(torch.isfinite(z), z, torch.full_like(z, -30.0))
     n = len(MIXED)
@@ -178,18 +213,28 @@ def test_policy_loss_routes_wide_supports_through_the_pass(backend, monkeypatch)
     mask &= inside
     lq = torch.full((ids.numel(),), 0.0)
     lq = lq - torch.log(lengths.clamp_min(1).float())[row]
-    rec = op.CSRCandidates(ids, offsets, lq, kind="support")
-    lq_y = -torch.log(lengths.clamp_min(1).float())
-    adv = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    dev = _device(backend)
+    z, tokens, mask = z.to(dev), tokens.to(dev), mask.to(dev)
+    rec = op.CSRCandidates(ids.to(dev), offsets.to(dev), lq.to(dev), kind="support")
+    lq_y = -torch.log(lengths.clamp_min(1).float()).to(dev)
+    adv = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(dev)
     corr = op.Correction(weights="mis", bounds=(0.3, 3.0), score_centering=True)
     calls = []
     real = support_pass.support_log_softmax
     monkeypatch.setattr("offpolicy.loss.csr_logprobs.support_log_softmax",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
+    launches = []
+    if backend == "triton":
+        from offpolicy.kernels import support_logsoftmax as kernels
+
+        for name in ("support_stats", "support_grad"):
+            monkeypatch.setattr(kernels, name, lambda *a, _f=getattr(kernels, name), _n=name, **k:
+                                launches.append(_n) or _f(*a, **k))
     a = z.clone().requires_grad_()
     out = op.policy_loss(a, tokens, lq_y, adv, rec, mask, 0.8, corr, backend=backend)
     out.loss.backward()
     assert calls == [1]
+    assert launches == (["support_stats", "support_grad"] if backend == "triton" else [])
     b = z.clone().requires_grad_()
     ref = op.policy_loss(b, tokens, lq_y, adv, rec.to_padded(), mask, 0.8, corr, backend=backend)
     ref.loss.backward()
@@ -325,15 +370,17 @@ def test_policy_loss_with_a_wide_csr_support_allocates_nothing_entry_by_width(mo
         assert torch.Size(shape).numel() <= nnz + n, (name, shape)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "triton"])
 def test_rows_without_mass_take_no_gradient_whatever_arrives(backend):
     """Untrained rows (NaN logits there), empty supports and all ``-inf`` rows: exactly zero gradient even when the
     upstream gradient of their (``-inf``) outputs is nonzero."""
     z, tokens, offsets, ids, skip, inv_temp = _batch(MIXED, torch.float32, seed=21)
     z[1] = float("nan")  # skipped: never read
-    leaf = z.clone().requires_grad_()
-    target, lp, lse, _ = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
-                                                          backend=backend_registry.get(backend), eager=True)
+    dev = _device(backend)
+    leaf = z.to(dev).requires_grad_()
+    target, lp, lse, _ = support_pass.support_log_softmax(
+        leaf, *(t.to(dev) for t in (tokens, offsets, ids, inv_temp, skip)), backend=backend_registry.get(backend),
+        eager=True)
     dead = ~torch.isfinite(lse)
     assert bool(dead[1]) and bool(dead[2 + 2]) and bool(dead[8])  # skipped, all -inf, skipped
     (g,) = torch.autograd.grad((target, lp), leaf, (torch.ones_like(target), torch.ones_like(lp)))
@@ -342,28 +389,28 @@ def test_rows_without_mass_take_no_gradient_whatever_arrives(backend):
     assert bool((g[~dead] != 0).any())
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "shape", "dtype"), TOKEN_CASES, ids=map(_case_id, TOKEN_CASES))
 def test_token_level_gradient_matches_reference(shape, dtype, backend):
     """The gradient when only ``target`` takes one (``g_lp`` None: the token-level losses), the case in which the
     ``cpu`` backend streams the wide rows' gradient (``K >= V / WIDE_DIVISOR``) from the logits and a byte mask:
     against the float64 reference at ``K = V``, ``V - 1`` and mixed widths (empty, 1-id, untrained, all ``-inf``)."""
     widths = SHAPES[shape]
     z, tokens, offsets, ids, skip, inv_temp = _batch(widths, dtype, seed=3 * len(widths) + 1)
-    leaf = z.clone().requires_grad_()
-    got = support_pass.support_log_softmax(leaf, tokens, offsets, ids, inv_temp, skip,
+    dev = _device(backend)
+    leaf = z.to(dev).requires_grad_()
+    got = support_pass.support_log_softmax(leaf, *(t.to(dev) for t in (tokens, offsets, ids, inv_temp, skip)),
                                            backend=backend_registry.get(backend), eager=True)
     *want, x = _reference(z, tokens, offsets, ids, skip, inv_temp)
     w_t, _ = _weights(len(widths), ids.numel(), 2)
     t = torch.where(torch.isfinite(got[0].detach()), got[0], torch.zeros_like(got[0]))
-    (w_t.to(t.dtype) * t).sum().backward()
+    (w_t.to(device=dev, dtype=t.dtype) * t).sum().backward()
     want_grad, bound = _reference_grad(want, x, tokens, offsets, ids, inv_temp, w_t,
                                        torch.zeros(ids.numel(), dtype=torch.float64))
-    tol = STORE_RTOL[dtype] * want_grad.abs() + (arg_tol(x) * bound)[:, None] + STORE_FLOOR[dtype]
-    err = (leaf.grad.double() - want_grad).abs()
+    tol = _store_rtol(backend, dtype) * want_grad.abs() + (arg_tol(x) * bound)[:, None] + STORE_FLOOR[dtype]
+    grad = leaf.grad.cpu()
+    err = (grad.double() - want_grad).abs()
     assert bool((err <= tol).all()), f"gradient error {float((err - tol).max()):.3g} over the tolerance"
-    assert bool((leaf.grad[skip] == 0).all()) and bool((leaf.grad[4] == 0).all())
+    assert bool((grad[skip] == 0).all()) and bool((grad[4] == 0).all())
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="the native CPU kernels are not built here")
@@ -531,3 +578,112 @@ def test_torch_wide_rows_cost_shape(monkeypatch):
             assert shape[0] <= 4, (name, shape)
         if shape == (n, V):  # only the gradient (and views): no [N, V] copy, exponential or mask
             assert name.split(".")[1] in VIEWS | {"empty", "zeros", "zero_", "copy_"}, name
+
+
+def _kernels():
+    from offpolicy.kernels import support_logsoftmax
+
+    return support_logsoftmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_triton_support_kernels_over_many_blocks_match_reference(dtype):
+    """The Triton support kernels with 16 ids per step, so a wide row takes six steps: the online max moves in every
+    step of rows whose ids come in increasing logit order, in none of rows whose max comes first; values, and the
+    gradient of both outputs (into a NaN-filled buffer: every element must be written) against the float64
+    reference."""
+    kern = _kernels()
+    widths = [V, V - 1, 17, 16, 1, 0, V, 33, V // 2]
+    z, tokens, offsets, ids, skip, inv_temp = _batch(widths, dtype, seed=71)
+    skip[:] = False
+    skip[3] = True
+    for r, order in ((0, 1), (1, -1), (6, 1), (7, 1)):  # ids by increasing (decreasing) logit: the max moves late
+        seg = ids[offsets[r]:offsets[r + 1]]
+        ids[offsets[r]:offsets[r + 1]] = seg[torch.argsort(order * z[r, seg].float().nan_to_num(neginf=-1e30))]
+    dev = _device("triton")
+    args = [t.to(dev) for t in (offsets, ids)]
+    lp, lse, entropy = kern.support_stats(z.to(dev), *args, inv_temp.to(dev), skip.to(dev), block=16)
+    want_t, want_lp, want_lse, want_ent, x = _reference(z, tokens, offsets, ids, skip, inv_temp)
+    lengths = offsets[1:] - offsets[:-1]
+    tol = arg_tol(x)
+    row = torch.repeat_interleave(torch.arange(len(widths)), lengths)
+    assert_close_inf(lp.cpu(), want_lp, tol[row], "lp")
+    assert_close_inf(lse.cpu(), want_lse, tol, "lse")
+    assert_close_inf(entropy.cpu(), want_ent, tol, "entropy")
+    w_t, w_c = _weights(len(widths), ids.numel(), 5)
+    gt = torch.where(torch.isfinite(want_t), w_t, 0.0)
+    gc = torch.where(torch.isfinite(want_lp), w_c, 0.0)
+    live = torch.isfinite(want_lse)
+    out = torch.full(z.shape, float("nan"), dtype=dtype, device=dev)
+    got = kern.support_grad(lp, *args, tokens.to(dev), inv_temp.to(dev), gc.float().to(dev), gt.float().to(dev),
+                            live.to(dev), out, block=16).cpu()
+    want_grad, bound = _reference_grad((want_t, want_lp, want_lse, None), x, tokens, offsets, ids, inv_temp, w_t, w_c)
+    tol = _store_rtol("triton", dtype) * want_grad.abs() + (arg_tol(x) * bound)[:, None] + STORE_FLOOR[dtype]
+    assert bool(torch.isfinite(got).all())
+    err = (got.double() - want_grad).abs()
+    assert bool((err <= tol).all()), f"gradient error {float((err - tol).max()):.3g} over the tolerance"
+    assert bool((got[~live] == 0).all())
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy arithmetic on inf and NaN
+def test_triton_support_kernels_on_hostile_rows():
+    """NaN or ``+inf`` in a support, an id outside ``[0, V)`` (never read), ``z / tau`` overflowing: that row's
+    ``lse``, entropy and log-probabilities are NaN (as the ``torch`` backend's, where it can take the row) and the
+    other rows are untouched; NaN logits outside every support never leak; offsets outside ``[0, nnz]`` or
+    decreasing are clamped (empty rows, nothing read or written outside the buffers). The backward over the rows
+    with mass writes exactly zero on the others and outside the supports."""
+    kern = _kernels()
+    widths = [5, 5, 5, 5, 5, 5, V - 1]
+    z, tokens, offsets, ids, _, inv_temp = _batch(widths, torch.float32, seed=81)
+    z = torch.where(torch.isfinite(z), z, torch.full_like(z, -20.0))
+    row = torch.repeat_interleave(torch.arange(len(widths)), offsets[1:] - offsets[:-1])
+    member = torch.zeros(len(widths), V, dtype=torch.bool)
+    member[row, ids] = True
+    z = torch.where(member, z, float("nan"))  # outside every support
+    z[0, ids[offsets[0] + 2]] = float("nan")
+    z[1, ids[offsets[1]]] = float("inf")
+    z[2, ids[offsets[2] + 4]] = 3e38
+    inv_temp[2] = 10.0  # z / tau overflows
+    dev = _device("triton")
+    bad_ids = ids.clone()
+    bad_ids[offsets[3] + 1] = V + 3
+    bad_ids[offsets[4] + 3] = -2
+    lp, lse, ent = (t.cpu() for t in kern.support_stats(z.to(dev), offsets.to(dev), bad_ids.to(dev),
+                                                          inv_temp.to(dev)))
+    nan_rows = torch.tensor([True, True, True, True, True, False, False])
+    assert bool(torch.isnan(lse[nan_rows]).all()) and bool(torch.isnan(ent[nan_rows]).all())
+    assert bool(torch.isnan(lp[nan_rows[row]]).all()) and bool(torch.isfinite(lp[~nan_rows[row]]).all())
+    t_lp, t_lse, t_ent = torch_backend.support_stats(z, offsets, ids, inv_temp, None)
+    assert bool(torch.isnan(t_lse[:3]).all())  # the torch backend agrees on the rows it can take
+    keep = ~nan_rows
+    torch.testing.assert_close(lse[keep], t_lse[keep], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ent[keep], t_ent[keep], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(lp[keep[row]], t_lp[keep[row]], rtol=1e-6, atol=1e-5)
+    live = torch.isfinite(lse)
+    out = torch.full(z.shape, float("nan"), device=dev)
+    g = kern.support_grad(lp.to(dev), offsets.to(dev), bad_ids.to(dev), tokens.to(dev), inv_temp.to(dev),
+                          torch.ones(ids.numel(), device=dev), torch.ones(len(widths), device=dev), live.to(dev),
+                          out).cpu()
+    assert bool(torch.isfinite(g).all()) and bool((g[~live] == 0).all())
+    off = ~member
+    off[torch.arange(len(widths)), tokens] = False
+    assert bool((g[off] == 0).all()) and bool((g[live] != 0).any())
+    # offsets past nnz, decreasing, negative: clamped to [0, nnz], such rows empty
+    wild = torch.tensor([0, 5, -4, 3, 10**6, 2, 40, 10**9])
+    lp_w, lse_w, _ = kern.support_stats(z.to(dev), wild.to(dev), ids.to(dev), inv_temp.to(dev))
+    assert lp_w.shape == ids.shape and bool((lse_w.cpu()[[1, 4]] == INF).all())  # 5 -> -4, and 10**6 -> 2
+
+
+def test_triton_support_kernels_with_no_entries():
+    """A record with no entries at all (nnz = 0): every row without mass, and a gradient buffer full of NaN comes back
+    all zeros (each row zeroed, no token term on a row without mass)."""
+    kern = _kernels()
+    dev = _device("triton")
+    z = torch.randn(3, 8, device=dev)
+    offsets, ids = torch.zeros(4, dtype=torch.int64, device=dev), torch.empty(0, dtype=torch.int64, device=dev)
+    lp, lse, ent = kern.support_stats(z, offsets, ids, torch.ones(3, device=dev))
+    assert lp.shape == (0,) and bool((lse == INF).all()) and bool((ent == 0).all())
+    out = torch.full((3, 8), float("nan"), device=dev)
+    g = kern.support_grad(lp, offsets, ids, torch.tensor([1, 2, 3], device=dev), torch.ones(3, device=dev), None,
+                          torch.ones(3, device=dev), torch.isfinite(lse), out)
+    assert bool((g == 0).all())

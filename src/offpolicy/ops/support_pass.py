@@ -15,9 +15,10 @@ and a reference to the logits). Cost, per row of width ``K``:
   over the gathered copy) and ``support_grad`` (the gradient row zeroed, ``K`` entries written once): ``O(K)``
   work forward, ``O(K)`` plus the zeroing of the ``[N, V]`` gradient backward (which any logits gradient writes),
   whatever ``K`` is: no per-row Python, no ``[N, K_max]`` padding, one gather. The C loops of the ``cpu`` backend
-  (:mod:`offpolicy.ops.logits_op.cpu_backend`) and the vectorised PyTorch ones
-  (:mod:`offpolicy.ops.logits_op.torch_backend`, also what the ``triton`` backend runs: it has no support kernel);
-  while ``torch.compile`` traces, the PyTorch ones. On the ``cpu`` backend a *wide* row (``K >= V /
+  (:mod:`offpolicy.ops.logits_op.cpu_backend`), the Triton kernels of the ``triton`` backend
+  (:mod:`offpolicy.ops.logits_op.triton_backend`, :mod:`offpolicy.kernels.support_logsoftmax`: one program per
+  row, an online log-sum-exp over the gathered logits, the gradient row written whole) and the vectorised PyTorch
+  ones (:mod:`offpolicy.ops.logits_op.torch_backend`); while ``torch.compile`` traces, the PyTorch ones. On the ``cpu`` backend a *wide* row (``K >= V /
   WIDE_DIVISOR``) also writes a ``V``-byte membership mask in its gather's loop, and when the loss sends no
   gradient to ``lp`` (``g_lp`` None: the token-level losses) its backward is one streaming write of the gradient
   row from the logits and the mask (the dense pass's own bytes: 4 or 2 per id read, one write) instead of reading

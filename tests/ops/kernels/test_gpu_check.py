@@ -36,6 +36,8 @@ def test_gpu_check_dry_run(tmp_path):
     two_pass = rows["two_pass_loss[fp32]"]
     assert two_pass["two_pass_launches"] == 8 and two_pass["mis_grad_err"] < 1e-5
     assert two_pass["mis_sc_grad_err"] < 1e-5 and two_pass["mis_sc_top_p_grad_err"] < 1e-5  # the study's configurations
+    assert two_pass["mis_sc_top_p_csr_grad_err"] < 1e-5  # a CSR support record: the support kernels
+    assert two_pass["support_kernel_launches"] == ["support_stats", "support_grad"]
     perf = data["perf"]
     assert perf["copy_gbps"] > 0 and perf["matmul_tflops"] > 0
     assert {"offpolicy", "torch_dense", "torch_compile"} <= set(perf["logits"]["rows"])
@@ -45,6 +47,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert any(k.startswith("two_pass[warps=") for k in two)
     assert all("median_s" in r for r in two.values()), two
     assert all("median_s" in r for r in perf["logits"]["rows"].values() if "error" not in r)
+    width = perf["support_width"]["rows"]
+    assert {"dense", "dense_torch", "support[1 V]"} <= set(width) and all("median_s" in r for r in width.values()), width
 
 
 def test_gpu_check_exits_non_zero_when_a_check_fails(tmp_path):
