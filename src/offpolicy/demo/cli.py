@@ -48,8 +48,9 @@ from offpolicy.demo.train import RunConfig
 #: homogeneous fleet (S7); the on-policy top-p control and SC + MIS + top-p at NVFP4, scored on ``Y_p`` (C2).
 QUICK_C_RUNS = (("grpo", "onpolicy", "seed"), ("grpo", "mixed", "nvfp4"), ("sc_mis", "mixed", "nvfp4"),
                 ("grpo", "homogeneous", "seed"), ("grpo_topp", "onpolicy", "seed"), ("sc_mis_topp", "mixed", "nvfp4"))
-#: Its defaults (any of these flags overrides): 6 runs in 2 worker processes, three rounds, 50 steps each, about
-#: 5 minutes on 2 cores from an empty cache, warm-up included (docs/demo_results/quick/timing.txt).
+#: Its defaults (any of these flags overrides): 6 runs in 2 worker processes, three rounds, 50 steps each; 587 s of
+#: CPU from an empty cache, warm-up included (22 min wall on 2 cores at load 11; at least about 6 minutes on a quiet
+#: 2-core machine, estimated from the CPU time: docs/demo_results/quick/timing.txt).
 QUICK_C = {"steps": 50, "eval_every": 10, "seeds": 1, "workers": 2}
 #: The flags the quick contrast takes; any other run flag selects the dense toy (``mode`` and ``grid`` are the
 #: mode flags, ``argv`` the command line itself).
@@ -74,8 +75,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                       help="the default: grid C's contrast at staleness 0 (numerics alone: NVFP4 samplers flip the "
                            "mixture-of-experts routes): the on-policy control, GRPO and SC+MIS at NVFP4, GRPO on "
                            "the homogeneous fleet, the on-policy top-p control and SC+MIS+top-p at NVFP4, 1 seed, "
-                           f"{QUICK_C['steps']} steps (an illustration, not evidence: grid C decides; about 5 minutes "
-                           "on 2 cores). With a run flag (--arms, --fleets, --lr, ...): the dense toy of grids A "
+                           f"{QUICK_C['steps']} steps (an illustration, not evidence: grid C decides; about 6 minutes "
+                           "on a quiet 2-core machine). With a run flag (--arms, --fleets, --lr, ...): the dense toy of grids A "
                            "and B, 1 seed, 100 steps")
     mode.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="the pre-registered grid (docs/demo.md): every arm on the mixed and homogeneous "

@@ -698,12 +698,18 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+    # Where the histories score the nucleus too, the top-p arms' held-out success is in contrast.png (on Y_p, beside
+    # the on-policy top-p control), not here beside arms scored on the full distribution.
+    nucleus = all("success_exact_topp" in r["evals"][0] for r in results)
     for k in main:
         runs = by[k]
+        if nucleus and ARMS[runs[0]["config"]["arm"]].top_p:
+            continue
         xs = [e["step"] for e in runs[0]["evals"]]
         band(axes[0, 1], xs, runs, lambda r, i: r["evals"][i]["success_exact"], runs[0]["config"], label_of(runs))
     axes[0, 1].set_xlabel("optimizer step")
-    axes[0, 1].set_ylabel("held-out success, exact")
+    axes[0, 1].set_ylabel("held-out success, exact" + ("\n(arms without top-p; top-p arms: contrast.png)"
+                                                      if nucleus and topp_ran else ""))
     axes[0, 1].grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
     pick = next((k for k in main if k.startswith("grpo@mixed")), None)
@@ -713,15 +719,16 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
             ys = _moving([_mean([r["history"][t]["extreme_by_group"][gi] for r in by[pick]])
                           for t in range(len(r0["history"]))], 10)
             axes[0, 2].plot(range(1, len(ys) + 1), ys, lw=1.5, label=f"{g['group']} ({g['weights']})")
-        axes[0, 2].set_title(f"share of each group's tokens with ratio outside [0.2, 5], {pick}")
+        axes[0, 2].set_title(f"share of each group's tokens with ratio outside [0.2, 5],\n{pick}", fontsize=10)
         axes[0, 2].set_xlabel("optimizer step")
         axes[0, 2].grid(alpha=0.3)
         axes[0, 2].legend(fontsize=8)
+    note = reading_note(results)
     head = ("One seed is an illustration, not evidence" if max(len(v) for v in by.values()) < 2
             else "Mean over seeds, min-max band")
-    title = _title(head, reading_note(results))
+    title = _title("" if "One seed" in note else head, note)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 1 - (0.2 * (title.count("\n") + 1) + 0.1) / 10))
+    fig.tight_layout()  # (it makes room for the suptitle)
     files["training.png"] = out / "training.png"
     fig.savefig(files["training.png"], dpi=100)
     plt.close(fig)
@@ -848,18 +855,18 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
         title = _title(head, reading_note(results), width=120)
         height = 5.0 + 0.2 * (title.count("\n") + 1)
         fig, axes = plt.subplots(1, len(groups), figsize=(8 * len(groups), height), squeeze=False)
-        for ax, (title, key, keys) in zip(axes[0], groups):
+        for ax, (panel, key, keys) in zip(axes[0], groups):
             for k in keys:
                 runs = by[k]
                 xs = [e["step"] for e in runs[0]["evals"]]
                 band(ax, xs, runs, lambda r, i, key=key: r["evals"][i][key], runs[0]["config"], label_of(runs))
-            ax.set_title(title, fontsize=11)
+            ax.set_title(panel, fontsize=11)
             ax.set_xlabel("optimizer step")
             ax.set_ylabel("held-out success, exact (teacher forcing)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=9)
         fig.suptitle(title, fontsize=10.5)
-        fig.tight_layout(rect=(0, 0, 1, 1 - (0.2 * (title.count("\n") + 1) + 0.1) / height))
+        fig.tight_layout()  # (it makes room for the suptitle)
         files["contrast.png"] = out / "contrast.png"
         fig.savefig(files["contrast.png"], dpi=110)
         plt.close(fig)
@@ -870,5 +877,5 @@ def _title(head: str, note: str, width: int = 170) -> str:
     """A figure title: ``head``, then the reading note's sentences, each wrapped at ``width`` characters."""
     import textwrap
 
-    lines = [head] + [w for line in note.splitlines() for w in textwrap.wrap(line, width)]
+    lines = ([head] if head else []) + [w for line in note.splitlines() for w in textwrap.wrap(line, width)]
     return "\n".join(lines)
