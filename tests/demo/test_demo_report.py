@@ -147,7 +147,7 @@ def test_current_predictions_headline_margins_and_void_rule():
     assert "VOID" in text.splitlines()[0] and "| hit |" not in text and "| void |" in text
 
 
-@pytest.mark.parametrize("folder", ["quick", "earlier_quick", "earlier_full", "full_gridA", "full_gridB"])
+@pytest.mark.parametrize("folder", ["quick", "quick_stale4", "earlier_quick", "earlier_full", "full_gridA", "full_gridB"])
 def test_report_only_regenerates_the_committed_tables_byte_for_byte(folder, tmp_path, capsys):
     from offpolicy.__main__ import main as cli_main
 
@@ -199,8 +199,8 @@ def test_registered_claims_name_real_configurations():
 
 
 def test_reading_note_names_staleness_when_no_homogeneous_fleet_ran():
-    """The quick demo (on-policy control and the mixed fleet at staleness 4) must not read as mixed precision's cost:
-    its printed summary and figure say the gap mixes staleness with numerics."""
+    """The former quick demo (on-policy control and the mixed fleet at staleness 4) must not read as mixed precision's
+    cost: its printed summary and figure say the gap mixes staleness with numerics."""
     from offpolicy.demo.report import reading_note
 
     def run(fleet, staleness):
@@ -208,6 +208,30 @@ def test_reading_note_names_staleness_when_no_homogeneous_fleet_ran():
 
     quick = reading_note([run("onpolicy", 4.0), run("mixed", 4.0)])
     assert "staleness plus numerics" in quick and "No homogeneous fleet" in quick and "grid A" in quick
+    assert not quick.startswith("Staleness 0")
     both = reading_note([run("onpolicy", 4.0), run("mixed", 4.0), run("homogeneous", 4.0)])
     assert "staleness plus numerics" in both and "No homogeneous fleet" not in both
-    assert reading_note([run("onpolicy", 0.0), run("mixed", 0.0), run("homogeneous", 0.0)]) == ""
+    fresh = reading_note([run("onpolicy", 0.0), run("mixed", 0.0), run("homogeneous", 0.0)])
+    assert fresh.startswith("Staleness 0") and "numerics alone" in fresh and "stale" not in fresh.split(":", 1)[1]
+    assert reading_note([run("onpolicy", 0.0)]) == ""
+
+
+def test_reading_note_of_grid_c_runs_names_route_flips_one_seed_and_the_top_p_control():
+    """Grid C's quick demo: numerics alone with the routes the NVFP4 samplers flip, one seed an illustration, top-p
+    arms only against the on-policy top-p control; a staleness-4 run beside them is named as such."""
+    from offpolicy.demo.report import reading_note
+
+    def run(arm, fleet, fmt="seed", staleness=0.0, flips=(float("nan"),)):
+        return {"grid": "C", "config": {"arm": arm, "fleet": fleet, "weight_format": fmt, "staleness": staleness,
+                                        "seed": 0}, "history": [{"route_flip": f} for f in flips]}
+
+    runs = [run("grpo", "onpolicy", flips=(0.0,)), run("grpo", "mixed", "nvfp4", flips=(0.03, 0.05)),
+            run("grpo_topp", "onpolicy", flips=(0.0,)), run("sc_mis_topp", "mixed", "nvfp4", flips=(0.04,))]
+    note = reading_note(runs)
+    assert "numerics alone" in note and "NVFP4 4.0 % of routes" in note
+    assert "One seed: an illustration, not evidence; grid C (docs/demo_gridC_registration.md" in note
+    assert "only with the on-policy top-p control" in note and "stale on average" not in note
+    without_control = reading_note(runs[:2] + runs[3:])
+    assert "top-p control" not in without_control
+    st4 = reading_note(runs + [run("grpo", "mixed", "nvfp4", staleness=4.0)])
+    assert "4 optimizer steps stale on average in the runs so marked" in st4 and "numerics alone" in st4

@@ -345,21 +345,29 @@ class Registration:
     holm: bool = False
 
 
-def judge(results: list[dict], registration: Registration) -> str:
+def judge(results: list[dict], registration: Registration, ran_only: bool = False) -> str:
     """A markdown table: prediction, what was measured, verdict (hit / miss / undecided / not run / void); with the
-    void rule, a line before it that applies the rule."""
+    void rule, a line before it that applies the rule. ``ran_only``: leave out the claims whose configurations did
+    not run (a run that makes only part of a grid, as the quick demo), with a line that counts them."""
     ev = Evidence.of(results)
     findings = [f for f in (c.find(ev) for c in registration.claims) if f is not None]
+    left_out = 0
+    if ran_only:
+        left_out = sum(f.ok is None for f in findings)
+        findings = [f for f in findings if f.ok is not None]
+    note = ([f"{left_out} other registered claim(s) need configurations this run does not make: left out.", ""]
+            if left_out else [])
     header = ["| prediction | measured | verdict |", "|---|---|---|"]
     if not registration.void_rule:
-        return "\n".join(header + [f"| {f.label} | {f.measured} | {_interval_verdict(f)} |" for f in findings]) + "\n"
+        return "\n".join(note + header + [f"| {f.label} | {f.measured} | {_interval_verdict(f)} |"
+                                          for f in findings]) + "\n"
     n = min((a.seeds for a in ev.configs.values()), default=0)
     control = [s for s in ev.summary if s.config == registration.control]
     rise, rise_ci = mean_ci([s.success_mean - s.success_start for s in control])
     skipped = sum(any(h.get("skipped") for h in r["history"]) for r in results)
     void = bool(control) and n >= 2 and (not rise - rise_ci > 0 or skipped > 0)
     lines = [f"Void rule: on-policy control Y - start {rise:+.4f} ± {rise_ci:.4f}; {skipped} run(s) skipped a "
-             f"step -> {'VOID' if void else 'not void'}", ""]
+             f"step -> {'VOID' if void else 'not void'}", ""] + note
     verdicts = ['void' if void and f.ok is not None else _seeds_verdict(f.ok, n) for f in findings]
     if not registration.holm:
         lines += header + [f"| {f.label} | {f.measured} | {v} |" for f, v in zip(findings, verdicts)]

@@ -1,12 +1,22 @@
 """``offpolicy demo``: the mixed-fleet RL demonstration on CPU, mismatch from numerics (docs/demo.md).
 
-    offpolicy demo                      # --quick: on-policy GRPO, GRPO and SC+MIS+top-p on the mixed fleet, 1 seed
+    offpolicy demo                      # --quick: grid C's contrast at staleness 0 (numerics alone), 1 seed,
+                                        # 50 steps: the on-policy controls, GRPO / SC+MIS / SC+MIS+top-p at NVFP4,
+                                        # GRPO on the homogeneous fleet (an illustration; grid C decides)
+    offpolicy demo --arms grpo,sc_mis_topp --fleets onpolicy,mixed
+                                        # the former quick run: the dense toy at staleness 4 (its gap is staleness)
     offpolicy demo --full               # the pre-registered grid: control, 7 arms x (mixed, homogeneous), 30 seeds
     offpolicy demo --calibrate          # numerics KL of every fleet and step KL per learning rate, no RL
     offpolicy demo --grid C --seed 0 --seeds 30 --out docs/demo_results/gridC
                                         # grid C (MoE policy, numerics alone), resumable seed by seed
     offpolicy demo --grid C --calibrate --calibrate-seeds 1 --steps 150 --out calib   # its calibration
     offpolicy demo --arms grpo,sc_mis --fleets mixed --formats nvfp4 --seeds 2 --out my_run
+
+``offpolicy demo`` with no run flag (only ``--steps``, ``--eval-every``, ``--seed``, ``--seeds``, ``--workers``,
+``--out``, ``--cache-dir``, ``--no-plots``) runs the quick contrast of grid C (:data:`QUICK_C_RUNS`): grid C's
+mixture-of-experts task, model, warm-up and settings (``offpolicy.demo.gridc``) at staleness 0, fewer steps. Any
+other run flag (``--arms``, ``--fleets``, ``--lr``, ``--staleness``, the size flags ...) runs the dense toy of grids
+A and B with those settings instead, the former quick preset filling the rest.
 
 Every configuration of one invocation shares the learning rate, seeds, steps, batch and staleness: only the
 correction, the top-p filter and the fleet's numerics differ. ``--fleets onpolicy`` runs the exact on-policy
@@ -32,7 +42,23 @@ from offpolicy.demo.arms import ARMS, parse_arms
 from offpolicy.demo.simulated_fleet import FLEETS, WEIGHT_FORMATS
 from offpolicy.demo.train import RunConfig
 
-#: Presets; any flag given explicitly overrides its preset value.
+#: The quick demo (``offpolicy demo``): grid C's contrast, one seed. Every run at staleness 0 on grid C's task,
+#: model and settings (:func:`offpolicy.demo.gridc.base_config`: its MIS band, gradient clip, batch, evaluation),
+#: in this order: the on-policy control; GRPO and SC + MIS on the mixed fleet at NVFP4 (C1, C3); GRPO on the
+#: homogeneous fleet (S7); the on-policy top-p control and SC + MIS + top-p at NVFP4, scored on ``Y_p`` (C2).
+QUICK_C_RUNS = (("grpo", "onpolicy", "seed"), ("grpo", "mixed", "nvfp4"), ("sc_mis", "mixed", "nvfp4"),
+                ("grpo", "homogeneous", "seed"), ("grpo_topp", "onpolicy", "seed"), ("sc_mis_topp", "mixed", "nvfp4"))
+#: Its defaults (any of these flags overrides): 6 runs in 2 worker processes, three rounds, 50 steps each; 587 s of
+#: CPU from an empty cache, warm-up included (22 min wall on 2 cores at load 11; at least about 6 minutes on a quiet
+#: 2-core machine, estimated from the CPU time: docs/demo_results/quick/timing.txt).
+QUICK_C = {"steps": 50, "eval_every": 10, "seeds": 1, "workers": 2}
+#: The flags the quick contrast takes; any other run flag selects the dense toy (``mode`` and ``grid`` are the
+#: mode flags, ``argv`` the command line itself).
+QUICK_C_FLAGS = frozenset({"mode", "grid", "seed", "seeds", "steps", "eval_every", "workers", "out", "cache_dir",
+                           "no_plots", "report_only", "argv"})
+
+#: Presets of the dense toy (grids A and B); any flag given explicitly overrides its preset value. ``quick`` is the
+#: former quick run's (the dense toy at staleness 4), used when a run flag selects the dense toy.
 PRESETS = {
     "quick": {"arms": "grpo,sc_mis_topp", "fleets": "onpolicy,mixed", "sweep_arms": "", "sweep_formats": "",
               "seeds": 1, "steps": 100, "eval_every": 25, "workers": 2},
@@ -46,8 +72,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="the default: on-policy GRPO, GRPO and SC+MIS+top-p on the mixed fleet, 1 seed, "
-                           "100 steps (a picture, not evidence; minutes on 2 cores)")
+                      help="the default: grid C's contrast at staleness 0 (numerics alone: NVFP4 samplers flip the "
+                           "mixture-of-experts routes): the on-policy control, GRPO and SC+MIS at NVFP4, GRPO on "
+                           "the homogeneous fleet, the on-policy top-p control and SC+MIS+top-p at NVFP4, 1 seed, "
+                           f"{QUICK_C['steps']} steps (an illustration, not evidence: grid C decides; about 6 minutes "
+                           "on a quiet 2-core machine). With a run flag (--arms, --fleets, --lr, ...): the dense toy of grids A "
+                           "and B, 1 seed, 100 steps")
     mode.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="the pre-registered grid (docs/demo.md): every arm on the mixed and homogeneous "
                            "fleets and the on-policy control, 30 seeds, 100 steps (hours)")
@@ -242,6 +272,8 @@ def run_demo(args: argparse.Namespace) -> dict:
 
     if getattr(args, "grid", None) == "C":
         return _grid_c(args)
+    if is_quick_c(args):
+        return _quick_c(args)
     args = _resolve(args)
     if args.report_only:
         return _report_only([Path(p) for p in args.report_only], Path(args.out), plots=not args.no_plots)
@@ -336,6 +368,104 @@ def run_demo(args: argparse.Namespace) -> dict:
     note = reading_note(results)
     if note:
         print(f"How to read this: {note}")
+    print(f"wrote {', '.join(sorted(files))} to {out}/ in {meta['seconds']:.0f} s")
+    return {"results": results, "files": files, "meta": meta, "calibration": calibration}
+
+
+def _explicit_flags(args: argparse.Namespace) -> set[str]:
+    """The destinations of the flags given on the command line (``args.argv``); without ``argv`` (a namespace built
+    in code) those whose value differs from the parser's default."""
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        defaults = vars(build_parser().parse_args([]))
+        return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+    p = build_parser()
+    p._defaults.clear()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
+def is_quick_c(args: argparse.Namespace) -> bool:
+    """Whether ``args`` ask for the quick contrast of grid C: the quick mode (the default) without ``--grid`` or
+    ``--report-only`` and with no flag outside :data:`QUICK_C_FLAGS`."""
+    if args.mode != "quick" or getattr(args, "grid", None) or args.report_only:
+        return False
+    return not (_explicit_flags(args) - QUICK_C_FLAGS)
+
+
+def _quick_c(args: argparse.Namespace) -> dict:
+    """The quick demo: grid C's contrast (:data:`QUICK_C_RUNS`) on grid C's task, model, warm-up (the same cache
+    entry as the grid's) and settings, at staleness 0, for ``--seeds`` seeds of ``--steps`` steps. Its runs carry
+    ``grid = "C"`` and ``quick = True``: the tables judge grid C's registered claims that these runs allow, each
+    "undecided" on one seed."""
+    import torch
+
+    from offpolicy.demo import gridc
+    from offpolicy.demo.mismatch import CONFIGS_C, numerics_table
+    from offpolicy.demo.predictions import predictions_text
+    from offpolicy.demo.report import markdown_table, reading_note, tables_text, write_outputs
+    from offpolicy.demo.warmup import WarmupConfig, default_cache_dir, warmup
+
+    for key, value in QUICK_C.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.seeds < 1 or args.workers < 1 or args.steps < 1 or args.eval_every < 1:
+        raise ValueError(f"--steps, --eval-every, --seeds and --workers must be >= 1, got {args.steps}, "
+                         f"{args.eval_every}, {args.seeds} and {args.workers}")
+    t_start = time.perf_counter()
+    torch.set_num_threads(1)
+    task = gridc.task()
+    model_cfg = gridc.model_config(task)
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    wcfg = WarmupConfig(target_success=args.warmup_target, max_steps=args.warmup_max_steps)
+    state, winfo = warmup(task, model_cfg, wcfg, cache)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = gridc.base_config(steps=args.steps, eval_every=args.eval_every)
+    configs = [replace(base, arm=arm, fleet=fleet, weight_format=fmt, seed=args.seed + s)
+               for s in range(args.seeds) for arm, fleet, fmt in QUICK_C_RUNS]
+    meta = {"command": "offpolicy demo " + " ".join(getattr(args, "argv", [])), "mode": "quick", "grid": "C",
+            "quick": True, "args": {k: v for k, v in vars(args).items() if k != "argv"},
+            "settings": asdict(base), "task": asdict(task), "model": model_cfg.to_dict(),
+            "warmup": dict(asdict(wcfg), **winfo), "machine": platform.node(), "platform": platform.platform(),
+            "torch": torch.__version__, "cpu": _cpu_model(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    used = {(fleet, fmt) for _, fleet, fmt in QUICK_C_RUNS}
+    numerics = numerics_table(task, model_cfg, state, prompts=base.eval_prompts, only=used, configs=CONFIGS_C,
+                              bands=(base.mis_bounds,))
+    calibration = {"numerics": numerics, "step_kl": []}
+    lo, hi = base.mis_bounds
+    print("Numerics mismatch at equal weights (before RL; staleness 0: the samplers' numerics alone):")
+    print(markdown_table([r for r in numerics if r["group"] == "(fleet)"],
+                         [("config", "fleet"), ("kl", "KL(q||p)"), ("route_flip", "route-flip share"),
+                          (f"masked {lo:g}-{hi:g}", f"outside the MIS band [{lo:g}, {hi:g}]")]), flush=True)
+    print(f"offpolicy demo (quick): grid C's contrast, {len(configs)} runs of {args.steps} steps ({args.seeds} "
+          f"seed(s)), {args.workers} worker(s); staleness 0, lr {base.lr:g}, gradient clip {base.grad_clip:g}, "
+          f"MIS band [{lo:g}, {hi:g}]", flush=True)
+    partial = out / "runs.partial.json.gz"
+
+    def save_partial(done: list[dict]) -> None:
+        with gzip.open(partial, "wt") as f:
+            json.dump({"meta": meta, "calibration": calibration, "runs": done}, f)
+
+    bar = _Progress(len(configs) * args.steps, len(configs))
+    results = _execute(configs, task, model_cfg, state, args.workers, bar, save_partial)
+    bar.close()
+    for r in results:
+        r["grid"], r["quick"] = "C", True
+    calibration["step_kl"] = [
+        {"lr": base.lr, "steps": args.steps, "source": "on-policy control runs",
+         "step_kl_mean": statistics.fmean(h["step_kl"] for r in results if r["run_id"].startswith("grpo@onpolicy")
+                                          for h in r["history"])}]
+    meta["seconds"] = time.perf_counter() - t_start
+    files = write_outputs(results, out, meta, calibration, plots=not args.no_plots, predictions=predictions_text)
+    partial.unlink(missing_ok=True)
+    print()
+    print(tables_text(results))
+    print(predictions_text(results))
+    print(f"How to read this: {reading_note(results)}")
     print(f"wrote {', '.join(sorted(files))} to {out}/ in {meta['seconds']:.0f} s")
     return {"results": results, "files": files, "meta": meta, "calibration": calibration}
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
+from offpolicy.demo.arms import ARMS
+
 #: A run *collapses* when its final exact held-out success falls below this fraction of its start.
 COLLAPSE_FRACTION = 0.5
 #: A run's full-distribution KL *blows up* when its last-tenth mean is at least this multiple of its first-tenth
@@ -37,7 +39,8 @@ KL_GROWTH = 3.0
 #: (the on-policy control's is about 1e-11) and a ratio of noise means nothing.
 KL_FLOOR = 1e-6
 #: One colour per arm across every figure (the on-policy control is its own arm here).
-ARM_COLORS = {"onpolicy": "#000000", "grpo": "#d62728", "grpo_mis": "#ff7f0e", "sc": "#9467bd",
+ARM_COLORS = {"onpolicy": "#000000", "onpolicy_topp": "#7f7f7f", "sc_mis_topp_rr": "#17becf",
+              "rr_tis": "#bcbd22", "grpo": "#d62728", "grpo_mis": "#ff7f0e", "sc": "#9467bd",
               "grpo_topp": "#8c564b", "grpo_topp_noreplay": "#e377c2", "sc_mis": "#1f77b4", "sc_mis_topp": "#2ca02c"}
 
 
@@ -51,7 +54,21 @@ def config_key(cfg: dict) -> str:
 
 
 def color_key(cfg: dict) -> str:
-    return "onpolicy" if cfg["fleet"] == "onpolicy" else cfg["arm"]
+    """The :data:`ARM_COLORS` key of a run: its arm, or for the on-policy fleet its control (``onpolicy``; the
+    on-policy top-p control ``onpolicy_topp``)."""
+    if cfg["fleet"] == "onpolicy":
+        return "onpolicy" if cfg["arm"] == "grpo" else "onpolicy_topp"
+    return cfg["arm"]
+
+
+def main_format(configs) -> str:
+    """The mixed fleet's weight format of a run's main configurations: ``seed`` (the study's formats per group)
+    when any mixed configuration uses it, else the format most of them share (grid C and its quick demo: NVFP4).
+    Mixed-fleet configurations at another format are the weight-format sweep."""
+    fmts = [c.get("weight_format", "seed") for c in configs if c["fleet"] == "mixed"]
+    if not fmts or "seed" in fmts:
+        return "seed"
+    return max(dict.fromkeys(fmts), key=fmts.count)
 
 
 def _mean(xs: list[float]) -> float:
@@ -408,6 +425,8 @@ def group_table(results: list[dict]) -> list[GroupRow]:
 
 
 def _fmt(x, ci=None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
     if isinstance(x, bool):
         return "yes" if x else "no"
     if isinstance(x, int):
@@ -438,17 +457,22 @@ def tables_text(results: list[dict]) -> str:
     agg = aggregate(summary)
     table = [a.columns() for a in agg]
     key = "success_end" if is_earlier_regime(results) else "success_mean"
+    # Newer histories (grid C and its quick demo) also hold the success under the trainer's nucleus (Y_p, the
+    # outcome of arms trained with top-p) and, with experts, the route-flip share: a column each where present.
+    nucleus = [("success_topp_mean", "nucleus, after start (Y_p)")] if any(
+        "success_topp_mean" in a.estimates for a in agg) else []
+    flips = [("route_flip", "route flips")] if any("route_flip" in a.estimates for a in agg) else []
     parts = ["Outcome (exact held-out success by teacher forcing; mean ± 95 % interval over seeds):",
              markdown_table(table, [("config", "configuration"), ("seeds", "seeds"), ("success_start", "start"),
                                   ("success_end", "end"), ("success_change", "change"),
-                                  ("success_mean", "mean after start (primary)"),
+                                  ("success_mean", "mean after start (primary)"), *nucleus,
                                   ("pass1_end", "sampled pass@1"), ("collapsed", "collapsed"),
                                   ("kl_blowup", "KL x3")], ci=True),
              "", "Mismatch on full distributions (every arm alike) and the loss's own view (top-p: support):",
              markdown_table(table, [("config", "configuration"), ("kl_full", "KL(q||p)"),
                                   ("extreme_full", "ratio outside [0.2, 5]"), ("kl_growth", "KL last/first"),
                                   ("kl_k3_loss", "loss KL k3"), ("extreme_loss", "loss extreme"),
-                                  ("step_kl", "step KL")], ci=True),
+                                  ("step_kl", "step KL"), *flips], ci=True),
              "", "Gradient norm (before clipping) and entropy:",
              markdown_table(table, [("config", "configuration"), ("peak_grad_norm", "peak grad norm"),
                                   ("grad_growth", "peak / first tenth"), ("entropy_start", "entropy, first tenth"),
@@ -459,18 +483,28 @@ def tables_text(results: list[dict]) -> str:
                             + [(k, k.removeprefix("drift_")) for k in _drift_keys(summary) if k != "drift_kl_qp"],
                             ci=True)]
     pairs = []
+    # Where the histories score the nucleus too (grid C), an arm trained with top-p is compared with the on-policy
+    # top-p control on Y_p, never with GRPO on the full-distribution Y (grids A and B's H2 confound, issue 45).
+    topp_control = "grpo_topp@onpolicy" if nucleus and any(a.config == "grpo_topp@onpolicy" for a in agg) else None
     for row in agg:
-        base = row.config.replace(f"{row.arm}@", "grpo@", 1)
-        if row.arm != "grpo" and any(a.config == base for a in agg):
-            d = paired(summary, row.config, base, key)
-            if d is not None:
-                pairs.append(d)
+        d = None
+        if topp_control and ARMS[row.arm].top_p:
+            if row.config != topp_control:
+                d = paired(summary, row.config, topp_control, "success_topp_mean")
+        else:
+            base = row.config.replace(f"{row.arm}@", "grpo@", 1)
+            if row.arm != "grpo" and any(a.config == base for a in agg):
+                d = paired(summary, row.config, base, key)
+        if d is not None:
+            pairs.append(d)
     if pairs:
         parts += ["", f"Paired differences of {'final' if key == 'success_end' else 'mean'} exact success against "
-                      "GRPO on the same fleet (same seeds):",
+                      "GRPO on the same fleet (same seeds)"
+                  + ("; arms trained with top-p against the on-policy top-p control, on success under the trainer's "
+                     "nucleus (Y_p):" if topp_control else ":"),
                   markdown_table([dict(_columns(p), diff_ci=p.ci) for p in pairs],
-                                 [("a", "configuration"), ("b", "minus"), ("seeds", "seeds"), ("diff", "difference")],
-                                 ci=True)]
+                                 [("a", "configuration"), ("b", "minus"), ("seeds", "seeds"), ("diff", "difference")]
+                                 + ([("key", "outcome")] if topp_control else []), ci=True)]
     return "\n".join(parts) + "\n"
 
 
@@ -510,21 +544,57 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def reading_note(results: list[dict]) -> str:
-    """What a gap to the on-policy control can and cannot be read as, for runs whose samplers were stale: without a
-    homogeneous fleet at the same staleness the gap mixes staleness with numerics (the quick demo's case); empty
-    when nothing ran stale."""
-    stale = sorted({float(r["config"].get("staleness", 0.0)) for r in results
-                    if r["config"]["fleet"] != "onpolicy" and float(r["config"].get("staleness", 0.0)) > 0})
-    if not stale:
-        return ""
-    fleets = {r["config"]["fleet"] for r in results}
-    text = (f"Samplers ran {'/'.join(f'{x:g}' for x in stale)} optimizer steps stale on average: a gap to the on-policy "
-            "control is staleness plus numerics, not mixed precision alone.")
-    if "homogeneous" not in fleets:
-        text += ("\nNo homogeneous fleet ran at the same staleness, so this run cannot separate the two; in the "
-                 "30-seed grid A (docs/demo.md) uncorrected GRPO lost as much on a homogeneous fleet (-0.097) as on "
-                 "the mixed one (-0.094), and the numerics alone (grid B, staleness 0) cost it 0.006.")
-    return text
+    """What a gap to the on-policy control can and cannot be read as, one sentence a line (the figures' titles and
+    the command's summary print it): at staleness 0 a gap is the samplers' numerics alone (with a mixture-of-experts
+    policy, the share of routes the mixed fleet's samplers flip); with stale samplers it mixes staleness with
+    numerics, and without a homogeneous fleet at the same staleness this run cannot separate the two (the former
+    quick demo's case); one seed is an illustration, not evidence; top-p arms are compared only with the on-policy
+    top-p control, on success under the trainer's nucleus. Empty when none applies."""
+    def staleness(r: dict) -> float:
+        return float(r["config"].get("staleness", 0.0))
+
+    off = [r for r in results if r["config"]["fleet"] != "onpolicy"]
+    stale = sorted({staleness(r) for r in off if staleness(r) > 0})
+    fresh = [r for r in off if staleness(r) == 0]
+    lines = []
+    if fresh:
+        text = ("Staleness 0 (every sampler serves the trainer's current weights): a gap to the on-policy control "
+                "there is the samplers' numerics alone")
+        by_fmt: dict[str, list[float]] = {}
+        for r in fresh:
+            h = r.get("history") or [{}]
+            if r["config"]["fleet"] == "mixed" and not math.isnan(h[0].get("route_flip", math.nan)):
+                by_fmt.setdefault(r["config"].get("weight_format", "seed"), []).append(
+                    _mean([x["route_flip"] for x in h]))
+        if by_fmt:
+            text += (", here mixture-of-experts routes flipped by the mixed fleet's quantised samplers ("
+                     + ", ".join(f"{'study formats' if f == 'seed' else f.upper()} {100 * _mean(v):.1f} %"
+                                 for f, v in by_fmt.items()) + " of routes)")
+        lines.append(text + ".")
+    if stale:
+        lines.append(f"Samplers ran {'/'.join(f'{x:g}' for x in stale)} optimizer steps stale on average"
+                     + (" in the runs so marked" if fresh else "")
+                     + ": a gap to the on-policy control is staleness plus numerics, not mixed precision alone.")
+        if "homogeneous" not in {r["config"]["fleet"] for r in results}:
+            lines.append("No homogeneous fleet ran at the same staleness, so this run cannot separate the two; in "
+                         "the 30-seed grid A (docs/demo.md) uncorrected GRPO lost as much on a homogeneous fleet "
+                         "(-0.097) as on the mixed one (-0.094), and the numerics alone (grid B, staleness 0) cost "
+                         "it 0.006.")
+    seeds = {r["config"].get("seed") for r in results}
+    if len(seeds) == 1 and any(r.get("history") for r in results):
+        lines.append("One seed: an illustration, not evidence"
+                     + ("; grid C (docs/demo_gridC_registration.md, 30 seeds of 200 steps) decides."
+                        if any(r.get("grid") == "C" for r in results) else "."))
+    def top_p(r: dict) -> bool:
+        arm = ARMS.get(r["config"].get("arm", ""))
+        return arm is not None and arm.top_p
+
+    if any(top_p(r) and r["config"]["fleet"] != "onpolicy" for r in results) and any(
+            top_p(r) and r["config"]["fleet"] == "onpolicy" for r in results):
+        lines.append("Top-p arms are compared only with the on-policy top-p control, on success under the trainer's "
+                     "nucleus (Y_p); their training rewards come from the nucleus and are not comparable with the "
+                     "other arms'.")
+    return "\n".join(lines)
 
 
 def write_outputs(results: list[dict], out: Path, meta: dict, calibration: dict | None = None,
@@ -546,8 +616,13 @@ def write_outputs(results: list[dict], out: Path, meta: dict, calibration: dict 
     _write_csv(files["summary.csv"], [s.columns() for s in summary])
     _write_csv(files["configs.csv"], [a.columns() for a in aggregate(summary)])
     _write_csv(files["groups.csv"], [g.columns() for g in group_table(results)])
-    judged = "" if predictions is None else "\nPre-registered predictions (docs/demo.md):\n" + predictions(results)
-    files["tables.md"].write_text(tables_text(results) + judged)
+    registration = ("docs/demo_gridC_registration.md" if any(r.get("grid") == "C" for r in results)
+                    else "docs/demo.md")
+    judged = ("" if predictions is None
+              else f"\nPre-registered predictions ({registration}):\n" + predictions(results))
+    # The quick demo's tables say how to read them (its printed summary and figures say the same).
+    note = reading_note(results) if any(r.get("quick") for r in results) else ""
+    files["tables.md"].write_text(tables_text(results) + judged + (f"\nHow to read this:\n{note}\n" if note else ""))
     if plots:
         files.update(write_plots(results, out, calibration))
     return files
@@ -558,7 +633,10 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
     GRPO's per-group extreme-ratio shares over steps), ``collapse.png`` (exact held-out success over steps), ``mismatch.png``
     (numerics KL by fleet and group from the calibration; KL over training), ``drift.png`` (the probe's
     ``<u, q - p>`` and mass moved onto masked ids), ``groups.png`` (share of samples vs share of extreme-ratio
-    tokens per group). Mean over seeds with a min-max band; one colour per arm. Empty without matplotlib."""
+    tokens per group), and for histories that score the nucleus too ``contrast.png`` (held-out success, each arm on
+    its own outcome: ``Y`` beside the on-policy control, top-p arms on ``Y_p`` beside the on-policy top-p control).
+    Every title carries :func:`reading_note`. Mean over seeds with a min-max band; one colour per arm. Empty without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -572,6 +650,11 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
         by.setdefault(config_key(r["config"]), []).append(r)
     styles = {"mixed": "-", "homogeneous": "--", "onpolicy": ":"}
     files: dict[str, Path] = {}
+    fmt_main = main_format([r["config"] for r in results])
+
+    def is_sweep(k: str) -> bool:
+        cfg = by[k][0]["config"]
+        return cfg["fleet"] == "mixed" and cfg.get("weight_format", "seed") != fmt_main
 
     def band(ax, xs, runs, get, cfg, label):
         ys = [[get(r, i) for r in runs] for i in range(len(xs))]
@@ -583,15 +666,20 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
 
     def label_of(runs):
         cfg = runs[0]["config"]
-        name = "on-policy GRPO" if cfg["fleet"] == "onpolicy" else runs[0]["label"]
+        if cfg["fleet"] == "onpolicy":
+            return "on-policy GRPO" + ("" if cfg["arm"] == "grpo" else f", {runs[0]['label']} (the top-p control)")
         fmt = cfg["weight_format"]
-        return f"{name} ({cfg['fleet']}{', ' + fmt if fmt != 'seed' and cfg['fleet'] == 'mixed' else ''})"
+        tag = f", {cfg['tag']}: staleness {cfg['staleness']:g}" if cfg.get("tag") else ""
+        return (f"{runs[0]['label']} ({cfg['fleet']}{', ' + fmt if fmt != 'seed' and cfg['fleet'] == 'mixed' else ''}"
+                f"{tag})")
 
     # What a person looks at first: reward and held-out success per arm; KL and pre-clip gradient norm; entropy;
     # per-group extreme-ratio shares over steps (10-step moving averages of the per-step records).
-    main = [k for k in by if ":" not in k]
+    main = [k for k in by if not is_sweep(k)]
     fig, axes = plt.subplots(2, 3, figsize=(19, 10))
-    per_step = ((axes[0, 0], "reward", "training reward (mean over the batch)", False),
+    topp_ran = any(ARMS[r["config"]["arm"]].top_p for r in results if r["config"]["arm"] in ARMS)
+    per_step = ((axes[0, 0], "reward", "training reward (mean over the batch)"
+                 + ("\ntop-p arms: nucleus samples, not comparable" if topp_ran else ""), False),
                 (axes[1, 0], "kl_full", "KL(q || p) per token, full distributions", True),
                 (axes[1, 1], "grad_norm_preclip", "gradient norm before clipping", True),
                 (axes[1, 2], "entropy", "trainer entropy per token", False))
@@ -610,12 +698,18 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+    # Where the histories score the nucleus too, the top-p arms' held-out success is in contrast.png (on Y_p, beside
+    # the on-policy top-p control), not here beside arms scored on the full distribution.
+    nucleus = all("success_exact_topp" in r["evals"][0] for r in results)
     for k in main:
         runs = by[k]
+        if nucleus and ARMS[runs[0]["config"]["arm"]].top_p:
+            continue
         xs = [e["step"] for e in runs[0]["evals"]]
         band(axes[0, 1], xs, runs, lambda r, i: r["evals"][i]["success_exact"], runs[0]["config"], label_of(runs))
     axes[0, 1].set_xlabel("optimizer step")
-    axes[0, 1].set_ylabel("held-out success, exact")
+    axes[0, 1].set_ylabel("held-out success, exact" + ("\n(arms without top-p; top-p arms: contrast.png)"
+                                                      if nucleus and topp_ran else ""))
     axes[0, 1].grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
     pick = next((k for k in main if k.startswith("grpo@mixed")), None)
@@ -625,28 +719,29 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
             ys = _moving([_mean([r["history"][t]["extreme_by_group"][gi] for r in by[pick]])
                           for t in range(len(r0["history"]))], 10)
             axes[0, 2].plot(range(1, len(ys) + 1), ys, lw=1.5, label=f"{g['group']} ({g['weights']})")
-        axes[0, 2].set_title(f"share of each group's tokens with ratio outside [0.2, 5], {pick}")
+        axes[0, 2].set_title(f"share of each group's tokens with ratio outside [0.2, 5],\n{pick}", fontsize=10)
         axes[0, 2].set_xlabel("optimizer step")
         axes[0, 2].grid(alpha=0.3)
         axes[0, 2].legend(fontsize=8)
-    head = ("One seed is a picture, not evidence" if max(len(v) for v in by.values()) < 2
-            else "Mean over seeds, min-max band")
     note = reading_note(results)
-    fig.suptitle(head + (f"\n{note.splitlines()[0]}" if note else ""))
-    fig.tight_layout()
+    head = ("One seed is an illustration, not evidence" if max(len(v) for v in by.values()) < 2
+            else "Mean over seeds, min-max band")
+    title = _title("" if "One seed" in note else head, note)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()  # (it makes room for the suptitle)
     files["training.png"] = out / "training.png"
     fig.savefig(files["training.png"], dpi=100)
     plt.close(fig)
 
-    sweep = [k for k in by if ":" in k]
-    panels = [("main configurations", [k for k in by if ":" not in k])] + ([("weight-format sweep", sweep)]
+    sweep = [k for k in by if is_sweep(k)]
+    panels = [("main configurations", [k for k in by if not is_sweep(k)])] + ([("weight-format sweep", sweep)]
                                                                           if sweep else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
     for ax, (title, keys) in zip(axes[0], panels):
         for k in keys:
             runs = by[k]
             xs = [e["step"] for e in runs[0]["evals"]]
-            if ":" in k:
+            if is_sweep(k):
                 cfg = runs[0]["config"]
                 fmts = ("bf16", "fp8", "nvfp4", "mxfp4")
                 ls = ("-", "--", "-.", ":")[fmts.index(cfg["weight_format"])] if cfg["weight_format"] in fmts else "-"
@@ -679,7 +774,7 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
         axes[0].set_ylabel("KL(q || p) per token, equal weights")
         axes[0].set_title("Numerics mismatch by fleet, before RL")
     for k in by:
-        if ":" in k or by[k][0]["config"]["fleet"] == "onpolicy":
+        if is_sweep(k) or by[k][0]["config"]["fleet"] == "onpolicy":
             continue
         runs = by[k]
         n = min(len(r["history"]) for r in runs)
@@ -707,7 +802,7 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
                 ("drift_masked_mass", "d p(masked ids) per unit step",
                  "Drift probe: probability moved onto masked ids")))]:
         for k in by:
-            if ":" in k:
+            if is_sweep(k):
                 continue
             runs = by[k]
             xs = [e["step"] for e in runs[0]["evals"]]
@@ -725,7 +820,7 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
     plt.close(fig)
 
     gt = group_table(results)
-    cfgs = list(dict.fromkeys(g.config for g in gt if ":" not in g.config))
+    cfgs = list(dict.fromkeys(g.config for g in gt if g.config in by and not is_sweep(g.config)))
     if cfgs:
         pick = next((c for c in cfgs if c.startswith("sc_mis_topp@")), cfgs[0])
         rows = [g for g in gt if g.config == pick]
@@ -742,4 +837,45 @@ def write_plots(results: list[dict], out: Path, calibration: dict | None = None)
         files["groups.png"] = out / "groups.png"
         fig.savefig(files["groups.png"], dpi=110)
         plt.close(fig)
+
+    # The contrast, each arm on the outcome that matches it (newer histories score both): arms without top-p on
+    # exact success under the trainer's full distribution (Y) beside the on-policy control; arms trained with
+    # top-p on exact success under the trainer's nucleus (Y_p) beside the on-policy top-p control, never across.
+    if all("success_exact_topp" in r["evals"][0] for r in results):
+        def topp(k: str) -> bool:
+            return ARMS[by[k][0]["config"]["arm"]].top_p
+
+        groups = [("Y: exact success, full distribution (arms without top-p)", "success_exact",
+                   [k for k in main if not topp(k)])]
+        if any(topp(k) for k in main):
+            groups.append(("Y_p: exact success under the trainer's nucleus (top-p arms only)", "success_exact_topp",
+                           [k for k in main if topp(k)]))
+        head = ("Held-out success after the warm-up, " + ("one seed" if max(len(v) for v in by.values()) < 2
+                                                           else "mean over seeds, min-max band"))
+        title = _title(head, reading_note(results), width=120)
+        height = 5.0 + 0.2 * (title.count("\n") + 1)
+        fig, axes = plt.subplots(1, len(groups), figsize=(8 * len(groups), height), squeeze=False)
+        for ax, (panel, key, keys) in zip(axes[0], groups):
+            for k in keys:
+                runs = by[k]
+                xs = [e["step"] for e in runs[0]["evals"]]
+                band(ax, xs, runs, lambda r, i, key=key: r["evals"][i][key], runs[0]["config"], label_of(runs))
+            ax.set_title(panel, fontsize=11)
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel("held-out success, exact (teacher forcing)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=9)
+        fig.suptitle(title, fontsize=10.5)
+        fig.tight_layout()  # (it makes room for the suptitle)
+        files["contrast.png"] = out / "contrast.png"
+        fig.savefig(files["contrast.png"], dpi=110)
+        plt.close(fig)
     return files
+
+
+def _title(head: str, note: str, width: int = 170) -> str:
+    """A figure title: ``head``, then the reading note's sentences, each wrapped at ``width`` characters."""
+    import textwrap
+
+    lines = ([head] if head else []) + [w for line in note.splitlines() for w in textwrap.wrap(line, width)]
+    return "\n".join(lines)
