@@ -366,7 +366,8 @@ def judge(results: list[dict], registration: Registration, ran_only: bool = Fals
     rise, rise_ci = mean_ci([s.success_mean - s.success_start for s in control])
     skipped = sum(any(h.get("skipped") for h in r["history"]) for r in results)
     void = bool(control) and n >= 2 and (not rise - rise_ci > 0 or skipped > 0)
-    lines = [f"Void rule: on-policy control Y - start {rise:+.4f} ± {rise_ci:.4f}; {skipped} run(s) skipped a "
+    spread = f"± {rise_ci:.4f}" if n >= 2 else f"(n = {n}, no interval)"
+    lines = [f"Void rule: on-policy control Y - start {rise:+.4f} {spread}; {skipped} run(s) skipped a "
              f"step -> {'VOID' if void else 'not void'}", ""] + note
     verdicts = ['void' if void and f.ok is not None else _seeds_verdict(f.ok, n) for f in findings]
     if not registration.holm:

@@ -511,6 +511,8 @@ def tables_text(results: list[dict]) -> str:
 def _pair_text(d: PairedDifference | None) -> str:
     if d is None:
         return "not run"
+    if d.seeds < 2:  # one seed has no spread: no interval to print
+        return f"{d.diff:+.4f} (n = {d.seeds}, no interval)"
     return f"{d.diff:+.4f} ± {d.ci:.4f} (n = {d.seeds})"
 
 
