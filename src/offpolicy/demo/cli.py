@@ -405,7 +405,6 @@ def _quick_c(args: argparse.Namespace) -> dict:
     from offpolicy.demo.mismatch import CONFIGS_C, numerics_table
     from offpolicy.demo.predictions import predictions_text
     from offpolicy.demo.report import markdown_table, reading_note, tables_text, write_outputs
-    from offpolicy.demo.warmup import WarmupConfig, default_cache_dir, warmup
 
     for key, value in QUICK_C.items():
         if getattr(args, key, None) is None:
@@ -414,14 +413,7 @@ def _quick_c(args: argparse.Namespace) -> dict:
         raise ValueError(f"--steps, --eval-every, --seeds and --workers must be >= 1, got {args.steps}, "
                          f"{args.eval_every}, {args.seeds} and {args.workers}")
     t_start = time.perf_counter()
-    torch.set_num_threads(1)
-    task = gridc.task()
-    model_cfg = gridc.model_config(task)
-    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    wcfg = WarmupConfig(target_success=args.warmup_target, max_steps=args.warmup_max_steps)
-    state, winfo = warmup(task, model_cfg, wcfg, cache)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    task, model_cfg, wcfg, state, winfo, out = _grid_c_setup(args)
     base = gridc.base_config(steps=args.steps, eval_every=args.eval_every)
     configs = [replace(base, arm=arm, fleet=fleet, weight_format=fmt, seed=args.seed + s)
                for s in range(args.seeds) for arm, fleet, fmt in QUICK_C_RUNS]
@@ -470,6 +462,25 @@ def _quick_c(args: argparse.Namespace) -> dict:
     return {"results": results, "files": files, "meta": meta, "calibration": calibration}
 
 
+def _grid_c_setup(args: argparse.Namespace):
+    """Grid C's task, model config, warm-up config, warmed-up state and info, and the output folder (created), for
+    the grid and its quick demo alike (one thread per process)."""
+    import torch
+
+    from offpolicy.demo import gridc
+    from offpolicy.demo.warmup import WarmupConfig, default_cache_dir, warmup
+
+    torch.set_num_threads(1)
+    task = gridc.task()
+    model_cfg = gridc.model_config(task)
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    wcfg = WarmupConfig(target_success=args.warmup_target, max_steps=args.warmup_max_steps)
+    state, winfo = warmup(task, model_cfg, wcfg, cache)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return task, model_cfg, wcfg, state, winfo, out
+
+
 def _grid_c(args: argparse.Namespace) -> dict:
     """``--grid C``: the registered grid seed by seed (resumable), or with ``--calibrate`` its calibration: the
     numerics of every grid-C fleet at the warm-up weights and, with ``--calibrate-seeds``, GRPO on the on-policy
@@ -480,18 +491,10 @@ def _grid_c(args: argparse.Namespace) -> dict:
     from offpolicy.demo.mismatch import CONFIGS_C, numerics_table
     from offpolicy.demo.predictions import predictions_text
     from offpolicy.demo.report import write_outputs
-    from offpolicy.demo.warmup import WarmupConfig, default_cache_dir, warmup
 
     if args.report_only:
         return _report_only([Path(p) for p in args.report_only], Path(args.out), plots=not args.no_plots)
-    torch.set_num_threads(1)
-    task = gridc.task()
-    model_cfg = gridc.model_config(task)
-    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    wcfg = WarmupConfig(target_success=args.warmup_target, max_steps=args.warmup_max_steps)
-    state, winfo = warmup(task, model_cfg, wcfg, cache)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    task, model_cfg, wcfg, state, winfo, out = _grid_c_setup(args)
     workers = args.workers or 1
     meta = {"command": "offpolicy demo " + " ".join(getattr(args, "argv", [])), "grid": "C",
             "task": asdict(task), "model": model_cfg.to_dict(), "warmup": dict(asdict(wcfg), **winfo),
