@@ -14,13 +14,12 @@ Tolerances (errors relative to the scale of the quantity compared):
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from support.linear_reference import check_against_reference, grads, leaves, make_inputs, probe_loss
+from support.thread_ranks import run_ranks
 
 from offpolicy.ops import VocabShard, linear_sparse_log_softmax, sparse_log_softmax
 from offpolicy.ops.linear_op import linear_torch_backend as ltb
@@ -149,56 +148,20 @@ def test_backend_counts_filtered_blocks():
     assert none_skipped == 0 and skipped > 0
 
 
-class _ThreadGroup:
-    """An in-process stand-in for a process group: one thread per shard, all-reduce through shared slots."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.slots: list[torch.Tensor | None] = [None] * world
-        self.barrier = threading.Barrier(world)
-        self.rank = threading.local()
-
-
-def _fake_all_reduce(tensor, op=None, group=None):
-    import torch.distributed as dist
-
-    group.slots[group.rank.value] = tensor.clone()
-    group.barrier.wait()
-    stack = torch.stack(group.slots)
-    tensor.copy_(stack.amax(0) if op == dist.ReduceOp.MAX else stack.sum(0))
-    group.barrier.wait()
-
-
 @pytest.mark.parametrize("support", [False, True])
 def test_vocab_shards_in_process(monkeypatch, support):
     """Three vocabulary shards (threads) give the unsharded outputs; dW concatenates, dX sums over shards."""
-    import torch.distributed as dist
-
-    monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce)
     h, w, b, y, c, tau = make_inputs(n=13, v=150, k=5, seed=29)
     bounds = [0, 40, 95, 150]
-    group = _ThreadGroup(3)
-    results: list = [None] * 3
-    errors: list = []
 
-    def run(rank):
-        try:
-            group.rank.value = rank
-            lo, hi = bounds[rank], bounds[rank + 1]
-            hl, wl, bl = leaves(h, w[lo:hi], b[lo:hi])
-            out = linear_sparse_log_softmax(hl, wl, y, c, tau, bias=bl, support=support,
-                                            shard=VocabShard(group, lo), chunk_bytes=1 << 13)
-            results[rank] = (out, grads(probe_loss(out.target, out.candidates), [hl, wl, bl]))
-        except BaseException as err:  # surfaced below
-            errors.append(err)
-            group.barrier.abort()
+    def rank_main(rank):
+        lo, hi = bounds[rank], bounds[rank + 1]
+        hl, wl, bl = leaves(h, w[lo:hi], b[lo:hi])
+        out = linear_sparse_log_softmax(hl, wl, y, c, tau, bias=bl, support=support,
+                                        shard=VocabShard(None, lo), chunk_bytes=1 << 13)
+        return out, grads(probe_loss(out.target, out.candidates), [hl, wl, bl])
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = run_ranks(3, rank_main, monkeypatch)
     hl, wl, bl = leaves(h, w, b)
     full = linear_sparse_log_softmax(hl, wl, y, c, tau, bias=bl, support=support)
     g_full = grads(probe_loss(full.target, full.candidates), [hl, wl, bl])

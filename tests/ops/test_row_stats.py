@@ -15,8 +15,6 @@ an fp32 ``x - m``): the fp32 sums' relative error (a few hundred ulps, ``< 2e-5`
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -24,6 +22,7 @@ from offpolicy.ops import backend_registry, linear_sparse_log_softmax, row_stats
 from offpolicy.ops.logits_op import logits_naive
 from offpolicy.ops.vocab_parallel import VocabShard
 from support.linear_reference import make_inputs
+from support.thread_ranks import run_ranks
 from support.vocab_reference import arg_tol, distinct_ids, hostile_logits, temperatures
 
 INF = float("inf")
@@ -99,34 +98,13 @@ def test_vocabulary_split_by_hand_folds_by_the_declared_rule():
     _check(row_stats.finish(acc)[2]["varentropy"], z.double() * it.double()[:, None], "merged")
 
 
-def _fake_all_reduce(world: int):
-    """``torch.distributed.all_reduce`` over ``world`` threads (one per shard): MAX or SUM, in place."""
-    import torch.distributed as dist
-
-    barrier, slots = threading.Barrier(world), {}
-
-    def all_reduce(tensor, op=None, group=None):
-        rank = int(threading.current_thread().name)
-        slots[rank] = tensor.clone()
-        barrier.wait()
-        parts = torch.stack([slots[r] for r in range(world)])
-        tensor.copy_(parts.amax(0) if op == dist.ReduceOp.MAX else parts.sum(0))
-        barrier.wait()
-
-    return all_reduce
-
-
 @pytest.mark.parametrize("primitive", ["logits", "linear"])
 def test_shard_all_reduce_merges_every_extra(primitive, monkeypatch):
     """``combine_shards`` through both primitives, the vocabulary over three 'ranks' (threads), both extras."""
-    import torch.distributed as dist
-
     world = 3
-    monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce(world))
     h, w, b, y, c, tau = make_inputs(n=6, d=8, v=301, k=4, seed=24, scale=2.0)
     z = h @ w.T + b
     bounds = [0, 100, 101, 301]
-    results: dict[int, dict] = {}
 
     def rank_main(r):
         lo, hi = bounds[r], bounds[r + 1]
@@ -138,13 +116,9 @@ def test_shard_all_reduce_merges_every_extra(primitive, monkeypatch):
         else:
             out = linear_sparse_log_softmax(h, w[lo:hi], y, c, tau, bias=b[lo:hi], shard=shard, backend="torch",
                                             stats=asked, validate=False)
-        results[r] = out.stats
+        return out.stats
 
-    threads = [threading.Thread(target=rank_main, args=(r,), name=str(r)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = run_ranks(world, rank_main, monkeypatch)
     x = z.double() / tau.double()[:, None]
     want_p2 = logits_naive.sum_p2(x, torch.ones(6, dtype=torch.float64))
     for r in range(world):

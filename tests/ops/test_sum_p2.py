@@ -11,8 +11,6 @@ twice the relative error of each ``p`` from the fp32 ``x - lse`` (``arg_tol`` of
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -21,6 +19,7 @@ from offpolicy.ops.linear_op import linear_naive
 from offpolicy.ops.logits_op import logits_naive
 from offpolicy.ops.vocab_parallel import VocabShard
 from support.linear_reference import make_inputs
+from support.thread_ranks import run_ranks
 from support.vocab_reference import STORE_RTOL, arg_tol, distinct_ids, hostile_logits, temperatures
 
 BACKENDS = ["torch", "cpu", "triton"]
@@ -105,34 +104,13 @@ def test_vocabulary_split_by_hand_and_merged(backend):
     _check(got, logits_naive.sum_p2(z, it.double()), z.double() * it.double()[:, None], f"merged {backend}")
 
 
-def _fake_all_reduce(world: int):
-    """A ``torch.distributed.all_reduce`` over ``world`` threads (one per shard): MAX or SUM, in place."""
-    import torch.distributed as dist
-
-    barrier, slots = threading.Barrier(world), {}
-
-    def all_reduce(tensor, op=None, group=None):
-        rank = int(threading.current_thread().name)
-        slots[rank] = tensor.clone()
-        barrier.wait()
-        parts = torch.stack([slots[r] for r in range(world)])
-        tensor.copy_(parts.amax(0) if op == dist.ReduceOp.MAX else parts.sum(0))
-        barrier.wait()
-
-    return all_reduce
-
-
 @pytest.mark.parametrize("primitive", ["logits", "linear"])
 def test_shard_all_reduce_merges_sum_p2(primitive, monkeypatch):
     """``combine_shards`` through both primitives, the vocabulary split over three 'ranks' (threads)."""
-    import torch.distributed as dist
-
     world = 3
-    monkeypatch.setattr(dist, "all_reduce", _fake_all_reduce(world))
     h, w, b, y, c, tau = make_inputs(n=6, d=8, v=301, k=4, seed=2)
     z = h @ w.T + b
     bounds = [0, 100, 101, 301]
-    results: dict[int, torch.Tensor] = {}
 
     def rank_main(r):
         lo, hi = bounds[r], bounds[r + 1]
@@ -143,13 +121,9 @@ def test_shard_all_reduce_merges_sum_p2(primitive, monkeypatch):
         else:
             out = linear_sparse_log_softmax(h, w[lo:hi], y, c, tau, bias=b[lo:hi], shard=shard, backend="torch",
                                             sum_p2=True, validate=False)
-        results[r] = out.sum_p2
+        return out.sum_p2
 
-    threads = [threading.Thread(target=rank_main, args=(r,), name=str(r)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = run_ranks(world, rank_main, monkeypatch)
     want = linear_naive.sum_p2(h, w, b, y, c, tau)
     x = (z.double() / tau.double()[:, None])
     for r in range(world):
