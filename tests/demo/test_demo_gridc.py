@@ -133,3 +133,31 @@ def test_a_grid_c_seed_cut_short_resumes_at_its_first_missing_run(tmp_path):
         json.dump({"runs": runs[:1]}, f)
     with pytest.raises(ValueError, match="belongs to another grid"):
         run_grid_c_seed(4, gridc.configs_for_seed(gridc.base_config(), 4), tmp_path, {}, execute)
+
+
+def test_report_only_reads_complete_grid_c_seeds_only(tmp_path, capsys):
+    """The documented ``--report-only docs/demo_results/gridC/seed*.runs.json.gz`` also matches a seed's partial
+    file: it is skipped with a line saying so, not mixed in; a seed file that lacks runs is refused by name."""
+    import gzip
+    import json
+
+    from offpolicy.__main__ import main as cli_main
+
+    committed = ROOT / "docs" / "demo_results" / "gridC"
+    seed0 = committed / "seed0.runs.json.gz"
+    with gzip.open(committed / "seed1.runs.json.gz", "rt") as f:
+        data = json.load(f)
+    partial = tmp_path / "seed1.partial.runs.json.gz"
+    with gzip.open(partial, "wt") as f:
+        json.dump({"meta": data["meta"], "runs": data["runs"][:3]}, f)
+    out = tmp_path / "report"
+    assert cli_main(["demo", "--report-only", str(seed0), str(partial), "--out", str(out), "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped" in printed and "seed1.partial.runs.json.gz" in printed
+    assert "from 18 runs in 1 file(s)" in printed
+    assert cli_main(["demo", "--report-only", str(partial), "--out", str(out), "--no-plots"]) == 2
+    assert "every file given is an incomplete grid-C seed" in capsys.readouterr().err
+    trimmed = tmp_path / "seed1.runs.json.gz"
+    partial.rename(trimmed)
+    assert cli_main(["demo", "--report-only", str(seed0), str(trimmed), "--out", str(out), "--no-plots"]) == 2
+    assert "grid C seed 1 lacks 15 of its runs (" in capsys.readouterr().err

@@ -611,10 +611,22 @@ SPREAD_COLS = [("a", "configuration"), ("b", "minus"), ("seeds", "seeds"), ("dif
 
 def _report_only(paths: list[Path], out: Path, plots: bool) -> dict:
     """Merge the runs of ``paths`` (a run id may appear once) and write the outputs; the first file's meta and
-    calibration are kept, with every file's command listed under ``meta["merged"]``."""
+    calibration are kept, with every file's command listed under ``meta["merged"]``.
+
+    Grid C is read on complete seeds only (its comparisons pair a seed's runs): a seed's file of finished runs
+    (``seedK.partial.runs.json.gz``, which a glob such as ``seed*.runs.json.gz`` matches) is skipped with a line
+    saying so, and a grid-C seed that lacks any of its runs is refused."""
     from offpolicy.demo.predictions import predictions_text
     from offpolicy.demo.report import tables_text, write_outputs
 
+    partial = [p for p in paths if p.name.endswith(PARTIAL_SUFFIX)]
+    for path in partial:
+        print(f"--report-only: skipped {str(path)!r}: the finished runs of an incomplete grid-C seed (grid C is "
+              "read on complete seeds only)")
+    paths = [p for p in paths if p not in partial]
+    if not paths:
+        raise ValueError(f"--report-only: every file given is an incomplete grid-C seed (*{PARTIAL_SUFFIX}): "
+                         "nothing to report")
     runs: list[dict] = []
     meta: dict = {}
     calibration = None
@@ -634,10 +646,27 @@ def _report_only(paths: list[Path], out: Path, plots: bool) -> dict:
         calibration = calibration or data.get("calibration")
         meta.setdefault("merged", []).append({"file": path.name, "command": data["meta"].get("command"),
                                               "runs": len(data["runs"])})
+    _check_grid_c_seeds(runs)
     files = write_outputs(runs, out, meta, calibration, plots=plots, predictions=predictions_text)
     print(tables_text(runs))
     print(f"wrote {', '.join(sorted(files))} to {out}/ from {len(runs)} runs in {len(paths)} file(s)")
     return {"results": runs, "files": files, "meta": meta, "calibration": calibration}
+
+
+def _check_grid_c_seeds(runs: list[dict]) -> None:
+    """Refuse grid-C runs (``grid`` "C", not the quick demo's) whose seed lacks any run of
+    :func:`offpolicy.demo.gridc.configs_for_seed`."""
+    from offpolicy.demo import gridc
+
+    by_seed: dict[int, set[str]] = {}
+    for r in runs:
+        if r.get("grid") == "C" and not r.get("quick"):
+            by_seed.setdefault(r["config"]["seed"], set()).add(r["run_id"])
+    for seed, have in sorted(by_seed.items()):
+        missing = [c.run_id for c in gridc.configs_for_seed(gridc.base_config(), seed) if c.run_id not in have]
+        if missing:
+            raise ValueError(f"--report-only: grid C seed {seed} lacks {len(missing)} of its runs ({', '.join(missing)}):"
+                             " grid C is read on complete seeds only (its comparisons pair a seed's runs)")
 
 
 def _execute(configs: list, task, model_cfg, state, workers: int, bar: _Progress, on_done) -> list[dict]:
