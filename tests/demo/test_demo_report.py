@@ -68,6 +68,26 @@ def test_collapse_and_kl_blowup_flags():
     assert not s.kl_blowup and math.isnan(s.kl_growth)
 
 
+def test_clipped_share_is_reported_per_run_and_configuration():
+    """The share of optimizer steps whose pre-clip norm exceeded the clip (the registration of grid C promises it per
+    configuration): from the histories' ``clipped`` record, a column of the gradient-norm table; absent where the
+    histories do not record it (the earlier regime)."""
+    from offpolicy.demo.report import tables_text
+
+    runs = []
+    for seed, n_clipped in enumerate([3, 5]):
+        r = _run("grpo", "mixed", seed, [0.25, 0.3], [0.01] * 20)
+        for i, h in enumerate(r["history"]):
+            h["clipped"] = i < n_clipped
+        runs.append(r)
+    assert [summarize(r).extra["clipped"] for r in runs] == [pytest.approx(0.15), pytest.approx(0.25)]
+    grad_table = tables_text(runs).split("Gradient norm (before clipping) and entropy:", 1)[1].split("\n\n", 1)[0]
+    assert "share of steps clipped" in grad_table.splitlines()[1]
+    assert "| 0.200 ± 0.635 |" in grad_table  # mean 0.2, t_{0.975,1} 12.706 x sd 0.0707 / sqrt(2)
+    plain = [_run("grpo", "mixed", 0, [0.25, 0.3], [0.01] * 20)]
+    assert "clipped" not in summarize(plain[0]).extra and "steps clipped" not in tables_text(plain)
+
+
 def test_paired_differences_use_shared_seeds_only():
     summary = [summarize(_run("sc_mis", "mixed", s, [0.25, v], [0.01] * 10))
                for s, v in enumerate([0.30, 0.32, 0.31])]

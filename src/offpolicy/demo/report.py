@@ -195,7 +195,8 @@ class RunSummary:
     #: Outcomes only newer histories hold (absent from grids A and B, so their tables keep their columns):
     #: ``success_topp_mean`` (mean exact success under the trainer's nucleus after the start), ``route_flip`` (mean
     #: share of (token, layer) routes the trainer's router would flip, MoE only), ``abs_log_ratio`` (mean |log r|
-    #: of the sampled tokens, full distributions).
+    #: of the sampled tokens, full distributions), ``clipped`` (share of optimizer steps whose pre-clip gradient norm
+    #: exceeded the clip: histories that record it, grids A and B included).
     extra: dict[str, float] = field(default_factory=dict)
 
     def value(self, key: str) -> float:
@@ -244,6 +245,8 @@ def _extra(h: list[dict], ev: list[dict]) -> dict[str, float]:
         out["route_flip"] = _mean([r["route_flip"] for r in h])
     if "abs_log_ratio" in h[0]:
         out["abs_log_ratio"] = _mean([r["abs_log_ratio"] for r in h])
+    if "clipped" in h[0]:
+        out["clipped"] = _mean([float(r["clipped"]) for r in h])
     return out
 
 
@@ -462,6 +465,7 @@ def tables_text(results: list[dict]) -> str:
     nucleus = [("success_topp_mean", "nucleus, after start (Y_p)")] if any(
         "success_topp_mean" in a.estimates for a in agg) else []
     flips = [("route_flip", "route flips")] if any("route_flip" in a.estimates for a in agg) else []
+    clipped = [("clipped", "share of steps clipped")] if any("clipped" in a.estimates for a in agg) else []
     parts = ["Outcome (exact held-out success by teacher forcing; mean ± 95 % interval over seeds):",
              markdown_table(table, [("config", "configuration"), ("seeds", "seeds"), ("success_start", "start"),
                                   ("success_end", "end"), ("success_change", "change"),
@@ -475,7 +479,8 @@ def tables_text(results: list[dict]) -> str:
                                   ("step_kl", "step KL"), *flips], ci=True),
              "", "Gradient norm (before clipping) and entropy:",
              markdown_table(table, [("config", "configuration"), ("peak_grad_norm", "peak grad norm"),
-                                  ("grad_growth", "peak / first tenth"), ("entropy_start", "entropy, first tenth"),
+                                  ("grad_growth", "peak / first tenth"), *clipped,
+                                  ("entropy_start", "entropy, first tenth"),
                                   ("final_entropy", "last tenth")], ci=True),
              "", "Drift probe (mean over evaluations; _pos: correct prefixes, a = +1; _neg: wrong prefixes, a = -1; "
                  "a = -1 only in the earlier regime): <u, q - p>, mass moved onto masked ids, onto the tail:",
