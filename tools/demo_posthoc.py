@@ -11,6 +11,15 @@ control; then each configuration's change of entropy (last tenth of the steps mi
 optimizer steps the gradient clip acted on (``clipped`` in each step's history) with the smallest pre-clip norm,
 and Holm's step-down correction over the registration's interval claims (the registration named no correction for
 its 17 predictions; the claims judged by a rule, not an interval, get no p-value and are listed as such).
+
+Grid C's histories (``grid`` "C"; its registration applies Holm's correction itself, in ``tables.md``) get their own
+pairs, chosen before the grid's data was read: GRPO and routing replay + TIS at each weight format against the
+on-policy control (numerics alone, format by format), routing replay + TIS against GRPO at the same format, each
+NVFP4 arm against its control (top-p arms on the nucleus outcome ``Y_p`` against the on-policy top-p control, and on
+the full-distribution ``Y`` against the on-policy control: the confound of grids A and B, shown, not judged), the
+staleness-4 runs against their staleness-0 counterparts; the mean KL and route-flip share of routing replay + TIS
+against GRPO per format; then per configuration the entropy change, the share of sampled tokens MIS's band masked
+(``masked_frac``; 0 for arms without MIS), and the clipping count.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from pathlib import Path
 
 from offpolicy.demo.claims import Direction, Equivalent
 from offpolicy.demo.predictions import CURRENT
-from offpolicy.demo.report import PairedDifference, mean_ci, paired, summarize, t_cdf, t_quantile
+from offpolicy.demo.report import PairedDifference, config_key, mean_ci, paired, summarize, t_cdf, t_quantile
 
 ALPHA = 0.05
 
@@ -86,6 +95,58 @@ def holm_table(rows) -> list[str]:
     return out
 
 
+FORMATS_C = ("bf16", "fp8", "nvfp4", "mxfp4")
+
+
+def _pairs(title: str, key: str, pairs: list[tuple[str, str, str]], rows) -> list[str]:
+    out = [f"Paired differences of {title} (`{key}`):", "",
+           "| question | pair | difference | seeds | 95 % interval |", "|---|---|---|---|---|"]
+    return out + [_row(paired(rows, a, b, key), why) for why, a, b in pairs] + [""]
+
+
+def report_grid_c(results: list[dict], rows, paths: list[str]) -> str:
+    """Grid C's post-hoc pairs (see the module docstring); no Holm table: its registration corrects in tables.md."""
+    seeds = sorted({r.seed for r in rows})
+    nv = "@mixed:nvfp4"
+    out = [f"Post hoc (not registered; no verdict rests on it): {len(results)} runs, seeds {seeds[0]} .. "
+           f"{seeds[-1]} ({len(seeds)}), from {len(paths)} file(s). Grid C: the registered verdicts, with Holm's "
+           "correction, are in tables.md.", ""]
+    y = [("numerics alone, by format", f"grpo@mixed:{f}", "grpo@onpolicy") for f in FORMATS_C]
+    y += [("routing replay + TIS against the control", f"rr_tis@mixed:{f}", "grpo@onpolicy") for f in FORMATS_C]
+    y += [("routing replay + TIS against GRPO, same format", f"rr_tis@mixed:{f}", f"grpo@mixed:{f}")
+          for f in FORMATS_C]
+    y += [("NVFP4 arm against the control", f"{a}{nv}", "grpo@onpolicy") for a in ("grpo_mis", "sc", "sc_mis")]
+    y += [("top-p arm on Y against the full control (the A/B confound)", f"{a}", "grpo@onpolicy")
+          for a in ("grpo_topp@onpolicy", f"sc_mis_topp{nv}", f"sc_mis_topp_rr{nv}")]
+    y += [("what top-p changes, on Y", f"sc_mis_topp{nv}", f"sc_mis{nv}"),
+          ("staleness 4 on top of NVFP4, against the control", f"grpo{nv}~st4", "grpo@onpolicy"),
+          ("staleness 4 alone, homogeneous against homogeneous", "grpo@homogeneous~st4", "grpo@homogeneous")]
+    yp = [("top-p arm on Y_p against the on-policy top-p control", f"sc_mis_topp_rr{nv}", "grpo_topp@onpolicy"),
+          ("the two on-policy controls on Y_p", "grpo_topp@onpolicy", "grpo@onpolicy")]
+    rr = [("routing replay + TIS against GRPO, same format", f"rr_tis@mixed:{f}", f"grpo@mixed:{f}")
+          for f in FORMATS_C]
+    out += _pairs("Y, mean exact held-out success after the start", "success_mean", y, rows)
+    out += _pairs("Y_p, mean exact held-out success under the trainer's nucleus after the start",
+                  "success_topp_mean", yp, rows)
+    out += _pairs("mean full-distribution KL(q || p) per token", "kl_full", rr, rows)
+    out += _pairs("mean route-flip share", "route_flip", rr, rows)
+    out += ["Per configuration (mean over seeds): entropy change (last tenth minus first tenth of the steps), share of "
+            "sampled tokens MIS's band [0.2, 5] masked (`masked_frac`; 0 for arms without MIS):", "",
+            "| configuration | entropy change | MIS masked share | seeds |", "|---|---|---|---|"]
+    for config in dict.fromkeys(r.config for r in rows):
+        mean, ci = mean_ci([r.final_entropy - r.entropy_start for r in rows if r.config == config])
+        masked = mean_ci([sum(h["masked_frac"] for h in r["history"]) / len(r["history"]) for r in results
+                          if config_key(r["config"]) == config])
+        out.append(f"| {config} | {mean:+.4f} ± {ci:.4f} | {masked[0]:.4g} ± {masked[1]:.2g} | "
+                   f"{sum(r.config == config for r in rows)} |")
+    steps = [h for r in results for h in r["history"]]
+    clipped = sum(bool(h["clipped"]) for h in steps)
+    smallest = min(h["grad_norm_preclip"] for h in steps)
+    out += ["", f"Gradient clipping: {clipped:,} of {len(steps):,} optimizer steps clipped; "
+                f"smallest pre-clip gradient norm {smallest:.3g}."]
+    return "\n".join(out) + "\n"
+
+
 def report(paths: list[str]) -> str:
     results = []
     for path in paths:
@@ -94,6 +155,8 @@ def report(paths: list[str]) -> str:
         with gzip.open(path, "rt") as f:
             results += json.load(f)["runs"]
     rows = [summarize(r) for r in results]
+    if any(r.get("grid") == "C" for r in results):
+        return report_grid_c(results, rows, paths)
     stale = any(r["config"]["staleness"] > 0 for r in results)
     numerics = "numerics on top of staleness" if stale else "numerics alone (staleness 0)"
     seeds = sorted({r.seed for r in rows})
