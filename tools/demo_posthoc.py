@@ -19,7 +19,9 @@ NVFP4 arm against its control (top-p arms on the nucleus outcome ``Y_p`` against
 the full-distribution ``Y`` against the on-policy control: the confound of grids A and B, shown, not judged), the
 staleness-4 runs against their staleness-0 counterparts; the mean KL and route-flip share of routing replay + TIS
 against GRPO per format; then per configuration the entropy change, the share of sampled tokens MIS's band masked
-(``masked_frac``; 0 for arms without MIS), and the clipping count.
+(``masked_frac``; 0 for arms without MIS), and the clipping count; and, where the seeds ran on more than one kind of
+machine (each file's ``meta``: CPU, torch's CPU capability, the warm-up it loaded), every registered interval claim's
+paired difference on each machine's seeds alone.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import sys
 from pathlib import Path
 
 from offpolicy.demo.claims import Direction, Equivalent
-from offpolicy.demo.predictions import CURRENT
+from offpolicy.demo.predictions import CURRENT, GRID_C
 from offpolicy.demo.report import PairedDifference, config_key, mean_ci, paired, summarize, t_cdf, t_quantile
 
 ALPHA = 0.05
@@ -144,6 +146,20 @@ def report_grid_c(results: list[dict], rows, paths: list[str]) -> str:
     smallest = min(h["grad_norm_preclip"] for h in steps)
     out += ["", f"Gradient clipping: {clipped:,} of {len(steps):,} optimizer steps clipped; "
                 f"smallest pre-clip gradient norm {smallest:.3g}."]
+    machines = dict.fromkeys(r["machine"] for r in results)
+    if len(machines) > 1:
+        out += ["", "By machine: the registered interval claims' paired differences on each machine's seeds alone "
+                "(the grid's verdicts are read on all seeds together):", "",
+                "| prediction | pair | " + " | ".join(machines) + " |", "|---|---|" + "---|" * len(machines)]
+        by = {m: [row for row, r in zip(rows, results) if r["machine"] == m] for m in machines}
+        for claim in GRID_C.claims:
+            if not isinstance(claim, (Direction, Equivalent)):
+                continue
+            cells = []
+            for m in machines:
+                d = paired(by[m], claim.a, claim.b, claim.key)
+                cells.append(f"{d.diff:+.4f} ± {d.ci:.4f} (n = {d.seeds})" if d else "-")
+            out.append(f"| {claim.label.split(' ')[0]} | {claim.key} {claim.a} - {claim.b} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -153,7 +169,11 @@ def report(paths: list[str]) -> str:
         if not Path(path).is_file():
             raise SystemExit(f"not a file: {path} (expected a demo output's runs.json.gz)")
         with gzip.open(path, "rt") as f:
-            results += json.load(f)["runs"]
+            data = json.load(f)
+        meta = data.get("meta", {})
+        machine = (f"{meta.get('cpu', '?')}, {meta.get('torch_cpu_capability', '?')}, warm-up success "
+                   f"{meta.get('warmup', {}).get('success', float('nan')):.4f}")
+        results += [dict(r, machine=machine) for r in data["runs"]]
     rows = [summarize(r) for r in results]
     if any(r.get("grid") == "C" for r in results):
         return report_grid_c(results, rows, paths)
