@@ -167,7 +167,8 @@ def test_current_predictions_headline_margins_and_void_rule():
     assert "VOID" in text.splitlines()[0] and "| hit |" not in text and "| void |" in text
 
 
-@pytest.mark.parametrize("folder", ["quick", "quick_stale4", "earlier_quick", "earlier_full", "full_gridA", "full_gridB"])
+@pytest.mark.parametrize("folder", ["quick", "quick_stale4", "earlier_quick", "earlier_full", "full_gridA", "full_gridB",
+                                    "quick_xeon"])
 def test_report_only_regenerates_the_committed_tables_byte_for_byte(folder, tmp_path, capsys):
     from offpolicy.__main__ import main as cli_main
 
