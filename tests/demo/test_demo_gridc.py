@@ -161,3 +161,27 @@ def test_report_only_reads_complete_grid_c_seeds_only(tmp_path, capsys):
     partial.rename(trimmed)
     assert cli_main(["demo", "--report-only", str(seed0), str(trimmed), "--out", str(out), "--no-plots"]) == 2
     assert "grid C seed 1 lacks 15 of its runs (" in capsys.readouterr().err
+
+
+def test_committed_grid_c_is_complete_and_each_seed_is_one_paired_block():
+    """The committed grid C holds its registered 30 seeds (0 .. 29), each with its 18 runs of 200 steps, none with a
+    skipped step, and no partial file; within a seed every run starts from one warm-up (one step-0 held-out success):
+    the pairing the registration relies on. Seeds ran on two kinds of machine whose warm-ups differ (docs/demo.md),
+    so a seed resumed on the other machine would mix two starts; this check is what found seed 11's."""
+    import gzip
+    import json
+
+    from offpolicy.demo import gridc
+
+    folder = ROOT / "docs" / "demo_results" / "gridC"
+    assert not list(folder.glob("*.partial.runs.json.gz"))
+    files = {int(p.name.removeprefix("seed").split(".")[0]): p for p in folder.glob("seed*.runs.json.gz")}
+    assert sorted(files) == list(range(30))
+    for seed, path in sorted(files.items()):
+        with gzip.open(path, "rt") as f:
+            runs = json.load(f)["runs"]
+        want = [c.run_id for c in gridc.configs_for_seed(gridc.base_config(), seed)]
+        assert [r["run_id"] for r in runs] == want, seed
+        assert all(len(r["history"]) == 200 and not any(h.get("skipped") for h in r["history"]) for r in runs), seed
+        starts = {r["evals"][0]["success_exact"] for r in runs}
+        assert len(starts) == 1, f"seed {seed}: its runs start from {len(starts)} different warm-ups"

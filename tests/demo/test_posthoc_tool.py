@@ -46,3 +46,26 @@ def test_posthoc_names_a_missing_file(tmp_path):
                          capture_output=True, text=True, timeout=60,
                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
     assert out.returncode != 0 and "not a file" in out.stderr and "nope.json.gz" in out.stderr
+
+
+def test_grid_c_posthoc_pairs_match_the_registered_report():
+    """Grid C's post-hoc file is the tool's output on the committed seeds, labels itself post hoc, and its pairs
+    agree with the registered report where they meet (C1's pair, S5a's, R3's)."""
+    folder = RESULTS / "gridC"
+    files = sorted(str(p) for p in folder.glob("seed*.runs.json.gz") if ".partial." not in p.name)
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "demo_posthoc.py"), *files], capture_output=True,
+                         text=True, timeout=300, env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert text.startswith("Post hoc (not registered; no verdict rests on it)") and "Grid C" in text
+    assert f"seeds 0 .. {len(files) - 1} ({len(files)})" in text
+    tables = (folder / "tables.md").read_text()
+    for label, a, b, why in (("C1", "grpo@mixed:nvfp4", "grpo@onpolicy", "numerics alone, by format"),
+                             ("S5a", "sc_mis@mixed:nvfp4", "grpo@onpolicy", "NVFP4 arm against the control"),
+                             ("R3", "rr_tis@mixed:nvfp4", "grpo@mixed:nvfp4",
+                              "routing replay + TIS against GRPO, same format")):
+        row = re.search(rf"\| {label} .*? success_mean {re.escape(a)} - {re.escape(b)}: ([+-][\d.]+ ± [\d.]+) "
+                        rf"\(n = (\d+)\)", tables)
+        assert row, f"{label} row missing from the committed tables"
+        assert f"| {why} | {a} - {b} | {row.group(1)} | {row.group(2)} |" in text, label
+    assert (folder / "posthoc.md").read_text() == text
