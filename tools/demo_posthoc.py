@@ -33,7 +33,7 @@ from pathlib import Path
 
 from offpolicy.demo.claims import Direction, Equivalent
 from offpolicy.demo.predictions import CURRENT, GRID_C
-from offpolicy.demo.report import PairedDifference, config_key, mean_ci, paired, summarize, t_cdf, t_quantile
+from offpolicy.demo.report import PairedDifference, mean_ci, paired, summarize, t_cdf, t_quantile
 
 ALPHA = 0.05
 
@@ -100,6 +100,15 @@ def holm_table(rows) -> list[str]:
 FORMATS_C = ("bf16", "fp8", "nvfp4", "mxfp4")
 
 
+def _clipping(results: list[dict]) -> str:
+    """How many optimizer steps the clip acted on (each step's ``clipped``), with the smallest pre-clip norm."""
+    steps = [h for r in results for h in r["history"]]
+    clipped = sum(bool(h["clipped"]) for h in steps)
+    smallest = min(h["grad_norm_preclip"] for h in steps)
+    return (f"Gradient clipping: {clipped:,} of {len(steps):,} optimizer steps clipped; "
+            f"smallest pre-clip gradient norm {smallest:.3g}.")
+
+
 def _pairs(title: str, key: str, pairs: list[tuple[str, str, str]], rows) -> list[str]:
     out = [f"Paired differences of {title} (`{key}`):", "",
            "| question | pair | difference | seeds | 95 % interval |", "|---|---|---|---|---|"]
@@ -113,20 +122,19 @@ def report_grid_c(results: list[dict], rows, paths: list[str]) -> str:
     out = [f"Post hoc (not registered; no verdict rests on it): {len(results)} runs, seeds {seeds[0]} .. "
            f"{seeds[-1]} ({len(seeds)}), from {len(paths)} file(s). Grid C: the registered verdicts, with Holm's "
            "correction, are in tables.md.", ""]
+    rr = [("routing replay + TIS against GRPO, same format", f"rr_tis@mixed:{f}", f"grpo@mixed:{f}")
+          for f in FORMATS_C]
     y = [("numerics alone, by format", f"grpo@mixed:{f}", "grpo@onpolicy") for f in FORMATS_C]
     y += [("routing replay + TIS against the control", f"rr_tis@mixed:{f}", "grpo@onpolicy") for f in FORMATS_C]
-    y += [("routing replay + TIS against GRPO, same format", f"rr_tis@mixed:{f}", f"grpo@mixed:{f}")
-          for f in FORMATS_C]
+    y += rr
     y += [("NVFP4 arm against the control", f"{a}{nv}", "grpo@onpolicy") for a in ("grpo_mis", "sc", "sc_mis")]
-    y += [("top-p arm on Y against the full control (the A/B confound)", f"{a}", "grpo@onpolicy")
+    y += [("top-p arm on Y against the full control (the A/B confound)", a, "grpo@onpolicy")
           for a in ("grpo_topp@onpolicy", f"sc_mis_topp{nv}", f"sc_mis_topp_rr{nv}")]
     y += [("what top-p changes, on Y", f"sc_mis_topp{nv}", f"sc_mis{nv}"),
           ("staleness 4 on top of NVFP4, against the control", f"grpo{nv}~st4", "grpo@onpolicy"),
           ("staleness 4 alone, homogeneous against homogeneous", "grpo@homogeneous~st4", "grpo@homogeneous")]
     yp = [("top-p arm on Y_p against the on-policy top-p control", f"sc_mis_topp_rr{nv}", "grpo_topp@onpolicy"),
           ("the two on-policy controls on Y_p", "grpo_topp@onpolicy", "grpo@onpolicy")]
-    rr = [("routing replay + TIS against GRPO, same format", f"rr_tis@mixed:{f}", f"grpo@mixed:{f}")
-          for f in FORMATS_C]
     out += _pairs("Y, mean exact held-out success after the start", "success_mean", y, rows)
     out += _pairs("Y_p, mean exact held-out success under the trainer's nucleus after the start",
                   "success_topp_mean", yp, rows)
@@ -137,15 +145,11 @@ def report_grid_c(results: list[dict], rows, paths: list[str]) -> str:
             "| configuration | entropy change | MIS masked share | seeds |", "|---|---|---|---|"]
     for config in dict.fromkeys(r.config for r in rows):
         mean, ci = mean_ci([r.final_entropy - r.entropy_start for r in rows if r.config == config])
-        masked = mean_ci([sum(h["masked_frac"] for h in r["history"]) / len(r["history"]) for r in results
-                          if config_key(r["config"]) == config])
+        masked = mean_ci([sum(h["masked_frac"] for h in r["history"]) / len(r["history"])
+                          for row, r in zip(rows, results) if row.config == config])
         out.append(f"| {config} | {mean:+.4f} ± {ci:.4f} | {masked[0]:.4g} ± {masked[1]:.2g} | "
                    f"{sum(r.config == config for r in rows)} |")
-    steps = [h for r in results for h in r["history"]]
-    clipped = sum(bool(h["clipped"]) for h in steps)
-    smallest = min(h["grad_norm_preclip"] for h in steps)
-    out += ["", f"Gradient clipping: {clipped:,} of {len(steps):,} optimizer steps clipped; "
-                f"smallest pre-clip gradient norm {smallest:.3g}."]
+    out += ["", _clipping(results)]
     machines = dict.fromkeys(r["machine"] for r in results)
     if len(machines) > 1:
         out += ["", "By machine: the registered interval claims' paired differences on each machine's seeds alone "
@@ -202,11 +206,7 @@ def report(paths: list[str]) -> str:
     for config in dict.fromkeys(r.config for r in rows):
         mean, ci = mean_ci([r.final_entropy - r.entropy_start for r in rows if r.config == config])
         out.append(f"| {config} | {mean:+.4f} ± {ci:.4f} | {sum(r.config == config for r in rows)} |")
-    steps = [h for r in results for h in r["history"]]
-    clipped = sum(bool(h["clipped"]) for h in steps)
-    smallest = min(h["grad_norm_preclip"] for h in steps)
-    out += ["", f"Gradient clipping: {clipped:,} of {len(steps):,} optimizer steps clipped; "
-                f"smallest pre-clip gradient norm {smallest:.3g}.", ""]
+    out += ["", _clipping(results), ""]
     out += holm_table(rows)
     return "\n".join(out) + "\n"
 
